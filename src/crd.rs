@@ -1,0 +1,334 @@
+//! The `GpuSharingPolicy` custom resource (`gpusharing.io/v1alpha1`, cluster-scoped).
+//!
+//! Everything that can be checked without knowing the nodes is checked at admission, through the
+//! OpenAPI schema and CEL rules generated from these types (`crds/` is generated from here).
+//! What depends on the nodes (GPU model, GPU count, compute capability) is checked by the planner
+//! and reported as a status condition.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of our resources.
+pub const GROUP: &str = "gpusharing.io";
+
+/// Longest policy name: the device-plugin ConfigMap key `<name>-<8 hex>` must fit a label value
+/// (63 characters), because the node label `nvidia.com/device-plugin.config` carries it.
+pub const MAX_POLICY_NAME: usize = 54;
+
+/// Desired GPU sharing for the nodes a label selector picks.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "gpusharing.io",
+    version = "v1alpha1",
+    kind = "GpuSharingPolicy",
+    plural = "gpusharingpolicies",
+    shortname = "gsp",
+    status = "GpuSharingPolicyStatus",
+    derive = "PartialEq",
+    doc = "GpuSharingPolicy declares how the GPUs of the selected nodes are shared: exclusive, time-slicing, MPS or MIG.",
+    cel,
+    validation = Rule::new("size(self.metadata.name) <= 54").message("metadata.name must be at most 54 characters: the device-plugin config key <name>-<hash> is carried in a node label (63 characters at most)"),
+    validation = Rule::new("self.metadata.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')").message("metadata.name must consist of lower-case letters, digits and '-' (it becomes part of a ConfigMap key and a node label value)"),
+    printcolumn(name = "Strategy", type_ = "string", json_path = ".spec.strategy"),
+    printcolumn(name = "Replicas", type_ = "integer", json_path = ".status.replicas"),
+    printcolumn(name = "Nodes", type_ = "string", json_path = ".status.nodes", description = "applied/matched nodes"),
+    printcolumn(name = "Ready", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.strategy == 'timeSlicing' ? has(self.timeSlicing) : !has(self.timeSlicing)").message("spec.timeSlicing must be set when, and only when, strategy is timeSlicing"))]
+#[x_kube(validation = Rule::new("self.strategy == 'mps' ? has(self.mps) : !has(self.mps)").message("spec.mps must be set when, and only when, strategy is mps"))]
+#[x_kube(validation = Rule::new("self.strategy == 'mig' ? has(self.mig) : !has(self.mig)").message("spec.mig must be set when, and only when, strategy is mig (MPS cannot be combined with MIG)"))]
+pub struct GpuSharingPolicySpec {
+    /// Nodes this policy applies to. Admins usually label nodes (for example
+    /// `gpusharing.io/profile=l4-heavy`) to pick a profile.
+    pub node_selector: LabelSelector,
+
+    /// When several policies select a node, the highest priority wins; ties go to the oldest
+    /// policy, then to the name.
+    #[serde(default)]
+    pub priority: i32,
+
+    /// How the GPUs are shared.
+    pub strategy: Strategy,
+
+    /// Settings for `strategy: timeSlicing`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_slicing: Option<TimeSlicing>,
+
+    /// Settings for `strategy: mps`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<Mps>,
+
+    /// Settings for `strategy: mig`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<Mig>,
+}
+
+/// The sharing strategy.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Strategy {
+    /// One pod per GPU (no `sharing` section in the device-plugin config).
+    Exclusive,
+    /// CUDA time-slicing: replicas interleave on a GPU, without memory or fault isolation.
+    TimeSlicing,
+    /// CUDA MPS: replicas run concurrently, each limited to 1/replicas of memory and threads.
+    Mps,
+    /// Multi-Instance GPU partitions, optionally time-sliced.
+    Mig,
+}
+
+impl Strategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::Exclusive => "exclusive",
+            Strategy::TimeSlicing => "timeSlicing",
+            Strategy::Mps => "mps",
+            Strategy::Mig => "mig",
+        }
+    }
+}
+
+/// Time-slicing settings (NVIDIA device plugin `sharing.timeSlicing`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.replicas) || (has(self.resources) && size(self.resources) > 0)").message("set replicas, or at least one entry in resources"))]
+#[x_kube(validation = Rule::new("!has(self.resources) || self.resources.all(r, self.resources.exists_one(s, s.name == r.name))").message("resource names must be unique: duplicate entries make the device plugin and GPU Feature Discovery disagree"))]
+pub struct TimeSlicing {
+    /// Replicas of every GPU (or, for MIG, of every MIG instance) when `resources` is empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 2, max = 1024))]
+    pub replicas: Option<i32>,
+
+    /// Advertise shared resources as `<name>.shared` instead of `<name>`.
+    #[serde(default)]
+    pub rename_by_default: bool,
+
+    /// Reject pods that ask for more than one replica (they would not get more GPU time).
+    #[serde(default)]
+    pub fail_requests_greater_than_one: bool,
+
+    /// Per-resource entries, for example to time-slice `nvidia.com/mig-1g.10gb`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub resources: Vec<SharedResource>,
+}
+
+/// One resource to replicate.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SharedResource {
+    /// Resource name: `nvidia.com/gpu` or `nvidia.com/mig-<profile>` (the `nvidia.com/` prefix is
+    /// added when missing).
+    #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^(nvidia\\\\.com/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')").message("resource name must be lower-case RFC 1123 (letters, digits, '-', '.') under nvidia.com/, e.g. nvidia.com/gpu or nvidia.com/mig-1g.10gb"))]
+    pub name: String,
+
+    /// Replicas of each device of this resource.
+    #[schemars(range(min = 2, max = 1024))]
+    pub replicas: i32,
+
+    /// Name to advertise instead. Accepted by NVIDIA's parser but ignored at runtime by the
+    /// device plugin (v0.20): the status carries a warning when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^(nvidia\\\\.com/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')").message("rename must be a lower-case RFC 1123 resource name"))]
+    pub rename: Option<String>,
+
+    /// Devices to replicate (indices or UUIDs); all when absent. Accepted by NVIDIA's parser but
+    /// ignored at runtime: the status carries a warning when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64), inner(length(min = 1, max = 64)))]
+    #[x_kube(validation = Rule::new("self.all(d, d.matches('^([0-9]+(:[0-9]+)?|(GPU|MIG)-[0-9a-fA-F-]+)$'))").message("a device is an index such as \"0\" (or \"0:1\" for a MIG device) or a GPU-/MIG- UUID"))]
+    pub devices: Option<Vec<String>>,
+}
+
+/// MPS settings (NVIDIA device plugin `sharing.mps`). MPS only shares full GPUs
+/// (`nvidia.com/gpu`) and cannot be combined with MIG.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Mps {
+    /// Clients per GPU; each gets about 1/replicas of the memory and of the SM threads. At most 48
+    /// (16 on GPUs of compute capability below 7.5).
+    #[schemars(range(min = 2, max = 48))]
+    pub replicas: i32,
+
+    /// Advertise `nvidia.com/gpu.shared` instead of `nvidia.com/gpu`.
+    #[serde(default)]
+    pub rename_by_default: bool,
+}
+
+/// MIG settings.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.layout) != has(self.customLayout)").message("set exactly one of layout (a named mig-parted layout) and customLayout"))]
+pub struct Mig {
+    /// How MIG devices are advertised: `single` (all as `nvidia.com/gpu`) or `mixed`
+    /// (`nvidia.com/mig-<profile>`). Cluster-wide in the GPU Operator.
+    pub mig_strategy: MigStrategy,
+
+    /// A named layout of the mig-parted configuration, e.g. `all-1g.10gb`, `all-balanced`,
+    /// `all-disabled`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9A-Z]([-a-z0-9A-Z_.]*[a-z0-9A-Z])?$')").message("layout must be a valid label value (it is written to the node label nvidia.com/mig.config)"))]
+    pub layout: Option<String>,
+
+    /// A custom layout: device groups with their MIG profiles. Rendered into the mig-parted
+    /// ConfigMap as `custom-<policy name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16))]
+    pub custom_layout: Option<Vec<MigDeviceGroup>>,
+
+    /// Time-slicing of the MIG instances.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_slicing: Option<TimeSlicing>,
+}
+
+/// `single` or `mixed`.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum MigStrategy {
+    Single,
+    Mixed,
+}
+
+impl MigStrategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MigStrategy::Single => "single",
+            MigStrategy::Mixed => "mixed",
+        }
+    }
+}
+
+/// One group of GPUs with the same MIG setting.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.migEnabled ? (has(self.migDevices) && size(self.migDevices) > 0) : (!has(self.migDevices) || size(self.migDevices) == 0)").message("migDevices is required when migEnabled is true and must be empty when it is false"))]
+#[x_kube(validation = Rule::new("!has(self.migDevices) || self.migDevices.all(p, p.matches('^([1-9][0-9]?c\\\\.)?[1-9]g\\\\.[0-9]+gb(\\\\+me|\\\\+me\\\\.all|\\\\+gfx|-me)?$'))").message("MIG profile names look like 1g.10gb, 1c.2g.20gb, 1g.10gb+me, 1g.24gb+gfx, 1g.24gb-me or 1g.24gb+me.all"))]
+#[x_kube(validation = Rule::new("!has(self.migDevices) || self.migDevices.all(p, self.migDevices[p] >= 0 && self.migDevices[p] <= 7)").message("MIG device counts must be between 0 and 7"))]
+#[x_kube(validation = Rule::new("!has(self.devices) || self.devices.all(d, self.devices.exists_one(e, e == d))").message("device indices must be unique"))]
+pub struct MigDeviceGroup {
+    /// GPU indices of this group; all GPUs when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16))]
+    #[x_kube(validation = Rule::new("self.all(d, d >= 0 && d <= 15)").message("GPU indices must be between 0 and 15"))]
+    pub devices: Option<Vec<i32>>,
+
+    /// Whether MIG mode is on for these GPUs.
+    pub mig_enabled: bool,
+
+    /// MIG profile -> number of instances per GPU.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 16))]
+    pub mig_devices: BTreeMap<String, i32>,
+}
+
+/// Observed state, written by the controller.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuSharingPolicyStatus {
+    /// The generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// `Accepted`, `Ready`, `Conflicted`, `Degraded`, `Progressing`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+
+    /// Replicas per GPU (or per MIG instance) this policy advertises; 1 for exclusive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+
+    /// `applied/matched`, for `kubectl get gsp`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<String>,
+
+    /// Nodes the selector matches.
+    #[serde(default)]
+    pub matched_nodes: i32,
+
+    /// Matched nodes where this policy's configuration is in place.
+    #[serde(default)]
+    pub applied_nodes: i32,
+
+    /// Matched nodes another policy wins.
+    #[serde(default)]
+    pub conflicting_nodes: i32,
+
+    /// Key of the device-plugin ConfigMap the nodes are labelled with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_config_key: Option<String>,
+
+    /// mig-parted layout the nodes are labelled with (MIG only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_config: Option<String>,
+
+    /// What the matched nodes offer under this policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<Capacity>,
+
+    /// Per-node detail, at most 50 entries (non-ready nodes first).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub node_details: Vec<NodeDetail>,
+
+    /// Settings NVIDIA accepts but does not act on, and similar caveats.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+}
+
+/// A standard Kubernetes condition.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// CamelCase reason.
+    pub reason: String,
+    pub message: String,
+    /// When the status last changed. Absent only in offline `render` output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// Effective capacity of the applied nodes.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Capacity {
+    /// Physical GPUs on the applied nodes.
+    pub physical_gpus: i64,
+    /// Schedulable `nvidia.com/*` units: GPUs (or MIG instances) x replicas.
+    pub schedulable_replicas: i64,
+    /// Memory a client can use, in MiB (smallest across nodes). MPS: pinned limit
+    /// floor(memory / replicas); time-slicing: the whole GPU, shared without isolation; MIG: the
+    /// instance's memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_per_client_mib: Option<i64>,
+    /// Share of the SM threads per client (MPS: 100 / replicas).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threads_per_client_percent: Option<i64>,
+    /// Whether clients are isolated from each other's memory (MPS limits, MIG partitions) or not
+    /// (time-slicing).
+    pub memory_isolation: bool,
+}
+
+/// The state of one matched node.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeDetail {
+    pub name: String,
+    /// `Applied`, `Pending`, `Conflicted`, `Rejected`, `Failed`, `Waiting`.
+    pub state: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}

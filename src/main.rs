@@ -1,0 +1,86 @@
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use kube::CustomResourceExt;
+
+use gpu_sharing_operator::crd::GpuSharingPolicy;
+use gpu_sharing_operator::{nvidia, render};
+
+/// Declare how NVIDIA GPUs are shared; make the cluster match.
+#[derive(Parser)]
+#[command(name = "gpu-sharing-operator", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the GpuSharingPolicy CustomResourceDefinition (YAML).
+    Crd,
+    /// Print, without a cluster, every object the operator would write for these policies.
+    Render {
+        /// A policy file or a directory of them (*.yaml, *.yml).
+        #[arg(short = 'f', long = "filename")]
+        file: PathBuf,
+        /// Nodes (Node objects or a NodeList, as `kubectl get nodes -o yaml` prints) to plan for.
+        #[arg(long)]
+        nodes: Option<PathBuf>,
+        /// The GPU Operator's namespace: the device plugin ignores ConfigMaps elsewhere.
+        #[arg(long, default_value = "gpu-operator")]
+        namespace: String,
+        /// The GPU Operator's mig-parted ConfigMap (or its config.yaml), whose named layouts
+        /// are kept next to custom ones and checked against.
+        #[arg(long)]
+        mig_parted_config: Option<PathBuf>,
+    },
+}
+
+fn read_mig_base(path: &PathBuf) -> Result<std::collections::BTreeMap<String, serde_yaml::Value>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let v: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    // A ConfigMap: take data["config.yaml"]; otherwise the config itself.
+    let inner = match v.get("data").and_then(|d| d.get(nvidia::MIG_PARTED_KEY)).and_then(|c| c.as_str()) {
+        Some(s) => s.to_string(),
+        None => text,
+    };
+    nvidia::parse_mig_configs(&inner).map_err(|e| format!("{}: mig-configs: {e}", path.display()))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Crd => {
+            print!("{}", serde_yaml::to_string(&GpuSharingPolicy::crd()).expect("CRD serializes"));
+            ExitCode::SUCCESS
+        }
+        Command::Render { file, nodes, namespace, mig_parted_config } => {
+            let policies = match render::load_policies(&file) {
+                Ok(p) => p,
+                Err(errs) => {
+                    for e in errs {
+                        eprintln!("error: {e}");
+                    }
+                    return ExitCode::from(1);
+                }
+            };
+            let nodes = match nodes.map(|n| render::load_nodes(&n)).transpose() {
+                Ok(n) => n,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+            let base = match mig_parted_config.as_ref().map(read_mig_base).transpose() {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+            print!("{}", render::render_text(policies, nodes, &namespace, base));
+            ExitCode::SUCCESS
+        }
+    }
+}

@@ -1,0 +1,297 @@
+//! NVIDIA's configuration formats, as our own serde types, and the pure renderers that produce
+//! them from policies.
+//!
+//! Field names are exactly the JSON names NVIDIA's parsers look for (device plugin
+//! `api/config/v1`, mig-parted `api/spec/v1`): their parsers silently ignore unknown keys, so a
+//! misspelt key would mean "no sharing" without any error. Each struct only has the fields we
+//! emit, and the conformance test in `tests/nvidia/` parses everything we render with NVIDIA's own
+//! code.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::crd::{GpuSharingPolicySpec, Mig, MigStrategy, Strategy, TimeSlicing};
+
+/// Default name of the device-plugin ConfigMap the operator owns.
+pub const DEVICE_PLUGIN_CONFIGMAP: &str = "gpu-sharing-device-plugin-config";
+/// Default name of the mig-parted ConfigMap the operator owns.
+pub const MIG_PARTED_CONFIGMAP: &str = "gpu-sharing-mig-parted-config";
+/// The key of the mig-parted ConfigMap the MIG manager reads.
+pub const MIG_PARTED_KEY: &str = "config.yaml";
+/// The device-plugin ConfigMap key that means "no sharing"; the ClusterPolicy default.
+pub const DEFAULT_KEY: &str = "default";
+/// The layout that turns MIG off on every GPU.
+pub const MIG_DISABLED_LAYOUT: &str = "all-disabled";
+/// The resource name of full GPUs (and of MIG devices with the `single` strategy).
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+
+/// NVIDIA device plugin config file, `version: v1`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct DevicePluginConfig {
+    pub version: String,
+    pub flags: Flags,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<Sharing>,
+}
+
+/// `flags`: only the MIG strategy is ours to set; everything else stays with the GPU Operator.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Flags {
+    #[serde(rename = "migStrategy")]
+    pub mig_strategy: String,
+}
+
+/// `sharing`: never both sub-sections (NVIDIA silently prefers MPS).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Sharing {
+    #[serde(rename = "timeSlicing", default, skip_serializing_if = "Option::is_none")]
+    pub time_slicing: Option<ReplicatedResources>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<ReplicatedResources>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct ReplicatedResources {
+    #[serde(rename = "renameByDefault")]
+    pub rename_by_default: bool,
+    #[serde(rename = "failRequestsGreaterThanOne", default, skip_serializing_if = "Option::is_none")]
+    pub fail_requests_greater_than_one: Option<bool>,
+    pub resources: Vec<ReplicatedResource>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct ReplicatedResource {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rename: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<String>>,
+    pub replicas: i32,
+}
+
+/// mig-parted config file, `version: v1`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct MigPartedConfig {
+    pub version: String,
+    #[serde(rename = "mig-configs")]
+    pub mig_configs: BTreeMap<String, Vec<MigConfigEntry>>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct MigConfigEntry {
+    pub devices: MigDevices,
+    #[serde(rename = "mig-enabled")]
+    pub mig_enabled: bool,
+    #[serde(rename = "mig-devices", default, skip_serializing_if = "Option::is_none")]
+    pub mig_devices: Option<BTreeMap<String, i32>>,
+}
+
+/// `devices: all` or a list of indices.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum MigDevices {
+    All(AllDevices),
+    Indices(Vec<i32>),
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub enum AllDevices {
+    #[serde(rename = "all")]
+    All,
+}
+
+/// Adds the `nvidia.com/` prefix the way NVIDIA's parser does.
+pub fn qualify_resource(name: &str) -> String {
+    if name.contains('/') { name.to_string() } else { format!("nvidia.com/{name}") }
+}
+
+/// The MIG profiles a policy's MIG layout creates, when we know them: custom layouts always,
+/// named layouts of the form `all-<profile>` (with the `.me`/`.gfx` suffix conventions of the
+/// default mig-parted config mapped back to profile names).
+pub fn layout_profiles(mig: &Mig) -> Option<Vec<String>> {
+    if let Some(groups) = &mig.custom_layout {
+        let mut v: Vec<String> = groups
+            .iter()
+            .filter(|g| g.mig_enabled)
+            .flat_map(|g| g.mig_devices.iter().filter(|(_, c)| **c > 0).map(|(p, _)| p.clone()))
+            .collect();
+        v.sort();
+        v.dedup();
+        return Some(v);
+    }
+    let layout = mig.layout.as_deref()?;
+    let rest = layout.strip_prefix("all-")?;
+    if matches!(rest, "disabled" | "enabled" | "balanced") {
+        return if rest == "disabled" { Some(vec![]) } else { None };
+    }
+    // all-1g.5gb.me -> 1g.5gb+me, all-1g.24gb.me.all -> 1g.24gb+me.all, all-1g.24gb.gfx -> +gfx
+    let profile = if let Some(p) = rest.strip_suffix(".me.all") {
+        format!("{p}+me.all")
+    } else if let Some(p) = rest.strip_suffix(".me") {
+        format!("{p}+me")
+    } else if let Some(p) = rest.strip_suffix(".gfx") {
+        format!("{p}+gfx")
+    } else {
+        rest.to_string()
+    };
+    if crate::validate::is_mig_profile(&profile) { Some(vec![profile]) } else { None }
+}
+
+/// The resource name under which a MIG profile is advertised with the `mixed` strategy.
+pub fn mig_resource(profile: &str) -> String {
+    format!("nvidia.com/mig-{profile}")
+}
+
+fn replicated(ts: &TimeSlicing, default_names: &[String]) -> ReplicatedResources {
+    let resources = if ts.resources.is_empty() {
+        let replicas = ts.replicas.unwrap_or(2);
+        default_names
+            .iter()
+            .map(|n| ReplicatedResource { name: n.clone(), rename: None, devices: None, replicas })
+            .collect()
+    } else {
+        ts.resources
+            .iter()
+            .map(|r| ReplicatedResource {
+                name: qualify_resource(&r.name),
+                rename: r.rename.clone(),
+                devices: r.devices.as_ref().map(|d| d.clone()),
+                replicas: r.replicas,
+            })
+            .collect()
+    };
+    ReplicatedResources {
+        rename_by_default: ts.rename_by_default,
+        fail_requests_greater_than_one: Some(ts.fail_requests_greater_than_one),
+        resources,
+    }
+}
+
+/// The device-plugin config of one policy. Call only on a validated spec.
+pub fn device_plugin_config(spec: &GpuSharingPolicySpec) -> DevicePluginConfig {
+    let (mig_strategy, sharing) = match spec.strategy {
+        Strategy::Exclusive => ("none".to_string(), None),
+        Strategy::TimeSlicing => {
+            let ts = spec.time_slicing.clone().unwrap_or_default();
+            let r = replicated(&ts, &[GPU_RESOURCE.to_string()]);
+            ("none".to_string(), Some(Sharing { time_slicing: Some(r), mps: None }))
+        }
+        Strategy::Mps => {
+            let mps = spec.mps.clone().unwrap_or_default();
+            let r = ReplicatedResources {
+                rename_by_default: mps.rename_by_default,
+                fail_requests_greater_than_one: None,
+                resources: vec![ReplicatedResource {
+                    name: GPU_RESOURCE.to_string(),
+                    rename: None,
+                    devices: None,
+                    replicas: mps.replicas,
+                }],
+            };
+            ("none".to_string(), Some(Sharing { time_slicing: None, mps: Some(r) }))
+        }
+        Strategy::Mig => {
+            let mig = spec.mig.as_ref().expect("validated: mig strategy has a mig block");
+            let sharing = mig.time_slicing.as_ref().map(|ts| {
+                let names = match mig.mig_strategy {
+                    MigStrategy::Single => vec![GPU_RESOURCE.to_string()],
+                    MigStrategy::Mixed => layout_profiles(mig)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|p| mig_resource(p))
+                        .collect(),
+                };
+                Sharing { time_slicing: Some(replicated(ts, &names)), mps: None }
+            });
+            (mig.mig_strategy.as_str().to_string(), sharing)
+        }
+    };
+    DevicePluginConfig { version: "v1".into(), flags: Flags { mig_strategy }, sharing }
+}
+
+/// The config of the `default` key: no sharing.
+pub fn exclusive_config(mig_strategy: &str) -> DevicePluginConfig {
+    DevicePluginConfig {
+        version: "v1".into(),
+        flags: Flags { mig_strategy: mig_strategy.to_string() },
+        sharing: None,
+    }
+}
+
+/// YAML text of a config, as written into the ConfigMap.
+pub fn to_yaml<T: Serialize>(v: &T) -> String {
+    serde_yaml::to_string(v).expect("our config types always serialize")
+}
+
+/// Content-addressed ConfigMap key: `<policy>-<first 8 hex of sha256(content)>`. New content
+/// means a new key, hence a node label change, which is the only thing that makes the device
+/// plugin reload its config.
+pub fn content_key(policy: &str, content: &str) -> String {
+    let digest = Sha256::digest(content.as_bytes());
+    let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    format!("{policy}-{hex}")
+}
+
+/// The mig-parted layout name of a policy's custom layout.
+pub fn custom_layout_name(policy: &str) -> String {
+    format!("custom-{policy}")
+}
+
+/// mig-parted entries of a custom layout.
+pub fn custom_layout_entries(mig: &Mig) -> Vec<MigConfigEntry> {
+    mig.custom_layout
+        .iter()
+        .flatten()
+        .map(|g| MigConfigEntry {
+            devices: match &g.devices {
+                None => MigDevices::All(AllDevices::All),
+                Some(d) => MigDevices::Indices(d.clone()),
+            },
+            mig_enabled: g.mig_enabled,
+            mig_devices: if g.mig_enabled { Some(g.mig_devices.clone()) } else { None },
+        })
+        .collect()
+}
+
+/// The `all-disabled` layout, always present in our mig-parted config: it is what nodes move
+/// through when they leave MIG.
+pub fn disabled_layout() -> Vec<MigConfigEntry> {
+    vec![MigConfigEntry { devices: MigDevices::All(AllDevices::All), mig_enabled: false, mig_devices: None }]
+}
+
+/// The mig-parted config: the named layouts we were given (from the GPU Operator's default
+/// config, so named layouts keep working), `all-disabled`, and our custom layouts.
+pub fn mig_parted_config(
+    base: &BTreeMap<String, serde_yaml::Value>,
+    custom: &BTreeMap<String, Vec<MigConfigEntry>>,
+) -> serde_yaml::Value {
+    let mut configs = serde_yaml::Mapping::new();
+    for (k, v) in base {
+        configs.insert(serde_yaml::Value::String(k.clone()), v.clone());
+    }
+    configs.insert(
+        serde_yaml::Value::String(MIG_DISABLED_LAYOUT.into()),
+        serde_yaml::to_value(disabled_layout()).expect("serializable"),
+    );
+    for (k, v) in custom {
+        configs.insert(serde_yaml::Value::String(k.clone()), serde_yaml::to_value(v).expect("serializable"));
+    }
+    let mut root = serde_yaml::Mapping::new();
+    root.insert("version".into(), "v1".into());
+    root.insert("mig-configs".into(), serde_yaml::Value::Mapping(configs));
+    serde_yaml::Value::Mapping(root)
+}
+
+/// Reads the `mig-configs` of a mig-parted config text (for example the GPU Operator's
+/// `default-mig-parted-config`), keeping every layout as it is.
+pub fn parse_mig_configs(text: &str) -> Result<BTreeMap<String, serde_yaml::Value>, serde_yaml::Error> {
+    #[derive(Deserialize)]
+    struct Doc {
+        #[serde(rename = "mig-configs", default)]
+        mig_configs: BTreeMap<String, serde_yaml::Value>,
+    }
+    let d: Doc = serde_yaml::from_str(text)?;
+    Ok(d.mig_configs)
+}

@@ -1,0 +1,816 @@
+//! The pure planner: policies + node facts -> the desired state of everything the operator owns.
+//!
+//! No I/O and no clock: the same input gives the same plan, and planning the state a plan
+//! produces gives the same plan again (idempotence). The controller reads its caches into a
+//! [`PlanInput`], calls [`plan`], and applies the difference.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use serde_json::json;
+
+use crate::crd::{
+    Capacity, Condition, GpuSharingPolicy, GpuSharingPolicySpec, GpuSharingPolicyStatus, Mig, MigStrategy, NodeDetail,
+    Strategy,
+};
+use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
+use crate::validate::{self, MigProfile};
+
+/// Node label that selects the device-plugin config key.
+pub const LABEL_DEVICE_PLUGIN_CONFIG: &str = "nvidia.com/device-plugin.config";
+/// Node label that selects the MIG layout.
+pub const LABEL_MIG_CONFIG: &str = "nvidia.com/mig.config";
+/// Node label where the MIG manager reports progress.
+pub const LABEL_MIG_STATE: &str = "nvidia.com/mig.config.state";
+/// Node label naming the policy that governs the node (informational, ours).
+pub const LABEL_POLICY: &str = "gpusharing.io/policy";
+pub const LABEL_GPU_COUNT: &str = "nvidia.com/gpu.count";
+pub const LABEL_GPU_MEMORY: &str = "nvidia.com/gpu.memory";
+pub const LABEL_GPU_PRODUCT: &str = "nvidia.com/gpu.product";
+pub const LABEL_GPU_REPLICAS: &str = "nvidia.com/gpu.replicas";
+pub const LABEL_MIG_CAPABLE: &str = "nvidia.com/mig.capable";
+pub const LABEL_CC_MAJOR: &str = "nvidia.com/gpu.compute.major";
+pub const LABEL_CC_MINOR: &str = "nvidia.com/gpu.compute.minor";
+
+/// The labels this operator may own on a node.
+pub const MANAGED_LABELS: [&str; 3] = [LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_POLICY];
+
+/// Most per-node entries kept in a policy's status.
+pub const MAX_NODE_DETAILS: usize = 50;
+
+/// What the planner knows of a node.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NodeFacts {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    /// Managed labels whose value this operator's field manager owns (from managedFields).
+    pub owned: BTreeSet<String>,
+    /// Pods on the node that use GPUs (for the idle-GPU wait before MIG changes).
+    pub gpu_pods: Vec<String>,
+}
+
+/// Everything the planner reads.
+#[derive(Debug, Clone, Default)]
+pub struct PlanInput {
+    pub policies: Vec<GpuSharingPolicy>,
+    pub nodes: Vec<NodeFacts>,
+    /// Current data of our device-plugin ConfigMap (to keep keys nodes still point to).
+    pub current_device_config: BTreeMap<String, String>,
+    /// Named mig-parted layouts available to nodes (from the GPU Operator's default config).
+    /// `None` when unknown: then only custom layouts and `all-disabled` are known.
+    pub base_mig_configs: Option<BTreeMap<String, serde_yaml::Value>>,
+    /// Whether the GPU Operator's ClusterPolicy exists.
+    pub cluster_policy_found: bool,
+    /// Names of the ConfigMaps we own.
+    pub device_configmap_name: String,
+    pub mig_configmap_name: String,
+}
+
+impl PlanInput {
+    pub fn new(policies: Vec<GpuSharingPolicy>, nodes: Vec<NodeFacts>) -> Self {
+        PlanInput {
+            policies,
+            nodes,
+            current_device_config: BTreeMap::new(),
+            base_mig_configs: None,
+            cluster_policy_found: true,
+            device_configmap_name: nvidia::DEVICE_PLUGIN_CONFIGMAP.into(),
+            mig_configmap_name: nvidia::MIG_PARTED_CONFIGMAP.into(),
+        }
+    }
+}
+
+/// The desired state.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Plan {
+    /// Data of the device-plugin ConfigMap.
+    pub device_config: BTreeMap<String, String>,
+    /// `config.yaml` of the mig-parted ConfigMap, when one is needed.
+    pub mig_config: Option<String>,
+    /// The part of the ClusterPolicy `spec` we own (a merge patch / apply configuration).
+    pub cluster_policy_spec: serde_json::Value,
+    /// For every node: the managed labels we want to own, with their values. Nodes that need
+    /// none of our labels map to an empty set.
+    pub node_labels: BTreeMap<String, BTreeMap<String, String>>,
+    /// Status of every policy, by name.
+    pub statuses: BTreeMap<String, GpuSharingPolicyStatus>,
+}
+
+/// A policy after validation, with what it renders to.
+struct Prepared<'a> {
+    name: String,
+    policy: &'a GpuSharingPolicy,
+    spec: &'a GpuSharingPolicySpec,
+    errors: Vec<String>,
+    warnings: Vec<String>,
+    key: Option<String>,
+    config_text: Option<String>,
+    layout: Option<String>,
+}
+
+/// Deterministic precedence: priority (high first), then oldest, then name.
+fn precedence(p: &GpuSharingPolicy) -> (i32, bool, String, String) {
+    let ts = p.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string());
+    (-p.spec.priority, ts.is_none(), ts.unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
+}
+
+/// Whether a label selector matches a label set.
+pub fn selector_matches(sel: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
+    for (k, v) in sel.match_labels.iter().flatten() {
+        if labels.get(k) != Some(v) {
+            return false;
+        }
+    }
+    for e in sel.match_expressions.iter().flatten() {
+        let vals = e.values.clone().unwrap_or_default();
+        let cur = labels.get(&e.key);
+        let ok = match e.operator.as_str() {
+            "In" => cur.is_some_and(|c| vals.contains(c)),
+            "NotIn" => cur.is_none_or(|c| !vals.contains(c)),
+            "Exists" => cur.is_some(),
+            "DoesNotExist" => cur.is_none(),
+            _ => false,
+        };
+        if !ok {
+            return false;
+        }
+    }
+    true
+}
+
+fn label_i64(n: &NodeFacts, key: &str) -> Option<i64> {
+    n.labels.get(key).and_then(|v| v.parse().ok())
+}
+
+/// MIG-instance counts per GPU of a node under a MIG policy, when known.
+fn mig_instances(mig: &Mig, base: Option<&BTreeMap<String, serde_yaml::Value>>, gpus: i64) -> Option<Vec<(MigProfile, i64)>> {
+    let mut out = Vec::new();
+    if let Some(groups) = &mig.custom_layout {
+        for g in groups.iter().filter(|g| g.mig_enabled) {
+            let n = g.devices.as_ref().map_or(gpus, |d| d.len() as i64);
+            for (p, c) in &g.mig_devices {
+                out.push((validate::parse_mig_profile(p)?, n * *c as i64));
+            }
+        }
+        return Some(out);
+    }
+    // Named layout: only when it is a single "devices: all" entry we can read.
+    let layout = mig.layout.as_deref()?;
+    if layout == MIG_DISABLED_LAYOUT {
+        return Some(out);
+    }
+    let entries = base?.get(layout)?.as_sequence()?;
+    if entries.len() != 1 {
+        return None;
+    }
+    let devs = entries[0].get("mig-devices")?.as_mapping()?;
+    for (p, c) in devs {
+        out.push((validate::parse_mig_profile(p.as_str()?)?, gpus * c.as_i64()?));
+    }
+    Some(out)
+}
+
+/// Whether a MIG profile fits a GPU with `memory_mib`: its memory must be 1/8, 1/4, 1/2 or all
+/// of the GPU's (within 6%), which is how NVIDIA sizes MIG memory slices on every MIG GPU.
+pub fn profile_fits_memory(p: &MigProfile, memory_mib: i64) -> bool {
+    let total_gb = memory_mib as f64 / 1024.0;
+    [0.125, 0.25, 0.5, 1.0].iter().any(|f| {
+        let expect = total_gb * f;
+        (p.memory_gb as f64 - expect).abs() <= expect * 0.06 + 0.5
+    })
+}
+
+/// Node-specific reasons a policy cannot be applied to a node.
+fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<String> {
+    let product = node.labels.get(LABEL_GPU_PRODUCT).cloned().unwrap_or_else(|| "unknown GPU".into());
+    match spec.strategy {
+        Strategy::Mps => {
+            let replicas = spec.mps.as_ref()?.replicas;
+            let major = label_i64(node, LABEL_CC_MAJOR);
+            let minor = label_i64(node, LABEL_CC_MINOR).unwrap_or(0);
+            if let Some(major) = major
+                && (major, minor) < (7, 5)
+                && replicas > validate::MPS_MAX_REPLICAS_OLD_GPUS
+            {
+                return Some(format!(
+                    "{product} has compute capability {major}.{minor}: MPS allows at most {} clients below 7.5, policy asks {replicas}",
+                    validate::MPS_MAX_REPLICAS_OLD_GPUS
+                ));
+            }
+            None
+        }
+        Strategy::Mig => {
+            let mig = spec.mig.as_ref()?;
+            if node.labels.get(LABEL_MIG_CAPABLE).map(String::as_str) != Some("true") {
+                return Some(format!("{product} does not support MIG (nvidia.com/mig.capable is not true)"));
+            }
+            let gpus = label_i64(node, LABEL_GPU_COUNT);
+            if let (Some(groups), Some(gpus)) = (&mig.custom_layout, gpus) {
+                let mut covered = BTreeSet::new();
+                for g in groups {
+                    match &g.devices {
+                        None => covered.extend(0..gpus as i32),
+                        Some(d) => {
+                            for i in d {
+                                if *i as i64 >= gpus {
+                                    return Some(format!("GPU index {i} does not exist: the node has {gpus} GPUs"));
+                                }
+                                covered.insert(*i);
+                            }
+                        }
+                    }
+                }
+                let missing: Vec<String> =
+                    (0..gpus as i32).filter(|i| !covered.contains(i)).map(|i| i.to_string()).collect();
+                if !missing.is_empty() {
+                    return Some(format!(
+                        "GPUs {} are in no device group of customLayout (mig-parted requires every GPU to be covered)",
+                        missing.join(",")
+                    ));
+                }
+            }
+            if let Some(mem) = label_i64(node, LABEL_GPU_MEMORY) {
+                let profiles: Vec<String> = match &mig.custom_layout {
+                    Some(_) => nvidia::layout_profiles(mig).unwrap_or_default(),
+                    None => nvidia::layout_profiles(mig).unwrap_or_default(),
+                };
+                for p in profiles {
+                    if let Some(prof) = validate::parse_mig_profile(&p)
+                        && !profile_fits_memory(&prof, mem)
+                    {
+                        return Some(format!(
+                            "MIG profile {p} does not exist on {product} ({mem} MiB per GPU): its memory must be 1/8, 1/4, 1/2 or all of the GPU's"
+                        ));
+                    }
+                }
+            }
+            None
+        }
+        _ => None,
+    }
+}
+
+fn condition(type_: &str, status: bool, reason: &str, message: String, generation: Option<i64>) -> Condition {
+    Condition {
+        type_: type_.into(),
+        status: if status { "True" } else { "False" }.into(),
+        reason: reason.into(),
+        message,
+        last_transition_time: None,
+        observed_generation: generation,
+    }
+}
+
+fn replicas_of(spec: &GpuSharingPolicySpec) -> i32 {
+    let ts_replicas = |ts: &crate::crd::TimeSlicing| {
+        ts.replicas.unwrap_or_else(|| ts.resources.iter().map(|r| r.replicas).max().unwrap_or(1))
+    };
+    match spec.strategy {
+        Strategy::Exclusive => 1,
+        Strategy::TimeSlicing => spec.time_slicing.as_ref().map_or(1, ts_replicas),
+        Strategy::Mps => spec.mps.as_ref().map_or(1, |m| m.replicas),
+        Strategy::Mig => spec.mig.as_ref().and_then(|m| m.time_slicing.as_ref()).map_or(1, ts_replicas),
+    }
+}
+
+/// Per-node capacity contribution: (physical, schedulable, memory per client, threads, isolated).
+fn node_capacity(
+    spec: &GpuSharingPolicySpec,
+    node: &NodeFacts,
+    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+) -> (i64, Option<i64>, Option<i64>, Option<i64>, bool) {
+    let gpus = label_i64(node, LABEL_GPU_COUNT).unwrap_or(0);
+    let mem = label_i64(node, LABEL_GPU_MEMORY);
+    match spec.strategy {
+        Strategy::Exclusive => (gpus, Some(gpus), mem, Some(100), true),
+        Strategy::TimeSlicing => {
+            let ts = spec.time_slicing.as_ref();
+            let r = ts
+                .and_then(|t| {
+                    t.replicas.or_else(|| {
+                        t.resources
+                            .iter()
+                            .find(|r| nvidia::qualify_resource(&r.name) == nvidia::GPU_RESOURCE)
+                            .map(|r| r.replicas)
+                    })
+                })
+                .unwrap_or(1) as i64;
+            (gpus, Some(gpus * r), mem, None, false)
+        }
+        Strategy::Mps => {
+            let r = spec.mps.as_ref().map_or(1, |m| m.replicas) as i64;
+            (gpus, Some(gpus * r), mem.map(|m| m / r), Some(100 / r), true)
+        }
+        Strategy::Mig => {
+            let Some(mig) = spec.mig.as_ref() else { return (gpus, None, None, None, true) };
+            let Some(instances) = mig_instances(mig, base, gpus) else { return (gpus, None, None, None, true) };
+            let ts = mig.time_slicing.as_ref();
+            let mut total = 0;
+            let mut min_mem: Option<i64> = None;
+            let mut min_threads: Option<i64> = None;
+            for (p, n) in &instances {
+                let res = match mig.mig_strategy {
+                    MigStrategy::Single => nvidia::GPU_RESOURCE.to_string(),
+                    MigStrategy::Mixed => nvidia::mig_resource(&profile_name(p)),
+                };
+                let r = ts
+                    .map(|t| {
+                        if t.resources.is_empty() {
+                            t.replicas.unwrap_or(1)
+                        } else {
+                            t.resources
+                                .iter()
+                                .find(|x| nvidia::qualify_resource(&x.name) == res)
+                                .map_or(1, |x| x.replicas)
+                        }
+                    })
+                    .unwrap_or(1) as i64;
+                total += n * r;
+                let m = p.memory_gb as i64 * 1024;
+                min_mem = Some(min_mem.map_or(m, |x| x.min(m)));
+                let t = (p.compute.unwrap_or(p.slices) as i64 * 100) / validate::MAX_COMPUTE_SLICES as i64;
+                min_threads = Some(min_threads.map_or(t, |x| x.min(t)));
+            }
+            let isolated = ts.is_none();
+            (gpus, Some(total), min_mem, min_threads, isolated)
+        }
+    }
+}
+
+fn profile_name(p: &MigProfile) -> String {
+    match p.compute {
+        Some(c) => format!("{c}c.{}g.{}gb", p.slices, p.memory_gb),
+        None => format!("{}g.{}gb", p.slices, p.memory_gb),
+    }
+}
+
+fn prepare<'a>(p: &'a GpuSharingPolicy, base: Option<&BTreeMap<String, serde_yaml::Value>>) -> Prepared<'a> {
+    let name = p.metadata.name.clone().unwrap_or_default();
+    let (errs, warnings) = validate::validate(&name, &p.spec);
+    let mut errors: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+    let mut layout = None;
+    if errors.is_empty()
+        && let Some(mig) = &p.spec.mig
+    {
+        if mig.custom_layout.is_some() {
+            layout = Some(nvidia::custom_layout_name(&name));
+        } else if let Some(l) = &mig.layout {
+            let known = l == MIG_DISABLED_LAYOUT || base.is_some_and(|b| b.contains_key(l));
+            if base.is_some() && !known {
+                errors.push(format!(
+                    "spec.mig.layout: {l:?} is not a layout of the mig-parted configuration (the MIG manager would fail with: selected mig-config not present)"
+                ));
+            }
+            layout = Some(l.clone());
+        }
+    }
+    let (key, config_text) = if errors.is_empty() {
+        let text = nvidia::to_yaml(&nvidia::device_plugin_config(&p.spec));
+        (Some(nvidia::content_key(&name, &text)), Some(text))
+    } else {
+        (None, None)
+    };
+    Prepared { name, policy: p, spec: &p.spec, errors, warnings, key, config_text, layout }
+}
+
+/// Computes the desired state.
+pub fn plan(input: &PlanInput) -> Plan {
+    let base = input.base_mig_configs.as_ref();
+    let mut policies: Vec<&GpuSharingPolicy> =
+        input.policies.iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect();
+    policies.sort_by_key(|p| precedence(p));
+    let prepared: Vec<Prepared> = policies.iter().map(|p| prepare(p, base)).collect();
+
+    // Which policy governs each node.
+    let mut matched: BTreeMap<&str, Vec<&str>> = BTreeMap::new(); // policy -> nodes
+    let mut winner: BTreeMap<&str, usize> = BTreeMap::new(); // node -> prepared index
+    for n in &input.nodes {
+        for (i, p) in prepared.iter().enumerate() {
+            if selector_matches(&p.spec.node_selector, &n.labels) {
+                matched.entry(p.name.as_str()).or_default().push(n.name.as_str());
+                winner.entry(n.name.as_str()).or_insert(i);
+            }
+        }
+    }
+
+    // Cluster-wide MIG strategy: that of the highest-precedence valid MIG policy governing a
+    // node, else of the highest-precedence valid MIG policy.
+    let governing: BTreeSet<usize> = winner.values().copied().collect();
+    let valid_mig = |i: &usize| prepared[*i].errors.is_empty() && prepared[*i].spec.mig.is_some();
+    let mig_owner = (0..prepared.len())
+        .find(|i| valid_mig(i) && governing.contains(i))
+        .or_else(|| (0..prepared.len()).find(|i| valid_mig(i)));
+    let cluster_mig = mig_owner.and_then(|i| prepared[i].spec.mig.as_ref().map(|m| m.mig_strategy));
+    // Policies whose settings conflict with the cluster-wide MIG strategy.
+    let mut policy_blocked: BTreeMap<usize, String> = BTreeMap::new();
+    let mut latent: BTreeMap<usize, String> = BTreeMap::new();
+    if let Some(cm) = cluster_mig {
+        let owner = mig_owner.map(|i| prepared[i].name.clone()).unwrap_or_default();
+        for (i, p) in prepared.iter().enumerate() {
+            if !p.errors.is_empty() {
+                continue;
+            }
+            // Only a policy that governs nodes is blocked; one without nodes gets a warning.
+            let policy_blocked = if governing.contains(&i) { &mut policy_blocked } else { &mut latent };
+            if let Some(m) = &p.spec.mig
+                && m.mig_strategy != cm
+            {
+                policy_blocked.insert(
+                    i,
+                    format!(
+                        "migStrategy {} conflicts with {} of policy {owner}: the GPU Operator's mig.strategy is cluster-wide",
+                        m.mig_strategy.as_str(),
+                        cm.as_str()
+                    ),
+                );
+            }
+            if p.spec.strategy == Strategy::Mps && cm == MigStrategy::Mixed {
+                policy_blocked.insert(
+                    i,
+                    format!("MPS does not work with the cluster-wide MIG strategy mixed set by policy {owner}"),
+                );
+            }
+        }
+    }
+
+    let mut node_labels = BTreeMap::new();
+    let mut per_policy_nodes: BTreeMap<usize, Vec<NodeDetail>> = BTreeMap::new();
+    let mut applied_count: BTreeMap<usize, i32> = BTreeMap::new();
+    let mut cap: BTreeMap<usize, Capacity> = BTreeMap::new();
+    let mut cap_unknown: BTreeSet<usize> = BTreeSet::new();
+    let mut failed_nodes: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    let mut used_keys: BTreeSet<String> = BTreeSet::new();
+    let mut used_layouts: BTreeSet<String> = BTreeSet::new();
+
+    for n in &input.nodes {
+        let cur = |k: &str| n.labels.get(k).cloned();
+        let hold = || -> BTreeMap<String, String> {
+            n.owned.iter().filter_map(|k| n.labels.get(k).map(|v| (k.clone(), v.clone()))).collect()
+        };
+        let mig_capable = n.labels.get(LABEL_MIG_CAPABLE).map(String::as_str) == Some("true");
+        let mig_state = cur(LABEL_MIG_STATE);
+        let cur_mig = cur(LABEL_MIG_CONFIG);
+        let mig_done = |layout: &str| cur_mig.as_deref() == Some(layout) && mig_state.as_deref() == Some("success");
+
+        let Some(&wi) = winner.get(n.name.as_str()) else {
+            // No policy: give back what we own; a MIG layout we set is returned to all-disabled
+            // (the GPU Operator's default) rather than left half-owned.
+            let mut l = BTreeMap::new();
+            if n.owned.contains(LABEL_MIG_CONFIG) {
+                l.insert(LABEL_MIG_CONFIG.to_string(), MIG_DISABLED_LAYOUT.to_string());
+            }
+            node_labels.insert(n.name.clone(), l);
+            continue;
+        };
+        let w = &prepared[wi];
+        let details = per_policy_nodes.entry(wi).or_default();
+        if !w.errors.is_empty() || policy_blocked.contains_key(&wi) {
+            let held = hold();
+            for v in held.values() {
+                used_keys.insert(v.clone());
+            }
+            node_labels.insert(n.name.clone(), held);
+            details.push(NodeDetail {
+                name: n.name.clone(),
+                state: "Rejected".into(),
+                message: "policy not accepted; node left as it was".into(),
+            });
+            continue;
+        }
+        if let Some(reason) = node_rejection(w.spec, n) {
+            node_labels.insert(n.name.clone(), hold());
+            for v in hold().values() {
+                used_keys.insert(v.clone());
+            }
+            details.push(NodeDetail { name: n.name.clone(), state: "Rejected".into(), message: reason });
+            continue;
+        }
+        let key = w.key.clone().expect("valid policies have a key");
+        let mut l = BTreeMap::new();
+        l.insert(LABEL_POLICY.to_string(), w.name.clone());
+        let (state, message, dp_key, mig_label): (&str, String, String, Option<String>) = match w.spec.strategy {
+            Strategy::Mig => {
+                let layout = w.layout.clone().expect("mig policies have a layout");
+                let failed = cur_mig.as_deref() == Some(layout.as_str()) && mig_state.as_deref() == Some("failed");
+                if failed {
+                    failed_nodes.entry(wi).or_default().push(n.name.clone());
+                    let held = hold();
+                    for v in held.values() {
+                        used_keys.insert(v.clone());
+                    }
+                    node_labels.insert(n.name.clone(), held);
+                    details.push(NodeDetail {
+                        name: n.name.clone(),
+                        state: "Failed".into(),
+                        message: format!("MIG manager reported failed for layout {layout}; node left untouched"),
+                    });
+                    continue;
+                }
+                if mig_done(&layout) {
+                    ("Applied", String::new(), key.clone(), Some(layout))
+                } else if cur_mig.as_deref() != Some(layout.as_str()) && !n.gpu_pods.is_empty() {
+                    // Idle GPUs are needed to change the layout: hold everything.
+                    let held = hold();
+                    for v in held.values() {
+                        used_keys.insert(v.clone());
+                    }
+                    node_labels.insert(n.name.clone(), held);
+                    details.push(NodeDetail {
+                        name: n.name.clone(),
+                        state: "Waiting".into(),
+                        message: format!("WaitingForIdleGPUs: pods using GPUs: {}", n.gpu_pods.join(", ")),
+                    });
+                    continue;
+                } else if cur(LABEL_DEVICE_PLUGIN_CONFIG).is_some_and(|k| k != DEFAULT_KEY && k != key) {
+                    // First take the sharing config off; the layout changes on a later step.
+                    let held_mig = n.owned.contains(LABEL_MIG_CONFIG).then(|| cur_mig.clone()).flatten();
+                    ("Pending", "removing the sharing config before changing the MIG layout".to_string(), DEFAULT_KEY.to_string(), held_mig)
+                } else {
+                    // Sharing stays off while the layout changes.
+                    ("Pending", format!("waiting for MIG layout {layout}"), DEFAULT_KEY.to_string(), Some(layout))
+                }
+            }
+            _ => {
+                // Sharing (or exclusive) on a MIG-capable node: MIG must be off, and confirmed,
+                // before the new device-plugin config is applied.
+                let confirmed_off = match cur_mig.as_deref() {
+                    None => true,
+                    Some(MIG_DISABLED_LAYOUT) => matches!(mig_state.as_deref(), None | Some("success")),
+                    Some(_) => false,
+                };
+                let keep_mig_label = n.owned.contains(LABEL_MIG_CONFIG).then(|| MIG_DISABLED_LAYOUT.to_string());
+                if !mig_capable && cur_mig.is_none() || confirmed_off {
+                    ("Applied", String::new(), key.clone(), keep_mig_label)
+                } else if cur_mig.as_deref() == Some(MIG_DISABLED_LAYOUT) && mig_state.as_deref() == Some("failed") {
+                    failed_nodes.entry(wi).or_default().push(n.name.clone());
+                    let held = hold();
+                    for v in held.values() {
+                        used_keys.insert(v.clone());
+                    }
+                    node_labels.insert(n.name.clone(), held);
+                    details.push(NodeDetail {
+                        name: n.name.clone(),
+                        state: "Failed".into(),
+                        message: "MIG manager failed to disable MIG; node left untouched".into(),
+                    });
+                    continue;
+                } else if cur_mig.as_deref() != Some(MIG_DISABLED_LAYOUT) && !n.gpu_pods.is_empty() {
+                    let held = hold();
+                    for v in held.values() {
+                        used_keys.insert(v.clone());
+                    }
+                    node_labels.insert(n.name.clone(), held);
+                    details.push(NodeDetail {
+                        name: n.name.clone(),
+                        state: "Waiting".into(),
+                        message: format!("WaitingForIdleGPUs: pods using GPUs: {}", n.gpu_pods.join(", ")),
+                    });
+                    continue;
+                } else {
+                    (
+                        "Pending",
+                        "waiting for MIG to be disabled and confirmed before sharing is enabled".into(),
+                        DEFAULT_KEY.to_string(),
+                        Some(MIG_DISABLED_LAYOUT.to_string()),
+                    )
+                }
+            }
+        };
+        // "Applied" also needs the labels to be in place already, and GFD to agree when it reports.
+        let labels_in_place = cur(LABEL_DEVICE_PLUGIN_CONFIG).as_deref() == Some(dp_key.as_str());
+        let gfd_replicas_ok = match (w.spec.strategy, label_i64(n, LABEL_GPU_REPLICAS)) {
+            (Strategy::Mig, _) | (_, None) => true,
+            (_, Some(r)) => r == replicas_of(w.spec) as i64 || w.spec.strategy == Strategy::Exclusive && r == 1,
+        };
+        let (state, message) = if state == "Applied" && !labels_in_place {
+            ("Pending", format!("labelling node with config {dp_key}"))
+        } else if state == "Applied" && !gfd_replicas_ok {
+            (
+                "Pending",
+                format!(
+                    "GPU Feature Discovery reports nvidia.com/gpu.replicas={}, expected {}",
+                    n.labels.get(LABEL_GPU_REPLICAS).cloned().unwrap_or_default(),
+                    replicas_of(w.spec)
+                ),
+            )
+        } else {
+            (state, message)
+        };
+        if state == "Applied" {
+            *applied_count.entry(wi).or_default() += 1;
+            let (phys, sched, mem, threads, iso) = node_capacity(w.spec, n, base);
+            let c = cap.entry(wi).or_insert_with(|| Capacity { memory_isolation: true, ..Default::default() });
+            c.physical_gpus += phys;
+            match sched {
+                Some(s) => c.schedulable_replicas += s,
+                None => {
+                    cap_unknown.insert(wi);
+                }
+            }
+            if let Some(m) = mem {
+                c.memory_per_client_mib = Some(c.memory_per_client_mib.map_or(m, |x| x.min(m)));
+            }
+            if let Some(t) = threads {
+                c.threads_per_client_percent = Some(c.threads_per_client_percent.map_or(t, |x| x.min(t)));
+            }
+            c.memory_isolation &= iso;
+        }
+        used_keys.insert(dp_key.clone());
+        l.insert(LABEL_DEVICE_PLUGIN_CONFIG.to_string(), dp_key);
+        if let Some(m) = mig_label {
+            used_layouts.insert(m.clone());
+            l.insert(LABEL_MIG_CONFIG.to_string(), m);
+        }
+        node_labels.insert(n.name.clone(), l);
+        details.push(NodeDetail { name: n.name.clone(), state: state.into(), message });
+    }
+
+    // Device-plugin ConfigMap: default, every valid policy's key, and keys nodes still use.
+    let mut device_config = BTreeMap::new();
+    device_config.insert(
+        DEFAULT_KEY.to_string(),
+        nvidia::to_yaml(&nvidia::exclusive_config("none")),
+    );
+    for p in &prepared {
+        if let (Some(k), Some(t)) = (&p.key, &p.config_text) {
+            device_config.insert(k.clone(), t.clone());
+        }
+    }
+    for n in &input.nodes {
+        if let Some(k) = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG)
+            && !device_config.contains_key(k)
+            && let Some(t) = input.current_device_config.get(k)
+        {
+            device_config.insert(k.clone(), t.clone());
+        }
+    }
+    for k in &used_keys {
+        if !device_config.contains_key(k)
+            && let Some(t) = input.current_device_config.get(k)
+        {
+            device_config.insert(k.clone(), t.clone());
+        }
+    }
+
+    // mig-parted ConfigMap: only when a custom layout is in use.
+    let mut custom = BTreeMap::new();
+    for p in prepared.iter().filter(|p| p.errors.is_empty()) {
+        if let Some(mig) = &p.spec.mig
+            && mig.custom_layout.is_some()
+        {
+            custom.insert(nvidia::custom_layout_name(&p.name), nvidia::custom_layout_entries(mig));
+        }
+    }
+    let empty = BTreeMap::new();
+    let mig_config = (!custom.is_empty())
+        .then(|| nvidia::to_yaml(&nvidia::mig_parted_config(base.unwrap_or(&empty), &custom)));
+
+    // ClusterPolicy: point the device plugin at our ConfigMap; MIG settings when MIG is used.
+    let any_policy = !prepared.is_empty();
+    let mut spec = serde_json::Map::new();
+    if any_policy {
+        spec.insert(
+            "devicePlugin".into(),
+            json!({"config": {"name": input.device_configmap_name, "default": DEFAULT_KEY}}),
+        );
+    }
+    if mig_config.is_some() {
+        spec.insert("migManager".into(), json!({"config": {"name": input.mig_configmap_name}}));
+    }
+    if let Some(cm) = cluster_mig {
+        spec.insert("mig".into(), json!({"strategy": cm.as_str()}));
+    }
+    let cluster_policy_spec = serde_json::Value::Object(spec);
+
+    // Statuses.
+    let mut statuses = BTreeMap::new();
+    for (i, p) in prepared.iter().enumerate() {
+        let generation = p.policy.metadata.generation;
+        let matched_nodes = matched.get(p.name.as_str()).cloned().unwrap_or_default();
+        let mut conflicting = Vec::new();
+        for n in &matched_nodes {
+            let wi = winner[n];
+            if wi != i {
+                conflicting.push(format!("{n} (won by {})", prepared[wi].name));
+            }
+        }
+        let mut details = per_policy_nodes.remove(&i).unwrap_or_default();
+        let won = details.len() as i32;
+        let applied = applied_count.get(&i).copied().unwrap_or(0);
+        let rejected: Vec<&NodeDetail> = details.iter().filter(|d| d.state == "Rejected").collect();
+        let waiting: Vec<&NodeDetail> = details.iter().filter(|d| d.state == "Waiting").collect();
+        let mut conditions = Vec::new();
+        let accepted_msg;
+        if !p.errors.is_empty() {
+            accepted_msg = p.errors.join("; ");
+            conditions.push(condition("Accepted", false, "InvalidSpec", accepted_msg.clone(), generation));
+        } else if let Some(reason) = policy_blocked.get(&i) {
+            conditions.push(condition("Accepted", false, "ClusterWideConflict", reason.clone(), generation));
+        } else if !rejected.is_empty() {
+            let msgs: Vec<String> = rejected.iter().take(5).map(|d| format!("{}: {}", d.name, d.message)).collect();
+            conditions.push(condition(
+                "Accepted",
+                false,
+                "IncompatibleNodes",
+                format!("{} of {} nodes cannot run this policy and were left untouched: {}", rejected.len(), won, msgs.join("; ")),
+                generation,
+            ));
+        } else {
+            conditions.push(condition("Accepted", true, "Valid", "spec is valid for every matched node".into(), generation));
+        }
+        let ready = p.errors.is_empty() && !policy_blocked.contains_key(&i) && applied == won && rejected.is_empty();
+        let (rr, rm) = if !p.errors.is_empty() || policy_blocked.contains_key(&i) {
+            ("NotAccepted", "the policy is not accepted".to_string())
+        } else if won == 0 {
+            ("NoNodes", "no node is governed by this policy".to_string())
+        } else if ready {
+            ("Converged", format!("all {won} nodes are configured"))
+        } else {
+            ("Progressing", format!("{applied} of {won} nodes are configured"))
+        };
+        let ready = ready && won > 0 || (rr == "NoNodes");
+        conditions.push(condition("Ready", ready, rr, rm, generation));
+        let pending = details.iter().filter(|d| d.state == "Pending").count();
+        if !waiting.is_empty() {
+            let msgs: Vec<String> = waiting.iter().take(5).map(|d| format!("{}: {}", d.name, d.message)).collect();
+            conditions.push(condition("Progressing", true, "WaitingForIdleGPUs", msgs.join("; "), generation));
+        } else if pending > 0 {
+            conditions.push(condition("Progressing", true, "Reconfiguring", format!("{pending} nodes are being reconfigured"), generation));
+        } else {
+            conditions.push(condition("Progressing", false, "Idle", "nothing in progress".into(), generation));
+        }
+        if conflicting.is_empty() {
+            conditions.push(condition("Conflicted", false, "NoOverlap", "no other policy selects these nodes".into(), generation));
+        } else {
+            let shown: Vec<String> = conflicting.iter().take(10).cloned().collect();
+            conditions.push(condition(
+                "Conflicted",
+                true,
+                "OverlappingPolicy",
+                format!("{} matched nodes are governed by another policy: {}", conflicting.len(), shown.join(", ")),
+                generation,
+            ));
+        }
+        let failed = failed_nodes.get(&i).cloned().unwrap_or_default();
+        if !input.cluster_policy_found {
+            conditions.push(condition(
+                "Degraded",
+                true,
+                "ClusterPolicyMissing",
+                "the GPU Operator ClusterPolicy was not found: nodes are labelled but no device plugin reads the config".into(),
+                generation,
+            ));
+        } else if !failed.is_empty() {
+            conditions.push(condition(
+                "Degraded",
+                true,
+                "MigConfigFailed",
+                format!("nvidia.com/mig.config.state=failed on: {}", failed.join(", ")),
+                generation,
+            ));
+        } else {
+            conditions.push(condition("Degraded", false, "Healthy", "no failures".into(), generation));
+        }
+        for c in &conflicting {
+            let node = c.split(' ').next().unwrap_or_default();
+            details.push(NodeDetail { name: node.into(), state: "Conflicted".into(), message: c.clone() });
+        }
+        // Non-ready first, then by name; bounded.
+        details.sort_by(|a, b| ((a.state == "Applied"), &a.name).cmp(&((b.state == "Applied"), &b.name)));
+        details.truncate(MAX_NODE_DETAILS);
+        let mut warnings = p.warnings.clone();
+        if let Some(l) = latent.get(&i) {
+            warnings.push(format!("this policy governs no node yet; once it does: {l}"));
+        }
+        if cap_unknown.contains(&i) {
+            warnings.push("schedulable replicas exclude nodes whose MIG layout's instance count is unknown".into());
+        }
+        if p.spec.strategy == Strategy::TimeSlicing || p.spec.mig.as_ref().is_some_and(|m| m.time_slicing.is_some()) {
+            warnings.push("time-slicing gives no memory or fault isolation between replicas".into());
+        }
+        let capacity = if p.errors.is_empty() {
+            Some(cap.remove(&i).unwrap_or(Capacity { memory_isolation: p.spec.strategy != Strategy::TimeSlicing, ..Default::default() }))
+        } else {
+            None
+        };
+        statuses.insert(
+            p.name.clone(),
+            GpuSharingPolicyStatus {
+                observed_generation: generation,
+                conditions,
+                replicas: Some(replicas_of(p.spec)),
+                nodes: Some(format!("{applied}/{}", matched_nodes.len())),
+                matched_nodes: matched_nodes.len() as i32,
+                applied_nodes: applied,
+                conflicting_nodes: conflicting.len() as i32,
+                device_config_key: p.key.clone(),
+                mig_config: if p.errors.is_empty() { p.layout.clone() } else { None },
+                capacity,
+                node_details: details,
+                warnings,
+            },
+        );
+    }
+
+    Plan { device_config, mig_config, cluster_policy_spec, node_labels, statuses }
+}

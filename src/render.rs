@@ -1,0 +1,254 @@
+//! Offline rendering: read policies (and optionally nodes) from files, plan, and print every
+//! object the operator would write as multi-document YAML.
+//!
+//! The output is an interface (documented in the README, parsed by the conformance test):
+//! 1. the device-plugin ConfigMap; 2. the mig-parted ConfigMap (only with custom MIG layouts);
+//! 3. the ClusterPolicy patch; 4. with nodes, one Node document each with the labels the operator
+//! manages on it; 5. one GpuSharingPolicy document per policy with its computed status.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kube::ResourceExt;
+use serde_json::json;
+
+use crate::crd::GpuSharingPolicy;
+use crate::nvidia::{self, MIG_PARTED_KEY};
+use crate::plan::{self, NodeFacts, Plan, PlanInput};
+use crate::validate;
+
+/// Label on the ConfigMaps we own.
+pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "gpu-sharing-operator");
+/// Label that says which config a ConfigMap holds.
+pub const CONFIG_LABEL: &str = "gpusharing.io/config";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RenderError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: invalid YAML: {source}")]
+    Yaml { path: PathBuf, source: serde_yaml::Error },
+    #[error("policy {name:?}: {message}")]
+    Policy { name: String, message: String },
+    #[error("{path}: {message}")]
+    Input { path: PathBuf, message: String },
+}
+
+fn yaml_files(path: &Path) -> Result<Vec<PathBuf>, RenderError> {
+    let io = |source| RenderError::Io { path: path.to_path_buf(), source };
+    if path.is_dir() {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(io)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml"))
+            .collect();
+        files.sort();
+        Ok(files)
+    } else {
+        Ok(vec![path.to_path_buf()])
+    }
+}
+
+fn documents(path: &Path) -> Result<Vec<serde_yaml::Value>, RenderError> {
+    let mut docs = Vec::new();
+    for file in yaml_files(path)? {
+        let text = std::fs::read_to_string(&file).map_err(|source| RenderError::Io { path: file.clone(), source })?;
+        for d in serde_yaml::Deserializer::from_str(&text) {
+            let v = serde_yaml::Value::deserialize(d).map_err(|source| RenderError::Yaml { path: file.clone(), source })?;
+            if v.is_null() {
+                continue;
+            }
+            // Lists (kind: List, NodeList) are flattened.
+            if let Some(items) = v.get("items").and_then(|i| i.as_sequence()) {
+                docs.extend(items.iter().cloned());
+            } else {
+                docs.push(v);
+            }
+        }
+    }
+    Ok(docs)
+}
+
+use serde::Deserialize;
+
+/// Keys present in `input` that did not survive the typed round trip: fields we do not know.
+/// NVIDIA's parsers silently ignore unknown keys; we refuse them instead.
+fn unknown_fields(input: &serde_yaml::Value, typed: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+    match (input, typed) {
+        (serde_yaml::Value::Mapping(m), serde_json::Value::Object(o)) => {
+            for (k, v) in m {
+                let Some(k) = k.as_str() else { continue };
+                let p = if path.is_empty() { k.to_string() } else { format!("{path}.{k}") };
+                match o.get(k) {
+                    Some(t) => unknown_fields(v, t, &p, out),
+                    None => {
+                        let empty = v.is_null()
+                            || v.as_sequence().is_some_and(|s| s.is_empty())
+                            || v.as_mapping().is_some_and(|s| s.is_empty())
+                            || v.as_bool() == Some(false);
+                        if !empty {
+                            out.push(p);
+                        }
+                    }
+                }
+            }
+        }
+        (serde_yaml::Value::Sequence(a), serde_json::Value::Array(b)) => {
+            for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
+                unknown_fields(x, y, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Reads and validates the policies in a file or directory. Every invalid policy is an error
+/// naming the policy and the field.
+pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderError>> {
+    let docs = documents(path).map_err(|e| vec![e])?;
+    let mut policies = Vec::new();
+    let mut errors = Vec::new();
+    for d in docs {
+        if d.get("kind").and_then(|k| k.as_str()) != Some("GpuSharingPolicy") {
+            continue;
+        }
+        let name = d
+            .get("metadata")
+            .and_then(|m| m.get("name"))
+            .and_then(|n| n.as_str())
+            .unwrap_or("<unnamed>")
+            .to_string();
+        let api_version = d.get("apiVersion").and_then(|a| a.as_str()).unwrap_or_default();
+        if api_version != "gpusharing.io/v1alpha1" {
+            errors.push(RenderError::Policy {
+                name,
+                message: format!("apiVersion: expected gpusharing.io/v1alpha1, got {api_version:?}"),
+            });
+            continue;
+        }
+        let p: GpuSharingPolicy = match serde_yaml::from_value(d.clone()) {
+            Ok(p) => p,
+            Err(e) => {
+                errors.push(RenderError::Policy { name, message: e.to_string() });
+                continue;
+            }
+        };
+        let typed = serde_json::to_value(&p).expect("serializable");
+        let mut unknown = Vec::new();
+        unknown_fields(&d, &typed, "", &mut unknown);
+        for u in unknown.iter().filter(|u| u.starts_with("spec")) {
+            errors.push(RenderError::Policy {
+                name: name.clone(),
+                message: format!("{u}: unknown field (NVIDIA's parsers silently ignore unknown keys; we do not)"),
+            });
+        }
+        let (errs, _) = validate::validate(&name, &p.spec);
+        for e in errs {
+            errors.push(RenderError::Policy { name: name.clone(), message: e.to_string() });
+        }
+        // The CRD's CEL rules, evaluated locally: what the API server would reject.
+        if let Err(e) = p.validate_cel() {
+            let known: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+            if known.iter().all(|k| !k.contains(&format!("policy {name:?}"))) {
+                errors.push(RenderError::Policy { name: name.clone(), message: format!("CEL validation: {e}") });
+            }
+        }
+        policies.push(p);
+    }
+    if errors.is_empty() { Ok(policies) } else { Err(errors) }
+}
+
+/// Reads nodes (Node objects, or a NodeList) from a file.
+pub fn load_nodes(path: &Path) -> Result<Vec<NodeFacts>, RenderError> {
+    let mut nodes = Vec::new();
+    for d in documents(path)? {
+        if d.get("kind").and_then(|k| k.as_str()) != Some("Node") {
+            continue;
+        }
+        let name = d
+            .get("metadata")
+            .and_then(|m| m.get("name"))
+            .and_then(|n| n.as_str())
+            .ok_or_else(|| RenderError::Input { path: path.to_path_buf(), message: "a Node without metadata.name".into() })?
+            .to_string();
+        let labels: BTreeMap<String, String> = d
+            .get("metadata")
+            .and_then(|m| m.get("labels"))
+            .map(|l| serde_yaml::from_value(l.clone()))
+            .transpose()
+            .map_err(|e| RenderError::Input { path: path.to_path_buf(), message: format!("node {name}: labels: {e}") })?
+            .unwrap_or_default();
+        nodes.push(NodeFacts { name, labels, ..Default::default() });
+    }
+    Ok(nodes)
+}
+
+/// The ConfigMap objects and the ClusterPolicy patch of a plan, as JSON values.
+pub fn configmap(name: &str, namespace: &str, kind: &str, data: &BTreeMap<String, String>) -> serde_json::Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {MANAGED_BY.0: MANAGED_BY.1, CONFIG_LABEL: kind},
+        },
+        "data": data,
+    })
+}
+
+/// All documents of the render output.
+pub fn documents_of(plan: &Plan, input: &PlanInput, namespace: &str, with_nodes: bool) -> Vec<serde_json::Value> {
+    let mut out = vec![configmap(&input.device_configmap_name, namespace, "device-plugin", &plan.device_config)];
+    if let Some(m) = &plan.mig_config {
+        let mut data = BTreeMap::new();
+        data.insert(MIG_PARTED_KEY.to_string(), m.clone());
+        out.push(configmap(&input.mig_configmap_name, namespace, "mig-parted", &data));
+    }
+    out.push(json!({
+        "apiVersion": "nvidia.com/v1",
+        "kind": "ClusterPolicy",
+        "metadata": {"name": "cluster-policy"},
+        "spec": plan.cluster_policy_spec,
+    }));
+    if with_nodes {
+        for (name, labels) in &plan.node_labels {
+            out.push(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}));
+        }
+    }
+    for p in &input.policies {
+        let name = p.name_any();
+        if let Some(s) = plan.statuses.get(&name) {
+            out.push(json!({
+                "apiVersion": "gpusharing.io/v1alpha1",
+                "kind": "GpuSharingPolicy",
+                "metadata": {"name": name},
+                "status": s,
+            }));
+        }
+    }
+    out
+}
+
+/// Renders to multi-document YAML text.
+pub fn render_text(
+    policies: Vec<GpuSharingPolicy>,
+    nodes: Option<Vec<NodeFacts>>,
+    namespace: &str,
+    base_mig_configs: Option<BTreeMap<String, serde_yaml::Value>>,
+) -> String {
+    let with_nodes = nodes.is_some();
+    let mut input = PlanInput::new(policies, nodes.unwrap_or_default());
+    input.base_mig_configs = base_mig_configs;
+    let plan = plan::plan(&input);
+    let docs = documents_of(&plan, &input, namespace, with_nodes);
+    let mut text = String::new();
+    for d in docs {
+        text.push_str("---\n");
+        text.push_str(&serde_yaml::to_string(&d).expect("serializable"));
+    }
+    text
+}
+
+/// Keeps `nvidia` in the public surface of this module for callers that render configs alone.
+pub use nvidia::{device_plugin_config, to_yaml};

@@ -1,0 +1,392 @@
+//! Validation of a policy spec that does not depend on nodes.
+//!
+//! The CRD's schema and CEL rules reject most of this at admission; this module checks the same
+//! rules (and a few CEL cannot express, such as disjoint device groups) so that `render` without
+//! a cluster, and the controller for objects created before a rule existed, give the same clear
+//! error. Every rule NVIDIA's parsers enforce is here, so nothing we render is rejected by them.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+
+use crate::crd::{GpuSharingPolicySpec, MAX_POLICY_NAME, Mig, MigStrategy, Strategy, TimeSlicing};
+use crate::nvidia::{self, GPU_RESOURCE};
+
+/// Compute slices of a full GPU (A100, H100, H200, B200); the limit for one GPU's MIG devices.
+pub const MAX_COMPUTE_SLICES: i32 = 7;
+/// MPS replicas NVIDIA allows (16 below compute capability 7.5).
+pub const MPS_MAX_REPLICAS: i32 = 48;
+pub const MPS_MAX_REPLICAS_OLD_GPUS: i32 = 16;
+
+/// One problem with a policy, with the field it concerns.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct FieldError {
+    pub path: String,
+    pub message: String,
+}
+
+fn err(path: impl Into<String>, message: impl Into<String>) -> FieldError {
+    FieldError { path: path.into(), message: message.into() }
+}
+
+/// Whether `p` is a MIG profile name: `[Nc.]Ng.NNgb[+me|+me.all|+gfx|-me]`.
+pub fn is_mig_profile(p: &str) -> bool {
+    parse_mig_profile(p).is_some()
+}
+
+/// A parsed MIG profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigProfile {
+    /// Compute instance slices (`Nc.`), when given.
+    pub compute: Option<u32>,
+    /// GPU instance slices (`Ng`).
+    pub slices: u32,
+    /// Memory in GB.
+    pub memory_gb: u32,
+}
+
+fn digits(s: &str) -> Option<u32> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > 1 && s.starts_with('0')) {
+        return None;
+    }
+    s.parse().ok()
+}
+
+/// Parses `[Nc.]Ng.NNgb[+me|+me.all|+gfx|-me]`.
+pub fn parse_mig_profile(p: &str) -> Option<MigProfile> {
+    let base = ["+me.all", "+me", "+gfx", "-me"]
+        .iter()
+        .find_map(|s| p.strip_suffix(s))
+        .unwrap_or(p);
+    let mut parts: Vec<&str> = base.split('.').collect();
+    let compute = if parts.len() == 3 {
+        let c = parts.remove(0);
+        Some(digits(c.strip_suffix('c')?)?)
+    } else {
+        None
+    };
+    if parts.len() != 2 {
+        return None;
+    }
+    let slices = digits(parts[0].strip_suffix('g')?)?;
+    let memory_gb = digits(parts[1].strip_suffix("gb")?)?;
+    if slices == 0 || slices > 8 || memory_gb == 0 || compute == Some(0) || compute.is_some_and(|c| c > slices) {
+        return None;
+    }
+    Some(MigProfile { compute, slices, memory_gb })
+}
+
+fn is_dns_label_ish(s: &str, allow_dot: bool) -> bool {
+    let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (allow_dot && c == '.');
+    !s.is_empty()
+        && s.chars().all(ok_char)
+        && s.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && s.chars().last().is_some_and(|c| c.is_ascii_alphanumeric())
+}
+
+/// Checks a resource name as NVIDIA's parser does: lower-case RFC 1123 under `nvidia.com/`,
+/// the part after the prefix at most 63 characters.
+pub fn check_resource_name(name: &str) -> Result<(), String> {
+    let q = nvidia::qualify_resource(name);
+    let Some(rest) = q.strip_prefix("nvidia.com/") else {
+        return Err(format!("resource name {name:?} must be under nvidia.com/"));
+    };
+    if rest.len() > 63 {
+        return Err(format!("resource name {name:?} is longer than 63 characters after nvidia.com/"));
+    }
+    if !is_dns_label_ish(rest, true) {
+        return Err(format!(
+            "resource name {name:?} is not lower-case RFC 1123 (letters, digits, '-' and '.', starting and ending with a letter or digit)"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `s` is a valid label value (what a node label can carry).
+pub fn is_label_value(s: &str) -> bool {
+    s.len() <= 63
+        && (s.is_empty()
+            || (s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                && s.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+                && s.chars().last().is_some_and(|c| c.is_ascii_alphanumeric())))
+}
+
+fn check_selector(sel: &LabelSelector, errs: &mut Vec<FieldError>) {
+    for (i, e) in sel.match_expressions.iter().flatten().enumerate() {
+        let path = format!("spec.nodeSelector.matchExpressions[{i}]");
+        let n = e.values.as_ref().map_or(0, |v| v.len());
+        match e.operator.as_str() {
+            "In" | "NotIn" if n == 0 => errs.push(err(
+                format!("{path}.values"),
+                format!("operator {} needs at least one value", e.operator),
+            )),
+            "Exists" | "DoesNotExist" if n > 0 => errs.push(err(
+                format!("{path}.values"),
+                format!("operator {} takes no values", e.operator),
+            )),
+            "In" | "NotIn" | "Exists" | "DoesNotExist" => {}
+            other => errs.push(err(
+                format!("{path}.operator"),
+                format!("unknown operator {other:?} (In, NotIn, Exists, DoesNotExist)"),
+            )),
+        }
+    }
+}
+
+fn check_time_slicing(ts: &TimeSlicing, path: &str, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) {
+    if ts.replicas.is_none() && ts.resources.is_empty() {
+        errs.push(err(path, "set replicas, or at least one entry in resources"));
+    }
+    if let Some(r) = ts.replicas
+        && r < 2
+    {
+        errs.push(err(
+            format!("{path}.replicas"),
+            format!("must be >= 2, got {r} (NVIDIA: number of replicas must be >= 2; for no sharing use strategy exclusive)"),
+        ));
+    }
+    let mut seen = BTreeSet::new();
+    for (i, r) in ts.resources.iter().enumerate() {
+        let rp = format!("{path}.resources[{i}]");
+        if r.name.is_empty() {
+            errs.push(err(format!("{rp}.name"), "no resource name specified"));
+        } else if let Err(m) = check_resource_name(&r.name) {
+            errs.push(err(format!("{rp}.name"), m));
+        }
+        if r.replicas < 2 {
+            errs.push(err(
+                format!("{rp}.replicas"),
+                format!("must be >= 2, got {} (NVIDIA: number of replicas must be >= 2)", r.replicas),
+            ));
+        }
+        if !seen.insert(nvidia::qualify_resource(&r.name)) {
+            errs.push(err(
+                format!("{rp}.name"),
+                format!("duplicate resource {:?}: the device plugin and GPU Feature Discovery would disagree", r.name),
+            ));
+        }
+        if let Some(rename) = &r.rename {
+            if let Err(m) = check_resource_name(rename) {
+                errs.push(err(format!("{rp}.rename"), m));
+            }
+            warnings.push(format!(
+                "{rp}.rename is accepted by the NVIDIA device plugin but ignored at runtime: {} is advertised under its own name",
+                r.name
+            ));
+        }
+        if let Some(devs) = &r.devices {
+            for (j, d) in devs.iter().enumerate() {
+                let s = d.as_str();
+                let index = |x: &str| !x.is_empty() && x.bytes().all(|b| b.is_ascii_digit());
+                let ok = index(s)
+                    || s.split_once(':').is_some_and(|(a, b)| index(a) && index(b))
+                    || ((s.starts_with("GPU-") || s.starts_with("MIG-")) && s.len() > 4);
+                if !ok {
+                    errs.push(err(
+                        format!("{rp}.devices[{j}]"),
+                        format!("{s:?} is not a device index (\"0\"), MIG index (\"0:1\") or GPU-/MIG- UUID"),
+                    ));
+                }
+            }
+            warnings.push(format!(
+                "{rp}.devices is accepted by the NVIDIA device plugin but ignored at runtime: every device of {} is replicated",
+                r.name
+            ));
+        }
+    }
+}
+
+fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) {
+    match (&mig.layout, &mig.custom_layout) {
+        (Some(_), Some(_)) | (None, None) => {
+            errs.push(err("spec.mig", "set exactly one of layout (a named mig-parted layout) and customLayout"))
+        }
+        _ => {}
+    }
+    if let Some(l) = &mig.layout
+        && (l.is_empty() || !is_label_value(l))
+    {
+        errs.push(err(
+            "spec.mig.layout",
+            format!("{l:?} is not a valid label value (it is written to the node label nvidia.com/mig.config)"),
+        ));
+    }
+    if let Some(groups) = &mig.custom_layout {
+        if groups.is_empty() {
+            errs.push(err("spec.mig.customLayout", "needs at least one device group"));
+        }
+        let mut used: BTreeSet<i32> = BTreeSet::new();
+        let all_groups = groups.iter().filter(|g| g.devices.is_none()).count();
+        if all_groups > 0 && groups.len() > 1 {
+            errs.push(err(
+                "spec.mig.customLayout",
+                "a group without devices covers all GPUs, so it must be the only group",
+            ));
+        }
+        for (i, g) in groups.iter().enumerate() {
+            let gp = format!("spec.mig.customLayout[{i}]");
+            if let Some(devs) = &g.devices {
+                if devs.is_empty() {
+                    errs.push(err(format!("{gp}.devices"), "list at least one GPU index, or omit devices for all GPUs"));
+                }
+                for d in devs {
+                    if !(0..=15).contains(d) {
+                        errs.push(err(format!("{gp}.devices"), format!("GPU index {d} is out of range 0..15")));
+                    } else if !used.insert(*d) {
+                        errs.push(err(
+                            format!("{gp}.devices"),
+                            format!("GPU {d} appears in more than one group"),
+                        ));
+                    }
+                }
+            }
+            if g.mig_enabled && g.mig_devices.is_empty() {
+                errs.push(err(
+                    format!("{gp}.migDevices"),
+                    "required when migEnabled is true (mig-parted: missing required field 'mig-devices' when 'mig-enabled' is true)",
+                ));
+            }
+            if !g.mig_enabled && !g.mig_devices.is_empty() {
+                errs.push(err(
+                    format!("{gp}.migDevices"),
+                    "must be empty when migEnabled is false (mig-parted: MIG devices included when 'mig-enabled' is false)",
+                ));
+            }
+            let mut slices = 0;
+            for (p, c) in &g.mig_devices {
+                match parse_mig_profile(p) {
+                    None => errs.push(err(
+                        format!("{gp}.migDevices[{p:?}]"),
+                        "not a MIG profile name (expected [Nc.]Ng.NNgb[+me|+me.all|+gfx|-me], e.g. 1g.10gb)",
+                    )),
+                    Some(prof) => slices += prof.slices as i32 * c,
+                }
+                if !(0..=7).contains(c) {
+                    errs.push(err(format!("{gp}.migDevices[{p:?}]"), format!("count {c} is out of range 0..7")));
+                }
+            }
+            if slices > MAX_COMPUTE_SLICES {
+                errs.push(err(
+                    format!("{gp}.migDevices"),
+                    format!("the profiles need {slices} GPU slices per GPU, more than the {MAX_COMPUTE_SLICES} a GPU has"),
+                ));
+            }
+        }
+    }
+    if let Some(ts) = &mig.time_slicing {
+        check_time_slicing(ts, "spec.mig.timeSlicing", errs, warnings);
+        match mig.mig_strategy {
+            MigStrategy::Single => {
+                for (i, r) in ts.resources.iter().enumerate() {
+                    if nvidia::qualify_resource(&r.name) != GPU_RESOURCE {
+                        errs.push(err(
+                            format!("spec.mig.timeSlicing.resources[{i}].name"),
+                            format!("with migStrategy single MIG devices are advertised as {GPU_RESOURCE}, not {}", r.name),
+                        ));
+                    }
+                }
+            }
+            MigStrategy::Mixed => {
+                if ts.resources.is_empty() {
+                    match nvidia::layout_profiles(mig) {
+                        Some(p) if !p.is_empty() => {}
+                        _ => errs.push(err(
+                            "spec.mig.timeSlicing.resources",
+                            format!(
+                                "required with migStrategy mixed for layout {:?}: its MIG profiles depend on the GPU model, so name the nvidia.com/mig-<profile> resources to time-slice",
+                                mig.layout.as_deref().unwrap_or("")
+                            ),
+                        )),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Validates a policy; returns the errors, and warnings about settings that have no effect.
+pub fn validate(name: &str, spec: &GpuSharingPolicySpec) -> (Vec<FieldError>, Vec<String>) {
+    let mut errs = Vec::new();
+    let mut warnings = Vec::new();
+    if name.len() > MAX_POLICY_NAME {
+        errs.push(err(
+            "metadata.name",
+            format!("must be at most {MAX_POLICY_NAME} characters (the config key <name>-<hash> is a node label value)"),
+        ));
+    }
+    if !is_dns_label_ish(name, false) {
+        errs.push(err("metadata.name", "must consist of lower-case letters, digits and '-'"));
+    }
+    check_selector(&spec.node_selector, &mut errs);
+    let blocks = [
+        (Strategy::TimeSlicing, "timeSlicing", spec.time_slicing.is_some()),
+        (Strategy::Mps, "mps", spec.mps.is_some()),
+        (Strategy::Mig, "mig", spec.mig.is_some()),
+    ];
+    for (s, field, present) in blocks {
+        if spec.strategy == s && !present {
+            errs.push(err(format!("spec.{field}"), format!("required when strategy is {}", s.as_str())));
+        }
+        if spec.strategy != s && present {
+            let extra = if spec.strategy == Strategy::Mps && s == Strategy::Mig {
+                " (MPS cannot be combined with MIG)"
+            } else {
+                ""
+            };
+            errs.push(err(
+                format!("spec.{field}"),
+                format!("must not be set when strategy is {}{extra}", spec.strategy.as_str()),
+            ));
+        }
+    }
+    if let Some(ts) = &spec.time_slicing {
+        check_time_slicing(ts, "spec.timeSlicing", &mut errs, &mut warnings);
+    }
+    if let Some(mps) = &spec.mps
+        && !(2..=MPS_MAX_REPLICAS).contains(&mps.replicas)
+    {
+        errs.push(err(
+            "spec.mps.replicas",
+            format!("must be between 2 and {MPS_MAX_REPLICAS} (16 on GPUs below compute capability 7.5), got {}", mps.replicas),
+        ));
+    }
+    if let Some(mig) = &spec.mig {
+        check_mig(mig, &mut errs, &mut warnings);
+    }
+    (errs, warnings)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profile_grammar() {
+        for ok in ["1g.10gb", "1c.2g.20gb", "7g.141gb", "1g.10gb+me", "1g.24gb+me.all", "1g.24gb+gfx", "1g.24gb-me"] {
+            assert!(is_mig_profile(ok), "{ok}");
+        }
+        for bad in ["", "1g", "1g.10", "0g.10gb", "1g.10gb+foo", "g.10gb", "1G.10GB", "3c.2g.20gb", "01g.10gb"] {
+            assert!(!is_mig_profile(bad), "{bad}");
+        }
+        assert_eq!(parse_mig_profile("3g.71gb"), Some(MigProfile { compute: None, slices: 3, memory_gb: 71 }));
+    }
+
+    #[test]
+    fn resource_names() {
+        assert!(check_resource_name("nvidia.com/gpu").is_ok());
+        assert!(check_resource_name("gpu").is_ok());
+        assert!(check_resource_name("nvidia.com/mig-1g.10gb").is_ok());
+        assert!(check_resource_name("nvidia.com/GPU").is_err());
+        assert!(check_resource_name("amd.com/gpu").is_err());
+        assert!(check_resource_name(&format!("nvidia.com/{}", "a".repeat(64))).is_err());
+    }
+
+    #[test]
+    fn label_values() {
+        assert!(is_label_value("all-1g.10gb"));
+        assert!(is_label_value(""));
+        assert!(!is_label_value("-x"));
+        assert!(!is_label_value(&"a".repeat(64)));
+    }
+}

@@ -1,0 +1,395 @@
+//! Golden tests: what we render for NVIDIA's documented sharing examples is, as NVIDIA's parser
+//! reads it (unset fields take NVIDIA's defaults), field for field the documented config.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+use gpu_sharing_operator::crd::{GpuSharingPolicy, GpuSharingPolicySpec};
+use gpu_sharing_operator::nvidia;
+use gpu_sharing_operator::plan::{self, NodeFacts, PlanInput};
+use pretty_assertions::assert_eq;
+use serde::Deserialize;
+
+/// The device-plugin config as NVIDIA's parser sees it: unset fields take their defaults.
+#[derive(Deserialize, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct Normalized {
+    version: String,
+    #[serde(default)]
+    flags: NormFlags,
+    #[serde(default)]
+    sharing: NormSharing,
+}
+#[derive(Deserialize, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct NormFlags {
+    #[serde(default = "none")]
+    mig_strategy: String,
+}
+impl Default for NormFlags {
+    fn default() -> Self {
+        NormFlags { mig_strategy: none() }
+    }
+}
+fn none() -> String {
+    "none".into()
+}
+#[derive(Deserialize, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+struct NormSharing {
+    time_slicing: Option<NormResources>,
+    mps: Option<NormResources>,
+}
+#[derive(Deserialize, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct NormResources {
+    #[serde(default)]
+    rename_by_default: bool,
+    #[serde(default)]
+    fail_requests_greater_than_one: bool,
+    resources: Vec<NormResource>,
+}
+#[derive(Deserialize, Debug, PartialEq)]
+struct NormResource {
+    name: String,
+    replicas: i32,
+    rename: Option<String>,
+    devices: Option<Vec<String>>,
+}
+
+fn normalize(yaml: &str) -> Normalized {
+    serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("cannot parse {yaml}: {e}"))
+}
+
+fn policy(yaml: &str) -> GpuSharingPolicy {
+    serde_yaml::from_str(yaml).expect("valid policy YAML")
+}
+
+fn rendered(p: &GpuSharingPolicy) -> String {
+    let (errs, _) = gpu_sharing_operator::validate::validate(p.metadata.name.as_deref().unwrap(), &p.spec);
+    assert!(errs.is_empty(), "{errs:?}");
+    nvidia::to_yaml(&nvidia::device_plugin_config(&p.spec))
+}
+
+fn spec(yaml: &str) -> GpuSharingPolicySpec {
+    policy(yaml).spec
+}
+
+// NVIDIA GPU Operator docs, "MPS": ConfigMap mps-config-all, key `any`.
+const NVIDIA_MPS_ANY: &str = r#"
+version: v1
+sharing:
+  mps:
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+"#;
+
+// NVIDIA GPU Operator docs, "Time-Slicing GPUs": one config for all nodes, plus a
+// per-node-type profile picked with the node label.
+const NVIDIA_TS_ANY: &str = r#"
+version: v1
+flags:
+  migStrategy: none
+sharing:
+  timeSlicing:
+    renameByDefault: false
+    failRequestsGreaterThanOne: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+"#;
+const NVIDIA_TS_L4_HEAVY: &str = r#"
+version: v1
+flags:
+  migStrategy: none
+sharing:
+  timeSlicing:
+    failRequestsGreaterThanOne: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 8
+"#;
+
+// NVIDIA GPU Operator docs, "MIG support": a custom mig-parted config splitting 8 GPUs.
+const NVIDIA_CUSTOM_MIG: &str = r#"
+version: v1
+mig-configs:
+  custom-a100-mig-split:
+  - devices: [0, 1, 2, 3]
+    mig-enabled: true
+    mig-devices:
+      "1g.10gb": 3
+      "2g.20gb": 2
+  - devices: [4, 5, 6, 7]
+    mig-enabled: false
+"#;
+
+// NVIDIA GPU Operator docs, time-slicing of MIG devices (mixed strategy, all-1g.10gb).
+const NVIDIA_MIG_TS: &str = r#"
+version: v1
+flags:
+  migStrategy: mixed
+sharing:
+  timeSlicing:
+    resources:
+    - name: nvidia.com/mig-1g.10gb
+      replicas: 2
+"#;
+
+#[test]
+fn mps_replicas_4_matches_nvidia_example() {
+    let p = policy(include_str!("../examples/mps-h200.yaml"));
+    assert_eq!(normalize(&rendered(&p)), normalize(NVIDIA_MPS_ANY));
+}
+
+#[test]
+fn time_slicing_two_profiles_match_nvidia_example() {
+    let text = include_str!("../examples/time-slicing-l4.yaml");
+    let docs: Vec<GpuSharingPolicy> = serde_yaml::Deserializer::from_str(text)
+        .map(|d| GpuSharingPolicy::deserialize(d).unwrap())
+        .collect();
+    assert_eq!(docs.len(), 2);
+    assert_eq!(normalize(&rendered(&docs[0])), normalize(NVIDIA_TS_ANY));
+    assert_eq!(normalize(&rendered(&docs[1])), normalize(NVIDIA_TS_L4_HEAVY));
+}
+
+#[test]
+fn custom_mig_split_matches_nvidia_example() {
+    let p = policy(include_str!("../examples/mig-custom-split.yaml"));
+    let mig = p.spec.mig.as_ref().unwrap();
+    let mut custom = BTreeMap::new();
+    custom.insert(nvidia::custom_layout_name("a100-mig-split"), nvidia::custom_layout_entries(mig));
+    let ours = nvidia::mig_parted_config(&BTreeMap::new(), &custom);
+    let mut want: serde_yaml::Value = serde_yaml::from_str(NVIDIA_CUSTOM_MIG).unwrap();
+    // We always add all-disabled: nodes leave MIG through it.
+    want["mig-configs"]["all-disabled"] =
+        serde_yaml::from_str("[{devices: all, mig-enabled: false}]").unwrap();
+    assert_eq!(ours, want);
+    // The device plugin side: mixed strategy, no sharing.
+    let dp = normalize(&rendered(&p));
+    assert_eq!(dp.flags.mig_strategy, "mixed");
+    assert_eq!(dp.sharing, NormSharing::default());
+}
+
+#[test]
+fn mig_1g10gb_time_sliced_matches_nvidia_example() {
+    let s = spec(
+        r#"
+apiVersion: gpusharing.io/v1alpha1
+kind: GpuSharingPolicy
+metadata: {name: mig-ts}
+spec:
+  nodeSelector: {}
+  strategy: mig
+  mig:
+    migStrategy: mixed
+    layout: all-1g.10gb
+    timeSlicing:
+      replicas: 2
+"#,
+    );
+    let yaml = nvidia::to_yaml(&nvidia::device_plugin_config(&s));
+    assert_eq!(normalize(&yaml), normalize(NVIDIA_MIG_TS));
+}
+
+#[test]
+fn exclusive_has_no_sharing_and_never_replicas_1() {
+    let p = policy(include_str!("../examples/exclusive.yaml"));
+    let yaml = rendered(&p);
+    assert!(!yaml.contains("sharing"), "{yaml}");
+    assert!(!yaml.contains("replicas"), "{yaml}");
+    assert_eq!(normalize(&yaml), normalize("version: v1"));
+}
+
+#[test]
+fn never_both_time_slicing_and_mps() {
+    for f in [
+        include_str!("../examples/mps-h200.yaml"),
+        include_str!("../examples/mig-1g10gb-time-sliced.yaml"),
+        include_str!("../examples/exclusive.yaml"),
+    ] {
+        let n = normalize(&rendered(&policy(f)));
+        assert!(!(n.sharing.mps.is_some() && n.sharing.time_slicing.is_some()));
+    }
+}
+
+fn h200_node() -> NodeFacts {
+    let mut labels = BTreeMap::new();
+    for (k, v) in [
+        ("nvidia.com/gpu.product", "NVIDIA-H200"),
+        ("nvidia.com/gpu.count", "8"),
+        ("nvidia.com/gpu.memory", "143771"),
+        ("nvidia.com/mig.capable", "false"),
+    ] {
+        labels.insert(k.to_string(), v.to_string());
+    }
+    NodeFacts { name: "h200-node-0".into(), labels, ..Default::default() }
+}
+
+#[test]
+fn mps_capacity_on_h200() {
+    let p = policy(include_str!("../examples/mps-h200.yaml"));
+    let mut node = h200_node();
+    // First plan: the node gets labelled.
+    let first = plan::plan(&PlanInput::new(vec![p.clone()], vec![node.clone()]));
+    let labels = &first.node_labels["h200-node-0"];
+    let key = labels["nvidia.com/device-plugin.config"].clone();
+    assert!(key.starts_with("h200-mps-"));
+    assert!(first.device_config.contains_key(&key), "the key exists before a label points to it");
+    // Once labelled, the node is applied and the capacity is computed.
+    node.labels.extend(labels.clone());
+    let second = plan::plan(&PlanInput::new(vec![p], vec![node]));
+    let status = &second.statuses["h200-mps"];
+    let cap = status.capacity.as_ref().unwrap();
+    assert_eq!(cap.physical_gpus, 8);
+    assert_eq!(cap.schedulable_replicas, 32);
+    assert_eq!(cap.memory_per_client_mib, Some(35942));
+    assert_eq!(cap.threads_per_client_percent, Some(25));
+    assert!(cap.memory_isolation);
+    assert_eq!(status.applied_nodes, 1);
+    assert_eq!(status.nodes.as_deref(), Some("1/1"));
+}
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
+}
+
+#[test]
+fn render_works_on_every_example() {
+    let mut n = 0;
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/examples")).unwrap() {
+        let path = entry.unwrap().path();
+        let out = bin().arg("render").arg("-f").arg(&path).output().unwrap();
+        assert!(out.status.success(), "{}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).unwrap();
+        let docs: Vec<serde_yaml::Value> =
+            serde_yaml::Deserializer::from_str(&text).map(|d| serde_yaml::Value::deserialize(d).unwrap()).collect();
+        assert_eq!(docs[0]["kind"], "ConfigMap");
+        assert_eq!(docs[0]["metadata"]["namespace"], "gpu-operator");
+        let policies = docs.iter().filter(|d| d["kind"] == "GpuSharingPolicy").count();
+        assert!(policies >= 1, "{}", path.display());
+        // Every policy's key is in the ConfigMap.
+        for d in docs.iter().filter(|d| d["kind"] == "GpuSharingPolicy") {
+            let key = d["status"]["deviceConfigKey"].as_str().unwrap();
+            assert!(docs[0]["data"][key].is_string(), "{key} missing");
+        }
+        n += 1;
+    }
+    assert!(n >= 5);
+}
+
+#[test]
+fn render_with_nodes_labels_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = dir.path().join("nodes.yaml");
+    std::fs::write(
+        &nodes,
+        r#"
+apiVersion: v1
+kind: Node
+metadata:
+  name: h200-node-0
+  labels:
+    nvidia.com/gpu.product: NVIDIA-H200
+    nvidia.com/gpu.count: "8"
+    nvidia.com/gpu.memory: "143771"
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: cpu-node
+  labels: {}
+"#,
+    )
+    .unwrap();
+    let out = bin()
+        .args(["render", "-f", "examples/mps-h200.yaml", "--nodes"])
+        .arg(&nodes)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let docs: Vec<serde_yaml::Value> =
+        serde_yaml::Deserializer::from_str(&text).map(|d| serde_yaml::Value::deserialize(d).unwrap()).collect();
+    let node = docs.iter().find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "h200-node-0").unwrap();
+    let key = node["metadata"]["labels"]["nvidia.com/device-plugin.config"].as_str().unwrap();
+    assert!(key.starts_with("h200-mps-"));
+    let cpu = docs.iter().find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "cpu-node").unwrap();
+    assert_eq!(cpu["metadata"]["labels"].as_mapping().map(|m| m.len()), Some(0));
+}
+
+fn render_error(policy_yaml: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("p.yaml");
+    std::fs::write(&f, policy_yaml).unwrap();
+    let out = bin().arg("render").arg("-f").arg(&f).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "expected failure, got {}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.stdout.is_empty(), "nothing is rendered for invalid input");
+    String::from_utf8(out.stderr).unwrap()
+}
+
+#[test]
+fn broken_policies_give_clear_errors() {
+    let cases = [
+        (
+            "spec: {nodeSelector: {}, strategy: timeSlicing, timeSlicing: {replicas: 1}}",
+            "spec.timeSlicing.replicas: must be >= 2",
+        ),
+        ("spec: {nodeSelector: {}, strategy: mps, mps: {replicas: 49}}", "spec.mps.replicas: must be between 2 and 48"),
+        (
+            "spec: {nodeSelector: {}, strategy: mps, mps: {replicas: 4}, mig: {migStrategy: single, layout: all-1g.10gb}}",
+            "spec.mig: must not be set when strategy is mps (MPS cannot be combined with MIG)",
+        ),
+        (
+            "spec: {nodeSelector: {}, strategy: timeSlicing, time-slicing: {replicas: 4}}",
+            "spec.timeSlicing: required when strategy is timeSlicing",
+        ),
+        (
+            "spec: {nodeSelector: {}, strategy: timeSlicing, time-slicing: {replicas: 4}}",
+            "spec.time-slicing: unknown field",
+        ),
+        (
+            "spec: {nodeSelector: {}, strategy: timeSlicing, timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2}, {name: gpu, replicas: 3}]}}",
+            "duplicate resource",
+        ),
+        (
+            "spec: {nodeSelector: {}, strategy: timeSlicing, timeSlicing: {resources: [{name: nvidia.com/GPU_X, replicas: 2}]}}",
+            "is not lower-case RFC 1123",
+        ),
+        (
+            "spec: {nodeSelector: {}, strategy: mig, mig: {migStrategy: mixed, customLayout: [{migEnabled: true, migDevices: {4g.40gb: 1, 3g.40gb: 1, 1g.10gb: 1}}]}}",
+            "the profiles need 8 GPU slices per GPU",
+        ),
+        (
+            "spec: {nodeSelector: {}, strategy: mig, mig: {migStrategy: mixed, customLayout: [{migEnabled: false, migDevices: {1g.10gb: 1}}]}}",
+            "must be empty when migEnabled is false",
+        ),
+        (
+            "spec: {nodeSelector: {}, strategy: mig, mig: {migStrategy: mixed, customLayout: [{migEnabled: true, migDevices: {1g.10g: 1}}]}}",
+            "not a MIG profile name",
+        ),
+        ("spec: {nodeSelector: {}, strategy: sometimes}", "unknown variant `sometimes`"),
+    ];
+    for (spec, want) in cases {
+        let yaml = format!("apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: broken}}\n{spec}\n");
+        let err = render_error(&yaml);
+        assert!(err.contains("error: policy \"broken\""), "{err}");
+        assert!(err.contains(want), "for {spec}\nwant {want:?}\ngot {err}");
+    }
+}
+
+#[test]
+fn crd_in_repo_is_current() {
+    let out = bin().arg("crd").output().unwrap();
+    assert!(out.status.success());
+    let generated = String::from_utf8(out.stdout).unwrap();
+    let committed =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/gpusharingpolicies.gpusharing.io.yaml"))
+            .unwrap();
+    assert!(
+        generated == committed,
+        "crds/ is stale: run `cargo run -- crd > crds/gpusharingpolicies.gpusharing.io.yaml`"
+    );
+}
