@@ -4,6 +4,7 @@
 //! - [`validate`], [`nvidia`], [`plan`]: the pure core (validation, NVIDIA's formats, the planner).
 //! - [`render`]: the offline `render` output.
 
+pub mod controller;
 pub mod crd;
 pub mod nvidia;
 pub mod plan;

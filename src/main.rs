@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand};
 use kube::CustomResourceExt;
 
 use gpu_sharing_operator::crd::GpuSharingPolicy;
-use gpu_sharing_operator::{nvidia, render};
+use gpu_sharing_operator::{controller, nvidia, render};
 
 /// Declare how NVIDIA GPUs are shared; make the cluster match.
 #[derive(Parser)]
@@ -19,6 +19,19 @@ struct Cli {
 enum Command {
     /// Print the GpuSharingPolicy CustomResourceDefinition (YAML).
     Crd,
+    /// Run the controller (in-cluster config, or $KUBECONFIG / ~/.kube/config).
+    Run {
+        /// The GPU Operator's namespace, where the device plugin reads ConfigMaps; detected from
+        /// the ClusterPolicy's status.namespace when omitted.
+        #[arg(long, env = "GPU_OPERATOR_NAMESPACE")]
+        namespace: Option<String>,
+        /// Log format.
+        #[arg(long, value_enum, default_value = "pretty")]
+        log_format: LogFormat,
+        /// Seconds between full resyncs (watches catch changes in between).
+        #[arg(long, default_value_t = 300)]
+        resync_seconds: u64,
+    },
     /// Print, without a cluster, every object the operator would write for these policies.
     Render {
         /// A policy file or a directory of them (*.yaml, *.yml).
@@ -37,6 +50,40 @@ enum Command {
     },
 }
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Pretty,
+    Json,
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Pretty => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn run(namespace: Option<String>, resync: u64) -> anyhow::Result<()> {
+    let client = kube::Client::try_default().await?;
+    let config = controller::Config {
+        namespace,
+        resync: std::time::Duration::from_secs(resync),
+        ..Default::default()
+    };
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {},
+            _ = term.recv() => {},
+        }
+    };
+    controller::run(client, config, shutdown).await?;
+    Ok(())
+}
+
 fn read_mig_base(path: &PathBuf) -> Result<std::collections::BTreeMap<String, serde_yaml::Value>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let v: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -51,6 +98,17 @@ fn read_mig_base(path: &PathBuf) -> Result<std::collections::BTreeMap<String, se
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Run { namespace, log_format, resync_seconds } => {
+            init_tracing(log_format);
+            let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+            match rt.block_on(run(namespace, resync_seconds)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Command::Crd => {
             print!("{}", serde_yaml::to_string(&GpuSharingPolicy::crd()).expect("CRD serializes"));
             ExitCode::SUCCESS

@@ -1,0 +1,579 @@
+//! The controller: watches policies, nodes (metadata only), the GPU Operator namespace's
+//! ConfigMaps and the ClusterPolicy into caches; on any change computes one cluster-wide plan with
+//! the pure planner and applies only the difference, with server-side apply under one field
+//! manager. A steady cluster gets no writes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PartialObjectMeta};
+use kube::core::{ApiResource, GroupVersionKind};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{self, Event as FinalizerEvent};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, controller::Action, watcher};
+use kube::{Client, Resource, ResourceExt};
+use serde_json::json;
+use tokio::sync::Notify;
+use tracing::{debug, info, warn};
+
+use crate::crd::{Condition, GpuSharingPolicy, GpuSharingPolicyStatus};
+use crate::nvidia::{self, MIG_PARTED_KEY};
+use crate::plan::{self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_POLICY, MANAGED_LABELS, NodeFacts, Plan, PlanInput};
+use crate::render::{self, CONFIG_LABEL, MANAGED_BY};
+
+/// Our server-side apply field manager.
+pub const MANAGER: &str = "gpu-sharing-operator";
+/// Finalizer on policies: their node labels and config keys are removed before they go.
+pub const FINALIZER: &str = "gpusharing.io/cleanup";
+/// The GPU Operator's ConfigMap with the standard named MIG layouts.
+pub const DEFAULT_MIG_CONFIGMAP: &str = "default-mig-parted-config";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API error: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<finalizer::Error<Error>>),
+    #[error("policy {0} still has nodes or config keys to clean up")]
+    CleanupPending(String),
+    #[error("JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Settings of `gpu-sharing-operator run`.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// GPU Operator namespace; detected from the ClusterPolicy status when `None`.
+    pub namespace: Option<String>,
+    pub device_configmap: String,
+    pub mig_configmap: String,
+    /// Full resync period (drift is also caught by the watches).
+    pub resync: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            namespace: None,
+            device_configmap: nvidia::DEVICE_PLUGIN_CONFIGMAP.into(),
+            mig_configmap: nvidia::MIG_PARTED_CONFIGMAP.into(),
+            resync: Duration::from_secs(300),
+        }
+    }
+}
+
+/// The ClusterPolicy resource (GPU Operator, `nvidia.com/v1`, cluster-scoped).
+pub fn cluster_policy_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("nvidia.com", "v1", "ClusterPolicy"), "clusterpolicies")
+}
+
+/// Label paths our field manager owns on an object, from its managedFields.
+fn owned_labels(entries: &[ManagedFieldsEntry]) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for e in entries.iter().filter(|e| e.manager.as_deref() == Some(MANAGER) && e.operation.as_deref() == Some("Apply")) {
+        if let Some(labels) = e
+            .fields_v1
+            .as_ref()
+            .and_then(|f| f.0.get("f:metadata"))
+            .and_then(|m| m.get("f:labels"))
+            .and_then(|l| l.as_object())
+        {
+            for k in labels.keys() {
+                if let Some(name) = k.strip_prefix("f:") {
+                    out.insert(name.to_string());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Leaf paths under `f:spec` our field manager owns on the ClusterPolicy.
+fn owned_spec_paths(entries: &[ManagedFieldsEntry]) -> BTreeSet<String> {
+    fn walk(v: &serde_json::Value, prefix: &str, out: &mut BTreeSet<String>) {
+        match v.as_object() {
+            Some(m) if !m.is_empty() => {
+                for (k, c) in m {
+                    if let Some(name) = k.strip_prefix("f:") {
+                        walk(c, &format!("{prefix}.{name}"), out);
+                    }
+                }
+            }
+            _ => {
+                out.insert(prefix.to_string());
+            }
+        }
+    }
+    let mut out = BTreeSet::new();
+    for e in entries.iter().filter(|e| e.manager.as_deref() == Some(MANAGER) && e.operation.as_deref() == Some("Apply")) {
+        if let Some(spec) = e.fields_v1.as_ref().and_then(|f| f.0.get("f:spec")) {
+            walk(spec, "spec", &mut out);
+        }
+    }
+    out
+}
+
+fn leaf_paths(v: &serde_json::Value, prefix: &str, out: &mut BTreeMap<String, serde_json::Value>) {
+    match v.as_object() {
+        Some(m) if !m.is_empty() => {
+            for (k, c) in m {
+                leaf_paths(c, &format!("{prefix}.{k}"), out);
+            }
+        }
+        _ => {
+            out.insert(prefix.to_string(), v.clone());
+        }
+    }
+}
+
+fn lookup<'a>(v: &'a serde_json::Value, path: &str) -> Option<&'a serde_json::Value> {
+    path.split('.').skip(1).try_fold(v, |acc, k| acc.get(k))
+}
+
+/// Shared state of the running controller.
+pub struct Context {
+    pub client: Client,
+    pub config: Config,
+    pub namespace: String,
+    policies: Store<GpuSharingPolicy>,
+    nodes: Store<PartialObjectMeta<Node>>,
+    configmaps: Store<ConfigMap>,
+    cluster_policies: Option<Store<DynamicObject>>,
+    recorder: Recorder,
+    /// Counts of writes, for logs and tests.
+    pub writes: std::sync::atomic::AtomicU64,
+}
+
+/// Finds the GPU Operator's namespace: the `status.namespace` of the oldest (active)
+/// ClusterPolicy.
+pub async fn detect_namespace(client: &Client) -> Option<String> {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
+    let list = api.list(&Default::default()).await.ok()?;
+    let mut items = list.items;
+    items.sort_by_key(|o| (o.metadata.creation_timestamp.clone(), o.name_any()));
+    items
+        .first()
+        .and_then(|o| o.data.get("status")?.get("namespace")?.as_str().map(String::from))
+}
+
+/// Runs the controller until the future is dropped.
+pub async fn run(client: Client, config: Config, shutdown: impl std::future::Future<Output = ()>) -> Result<(), Error> {
+    let cp_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
+    let cluster_policy_served = cp_api.list(&Default::default()).await.is_ok();
+    let namespace = match &config.namespace {
+        Some(n) => n.clone(),
+        None => match detect_namespace(&client).await {
+            Some(n) => {
+                info!(namespace = %n, "GPU Operator namespace detected from the ClusterPolicy status");
+                n
+            }
+            None => {
+                warn!("no ClusterPolicy with status.namespace found; using gpu-operator (pass --namespace to choose)");
+                "gpu-operator".into()
+            }
+        },
+    };
+    let notify = Arc::new(Notify::new());
+
+    let (policies, pw) = reflector::store();
+    let (nodes, nw) = reflector::store();
+    let (configmaps, cw) = reflector::store();
+
+    let policy_stream = reflector::reflector(
+        pw,
+        watcher(Api::<GpuSharingPolicy>::all(client.clone()), watcher::Config::default()).default_backoff(),
+    )
+    .boxed();
+    // Label-only node cache: keep labels and our own managedFields entries, drop the rest.
+    let node_stream = reflector::reflector(
+        nw,
+        watcher(Api::<PartialObjectMeta<Node>>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .modify(|n: &mut PartialObjectMeta<Node>| {
+                n.metadata.annotations = None;
+                if let Some(m) = n.metadata.managed_fields.as_mut() {
+                    m.retain(|e| e.manager.as_deref() == Some(MANAGER));
+                }
+            }),
+    )
+    .boxed();
+    let cm_stream = reflector::reflector(
+        cw,
+        watcher(Api::<ConfigMap>::namespaced(client.clone(), &namespace), watcher::Config::default()).default_backoff(),
+    )
+    .boxed();
+    let mut streams = vec![
+        policy_stream.map_ok(|_| ()).boxed(),
+        node_stream.map_ok(|_| ()).boxed(),
+        cm_stream.map_ok(|_| ()).boxed(),
+    ];
+    let cluster_policies = if cluster_policy_served {
+        let cpw = reflector::store::Writer::new(cluster_policy_resource());
+        let cps = cpw.as_reader();
+        streams.push(
+            reflector::reflector(cpw, watcher(cp_api, watcher::Config::default()).default_backoff())
+                .map_ok(|_| ())
+                .boxed(),
+        );
+        Some(cps)
+    } else {
+        warn!("the ClusterPolicy CRD (nvidia.com/v1) is not served: nodes are labelled, but no device plugin reads the config");
+        None
+    };
+    let events = {
+        let notify = notify.clone();
+        stream::select_all(streams).for_each(move |r| {
+            if let Err(e) = r {
+                warn!(error = %e, "watch error");
+            }
+            notify.notify_one();
+            futures::future::ready(())
+        })
+    };
+
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter { controller: MANAGER.into(), instance: std::env::var("POD_NAME").ok() },
+    );
+    let ctx = Arc::new(Context {
+        client,
+        config,
+        namespace,
+        policies,
+        nodes,
+        configmaps,
+        cluster_policies,
+        recorder,
+        writes: Default::default(),
+    });
+    let loop_ctx = ctx.clone();
+    let control = async move {
+        loop_ctx.policies.wait_until_ready().await.ok();
+        loop_ctx.nodes.wait_until_ready().await.ok();
+        loop_ctx.configmaps.wait_until_ready().await.ok();
+        if let Some(c) = &loop_ctx.cluster_policies {
+            c.wait_until_ready().await.ok();
+        }
+        info!(namespace = %loop_ctx.namespace, "caches ready; reconciling");
+        let mut backoff = Duration::from_millis(500);
+        loop {
+            match reconcile_all(&loop_ctx).await {
+                Ok(requeue) => {
+                    backoff = Duration::from_millis(500);
+                    let wait = if requeue { Duration::from_secs(2) } else { loop_ctx.config.resync };
+                    tokio::select! {
+                        _ = notify.notified() => {},
+                        _ = tokio::time::sleep(wait) => {},
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, retry_in = ?backoff, "reconcile failed");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(60));
+                }
+            }
+            // Coalesce bursts of watch events into one pass.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::select! {
+        _ = events => warn!("watch streams ended"),
+        _ = control => {},
+        _ = shutdown => info!("shutting down"),
+    }
+    Ok(())
+}
+
+impl Context {
+    fn plan_input(&self) -> PlanInput {
+        let policies: Vec<GpuSharingPolicy> = self.policies.state().iter().map(|p| (**p).clone()).collect();
+        let mut nodes: Vec<NodeFacts> = self
+            .nodes
+            .state()
+            .iter()
+            .map(|n| NodeFacts {
+                name: n.name_any(),
+                labels: n.labels().clone(),
+                owned: owned_labels(n.metadata.managed_fields.as_deref().unwrap_or_default()),
+                gpu_pods: vec![],
+            })
+            .collect();
+        nodes.sort_by(|a, b| a.name.cmp(&b.name));
+        let cms = self.configmaps.state();
+        let current_device_config = cms
+            .iter()
+            .find(|c| c.name_any() == self.config.device_configmap)
+            .and_then(|c| c.data.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        let base_mig_configs = cms
+            .iter()
+            .find(|c| c.name_any() == DEFAULT_MIG_CONFIGMAP)
+            .and_then(|c| c.data.as_ref()?.get(MIG_PARTED_KEY).cloned())
+            .and_then(|t| nvidia::parse_mig_configs(&t).ok());
+        let mut input = PlanInput::new(policies, nodes);
+        input.current_device_config = current_device_config;
+        input.base_mig_configs = base_mig_configs;
+        input.cluster_policy_found = self.active_cluster_policy().is_some();
+        input.device_configmap_name = self.config.device_configmap.clone();
+        input.mig_configmap_name = self.config.mig_configmap.clone();
+        input
+    }
+
+    /// The oldest ClusterPolicy: the GPU Operator ignores the others.
+    fn active_cluster_policy(&self) -> Option<Arc<DynamicObject>> {
+        let mut all = self.cluster_policies.as_ref()?.state();
+        all.sort_by_key(|o| (o.metadata.creation_timestamp.clone(), o.name_any()));
+        all.into_iter().next()
+    }
+
+    fn count_write(&self) {
+        self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    async fn event(&self, policy: &GpuSharingPolicy, type_: EventType, reason: &str, note: String) {
+        let ev = Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
+        if let Err(e) = self.recorder.publish(&ev, &policy.object_ref(&())).await {
+            debug!(error = %e, "event not published");
+        }
+    }
+}
+
+/// Applies a ConfigMap when its data or our labels differ from the cache.
+async fn apply_configmap(ctx: &Context, name: &str, kind: &str, data: &BTreeMap<String, String>, why: &str) -> Result<bool, Error> {
+    let current = ctx.configmaps.state().into_iter().find(|c| c.name_any() == name);
+    let same = current.as_ref().is_some_and(|c| {
+        let cur: BTreeMap<String, String> = c.data.clone().unwrap_or_default().into_iter().collect();
+        let labels = c.labels();
+        cur == *data && labels.get(MANAGED_BY.0).map(String::as_str) == Some(MANAGED_BY.1)
+            && labels.get(CONFIG_LABEL).map(String::as_str) == Some(kind)
+    });
+    if same {
+        return Ok(false);
+    }
+    let obj = render::configmap(name, &ctx.namespace, kind, data);
+    let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    api.patch(name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&obj)).await?;
+    ctx.count_write();
+    info!(configmap = %format!("{}/{name}", ctx.namespace), keys = data.len(), reason = why, "applied ConfigMap");
+    Ok(true)
+}
+
+/// Whether the node's labels already are what we want to own.
+fn node_in_sync(node: &NodeFacts, desired: &BTreeMap<String, String>) -> bool {
+    let owned: BTreeSet<&String> = node.owned.iter().filter(|k| MANAGED_LABELS.contains(&k.as_str())).collect();
+    let want: BTreeSet<&String> = desired.keys().collect();
+    owned == want && desired.iter().all(|(k, v)| node.labels.get(k) == Some(v))
+}
+
+/// One pass: plan, then apply the difference in a safe order. Returns whether something is
+/// still in progress (then the caller re-checks soon even without watch events).
+pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
+    let input = ctx.plan_input();
+    let plan = plan::plan(&input);
+
+    // 1. ConfigMaps first: a key exists before any node label points to it.
+    apply_configmap(ctx, &ctx.config.device_configmap, "device-plugin", &plan.device_config, "policies changed").await?;
+    if let Some(m) = &plan.mig_config {
+        let mut data = BTreeMap::new();
+        data.insert(MIG_PARTED_KEY.to_string(), m.clone());
+        apply_configmap(ctx, &ctx.config.mig_configmap, "mig-parted", &data, "custom MIG layouts changed").await?;
+    }
+
+    // 2. The ClusterPolicy points at our ConfigMaps.
+    apply_cluster_policy(ctx, &plan).await?;
+
+    // 3. Node labels, concurrently.
+    let node_by_name: BTreeMap<&str, &NodeFacts> = input.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    let changes: Vec<(String, BTreeMap<String, String>)> = plan
+        .node_labels
+        .iter()
+        .filter(|(n, want)| node_by_name.get(n.as_str()).is_some_and(|node| !node_in_sync(node, want)))
+        .map(|(n, w)| (n.clone(), w.clone()))
+        .collect();
+    let nodes_api: Api<Node> = Api::all(ctx.client.clone());
+    let results: Vec<Result<(String, BTreeMap<String, String>), Error>> = stream::iter(changes)
+        .map(|(name, labels)| {
+            let api = nodes_api.clone();
+            async move {
+                let obj = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}});
+                api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&obj)).await?;
+                Ok((name, labels))
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    let mut labelled: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut first_err = None;
+    for r in results {
+        match r {
+            Ok((name, labels)) => {
+                ctx.count_write();
+                let policy = labels.get(LABEL_POLICY).cloned().unwrap_or_default();
+                info!(node = %name, labels = ?labels, policy = %policy, "applied node labels");
+                labelled.entry(policy).or_default().push(name);
+            }
+            Err(e) => first_err = first_err.or(Some(e)),
+        }
+    }
+    let policies: BTreeMap<String, Arc<GpuSharingPolicy>> =
+        ctx.policies.state().into_iter().map(|p| (p.name_any(), p)).collect();
+    for (policy, nodes) in &labelled {
+        if let Some(p) = policies.get(policy) {
+            let shown: Vec<&str> = nodes.iter().take(10).map(String::as_str).collect();
+            ctx.event(p, EventType::Normal, "NodesLabelled", format!("labelled {} nodes: {}", nodes.len(), shown.join(", ")))
+                .await;
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+
+    // 4. The mig-parted ConfigMap goes only once nothing points to it.
+    if plan.mig_config.is_none() {
+        let exists = ctx.configmaps.state().iter().any(|c| c.name_any() == ctx.config.mig_configmap);
+        let referenced = ctx.active_cluster_policy().is_some_and(|cp| {
+            lookup(&cp.data, ".spec.migManager.config.name").and_then(|v| v.as_str()) == Some(ctx.config.mig_configmap.as_str())
+        });
+        if exists && !referenced {
+            let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+            api.delete(&ctx.config.mig_configmap, &Default::default()).await?;
+            ctx.count_write();
+            info!(configmap = %ctx.config.mig_configmap, "deleted mig-parted ConfigMap: no custom layout left");
+        }
+    }
+
+    // 5. Finalizers and status.
+    let mut in_progress = !plan.node_labels.is_empty() && plan.statuses.values().any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes);
+    for p in policies.values() {
+        match finalize(ctx, p.clone(), &plan, &input).await {
+            Ok(_) => {}
+            Err(Error::Finalizer(e)) if matches!(*e, finalizer::Error::CleanupFailed(Error::CleanupPending(_))) => {
+                in_progress = true;
+            }
+            Err(e) => return Err(e),
+        }
+        if p.metadata.deletion_timestamp.is_none()
+            && let Some(s) = plan.statuses.get(&p.name_any())
+        {
+            write_status(ctx, p, s.clone()).await?;
+        }
+    }
+    Ok(in_progress)
+}
+
+async fn finalize(ctx: &Context, p: Arc<GpuSharingPolicy>, plan: &Plan, input: &PlanInput) -> Result<Action, Error> {
+    let api: Api<GpuSharingPolicy> = Api::all(ctx.client.clone());
+    let name = p.name_any();
+    finalizer::finalizer(&api, FINALIZER, p.clone(), |event| async move {
+        match event {
+            FinalizerEvent::Apply(_) => Ok(Action::await_change()),
+            FinalizerEvent::Cleanup(p) => {
+                // Done when no node carries its labels and no config key of its remains.
+                let labelled = input.nodes.iter().any(|n| {
+                    n.labels.get(LABEL_POLICY) == Some(&name)
+                        || n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).is_some_and(|k| is_key_of(&name, k))
+                });
+                let keys_left = input.current_device_config.keys().chain(plan.device_config.keys()).any(|k| is_key_of(&name, k));
+                if labelled || keys_left {
+                    return Err(Error::CleanupPending(name.clone()));
+                }
+                ctx.event(&p, EventType::Normal, "CleanedUp", "removed node labels and config keys; finalizer released".into()).await;
+                info!(policy = %name, "cleanup complete");
+                Ok(Action::await_change())
+            }
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+/// Whether a device-plugin ConfigMap key is one of this policy's (`<name>-<8 hex>`).
+fn is_key_of(policy: &str, key: &str) -> bool {
+    key.strip_prefix(policy)
+        .and_then(|r| r.strip_prefix('-'))
+        .is_some_and(|h| h.len() == 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Keeps `lastTransitionTime` of conditions whose status did not change.
+fn merge_conditions(old: &[Condition], new: &mut [Condition], now: &Time) {
+    for c in new.iter_mut() {
+        let prev = old.iter().find(|o| o.type_ == c.type_);
+        c.last_transition_time = match prev {
+            Some(o) if o.status == c.status => o.last_transition_time.clone().or_else(|| Some(now.clone())),
+            _ => Some(now.clone()),
+        };
+    }
+}
+
+async fn write_status(ctx: &Context, p: &GpuSharingPolicy, mut status: GpuSharingPolicyStatus) -> Result<(), Error> {
+    let old = p.status.clone().unwrap_or_default();
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    merge_conditions(&old.conditions, &mut status.conditions, &now);
+    if old == status {
+        return Ok(());
+    }
+    let api: Api<GpuSharingPolicy> = Api::all(ctx.client.clone());
+    let obj = json!({
+        "apiVersion": GpuSharingPolicy::api_version(&()),
+        "kind": GpuSharingPolicy::kind(&()),
+        "status": status,
+    });
+    api.patch_status(&p.name_any(), &PatchParams::apply(MANAGER).force(), &Patch::Apply(&obj)).await?;
+    ctx.count_write();
+    debug!(policy = %p.name_any(), "status updated");
+    // Events for condition changes.
+    for c in &status.conditions {
+        let before = old.conditions.iter().find(|o| o.type_ == c.type_);
+        if before.is_none_or(|b| b.status != c.status || b.reason != c.reason) {
+            let bad = matches!((c.type_.as_str(), c.status.as_str()), ("Accepted", "False") | ("Conflicted", "True") | ("Degraded", "True"));
+            if bad || c.type_ == "Ready" {
+                let t = if bad { EventType::Warning } else { EventType::Normal };
+                ctx.event(p, t, &c.reason, format!("{}={}: {}", c.type_, c.status, c.message)).await;
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn apply_cluster_policy(ctx: &Context, plan: &Plan) -> Result<(), Error> {
+    let Some(cp) = ctx.active_cluster_policy() else { return Ok(()) };
+    let mut want = BTreeMap::new();
+    leaf_paths(&json!({"spec": plan.cluster_policy_spec}), "", &mut want);
+    // `leaf_paths` of an empty spec yields ".spec" -> {}: nothing to own.
+    want.retain(|_, v| !v.as_object().is_some_and(|o| o.is_empty()));
+    let want: BTreeMap<String, serde_json::Value> = want.into_iter().map(|(k, v)| (k.trim_start_matches('.').to_string(), v)).collect();
+    let owned = owned_spec_paths(cp.metadata.managed_fields.as_deref().unwrap_or_default());
+    let values_ok = want.iter().all(|(k, v)| lookup(&cp.data, &format!(".{k}")) == Some(v));
+    let owned_ok = owned == want.keys().cloned().collect::<BTreeSet<_>>();
+    if values_ok && owned_ok {
+        return Ok(());
+    }
+    let drift: Vec<String> = want
+        .iter()
+        .filter(|(k, v)| lookup(&cp.data, &format!(".{k}")).is_some_and(|cur| cur != *v))
+        .map(|(k, v)| format!("{k}={} (was {})", v, lookup(&cp.data, &format!(".{k}")).unwrap_or(&serde_json::Value::Null)))
+        .collect();
+    let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &cluster_policy_resource());
+    let obj = json!({
+        "apiVersion": "nvidia.com/v1",
+        "kind": "ClusterPolicy",
+        "metadata": {"name": cp.name_any()},
+        "spec": plan.cluster_policy_spec,
+    });
+    api.patch(&cp.name_any(), &PatchParams::apply(MANAGER).force(), &Patch::Apply(&obj)).await?;
+    ctx.count_write();
+    if drift.is_empty() {
+        info!(clusterpolicy = %cp.name_any(), spec = %plan.cluster_policy_spec, "applied ClusterPolicy settings");
+    } else {
+        warn!(clusterpolicy = %cp.name_any(), drift = ?drift, "ClusterPolicy was changed by someone else; put our settings back");
+    }
+    Ok(())
+}
