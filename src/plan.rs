@@ -380,11 +380,14 @@ pub fn plan(input: &PlanInput) -> Plan {
         input.policies.iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect();
     policies.sort_by_key(|p| precedence(p));
     let prepared: Vec<Prepared> = policies.iter().map(|p| prepare(p, base)).collect();
+    // Nodes in name order, whatever order the caches gave them in.
+    let mut sorted_nodes: Vec<&NodeFacts> = input.nodes.iter().collect();
+    sorted_nodes.sort_by(|a, b| a.name.cmp(&b.name));
 
     // Which policy governs each node.
     let mut matched: BTreeMap<&str, Vec<&str>> = BTreeMap::new(); // policy -> nodes
     let mut winner: BTreeMap<&str, usize> = BTreeMap::new(); // node -> prepared index
-    for n in &input.nodes {
+    for n in &sorted_nodes {
         for (i, p) in prepared.iter().enumerate() {
             if selector_matches(&p.spec.node_selector, &n.labels) {
                 matched.entry(p.name.as_str()).or_default().push(n.name.as_str());
@@ -442,7 +445,7 @@ pub fn plan(input: &PlanInput) -> Plan {
     let mut used_keys: BTreeSet<String> = BTreeSet::new();
     let mut used_layouts: BTreeSet<String> = BTreeSet::new();
 
-    for n in &input.nodes {
+    for n in &sorted_nodes {
         let cur = |k: &str| n.labels.get(k).cloned();
         let hold = || -> BTreeMap<String, String> {
             n.owned.iter().filter_map(|k| n.labels.get(k).map(|v| (k.clone(), v.clone()))).collect()
