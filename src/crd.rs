@@ -226,7 +226,7 @@ pub struct MigDeviceGroup {
 
     /// MIG profile -> number of instances per GPU.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[schemars(length(max = 16))]
+    #[schemars(extend("maxProperties" = 16))]
     pub mig_devices: BTreeMap<String, i32>,
 }
 

@@ -6,6 +6,7 @@
 
 pub mod controller;
 pub mod crd;
+pub mod docs;
 pub mod nvidia;
 pub mod plan;
 pub mod render;

@@ -18,7 +18,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Print the GpuSharingPolicy CustomResourceDefinition (YAML).
-    Crd,
+    Crd {
+        /// Print the field reference as a Markdown table instead (the README's CRD reference).
+        #[arg(long)]
+        markdown: bool,
+    },
     /// Run the controller (in-cluster config, or $KUBECONFIG / ~/.kube/config).
     Run {
         /// The GPU Operator's namespace, where the device plugin reads ConfigMaps; detected from
@@ -109,7 +113,11 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Crd => {
+        Command::Crd { markdown: true } => {
+            print!("{}", gpu_sharing_operator::docs::crd_reference());
+            ExitCode::SUCCESS
+        }
+        Command::Crd { markdown: false } => {
             print!("{}", serde_yaml::to_string(&GpuSharingPolicy::crd()).expect("CRD serializes"));
             ExitCode::SUCCESS
         }

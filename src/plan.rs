@@ -114,6 +114,36 @@ fn precedence(p: &GpuSharingPolicy) -> (i32, bool, String, String) {
     (-p.spec.priority, ts.is_none(), ts.unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
 }
 
+/// Labels that change as a result of what this operator does (directly, or through GPU Feature
+/// Discovery reacting to the new config). A selector over them would make a node flap in and out
+/// of its own policy, so they are refused in `nodeSelector`.
+pub const UNSTABLE_LABELS: [&str; 8] = [
+    LABEL_DEVICE_PLUGIN_CONFIG,
+    LABEL_MIG_CONFIG,
+    LABEL_MIG_STATE,
+    LABEL_POLICY,
+    LABEL_GPU_REPLICAS,
+    "nvidia.com/gpu.sharing-strategy",
+    "nvidia.com/mps.capable",
+    "nvidia.com/mig.strategy",
+];
+
+/// GFD appends `-SHARED` to the product when a GPU is shared without renaming.
+pub const SHARED_SUFFIX: &str = "-SHARED";
+
+/// The labels selectors are matched against: the product without GFD's `-SHARED` suffix, so a
+/// policy selecting `nvidia.com/gpu.product=NVIDIA-H200` keeps its nodes once they are shared.
+pub fn selection_labels(labels: &BTreeMap<String, String>) -> std::borrow::Cow<'_, BTreeMap<String, String>> {
+    match labels.get(LABEL_GPU_PRODUCT).and_then(|p| p.strip_suffix(SHARED_SUFFIX)) {
+        Some(base) => {
+            let mut l = labels.clone();
+            l.insert(LABEL_GPU_PRODUCT.to_string(), base.to_string());
+            std::borrow::Cow::Owned(l)
+        }
+        None => std::borrow::Cow::Borrowed(labels),
+    }
+}
+
 /// Whether a label selector matches a label set.
 pub fn selector_matches(sel: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
     for (k, v) in sel.match_labels.iter().flatten() {
@@ -182,7 +212,11 @@ pub fn profile_fits_memory(p: &MigProfile, memory_mib: i64) -> bool {
 
 /// Node-specific reasons a policy cannot be applied to a node.
 fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<String> {
-    let product = node.labels.get(LABEL_GPU_PRODUCT).cloned().unwrap_or_else(|| "unknown GPU".into());
+    let product = node
+        .labels
+        .get(LABEL_GPU_PRODUCT)
+        .map(|p| p.trim_end_matches(SHARED_SUFFIX).to_string())
+        .unwrap_or_else(|| "unknown GPU".into());
     match spec.strategy {
         Strategy::Mps => {
             let replicas = spec.mps.as_ref()?.replicas;
@@ -388,8 +422,9 @@ pub fn plan(input: &PlanInput) -> Plan {
     let mut matched: BTreeMap<&str, Vec<&str>> = BTreeMap::new(); // policy -> nodes
     let mut winner: BTreeMap<&str, usize> = BTreeMap::new(); // node -> prepared index
     for n in &sorted_nodes {
+        let sel_labels = selection_labels(&n.labels);
         for (i, p) in prepared.iter().enumerate() {
-            if selector_matches(&p.spec.node_selector, &n.labels) {
+            if selector_matches(&p.spec.node_selector, &sel_labels) {
                 matched.entry(p.name.as_str()).or_default().push(n.name.as_str());
                 winner.entry(n.name.as_str()).or_insert(i);
             }

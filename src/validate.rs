@@ -113,6 +113,20 @@ pub fn is_label_value(s: &str) -> bool {
 }
 
 fn check_selector(sel: &LabelSelector, errs: &mut Vec<FieldError>) {
+    let keys = sel
+        .match_labels
+        .iter()
+        .flatten()
+        .map(|(k, _)| ("matchLabels", k))
+        .chain(sel.match_expressions.iter().flatten().map(|e| ("matchExpressions", &e.key)));
+    for (field, k) in keys {
+        if crate::plan::UNSTABLE_LABELS.contains(&k.as_str()) {
+            errs.push(err(
+                format!("spec.nodeSelector.{field}"),
+                format!("{k} changes when sharing is applied (set by this operator or by GPU Feature Discovery); selecting on it would make nodes flap between policies"),
+            ));
+        }
+    }
     for (i, e) in sel.match_expressions.iter().flatten().enumerate() {
         let path = format!("spec.nodeSelector.matchExpressions[{i}]");
         let n = e.values.as_ref().map_or(0, |v| v.len());
