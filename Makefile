@@ -9,5 +9,10 @@ demo:
 test:
 	cargo test --locked
 
-crd:
+crd: generate
+
+# Regenerate crds/ and the README's CRD reference from the Rust types.
+generate:
 	cargo run --quiet -- crd > crds/gpusharingpolicies.gpusharing.io.yaml
+	cargo run --quiet -- crd --markdown > target/crd-reference.md
+	python3 -c 'import re,sys; r=open("README.md").read(); t=open("target/crd-reference.md").read(); s="<!-- crd-reference:start -->\n"; e="<!-- crd-reference:end -->"; a=r.index(s)+len(s); b=r.index(e); open("README.md","w").write(r[:a]+t+r[b:])'

@@ -212,7 +212,7 @@ impl MigStrategy {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.migEnabled ? (has(self.migDevices) && size(self.migDevices) > 0) : (!has(self.migDevices) || size(self.migDevices) == 0)").message("migDevices is required when migEnabled is true and must be empty when it is false"))]
 #[x_kube(validation = Rule::new("!has(self.migDevices) || self.migDevices.all(p, p.matches('^([1-9][0-9]?c\\\\.)?[1-9]g\\\\.[0-9]+gb(\\\\+me|\\\\+me\\\\.all|\\\\+gfx|-me)?$'))").message("MIG profile names look like 1g.10gb, 1c.2g.20gb, 1g.10gb+me, 1g.24gb+gfx, 1g.24gb-me or 1g.24gb+me.all"))]
-#[x_kube(validation = Rule::new("!has(self.migDevices) || self.migDevices.all(p, self.migDevices[p] >= 0 && self.migDevices[p] <= 7)").message("MIG device counts must be between 0 and 7"))]
+#[x_kube(validation = Rule::new("!has(self.migDevices) || self.migDevices.all(p, self.migDevices[p] >= 1 && self.migDevices[p] <= 7)").message("MIG device counts must be between 1 and 7 (mig-parted rejects 0)"))]
 #[x_kube(validation = Rule::new("!has(self.devices) || self.devices.all(d, self.devices.exists_one(e, e == d))").message("device indices must be unique"))]
 pub struct MigDeviceGroup {
     /// GPU indices of this group; all GPUs when absent.

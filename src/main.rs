@@ -145,8 +145,18 @@ fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
-            print!("{}", render::render_text(policies, nodes, &namespace, base));
-            ExitCode::SUCCESS
+            match render::render_text(policies, nodes, &namespace, base) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(errs) => {
+                    for e in errs {
+                        eprintln!("error: {e}");
+                    }
+                    ExitCode::from(1)
+                }
+            }
         }
     }
 }

@@ -140,8 +140,9 @@ pub fn layout_profiles(mig: &Mig) -> Option<Vec<String>> {
 }
 
 /// The resource name under which a MIG profile is advertised with the `mixed` strategy.
+/// The device plugin advertises `1g.10gb+me` as `nvidia.com/mig-1g.10gb.me` ('+' becomes '.').
 pub fn mig_resource(profile: &str) -> String {
-    format!("nvidia.com/mig-{profile}")
+    format!("nvidia.com/mig-{}", profile.replace('+', "."))
 }
 
 fn replicated(ts: &TimeSlicing, default_names: &[String]) -> ReplicatedResources {

@@ -134,7 +134,12 @@ pub const SHARED_SUFFIX: &str = "-SHARED";
 /// The labels selectors are matched against: the product without GFD's `-SHARED` suffix, so a
 /// policy selecting `nvidia.com/gpu.product=NVIDIA-H200` keeps its nodes once they are shared.
 pub fn selection_labels(labels: &BTreeMap<String, String>) -> std::borrow::Cow<'_, BTreeMap<String, String>> {
-    match labels.get(LABEL_GPU_PRODUCT).and_then(|p| p.strip_suffix(SHARED_SUFFIX)) {
+    let base = labels.get(LABEL_GPU_PRODUCT).and_then(|p| {
+        let p2 = p.strip_suffix(SHARED_SUFFIX).unwrap_or(p);
+        let p3 = p2.find("-MIG-").map_or(p2, |i| &p2[..i]);
+        (p3 != p).then_some(p3)
+    });
+    match base {
         Some(base) => {
             let mut l = labels.clone();
             l.insert(LABEL_GPU_PRODUCT.to_string(), base.to_string());
@@ -413,7 +418,25 @@ pub fn plan(input: &PlanInput) -> Plan {
     let mut policies: Vec<&GpuSharingPolicy> =
         input.policies.iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect();
     policies.sort_by_key(|p| precedence(p));
-    let prepared: Vec<Prepared> = policies.iter().map(|p| prepare(p, base)).collect();
+    let mut prepared: Vec<Prepared> = policies.iter().map(|p| prepare(p, base)).collect();
+    // A custom layout points the MIG manager at our ConfigMap; named layouts must then be in it,
+    // which needs the GPU Operator's default config.
+    let any_custom = prepared
+        .iter()
+        .any(|p| p.errors.is_empty() && p.spec.mig.as_ref().is_some_and(|m| m.custom_layout.is_some()));
+    if any_custom && base.is_none() {
+        for p in prepared.iter_mut().filter(|p| p.errors.is_empty()) {
+            if let Some(l) = p.spec.mig.as_ref().and_then(|m| m.layout.as_ref())
+                && l != MIG_DISABLED_LAYOUT
+            {
+                p.errors.push(format!(
+                    "spec.mig.layout: {l:?} cannot be served: a custom layout replaces the MIG manager's config with ours, and the GPU Operator's default-mig-parted-config (whose named layouts we would carry over) was not found"
+                ));
+                p.key = None;
+                p.config_text = None;
+            }
+        }
+    }
     // Nodes in name order, whatever order the caches gave them in.
     let mut sorted_nodes: Vec<&NodeFacts> = input.nodes.iter().collect();
     sorted_nodes.sort_by(|a, b| a.name.cmp(&b.name));
@@ -433,7 +456,12 @@ pub fn plan(input: &PlanInput) -> Plan {
 
     // Cluster-wide MIG strategy: that of the highest-precedence valid MIG policy governing a
     // node, else of the highest-precedence valid MIG policy.
-    let governing: BTreeSet<usize> = winner.values().copied().collect();
+    // Without any node (e.g. `render` without --nodes) every policy counts as governing, so
+    // conflicts are still reported.
+    let mut governing: BTreeSet<usize> = winner.values().copied().collect();
+    if governing.is_empty() {
+        governing = (0..prepared.len()).collect();
+    }
     let valid_mig = |i: &usize| prepared[*i].errors.is_empty() && prepared[*i].spec.mig.is_some();
     let mig_owner = (0..prepared.len())
         .find(|i| valid_mig(i) && governing.contains(i))

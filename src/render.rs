@@ -126,13 +126,21 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
             });
             continue;
         }
-        let p: GpuSharingPolicy = match serde_yaml::from_value(d.clone()) {
+        let p: GpuSharingPolicy = match serde_path_to_error::deserialize(d.clone()) {
             Ok(p) => p,
             Err(e) => {
-                errors.push(RenderError::Policy { name, message: e.to_string() });
+                let path = e.path().to_string();
+                errors.push(RenderError::Policy { name, message: format!("{path}: {}", e.into_inner()) });
                 continue;
             }
         };
+        if policies.iter().any(|q: &GpuSharingPolicy| q.metadata.name.as_deref() == Some(name.as_str())) {
+            errors.push(RenderError::Policy {
+                name: name.clone(),
+                message: "metadata.name: defined more than once (a later definition would silently replace the first)".into(),
+            });
+            continue;
+        }
         let typed = serde_json::to_value(&p).expect("serializable");
         let mut unknown = Vec::new();
         unknown_fields(&d, &typed, "", &mut unknown);
@@ -230,24 +238,40 @@ pub fn documents_of(plan: &Plan, input: &PlanInput, namespace: &str, with_nodes:
     out
 }
 
-/// Renders to multi-document YAML text.
+/// Renders to multi-document YAML text; policies the planner finds invalid (for example a named
+/// layout the given mig-parted config lacks) are errors, as in [`load_policies`].
 pub fn render_text(
     policies: Vec<GpuSharingPolicy>,
     nodes: Option<Vec<NodeFacts>>,
     namespace: &str,
     base_mig_configs: Option<BTreeMap<String, serde_yaml::Value>>,
-) -> String {
+) -> Result<String, Vec<RenderError>> {
     let with_nodes = nodes.is_some();
     let mut input = PlanInput::new(policies, nodes.unwrap_or_default());
     input.base_mig_configs = base_mig_configs;
     let plan = plan::plan(&input);
+    let invalid: Vec<RenderError> = plan
+        .statuses
+        .iter()
+        .flat_map(|(name, s)| {
+            s.conditions
+                .iter()
+                .filter(|c| c.type_ == "Accepted" && c.reason == "InvalidSpec")
+                .flat_map(|c| c.message.split("; ").map(String::from).collect::<Vec<_>>())
+                .map(|m| RenderError::Policy { name: name.clone(), message: m })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if !invalid.is_empty() {
+        return Err(invalid);
+    }
     let docs = documents_of(&plan, &input, namespace, with_nodes);
     let mut text = String::new();
     for d in docs {
         text.push_str("---\n");
         text.push_str(&serde_yaml::to_string(&d).expect("serializable"));
     }
-    text
+    Ok(text)
 }
 
 /// Keeps `nvidia` in the public surface of this module for callers that render configs alone.

@@ -92,8 +92,8 @@ pub fn check_resource_name(name: &str) -> Result<(), String> {
     let Some(rest) = q.strip_prefix("nvidia.com/") else {
         return Err(format!("resource name {name:?} must be under nvidia.com/"));
     };
-    if rest.len() > 63 {
-        return Err(format!("resource name {name:?} is longer than 63 characters after nvidia.com/"));
+    if q.len() > 63 {
+        return Err(format!("resource name {q:?} is longer than 63 characters"));
     }
     if !is_dns_label_ish(rest, true) {
         return Err(format!(
@@ -276,8 +276,11 @@ fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) 
                     )),
                     Some(prof) => slices += prof.slices as i32 * c,
                 }
-                if !(0..=7).contains(c) {
-                    errs.push(err(format!("{gp}.migDevices[{p:?}]"), format!("count {c} is out of range 0..7")));
+                if !(1..=7).contains(c) {
+                    errs.push(err(
+                        format!("{gp}.migDevices[{p:?}]"),
+                        format!("count {c} is out of range 1..7 (mig-parted rejects a count of 0)"),
+                    ));
                 }
             }
             if slices > MAX_COMPUTE_SLICES {
@@ -288,8 +291,57 @@ fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) 
             }
         }
     }
+    if mig.mig_strategy == MigStrategy::Single {
+        // The device plugin's single strategy needs every GPU in MIG mode with one profile.
+        if let Some(groups) = &mig.custom_layout {
+            let profiles: BTreeSet<&String> = groups.iter().flat_map(|g| g.mig_devices.keys()).collect();
+            if groups.iter().any(|g| !g.mig_enabled) {
+                errs.push(err(
+                    "spec.mig.customLayout",
+                    "migStrategy single needs MIG enabled on every GPU (device plugin: all devices on the node must be configured with the same migEnabled value); use mixed",
+                ));
+            } else if profiles.len() > 1 {
+                errs.push(err(
+                    "spec.mig.customLayout",
+                    "migStrategy single allows one MIG profile per node (device plugin: more than one MIG device type present on node); use mixed",
+                ));
+            }
+        } else if let Some(l) = &mig.layout
+            && l != "all-disabled"
+            && nvidia::layout_profiles(mig).is_none_or(|p| p.len() > 1)
+        {
+            errs.push(err(
+                "spec.mig.layout",
+                format!("migStrategy single allows one MIG profile per node, and layout {l:?} may create several; use mixed"),
+            ));
+        }
+    }
     if let Some(ts) = &mig.time_slicing {
         check_time_slicing(ts, "spec.mig.timeSlicing", errs, warnings);
+        if mig.mig_strategy == MigStrategy::Mixed
+            && let Some(profiles) = nvidia::layout_profiles(mig)
+        {
+            let offered: BTreeSet<String> = profiles.iter().map(|p| nvidia::mig_resource(p)).collect();
+            for (i, r) in ts.resources.iter().enumerate() {
+                let q = nvidia::qualify_resource(&r.name);
+                if q != GPU_RESOURCE && !offered.contains(&q) {
+                    errs.push(err(
+                        format!("spec.mig.timeSlicing.resources[{i}].name"),
+                        format!(
+                            "{} is not created by this layout (it offers {}): time-slicing it would do nothing",
+                            r.name,
+                            offered.iter().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                    ));
+                }
+            }
+            if ts.resources.is_empty() && profiles.iter().any(|p| parse_mig_profile(p).is_some_and(|x| x.compute.is_some())) {
+                errs.push(err(
+                    "spec.mig.timeSlicing",
+                    "compute-instance profiles (Nc.Ng.NNgb) are not advertised as resources by the device plugin: name the resources to time-slice",
+                ));
+            }
+        }
         match mig.mig_strategy {
             MigStrategy::Single => {
                 for (i, r) in ts.resources.iter().enumerate() {
@@ -393,7 +445,8 @@ mod tests {
         assert!(check_resource_name("nvidia.com/mig-1g.10gb").is_ok());
         assert!(check_resource_name("nvidia.com/GPU").is_err());
         assert!(check_resource_name("amd.com/gpu").is_err());
-        assert!(check_resource_name(&format!("nvidia.com/{}", "a".repeat(64))).is_err());
+        assert!(check_resource_name(&format!("nvidia.com/{}", "a".repeat(53))).is_err());
+        assert!(check_resource_name(&format!("nvidia.com/{}", "a".repeat(52))).is_ok());
     }
 
     #[test]

@@ -393,3 +393,14 @@ fn crd_in_repo_is_current() {
         "crds/ is stale: run `cargo run -- crd > crds/gpusharingpolicies.gpusharing.io.yaml`"
     );
 }
+
+#[test]
+fn readme_crd_reference_is_current() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let start = readme.find("<!-- crd-reference:start -->\n").expect("start marker") + "<!-- crd-reference:start -->\n".len();
+    let end = readme.find("<!-- crd-reference:end -->").expect("end marker");
+    assert!(
+        readme[start..end] == gpu_sharing_operator::docs::crd_reference(),
+        "README CRD reference is stale: regenerate it with `gpu-sharing-operator crd --markdown`"
+    );
+}

@@ -411,3 +411,26 @@ fn mixed_mig_blocks_mps_cluster_wide() {
     assert!(p.node_labels["h200-0"].is_empty());
     assert_eq!(p.cluster_policy_spec["mig"]["strategy"], "mixed");
 }
+
+#[test]
+fn shared_product_suffix_keeps_nodes_selected() {
+    // GFD appends -SHARED (and -MIG-<profile> with MIG single) to the product once shared.
+    let mut sel = LabelSelector::default();
+    sel.match_labels = Some([("nvidia.com/gpu.product".to_string(), "NVIDIA-H200".to_string())].into());
+    for product in ["NVIDIA-H200", "NVIDIA-H200-SHARED", "NVIDIA-H200-MIG-1g.18gb", "NVIDIA-H200-MIG-1g.18gb-SHARED"] {
+        let mut n = node("h", "NVIDIA-H200", false, None);
+        n.labels.insert("nvidia.com/gpu.product".into(), product.into());
+        assert!(plan::selector_matches(&sel, &plan::selection_labels(&n.labels)), "{product}");
+    }
+    let mut n = node("h", "NVIDIA-H200", false, None);
+    n.labels.insert("nvidia.com/gpu.product".into(), "NVIDIA-H200-NVL".into());
+    assert!(!plan::selector_matches(&sel, &plan::selection_labels(&n.labels)));
+}
+
+#[test]
+fn selectors_on_labels_sharing_changes_are_refused() {
+    let mut p = policy("flappy", 1, 4, false, None, 0, 0);
+    p.spec.node_selector.match_labels = Some([("nvidia.com/gpu.replicas".to_string(), "1".to_string())].into());
+    let (errs, _) = gpu_sharing_operator::validate::validate("flappy", &p.spec);
+    assert!(errs.iter().any(|e| e.path == "spec.nodeSelector.matchLabels" && e.message.contains("nvidia.com/gpu.replicas")), "{errs:?}");
+}
