@@ -1,0 +1,68 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/restmapper"
+	"k8s.io/controller-manager/pkg/informerfactory"
+	"k8s.io/kubernetes/pkg/controller/garbagecollector"
+	namespacecontroller "k8s.io/kubernetes/pkg/controller/namespace"
+)
+
+// gcSyncPeriod is how often the garbage collector re-reads discovery, i.e.
+// how soon it watches the resources of a newly created CRD. kube-controller-
+// manager uses 30s; tests want owners of new kinds collected quickly.
+const gcSyncPeriod = 3 * time.Second
+
+// startControllers runs, in this process, the two kube-controller-manager
+// controllers an apiserver-only cluster misses most: the garbage collector
+// (ownerReferences, foreground/background cascading deletion) and the
+// namespace controller (deleting a namespace empties and removes it).
+// They stop when ctx is cancelled.
+func startControllers(ctx context.Context, cfg *rest.Config) error {
+	cfg = rest.CopyConfig(cfg)
+	cfg.QPS, cfg.Burst = 200, 400
+	kube, err := kubernetes.NewForConfig(rest.AddUserAgent(cfg, "kube-local-controllers"))
+	if err != nil {
+		return err
+	}
+	meta, err := metadata.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(kube.Discovery()))
+
+	shared := informers.NewSharedInformerFactory(kube, 0)
+	metaInformers := metadatainformer.NewSharedInformerFactory(meta, 0)
+	started := make(chan struct{})
+
+	// Like kube-controller-manager's default: events are not collected.
+	ignored := map[schema.GroupResource]struct{}{{Group: "", Resource: "events"}: {}}
+	gc, err := garbagecollector.NewGarbageCollector(ctx, kube, meta, mapper, ignored,
+		informerfactory.NewInformerFactory(shared, metaInformers), started)
+	if err != nil {
+		return fmt.Errorf("garbage collector: %w", err)
+	}
+	ns := namespacecontroller.NewNamespaceController(ctx, kube, meta,
+		kube.Discovery().ServerPreferredNamespacedResources,
+		shared.Core().V1().Namespaces(), 5*time.Minute, v1.FinalizerKubernetes)
+
+	shared.Start(ctx.Done())
+	metaInformers.Start(ctx.Done())
+	close(started)
+
+	go gc.Run(ctx, 4, gcSyncPeriod)
+	go gc.Sync(ctx, kube.Discovery(), gcSyncPeriod)
+	go ns.Run(ctx, 4)
+	return nil
+}

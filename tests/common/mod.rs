@@ -1,0 +1,577 @@
+//! Test harness: a local Kubernetes control plane (`kube-local`, built from
+//! `tests/cluster/`) with the NVIDIA GPU Operator's ClusterPolicy and
+//! simulated GPU nodes seeded, plus small helpers.
+//!
+//! ```ignore
+//! mod common;
+//! use common::*;
+//!
+//! #[tokio::test]
+//! async fn my_test() {
+//!     let cluster = TestCluster::start().await;
+//!     apply_yaml(&cluster.client, include_str!("../crds/x.yaml")).await.unwrap();
+//!     assert!(wait_for(Duration::from_secs(10), || async { true }).await);
+//! }
+//! ```
+//!
+//! The binary is built (once, cached in `target/kube-local/`) by
+//! `tests/cluster/cluster.sh build`; set `KUBE_LOCAL_BIN` to use a prebuilt
+//! one. A cold build takes several minutes.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::future::Future;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, anyhow, bail};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::core::GroupVersionKind;
+use kube::discovery::{self, Scope};
+use kube::{Client, Config, ResourceExt};
+use tempfile::TempDir;
+
+/// Field manager the helpers use for server-side apply.
+pub const TEST_FIELD_MANAGER: &str = "gpu-sharing-tests";
+
+/// How long `start` waits for `READY`.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Options for [`TestCluster::start_with`].
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// Namespace of the simulated GPU Operator (ClusterPolicy `status.namespace`).
+    pub gpu_operator_namespace: String,
+    /// Seed the simulated nodes (`tests/cluster/fixtures/nodes.yaml`).
+    pub seed_nodes: bool,
+    /// Seed the GPU Operator: namespace, ClusterPolicy CRD and `cluster-policy`,
+    /// `default-mig-parted-config` ConfigMap.
+    pub seed_gpu_operator: bool,
+    /// Nodes manifest to seed instead of the default fixture.
+    pub nodes_file: Option<PathBuf>,
+    /// Extra manifest files or directories applied after seeding (CRDs are
+    /// waited for until Established), e.g. the repository's `crds/`.
+    pub manifests: Vec<PathBuf>,
+    /// Extra kube-local flags (see `kube-local --help`).
+    pub extra_args: Vec<String>,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        ClusterOptions {
+            gpu_operator_namespace: "gpu-operator".into(),
+            seed_nodes: true,
+            seed_gpu_operator: true,
+            nodes_file: None,
+            manifests: Vec::new(),
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+impl ClusterOptions {
+    pub fn namespace(mut self, ns: &str) -> Self {
+        self.gpu_operator_namespace = ns.into();
+        self
+    }
+    pub fn without_nodes(mut self) -> Self {
+        self.seed_nodes = false;
+        self
+    }
+    pub fn without_gpu_operator(mut self) -> Self {
+        self.seed_gpu_operator = false;
+        self
+    }
+    pub fn nodes_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.nodes_file = Some(path.into());
+        self
+    }
+    pub fn manifest(mut self, path: impl Into<PathBuf>) -> Self {
+        self.manifests.push(path.into());
+        self
+    }
+    pub fn arg(mut self, arg: &str) -> Self {
+        self.extra_args.push(arg.into());
+        self
+    }
+
+    fn args(&self) -> Vec<String> {
+        let mut a = vec![format!(
+            "--gpu-operator-namespace={}",
+            self.gpu_operator_namespace
+        )];
+        if !self.seed_nodes {
+            a.push("--no-nodes".into());
+        }
+        if !self.seed_gpu_operator {
+            a.push("--no-gpu-operator".into());
+        }
+        if let Some(n) = &self.nodes_file {
+            a.push(format!("--nodes={}", n.display()));
+        }
+        for m in &self.manifests {
+            a.push(format!("--manifest={}", m.display()));
+        }
+        a.extend(self.extra_args.iter().cloned());
+        a
+    }
+}
+
+/// Root of the repository (the crate's manifest directory).
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Path of the kube-local binary: `$KUBE_LOCAL_BIN`, or built (if missing or
+/// stale) by `tests/cluster/cluster.sh build`, once per test process.
+pub fn kube_local_bin() -> PathBuf {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("KUBE_LOCAL_BIN") {
+            return Ok(PathBuf::from(p));
+        }
+        let script = repo_root().join("tests/cluster/cluster.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg("path")
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| format!("running {}: {e}", script.display()))?;
+        if !out.status.success() {
+            return Err(format!("{} path failed: {}", script.display(), out.status));
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let path = stdout.lines().last().unwrap_or("").trim();
+        if path.is_empty() {
+            return Err(format!("{} path printed nothing", script.display()));
+        }
+        Ok(PathBuf::from(path))
+    })
+    .clone()
+    .unwrap_or_else(|e| panic!("cannot build kube-local: {e}"))
+}
+
+/// A running kube-local process.
+struct Process {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Process {
+    /// Spawns kube-local and blocks until it prints `READY <kubeconfig>`.
+    /// Its stdin is a pipe held by `child`: when this process dies, the pipe
+    /// closes and kube-local stops.
+    fn spawn(
+        dir: Option<&Path>,
+        log: PathBuf,
+        args: &[String],
+    ) -> anyhow::Result<(Process, PathBuf)> {
+        let bin = kube_local_bin();
+        let log_file = File::create(&log).with_context(|| format!("create {}", log.display()))?;
+        let mut cmd = Command::new(&bin);
+        if let Some(d) = dir {
+            cmd.arg("--dir").arg(d);
+        }
+        cmd.args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log_file));
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("spawn {}", bin.display()))?;
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            let mut reader = BufReader::new(stdout);
+            let mut line = String::new();
+            while reader.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+                if let Some(path) = line.trim_end().strip_prefix("READY ") {
+                    let _ = tx.send(path.to_string());
+                }
+                line.clear();
+            }
+            // Keep draining so kube-local never blocks on a full pipe.
+            let _ = std::io::copy(&mut reader.into_inner(), &mut std::io::sink());
+        });
+        let mut proc = Process { child, log };
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(path) => return Ok((proc, PathBuf::from(path))),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {}
+            }
+            if let Some(status) = proc.child.try_wait()? {
+                bail!(
+                    "kube-local exited ({status}) before READY; log {}:\n{}",
+                    proc.log.display(),
+                    proc.log_tail()
+                );
+            }
+            if Instant::now() > deadline {
+                let tail = proc.log_tail();
+                proc.kill();
+                bail!(
+                    "kube-local not READY within {READY_TIMEOUT:?}; log {}:\n{tail}",
+                    proc.log.display()
+                );
+            }
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = File::open(&self.log) {
+            let _ = f.read_to_string(&mut s);
+        }
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(60)..].join("\n")
+    }
+
+    fn kill(&mut self) {
+        // Everything (etcd included) lives in this one process: SIGKILL
+        // leaves nothing behind and is instant.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Builds a client from a kubeconfig file.
+pub async fn client_from_kubeconfig(path: &Path) -> anyhow::Result<Client> {
+    let kc = Kubeconfig::read_from(path).with_context(|| format!("read {}", path.display()))?;
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+    Ok(Client::try_from(config)?)
+}
+
+/// A private control plane for one test. Dropping it kills kube-local and
+/// removes its directory.
+pub struct TestCluster {
+    pub client: Client,
+    pub kubeconfig: PathBuf,
+    /// Namespace of the simulated GPU Operator.
+    pub gpu_operator_namespace: String,
+    /// kube-local's stderr (etcd and kube-apiserver logs).
+    pub log: PathBuf,
+    // Declared before `dir`: the process is killed before the dir is removed.
+    process: Process,
+    pub dir: TempDir,
+}
+
+impl TestCluster {
+    /// Starts a cluster with the defaults: GPU Operator in `gpu-operator`,
+    /// simulated nodes seeded. Panics on failure (with kube-local's log).
+    pub async fn start() -> TestCluster {
+        Self::start_with(ClusterOptions::default()).await
+    }
+
+    pub async fn start_with(opts: ClusterOptions) -> TestCluster {
+        match Self::try_start_with(opts).await {
+            Ok(c) => c,
+            Err(e) => panic!("starting the test cluster: {e:#}"),
+        }
+    }
+
+    pub async fn try_start_with(opts: ClusterOptions) -> anyhow::Result<TestCluster> {
+        let dir = tempfile::Builder::new()
+            .prefix("kube-local-test-")
+            .tempdir()?;
+        let log = dir.path().join("kube-local.log");
+        let (process, kubeconfig) = Process::spawn(Some(dir.path()), log.clone(), &opts.args())?;
+        let client = client_from_kubeconfig(&kubeconfig).await?;
+        Ok(TestCluster {
+            client,
+            kubeconfig,
+            gpu_operator_namespace: opts.gpu_operator_namespace,
+            log,
+            process,
+            dir,
+        })
+    }
+
+    /// A new client for this cluster (a `kube::Client` is tied to the tokio
+    /// runtime that created it).
+    pub async fn new_client(&self) -> Client {
+        client_from_kubeconfig(&self.kubeconfig)
+            .await
+            .expect("client")
+    }
+
+    /// The last lines of kube-local's log, e.g. for assertion messages.
+    pub fn log_tail(&self) -> String {
+        self.process.log_tail()
+    }
+}
+
+/// A cluster shared by all tests of one test binary (default options), for
+/// tests that do not disturb each other (use distinct names/namespaces).
+/// It lives until the test process exits: kube-local then sees EOF on its
+/// stdin and stops, removing its own temp dir.
+pub struct SharedCluster {
+    pub kubeconfig: PathBuf,
+    pub gpu_operator_namespace: String,
+    pub log: PathBuf,
+    process: Mutex<Process>,
+}
+
+impl SharedCluster {
+    /// A client for the shared cluster, bound to the calling test's runtime.
+    pub async fn client(&self) -> Client {
+        client_from_kubeconfig(&self.kubeconfig)
+            .await
+            .expect("client")
+    }
+
+    pub fn log_tail(&self) -> String {
+        self.process
+            .lock()
+            .map(|p| p.log_tail())
+            .unwrap_or_default()
+    }
+}
+
+impl TestCluster {
+    /// The process-wide shared cluster, started on first use.
+    pub fn shared() -> &'static SharedCluster {
+        static SHARED: OnceLock<Result<SharedCluster, String>> = OnceLock::new();
+        SHARED
+            .get_or_init(|| {
+                let opts = ClusterOptions::default();
+                // In target/tmp, one file per test binary, overwritten by the next run.
+                let exe = std::env::current_exe().ok();
+                let stem = exe
+                    .as_ref()
+                    .and_then(|p| p.file_stem())
+                    .map(|s| s.to_string_lossy().into_owned());
+                let log = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+                    "kube-local-shared-{}.log",
+                    stem.unwrap_or_else(|| "tests".into())
+                ));
+                // No --dir: kube-local makes and removes its own temp dir.
+                let (process, kubeconfig) = Process::spawn(None, log.clone(), &opts.args())
+                    .map_err(|e| format!("{e:#}"))?;
+                Ok(SharedCluster {
+                    kubeconfig,
+                    gpu_operator_namespace: opts.gpu_operator_namespace,
+                    log,
+                    process: Mutex::new(process),
+                })
+            })
+            .as_ref()
+            .unwrap_or_else(|e| panic!("starting the shared test cluster: {e}"))
+    }
+}
+
+/// Polls `f` every 100 ms until it returns true or `timeout` passes; returns
+/// whether it succeeded.
+pub async fn wait_for<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if f().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until the CRD `name` (e.g. `gpusharingpolicies.gpusharing.io`) is
+/// Established, i.e. its API is served.
+pub async fn wait_crd_established(
+    client: &Client,
+    name: &str,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let ok = wait_for(timeout, || {
+        let api = api.clone();
+        async move {
+            match api.get_opt(name).await {
+                Ok(Some(crd)) => crd
+                    .status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|c| c.type_ == "Established" && c.status == "True"),
+                _ => false,
+            }
+        }
+    })
+    .await;
+    if ok {
+        Ok(())
+    } else {
+        Err(anyhow!("CRD {name} not Established within {timeout:?}"))
+    }
+}
+
+/// Splits multi-document YAML into JSON values, skipping empty documents.
+pub fn parse_yaml_documents(yaml: &str) -> anyhow::Result<Vec<serde_json::Value>> {
+    use serde::Deserialize;
+    let mut out = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(yaml) {
+        let v = serde_json::Value::deserialize(doc)?;
+        match &v {
+            serde_json::Value::Null => continue,
+            serde_json::Value::Object(m) if m.is_empty() => continue,
+            _ => out.push(v),
+        }
+    }
+    Ok(out)
+}
+
+/// Server-side applies every document of a multi-document YAML (any kind,
+/// resolved through discovery). Namespaced objects without a namespace go to
+/// `default`. A `status` in a document is applied through the status
+/// subresource too. CRDs are waited for until Established, so custom
+/// resources may follow in the same YAML. Returns the applied objects.
+pub async fn apply_yaml(client: &Client, yaml: &str) -> anyhow::Result<Vec<DynamicObject>> {
+    apply_yaml_in(client, None, yaml).await
+}
+
+/// Like [`apply_yaml`], putting namespaced objects into `namespace` (if
+/// given) whatever their manifest says.
+pub async fn apply_yaml_in(
+    client: &Client,
+    namespace: Option<&str>,
+    yaml: &str,
+) -> anyhow::Result<Vec<DynamicObject>> {
+    let mut applied = Vec::new();
+    for doc in parse_yaml_documents(yaml)? {
+        let mut obj: DynamicObject =
+            serde_json::from_value(doc).context("not a Kubernetes object")?;
+        let types = obj
+            .types
+            .clone()
+            .ok_or_else(|| anyhow!("object without apiVersion/kind"))?;
+        let gvk = GroupVersionKind::try_from(&types)?;
+        let name = obj.name_any();
+        let (ar, caps) = discovery::pinned_kind(client, &gvk)
+            .await
+            .with_context(|| format!("discovering {}/{}", types.api_version, types.kind))?;
+        let api: Api<DynamicObject> = match caps.scope {
+            Scope::Cluster => {
+                obj.metadata.namespace = None;
+                Api::all_with(client.clone(), &ar)
+            }
+            Scope::Namespaced => {
+                let ns = namespace
+                    .map(str::to_string)
+                    .or_else(|| obj.metadata.namespace.clone())
+                    .unwrap_or_else(|| "default".into());
+                obj.metadata.namespace = Some(ns.clone());
+                Api::namespaced_with(client.clone(), &ns, &ar)
+            }
+        };
+        let pp = PatchParams::apply(TEST_FIELD_MANAGER).force();
+        let status = obj.data.as_object_mut().and_then(|m| m.remove("status"));
+        let mut result = api
+            .patch(&name, &pp, &Patch::Apply(&obj))
+            .await
+            .with_context(|| format!("applying {} {name}", types.kind))?;
+        if let Some(status) = status
+            && types.kind != "CustomResourceDefinition"
+            && caps
+                .subresources
+                .iter()
+                .any(|(sr, _)| sr.plural == "status")
+        {
+            let body = serde_json::json!({
+                "apiVersion": types.api_version,
+                "kind": types.kind,
+                "metadata": {"name": name},
+                "status": status,
+            });
+            result = api
+                .patch_status(&name, &pp, &Patch::Apply(&body))
+                .await
+                .with_context(|| format!("applying status of {} {name}", types.kind))?;
+        }
+        if types.kind == "CustomResourceDefinition" {
+            wait_crd_established(client, &name, Duration::from_secs(30)).await?;
+        }
+        applied.push(result);
+    }
+    Ok(applied)
+}
+
+/// [`apply_yaml`] for a file, or for every `*.yaml`/`*.yml` file of a
+/// directory in name order.
+pub async fn apply_path(client: &Client, path: &Path) -> anyhow::Result<Vec<DynamicObject>> {
+    let mut files = Vec::new();
+    if path.is_dir() {
+        for e in std::fs::read_dir(path)? {
+            let p = e?.path();
+            if matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml")) {
+                files.push(p);
+            }
+        }
+        files.sort();
+    } else {
+        files.push(path.to_path_buf());
+    }
+    let mut out = Vec::new();
+    for f in files {
+        let yaml = std::fs::read_to_string(&f).with_context(|| format!("read {}", f.display()))?;
+        out.extend(
+            apply_yaml(client, &yaml)
+                .await
+                .with_context(|| format!("applying {}", f.display()))?,
+        );
+    }
+    Ok(out)
+}
+
+/// Sets (`Some`) or removes (`None`) labels on a node with a merge patch, as
+/// an admin or GPU Feature Discovery would.
+pub async fn set_node_labels(
+    client: &Client,
+    node: &str,
+    labels: &[(&str, Option<&str>)],
+) -> anyhow::Result<()> {
+    let map: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.to_string(),
+                v.map_or(serde_json::Value::Null, |v| v.into()),
+            )
+        })
+        .collect();
+    let api: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    api.patch(
+        node,
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"labels": map}})),
+    )
+    .await
+    .with_context(|| format!("labelling node {node}"))?;
+    Ok(())
+}
+
+/// The GPU Operator's ClusterPolicy API (`nvidia.com/v1`, cluster-scoped).
+pub fn cluster_policy_api(client: &Client) -> Api<DynamicObject> {
+    let ar = kube::api::ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("nvidia.com", "v1", "ClusterPolicy"),
+        "clusterpolicies",
+    );
+    Api::all_with(client.clone(), &ar)
+}
