@@ -1,0 +1,195 @@
+package main
+
+// End-to-end test of the simulator against the local control plane of
+// tests/cluster (kube-local). Skipped unless KUBE_LOCAL names the kube-local
+// binary (tests/cluster/cluster.sh path prints it).
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"gpusharing.io/tests/nvidia/internal/sim"
+)
+
+func startKubeLocal(t *testing.T) string {
+	bin := os.Getenv("KUBE_LOCAL")
+	if bin == "" {
+		t.Skip("KUBE_LOCAL (path to tests/cluster's kube-local binary) not set")
+	}
+	cmd := exec.Command(bin, "--dir", t.TempDir(), "--watch-parent=false")
+	stdin, err := cmd.StdinPipe() // kube-local exits when stdin closes
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = nil
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		stdin.Close()
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			_ = cmd.Process.Kill()
+		}
+	})
+	ready := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if kc, ok := strings.CutPrefix(sc.Text(), "READY "); ok {
+				ready <- kc
+			}
+		}
+	}()
+	select {
+	case kc := <-ready:
+		return kc
+	case <-time.After(150 * time.Second):
+		t.Fatal("kube-local not ready")
+	}
+	return ""
+}
+
+func TestE2ESimulatorAgainstAPIServer(t *testing.T) {
+	kubeconfig := startKubeLocal(t)
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	core := corev1client.NewForConfigOrDie(cfg)
+	dyn := dynamic.NewForConfigOrDie(cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+
+	simCtx, stopSim := context.WithCancel(ctx)
+	simDone := make(chan error, 1)
+	go func() {
+		simDone <- run(simCtx, &options{kubeconfig: kubeconfig, namespace: "gpu-operator", clusterPolicy: "cluster-policy",
+			migDelay: 300 * time.Millisecond, autoLabelMig: true, fallbacks: sim.FallbackEmpty, retry: time.Second})
+	}()
+	defer func() {
+		stopSim()
+		<-simDone
+	}()
+
+	node := func(name string) *corev1.Node {
+		n, err := core.Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	label := func(name, key, value string) {
+		t.Helper()
+		body, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]any{key: value}}})
+		if _, err := core.Nodes().Patch(ctx, name, types.MergePatchType, body, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	capacity := func(name, res string) string {
+		q := node(name).Status.Allocatable[corev1.ResourceName(res)]
+		return q.String()
+	}
+
+	// First sight: every GPU node gets its hardware recorded and its plugin loaded.
+	for _, n := range []string{"l4-node-0", "a100-node-0", "a100-node-1", "h200-node-0"} {
+		waitFor(n+" first sight", func() bool { return node(n).Annotations[sim.AnnDPLoaded] != "" })
+	}
+	// Steady state writes nothing.
+	rv := node("l4-node-0").ResourceVersion
+	time.Sleep(1500 * time.Millisecond)
+	if got := node("l4-node-0").ResourceVersion; got != rv {
+		t.Fatalf("steady state: resourceVersion moved %s -> %s", rv, got)
+	}
+
+	// Device-plugin ConfigMap + ClusterPolicy pointing at it.
+	cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "dp-test", Namespace: "gpu-operator"}, Data: map[string]string{
+		"default": "version: v1\nflags:\n  migStrategy: none\n",
+		"ts4":     "version: v1\nflags:\n  migStrategy: none\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n",
+		"mig-ts2": "version: v1\nflags:\n  migStrategy: single\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
+	}}
+	if _, err := core.ConfigMaps("gpu-operator").Create(ctx, cm, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cpPatch := `{"spec":{"devicePlugin":{"config":{"name":"dp-test","default":"default"}},"mig":{"strategy":"single"}}}`
+	if _, err := dyn.Resource(clusterPolicyGVR).Patch(ctx, "cluster-policy", types.MergePatchType, []byte(cpPatch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	label("l4-node-0", sim.LabelDPConfig, "ts4")
+	waitFor("l4-node-0 time-sliced x4", func() bool { return capacity("l4-node-0", "nvidia.com/gpu") == "16" })
+	if n := node("l4-node-0"); n.Labels["nvidia.com/gpu.product"] != "NVIDIA-L4-SHARED" || n.Labels["nvidia.com/gpu.replicas"] != "4" ||
+		n.Labels["nvidia.com/gpu.sharing-strategy"] != "time-slicing" {
+		t.Fatalf("labels %v", n.Labels)
+	}
+
+	label("l4-node-0", sim.LabelDPConfig, "missing")
+	waitFor("device-plugin error", func() bool {
+		return strings.Contains(node("l4-node-0").Annotations[sim.AnnDPError], "specified config missing does not exist")
+	})
+	if c := capacity("l4-node-0", "nvidia.com/gpu"); c != "16" {
+		t.Fatalf("capacity changed on a crash-looping plugin: %s", c)
+	}
+
+	// MIG: all-1g.10gb with time-slicing x2 under single: 8 x 7 x 2.
+	label("a100-node-0", sim.LabelDPConfig, "mig-ts2")
+	label("a100-node-0", sim.LabelMigConfig, "all-1g.10gb")
+	sawPending := false
+	waitFor("MIG success", func() bool {
+		s := node("a100-node-0").Labels[sim.LabelMigState]
+		sawPending = sawPending || s == sim.StatePending
+		return s == sim.StateSuccess && node("a100-node-0").Annotations[sim.AnnAppliedMig] == "all-1g.10gb"
+	})
+	if !sawPending {
+		t.Log("pending state not observed (polling may have missed it)")
+	}
+	waitFor("MIG capacity", func() bool { return capacity("a100-node-0", "nvidia.com/gpu") == "112" })
+
+	// A GPU pod on a100-node-1 makes its reconfiguration fail.
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "busy", Namespace: "default"}, Spec: corev1.PodSpec{
+		NodeName: "a100-node-1",
+		Containers: []corev1.Container{{Name: "c", Image: "x", Resources: corev1.ResourceRequirements{
+			Limits: corev1.ResourceList{"nvidia.com/gpu": resource.MustParse("1")}}}},
+	}}
+	if _, err := core.Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	label("a100-node-1", sim.LabelMigConfig, "all-3g.40gb")
+	waitFor("MIG failed", func() bool { return node("a100-node-1").Labels[sim.LabelMigState] == sim.StateFailed })
+	if msg := node("a100-node-1").Annotations[sim.AnnMigError]; !strings.Contains(msg, "In use by another client") {
+		t.Fatalf("mig error %q", msg)
+	}
+	fmt.Fprintln(os.Stderr, "e2e: simulator scenario passed")
+}

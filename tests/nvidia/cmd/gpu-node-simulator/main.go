@@ -1,0 +1,427 @@
+// Command gpu-node-simulator is a TEST-ONLY SIMULATOR of NVIDIA's node
+// components for clusters without GPUs. It is not NVIDIA software. On every
+// Node labelled nvidia.com/gpu.present=true it plays:
+//
+//   - the MIG manager: reacts to nvidia.com/mig.config, sets
+//     nvidia.com/mig.config.state (pending, then success or failed), looks
+//     layouts up in the mig-parted ConfigMap named by the ClusterPolicy and
+//     parses them with mig-parted's own parser;
+//   - the device plugin with its config-manager, and GPU Feature Discovery:
+//     picks the device-plugin ConfigMap key (node label
+//     nvidia.com/device-plugin.config, else ClusterPolicy default, else the
+//     fallbacks), loads it with the device plugin's config package and sets
+//     the GFD sharing labels and status capacity/allocatable.
+//
+// See tests/nvidia/README.md for what is simulated and how faithfully.
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/dynamic"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/util/workqueue"
+
+	"gpusharing.io/tests/nvidia/internal/nvconf"
+	"gpusharing.io/tests/nvidia/internal/sim"
+)
+
+const fieldManager = "gpu-node-simulator"
+
+var clusterPolicyGVR = schema.GroupVersionResource{Group: "nvidia.com", Version: "v1", Resource: "clusterpolicies"}
+
+type options struct {
+	kubeconfig       string
+	namespace        string
+	clusterPolicy    string
+	migDelay         time.Duration
+	exitOnStdinEOF   bool
+	autoLabelMig     bool
+	fallbacks        string
+	defaultMigConfig string
+	retry            time.Duration
+}
+
+func main() {
+	var o options
+	flag.StringVar(&o.kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig of the cluster")
+	flag.StringVar(&o.namespace, "namespace", "gpu-operator", "the GPU Operator's namespace (where the device-plugin and mig-parted ConfigMaps live)")
+	flag.StringVar(&o.clusterPolicy, "cluster-policy", "cluster-policy", "name of the ClusterPolicy to follow")
+	flag.DurationVar(&o.migDelay, "mig-delay", 500*time.Millisecond, "how long a MIG reconfiguration stays pending")
+	flag.BoolVar(&o.exitOnStdinEOF, "exit-on-stdin-eof", false, "exit when standard input reaches EOF (for test harnesses)")
+	flag.BoolVar(&o.autoLabelMig, "auto-label-mig-config", true, "label MIG-capable nodes without nvidia.com/mig.config with all-disabled, as the GPU Operator does")
+	flag.StringVar(&o.fallbacks, "fallback-strategies", sim.FallbackEmpty, "config-manager FALLBACK_STRATEGIES when neither label nor default names a config (the GPU Operator uses 'empty'; the plugin's Helm chart 'named,single')")
+	flag.StringVar(&o.defaultMigConfig, "default-mig-config", "", "mig-parted config (file: ConfigMap manifest or raw) used when the ClusterPolicy names none and the namespace has no "+sim.DefaultMigConfigMap+" (default: a small built-in config)")
+	flag.DurationVar(&o.retry, "crashloop-retry", 5*time.Second, "how often a node whose simulated device plugin cannot start is re-evaluated")
+	flag.Parse()
+	log.SetFlags(log.Ltime | log.Lmicroseconds)
+	log.SetPrefix("gpu-node-simulator: ")
+	log.SetOutput(os.Stderr)
+
+	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer cancel()
+	if o.exitOnStdinEOF {
+		go func() {
+			_, _ = io.Copy(io.Discard, bufio.NewReader(os.Stdin))
+			log.Print("standard input closed: exiting")
+			cancel()
+		}()
+	}
+	if err := run(ctx, &o); err != nil && !errors.Is(err, context.Canceled) {
+		log.Printf("error: %v", err)
+		os.Exit(1)
+	}
+}
+
+type simulator struct {
+	o       *options
+	core    corev1client.CoreV1Interface
+	dyn     dynamic.Interface
+	queue   workqueue.TypedRateLimitingInterface[string]
+	nodes   cache.Store
+	cms     cache.Store
+	cps     cache.Store
+	builtin string
+
+	mu     sync.Mutex
+	timers map[string]pendingMig // node -> MIG reconfiguration in progress
+}
+
+type pendingMig struct {
+	layout string
+	due    time.Time
+}
+
+func run(ctx context.Context, o *options) error {
+	cfg, err := clientcmd.BuildConfigFromFlags("", o.kubeconfig)
+	if err != nil {
+		return fmt.Errorf("kubeconfig: %w", err)
+	}
+	cfg.UserAgent = fieldManager
+	core, err := corev1client.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	s := &simulator{
+		o: o, core: core, dyn: dyn,
+		queue:   workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
+		timers:  map[string]pendingMig{},
+		builtin: sim.BuiltinMigConfig,
+	}
+	if o.defaultMigConfig != "" {
+		if s.builtin, err = nvconf.ReadMigConfigFile(o.defaultMigConfig); err != nil {
+			return err
+		}
+	}
+	defer s.queue.ShutDown()
+
+	enqueueNode := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			s.queue.Add(key)
+		}
+	}
+	enqueueAll := func(any) {
+		for _, name := range s.nodes.ListKeys() {
+			s.queue.Add(name)
+		}
+	}
+	handlers := func(f func(any)) cache.ResourceEventHandlerFuncs {
+		return cache.ResourceEventHandlerFuncs{
+			AddFunc:    f,
+			UpdateFunc: func(_, n any) { f(n) },
+			DeleteFunc: f,
+		}
+	}
+
+	nodeLW := cache.NewFilteredListWatchFromClient(core.RESTClient(), "nodes", metav1.NamespaceAll, func(lo *metav1.ListOptions) {
+		lo.LabelSelector = sim.LabelGPUPresent + "=true"
+	})
+	nodeInf := cache.NewSharedIndexInformer(nodeLW, &corev1.Node{}, 0, cache.Indexers{})
+	_, _ = nodeInf.AddEventHandler(handlers(enqueueNode))
+	s.nodes = nodeInf.GetStore()
+
+	cmLW := cache.NewListWatchFromClient(core.RESTClient(), "configmaps", o.namespace, fields.Everything())
+	cmInf := cache.NewSharedIndexInformer(cmLW, &corev1.ConfigMap{}, 0, cache.Indexers{})
+	_, _ = cmInf.AddEventHandler(handlers(enqueueAll))
+	s.cms = cmInf.GetStore()
+
+	cpRes := dyn.Resource(clusterPolicyGVR)
+	cpSel := fields.OneTermEqualSelector("metadata.name", o.clusterPolicy).String()
+	cpLW := &cache.ListWatch{
+		ListFunc: func(lo metav1.ListOptions) (runtime.Object, error) {
+			lo.FieldSelector = cpSel
+			return cpRes.List(ctx, lo)
+		},
+		WatchFunc: func(lo metav1.ListOptions) (watch.Interface, error) {
+			lo.FieldSelector = cpSel
+			return cpRes.Watch(ctx, lo)
+		},
+	}
+	cpInf := cache.NewSharedIndexInformer(cpLW, &unstructured.Unstructured{}, 0, cache.Indexers{})
+	_, _ = cpInf.AddEventHandler(handlers(enqueueAll))
+	s.cps = cpInf.GetStore()
+
+	go nodeInf.Run(ctx.Done())
+	go cmInf.Run(ctx.Done())
+	go cpInf.Run(ctx.Done())
+	if !cache.WaitForCacheSync(ctx.Done(), nodeInf.HasSynced, cmInf.HasSynced) {
+		return ctx.Err()
+	}
+	// Without the ClusterPolicy CRD the list never succeeds: go on without
+	// a ClusterPolicy (plugin defaults) rather than wait forever.
+	cpCtx, cpCancel := context.WithTimeout(ctx, 10*time.Second)
+	if !cache.WaitForCacheSync(cpCtx.Done(), cpInf.HasSynced) {
+		log.Printf("warning: ClusterPolicies (%s) not listable yet; acting as if there were none", clusterPolicyGVR.GroupResource())
+	}
+	cpCancel()
+	log.Printf("watching GPU nodes, ConfigMaps in %s and ClusterPolicy %s (mig-delay %v)", o.namespace, o.clusterPolicy, o.migDelay)
+	enqueueAll(nil)
+
+	go func() {
+		<-ctx.Done()
+		s.queue.ShutDown()
+	}()
+	for s.processNext(ctx) {
+	}
+	return ctx.Err()
+}
+
+func (s *simulator) processNext(ctx context.Context) bool {
+	name, shutdown := s.queue.Get()
+	if shutdown {
+		return false
+	}
+	defer s.queue.Done(name)
+	requeue, err := s.sync(ctx, name)
+	switch {
+	case err != nil && ctx.Err() == nil:
+		log.Printf("node %s: %v (retrying)", name, err)
+		s.queue.AddRateLimited(name)
+	case requeue > 0:
+		s.queue.Forget(name)
+		s.queue.AddAfter(name, requeue)
+	default:
+		s.queue.Forget(name)
+	}
+	return true
+}
+
+// sync evaluates one node against the current cluster state and writes the
+// difference.
+func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error) {
+	// Read the node fresh: the informer may not have seen our last write yet.
+	node, err := s.core.Nodes().Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		s.mu.Lock()
+		delete(s.timers, name)
+		s.mu.Unlock()
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if node.Labels[sim.LabelGPUPresent] != "true" {
+		return 0, nil
+	}
+	n := &sim.Node{
+		Name: name, Labels: node.Labels, Annotations: node.Annotations,
+		Capacity: resourceStrings(node.Status.Capacity), Allocatable: resourceStrings(node.Status.Allocatable),
+	}
+	if n.Labels == nil {
+		n.Labels = map[string]string{}
+	}
+	if n.Annotations == nil {
+		n.Annotations = map[string]string{}
+	}
+	patch := &sim.Patch{}
+	hw, recorded := sim.HardwareOf(n.Labels, n.Annotations)
+	if !recorded {
+		b, _ := json.Marshal(hw)
+		patch.Annotations = map[string]*string{sim.AnnHardware: ptr(string(b))}
+		patch.Log = append(patch.Log, "first seen: hardware "+string(b))
+	}
+	cp := s.clusterPolicy()
+
+	// MIG manager.
+	migIn := sim.MigInput{Now: time.Now(), Delay: s.o.migDelay, AutoLabelEmpty: s.o.autoLabelMig}
+	migIn.MigConfig, migIn.Source, migIn.Err = s.migConfig(cp)
+	desired := n.Labels[sim.LabelMigConfig]
+	s.mu.Lock()
+	if t, ok := s.timers[name]; ok && t.layout == desired {
+		migIn.Due = &t.due
+	}
+	s.mu.Unlock()
+	if migIn.Due != nil && !migIn.Now.Before(*migIn.Due) {
+		pods, err := s.core.Pods(metav1.NamespaceAll).List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + name})
+		if err != nil {
+			return 0, err
+		}
+		migIn.BusyPods = sim.BusyPods(pods.Items, name)
+	}
+	migRes := sim.PlanMig(n, hw, migIn, patch)
+
+	// Device plugin + GFD.
+	dpIn := sim.DPInput{CP: cp, Fallbacks: splitList(s.o.fallbacks), Geometry: migRes.Geometry}
+	if cp.DPConfigName != "" {
+		if obj, ok, _ := s.cms.GetByKey(s.o.namespace + "/" + cp.DPConfigName); ok {
+			dpIn.ConfigMap = obj.(*corev1.ConfigMap).Data
+			if dpIn.ConfigMap == nil {
+				dpIn.ConfigMap = map[string]string{}
+			}
+		}
+	}
+	var dpRes sim.DPResult
+	if !migRes.InProgress {
+		dpRes = sim.PlanDevicePlugin(n, hw, dpIn, patch)
+	}
+
+	if err := s.write(ctx, node, patch); err != nil {
+		return 0, err
+	}
+	s.mu.Lock()
+	switch {
+	case migRes.StartTimer:
+		s.timers[name] = pendingMig{layout: desired, due: migIn.Now.Add(s.o.migDelay)}
+	case migRes.ClearTimer:
+		delete(s.timers, name)
+	}
+	s.mu.Unlock()
+	requeue := migRes.Requeue
+	if dpRes.Failed && (requeue == 0 || requeue > s.o.retry) {
+		requeue = s.o.retry
+	}
+	return requeue, nil
+}
+
+func (s *simulator) write(ctx context.Context, node *corev1.Node, p *sim.Patch) error {
+	for _, l := range p.Log {
+		log.Printf("node %s: %s", node.Name, l)
+	}
+	if len(p.Labels) > 0 || len(p.Annotations) > 0 {
+		meta := map[string]any{}
+		if len(p.Labels) > 0 {
+			meta["labels"] = p.Labels
+		}
+		if len(p.Annotations) > 0 {
+			meta["annotations"] = p.Annotations
+		}
+		body, _ := json.Marshal(map[string]any{"metadata": meta})
+		if _, err := s.core.Nodes().Patch(ctx, node.Name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: fieldManager}); err != nil {
+			return fmt.Errorf("patching labels: %w", err)
+		}
+		log.Printf("node %s: patched %s", node.Name, describePatch(p))
+	}
+	if p.Resources != nil {
+		body, _ := json.Marshal(map[string]any{"status": map[string]any{"capacity": p.Resources, "allocatable": p.Resources}})
+		if _, err := s.core.Nodes().Patch(ctx, node.Name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: fieldManager}, "status"); err != nil {
+			return fmt.Errorf("patching status: %w", err)
+		}
+		log.Printf("node %s: capacity/allocatable %v", node.Name, p.Resources)
+	}
+	return nil
+}
+
+func describePatch(p *sim.Patch) string {
+	var parts []string
+	for k, v := range p.Labels {
+		if v == nil {
+			parts = append(parts, "-"+k)
+		} else {
+			parts = append(parts, k+"="+*v)
+		}
+	}
+	for k, v := range p.Annotations {
+		if v == nil {
+			parts = append(parts, "-@"+strings.TrimPrefix(k, sim.AnnPrefix))
+		} else {
+			parts = append(parts, "@"+strings.TrimPrefix(k, sim.AnnPrefix))
+		}
+	}
+	return strings.Join(parts, " ")
+}
+
+func (s *simulator) clusterPolicy() sim.ClusterPolicy {
+	obj, ok, _ := s.cps.GetByKey(s.o.clusterPolicy)
+	if !ok {
+		return sim.ClusterPolicy{}
+	}
+	u := obj.(*unstructured.Unstructured).Object
+	str := func(path ...string) string {
+		v, _, _ := unstructured.NestedString(u, append([]string{"spec"}, path...)...)
+		return v
+	}
+	return sim.ClusterPolicy{
+		Found:         true,
+		DPConfigName:  str("devicePlugin", "config", "name"),
+		DPDefault:     str("devicePlugin", "config", "default"),
+		MigConfigName: str("migManager", "config", "name"),
+		MigStrategy:   str("mig", "strategy"),
+	}
+}
+
+// migConfig returns the mig-parted config the MIG manager would read: the
+// ConfigMap named by spec.migManager.config.name, else the GPU Operator's
+// default-mig-parted-config, else the simulator's built-in default.
+func (s *simulator) migConfig(cp sim.ClusterPolicy) (string, string, error) {
+	name := cp.MigConfigName
+	if name == "" {
+		name = sim.DefaultMigConfigMap
+	}
+	obj, ok, _ := s.cms.GetByKey(s.o.namespace + "/" + name)
+	switch {
+	case ok:
+		return obj.(*corev1.ConfigMap).Data["config.yaml"], "ConfigMap " + name, nil
+	case cp.MigConfigName != "":
+		return "", "", fmt.Errorf("ConfigMap %s/%s (ClusterPolicy spec.migManager.config.name) not found", s.o.namespace, name)
+	default:
+		return s.builtin, "built-in default mig-parted config", nil
+	}
+}
+
+func resourceStrings(rl corev1.ResourceList) map[string]string {
+	out := map[string]string{}
+	for k, v := range rl {
+		out[string(k)] = v.String()
+	}
+	return out
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func ptr[T any](v T) *T { return &v }

@@ -1,0 +1,416 @@
+// Package sim holds the decision logic of gpu-node-simulator, a test-only
+// stand-in for NVIDIA's node components (MIG manager, device-plugin config
+// manager, device plugin and GPU Feature Discovery) on nodes that have no
+// GPU. Everything here is pure: it maps what the simulator sees (a Node, the
+// ClusterPolicy, ConfigMap contents, pods) to the writes it makes.
+package sim
+
+import (
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	mpv1 "github.com/NVIDIA/mig-parted/api/spec/v1"
+	corev1 "k8s.io/api/core/v1"
+
+	"gpusharing.io/tests/nvidia/internal/nvconf"
+)
+
+const (
+	LabelGPUPresent = "nvidia.com/gpu.present"
+	LabelMigConfig  = "nvidia.com/mig.config"
+	LabelMigState   = "nvidia.com/mig.config.state"
+	LabelDPConfig   = "nvidia.com/device-plugin.config"
+	LabelMigCapable = "nvidia.com/mig.capable"
+	LabelProduct    = "nvidia.com/gpu.product"
+	LabelCount      = "nvidia.com/gpu.count"
+
+	AnnPrefix = "simulator.gpusharing.io/"
+	// AnnHardware: the node's simulated hardware (JSON), recorded from its
+	// labels when the simulator first sees it.
+	AnnHardware = AnnPrefix + "hardware"
+	// AnnAppliedMig: the last nvidia.com/mig.config value the simulated MIG
+	// manager acted on (success or failed).
+	AnnAppliedMig = AnnPrefix + "applied-mig-config"
+	// AnnMigGeometry: the MIG state of each GPU (JSON) after the last
+	// successful reconfiguration.
+	AnnMigGeometry = AnnPrefix + "mig-geometry"
+	AnnMigError    = AnnPrefix + "mig-manager-error"
+	// AnnDPLoaded: what the simulated device plugin last loaded its config
+	// for (JSON of the inputs whose change makes the real one reload).
+	AnnDPLoaded = AnnPrefix + "device-plugin-loaded"
+	// AnnDPConfig: the device-plugin ConfigMap key in effect ("" = empty config).
+	AnnDPConfig = AnnPrefix + "device-plugin-config"
+	// AnnDPError: why the simulated device plugin cannot start (the real
+	// one crash-loops); labels and resources stay as they were.
+	AnnDPError = AnnPrefix + "device-plugin-error"
+	// AnnManagedLabels: GFD labels the simulator set, so stale ones (e.g.
+	// nvidia.com/mig-1g.10gb.*) can be removed.
+	AnnManagedLabels = AnnPrefix + "managed-labels"
+
+	StatePending = "pending"
+	StateSuccess = "success"
+	StateFailed  = "failed"
+
+	MigAllDisabled = "all-disabled"
+)
+
+// Hardware is a simulated node's GPU hardware.
+type Hardware struct {
+	Product           string `json:"product"`
+	Count             int    `json:"count"`
+	ComputeCapability string `json:"computeCapability,omitempty"`
+	MigCapable        bool   `json:"migCapable"`
+	DeviceID          string `json:"deviceID,omitempty"` // PCI device ID used by mig-parted device-filter
+}
+
+// deviceIDs maps GFD product names to the PCI device IDs that NVIDIA's
+// default mig-parted config uses in device-filter.
+var deviceIDs = map[string]string{
+	"NVIDIA-A100-SXM4-40GB": "0x20B010DE",
+	"NVIDIA-A100-PCIE-40GB": "0x20F110DE",
+	"NVIDIA-A100-SXM4-80GB": "0x20B210DE",
+	"NVIDIA-A100-80GB-PCIe": "0x20B510DE",
+	"NVIDIA-A30":            "0x20B710DE",
+	"NVIDIA-H100-80GB-HBM3": "0x233010DE",
+	"NVIDIA-H100-PCIe":      "0x233110DE",
+	"NVIDIA-H100-NVL":       "0x232110DE",
+	"NVIDIA-H200":           "0x233510DE",
+	"NVIDIA-H200-NVL":       "0x233B10DE",
+	"NVIDIA-B200":           "0x290110DE",
+}
+
+// HardwareOf returns the node's recorded hardware, or derives it from the
+// GFD labels it carries (first sight). recorded reports whether the
+// annotation existed.
+func HardwareOf(labels, annotations map[string]string) (hw Hardware, recorded bool) {
+	if s := annotations[AnnHardware]; s != "" {
+		if err := json.Unmarshal([]byte(s), &hw); err == nil && hw.Count > 0 {
+			return hw, true
+		}
+	}
+	product := labels[LabelProduct]
+	if i := strings.Index(product, "-MIG-"); i >= 0 {
+		product = product[:i]
+	}
+	product = strings.TrimSuffix(product, "-SHARED")
+	hw = Hardware{Product: product, Count: 1, MigCapable: labels[LabelMigCapable] == "true", DeviceID: deviceIDs[product]}
+	fmt.Sscan(labels[LabelCount], &hw.Count)
+	if hw.Count < 1 {
+		hw.Count = 1
+	}
+	if maj, min := labels["nvidia.com/gpu.compute.major"], labels["nvidia.com/gpu.compute.minor"]; maj != "" {
+		hw.ComputeCapability = maj + "." + min
+		if min == "" {
+			hw.ComputeCapability = maj + ".0"
+		}
+	}
+	return hw, false
+}
+
+// Geometry is the MIG state of every GPU of a node.
+type Geometry []nvconf.GPU
+
+type geoGPU struct {
+	Enabled bool           `json:"e"`
+	Devices map[string]int `json:"d,omitempty"`
+}
+
+func (g Geometry) String() string {
+	out := make([]geoGPU, len(g))
+	for i, gpu := range g {
+		out[i] = geoGPU{Enabled: gpu.MigEnabled}
+		for p, n := range gpu.MigDevices {
+			if n > 0 {
+				if out[i].Devices == nil {
+					out[i].Devices = map[string]int{}
+				}
+				out[i].Devices[p] = n
+			}
+		}
+	}
+	b, _ := json.Marshal(out)
+	return string(b)
+}
+
+// GeometryOf reads the geometry annotation; without one, all GPUs have MIG
+// disabled.
+func GeometryOf(annotations map[string]string, count int) Geometry {
+	var in []geoGPU
+	g := make(Geometry, count)
+	if err := json.Unmarshal([]byte(annotations[AnnMigGeometry]), &in); err == nil {
+		for i := range g {
+			if i < len(in) {
+				g[i] = nvconf.GPU{MigEnabled: in[i].Enabled, MigDevices: in[i].Devices}
+			}
+		}
+	}
+	return g
+}
+
+// ApplyLayout is what mig-parted apply does to the GPUs: every entry whose
+// device-filter matches the GPU's device ID and whose devices include its
+// index sets its MIG mode and devices, later entries winning. GPUs no entry
+// matches keep their state.
+func ApplyLayout(slice mpv1.MigConfigSpecSlice, hw Hardware, current Geometry) Geometry {
+	next := make(Geometry, hw.Count)
+	copy(next, current)
+	for i := range next {
+		for _, e := range slice {
+			if !matchesFilter(e.DeviceFilter, hw.DeviceID) || !e.MatchesDevices(i) {
+				continue
+			}
+			devs := map[string]int{}
+			for p, n := range e.MigDevices {
+				if n > 0 {
+					devs[p] = n
+				}
+			}
+			if !e.MigEnabled {
+				devs = nil
+			}
+			next[i] = nvconf.GPU{MigEnabled: e.MigEnabled, MigDevices: devs}
+		}
+	}
+	return next
+}
+
+func matchesFilter(filter any, id string) bool {
+	var list []string
+	switch f := filter.(type) {
+	case string:
+		if f != "" {
+			list = []string{f}
+		}
+	case []string:
+		list = f
+	}
+	if len(list) == 0 {
+		return true
+	}
+	for _, f := range list {
+		if strings.EqualFold(f, id) {
+			return true
+		}
+	}
+	return false
+}
+
+// ClusterPolicy holds the ClusterPolicy fields the node components depend on.
+type ClusterPolicy struct {
+	Found         bool
+	DPConfigName  string // spec.devicePlugin.config.name
+	DPDefault     string // spec.devicePlugin.config.default
+	MigConfigName string // spec.migManager.config.name
+	MigStrategy   string // spec.mig.strategy (MIG_STRATEGY env of device plugin and GFD)
+}
+
+// Node is the part of a Node the simulator reads.
+type Node struct {
+	Name        string
+	Labels      map[string]string
+	Annotations map[string]string
+	Capacity    map[string]string // status.capacity
+	Allocatable map[string]string // status.allocatable
+}
+
+// Patch is a set of writes to a node: nil values delete keys.
+type Patch struct {
+	Labels      map[string]*string
+	Annotations map[string]*string
+	// Resources: extended resources to set in status.capacity and
+	// status.allocatable (nil: leave status alone).
+	Resources map[string]string
+	Log       []string
+}
+
+func (p *Patch) setLabel(n *Node, k, v string) {
+	if cur, ok := n.Labels[k]; ok && cur == v {
+		return
+	}
+	if p.Labels == nil {
+		p.Labels = map[string]*string{}
+	}
+	p.Labels[k] = &v
+}
+
+func (p *Patch) delLabel(n *Node, k string) {
+	if _, ok := n.Labels[k]; !ok {
+		return
+	}
+	if p.Labels == nil {
+		p.Labels = map[string]*string{}
+	}
+	p.Labels[k] = nil
+}
+
+func (p *Patch) setAnn(n *Node, k, v string) {
+	if cur, ok := n.Annotations[k]; ok && cur == v {
+		return
+	}
+	if p.Annotations == nil {
+		p.Annotations = map[string]*string{}
+	}
+	p.Annotations[k] = &v
+}
+
+func (p *Patch) delAnn(n *Node, k string) {
+	if _, ok := n.Annotations[k]; !ok {
+		return
+	}
+	if p.Annotations == nil {
+		p.Annotations = map[string]*string{}
+	}
+	p.Annotations[k] = nil
+}
+
+func (p *Patch) logf(format string, args ...any) {
+	p.Log = append(p.Log, fmt.Sprintf(format, args...))
+}
+
+// Empty reports whether the patch writes nothing.
+func (p *Patch) Empty() bool {
+	return len(p.Labels) == 0 && len(p.Annotations) == 0 && p.Resources == nil
+}
+
+// MigInput is what the simulated MIG manager sees.
+type MigInput struct {
+	// MigConfig is the mig-parted config file content, Source where it
+	// came from; Err set if it cannot be had (ConfigMap missing).
+	MigConfig string
+	Source    string
+	Err       error
+	// BusyPods: unfinished pods on the node that hold GPU resources.
+	BusyPods []string
+	Now      time.Time
+	// Due is when the pending reconfiguration to the current label value
+	// may complete (nil: no reconfiguration started for it yet).
+	Due            *time.Time
+	Delay          time.Duration
+	AutoLabelEmpty bool
+}
+
+// MigResult says what to do besides the patch.
+type MigResult struct {
+	Geometry   Geometry      // the geometry after this step
+	StartTimer bool          // a reconfiguration started: due = now + delay
+	ClearTimer bool          // the reconfiguration finished
+	Requeue    time.Duration // > 0: look at the node again after this
+	// InProgress: a reconfiguration is pending; the real MIG manager has
+	// paused the device plugin and GFD (nvidia.com/gpu.deploy.*=
+	// paused-for-mig-change), so they do not reload until it is done.
+	InProgress bool
+}
+
+// PlanMig simulates nvidia-mig-manager on one node: it acts when
+// nvidia.com/mig.config differs from the last value it acted on. It
+// validates the layout (mig-parted assert --valid-config), reports success
+// at once if the GPUs already have it, else sets state=pending, waits
+// Delay, then fails if GPU pods are running on the node ("In use by another
+// client") or applies the layout.
+func PlanMig(n *Node, hw Hardware, in MigInput, p *Patch) MigResult {
+	geo := GeometryOf(n.Annotations, hw.Count)
+	res := MigResult{Geometry: geo}
+	if !hw.MigCapable {
+		return res
+	}
+	desired, labelled := n.Labels[LabelMigConfig]
+	if !labelled || desired == "" {
+		if in.AutoLabelEmpty {
+			// The GPU Operator labels MIG-capable nodes all-disabled.
+			p.setLabel(n, LabelMigConfig, MigAllDisabled)
+			p.logf("labelled %s=%s (as the GPU Operator does on MIG-capable nodes)", LabelMigConfig, MigAllDisabled)
+		}
+		return res
+	}
+	if n.Annotations[AnnAppliedMig] == desired {
+		return res
+	}
+	finish := func(state, errMsg string) {
+		p.setLabel(n, LabelMigState, state)
+		p.setAnn(n, AnnAppliedMig, desired)
+		if errMsg != "" {
+			p.setAnn(n, AnnMigError, errMsg)
+		} else {
+			p.delAnn(n, AnnMigError)
+		}
+		res.ClearTimer = true
+	}
+	if in.Err != nil {
+		finish(StateFailed, in.Err.Error())
+		p.logf("MIG config %q failed: %v", desired, in.Err)
+		return res
+	}
+	slice, err := nvconf.ValidateMigConfig([]byte(in.MigConfig), desired)
+	if err != nil {
+		finish(StateFailed, fmt.Sprintf("%s (%s)", err, in.Source))
+		p.logf("MIG config %q failed validation: %v", desired, err)
+		return res
+	}
+	next := ApplyLayout(slice, hw, geo)
+	if next.String() == geo.String() {
+		finish(StateSuccess, "")
+		p.logf("MIG config %q already applied", desired)
+		return res
+	}
+	if in.Due == nil {
+		p.setLabel(n, LabelMigState, StatePending)
+		res.StartTimer, res.InProgress = true, true
+		res.Requeue = in.Delay
+		p.logf("MIG config %q: %s=%s, applying in %v", desired, LabelMigState, StatePending, in.Delay)
+		return res
+	}
+	if wait := in.Due.Sub(in.Now); wait > 0 {
+		p.setLabel(n, LabelMigState, StatePending)
+		res.Requeue, res.InProgress = wait, true
+		return res
+	}
+	if len(in.BusyPods) > 0 {
+		msg := fmt.Sprintf("In use by another client: GPU pods still running on the node: %s", strings.Join(in.BusyPods, ", "))
+		finish(StateFailed, msg)
+		p.logf("MIG config %q failed: %s", desired, msg)
+		return res
+	}
+	finish(StateSuccess, "")
+	p.setAnn(n, AnnMigGeometry, next.String())
+	res.Geometry = next
+	p.logf("MIG config %q applied: %s", desired, next.String())
+	return res
+}
+
+// BusyPods lists the unfinished pods of a node that request NVIDIA GPU
+// resources (nvidia.com/gpu*, nvidia.com/mig-*).
+func BusyPods(pods []corev1.Pod, node string) []string {
+	var out []string
+	for _, pod := range pods {
+		if pod.Spec.NodeName != node || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+			continue
+		}
+		if usesGPU(pod.Spec.Containers) || usesGPU(pod.Spec.InitContainers) {
+			out = append(out, pod.Namespace+"/"+pod.Name)
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+func usesGPU(cs []corev1.Container) bool {
+	for _, c := range cs {
+		for _, rl := range []corev1.ResourceList{c.Resources.Requests, c.Resources.Limits} {
+			for name := range rl {
+				if IsGPUResource(string(name)) {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}
+
+// IsGPUResource reports whether an extended resource is one NVIDIA's device
+// plugin advertises.
+func IsGPUResource(name string) bool {
+	return strings.HasPrefix(name, "nvidia.com/gpu") || strings.HasPrefix(name, "nvidia.com/mig-")
+}

@@ -1,0 +1,369 @@
+package sim
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+func a100Node() *Node {
+	return &Node{
+		Name: "a100-node-0",
+		Labels: map[string]string{
+			LabelGPUPresent: "true", LabelProduct: "NVIDIA-A100-SXM4-80GB", LabelCount: "8", LabelMigCapable: "true",
+			"nvidia.com/gpu.compute.major": "8", "nvidia.com/gpu.compute.minor": "0",
+			"nvidia.com/gpu.replicas": "1", "nvidia.com/gpu.sharing-strategy": "none", "nvidia.com/mps.capable": "false",
+			LabelMigConfig: "all-disabled", LabelMigState: "success",
+		},
+		Annotations: map[string]string{},
+		Capacity:    map[string]string{"nvidia.com/gpu": "8", "cpu": "96"},
+		Allocatable: map[string]string{"nvidia.com/gpu": "8", "cpu": "96"},
+	}
+}
+
+// apply folds a patch into the node, as the API server would.
+func apply(n *Node, p *Patch) {
+	for k, v := range p.Labels {
+		if v == nil {
+			delete(n.Labels, k)
+		} else {
+			n.Labels[k] = *v
+		}
+	}
+	for k, v := range p.Annotations {
+		if v == nil {
+			delete(n.Annotations, k)
+		} else {
+			n.Annotations[k] = *v
+		}
+	}
+	for k, v := range p.Resources {
+		n.Capacity[k], n.Allocatable[k] = v, v
+	}
+}
+
+const dpConfigs = `
+default: |
+  version: v1
+  flags:
+    migStrategy: none
+ts4: |
+  version: v1
+  flags:
+    migStrategy: none
+  sharing:
+    timeSlicing:
+      resources:
+      - name: nvidia.com/gpu
+        replicas: 4
+mig-ts2: |
+  version: v1
+  flags:
+    migStrategy: single
+  sharing:
+    timeSlicing:
+      resources:
+      - name: nvidia.com/gpu
+        replicas: 2
+mps4: |
+  version: v1
+  flags:
+    migStrategy: none
+  sharing:
+    mps:
+      renameByDefault: true
+      resources:
+      - name: nvidia.com/gpu
+        replicas: 4
+broken: |
+  version: v1
+  sharing:
+    timeSlicing:
+      resources:
+      - name: nvidia.com/gpu
+        replicas: 1
+`
+
+func configMap(t *testing.T) map[string]string {
+	t.Helper()
+	m := map[string]string{}
+	var cur string
+	for _, line := range strings.Split(strings.TrimPrefix(dpConfigs, "\n"), "\n") {
+		if !strings.HasPrefix(line, " ") && strings.HasSuffix(line, ": |") {
+			cur = strings.TrimSuffix(line, ": |")
+			continue
+		}
+		m[cur] += strings.TrimPrefix(line, "  ") + "\n"
+	}
+	return m
+}
+
+var cp = ClusterPolicy{Found: true, DPConfigName: "dp", DPDefault: "default", MigStrategy: "single"}
+
+// step runs the MIG and device-plugin steps once, applies the patch and
+// returns it.
+func step(t *testing.T, n *Node, mig MigInput, dp DPInput) (*Patch, MigResult, DPResult) {
+	t.Helper()
+	hw, recorded := HardwareOf(n.Labels, n.Annotations)
+	p := &Patch{}
+	if !recorded {
+		n.Annotations[AnnHardware] = `{"product":"` + hw.Product + `","count":8,"computeCapability":"8.0","migCapable":true,"deviceID":"0x20B210DE"}`
+	}
+	if mig.MigConfig == "" && mig.Err == nil {
+		mig.MigConfig = BuiltinMigConfig
+	}
+	mr := PlanMig(n, hw, mig, p)
+	if mr.InProgress {
+		apply(n, p)
+		return p, mr, DPResult{}
+	}
+	dp.Geometry = mr.Geometry
+	if dp.CP == (ClusterPolicy{}) {
+		dp.CP = cp
+	}
+	if dp.ConfigMap == nil {
+		dp.ConfigMap = configMap(t)
+	}
+	if dp.Fallbacks == nil {
+		dp.Fallbacks = []string{FallbackEmpty}
+	}
+	dr := PlanDevicePlugin(n, hw, dp, p)
+	apply(n, p)
+	return p, mr, dr
+}
+
+func TestHardwareOf(t *testing.T) {
+	hw, rec := HardwareOf(map[string]string{LabelProduct: "NVIDIA-H200-MIG-1g.18gb-SHARED", LabelCount: "8", LabelMigCapable: "true",
+		"nvidia.com/gpu.compute.major": "9", "nvidia.com/gpu.compute.minor": "0"}, nil)
+	if rec || hw.Product != "NVIDIA-H200" || hw.Count != 8 || !hw.MigCapable || hw.DeviceID != "0x233510DE" || hw.ComputeCapability != "9.0" {
+		t.Fatalf("%+v", hw)
+	}
+}
+
+func TestFirstSightIsIdempotent(t *testing.T) {
+	n := a100Node()
+	p, _, dr := step(t, n, MigInput{Delay: time.Second}, DPInput{})
+	if dr.Failed {
+		t.Fatalf("device plugin failed: %v", n.Annotations[AnnDPError])
+	}
+	if p.Resources != nil || p.Labels[LabelMigState] != nil {
+		t.Fatalf("first sight of a node in its seeded state must not change resources or MIG state: %+v", p)
+	}
+	if n.Annotations[AnnAppliedMig] != "all-disabled" || n.Labels["nvidia.com/mig.strategy"] != "single" {
+		t.Fatalf("annotations %v labels %v", n.Annotations, n.Labels)
+	}
+	p, _, _ = step(t, n, MigInput{Delay: time.Second}, DPInput{})
+	if !p.Empty() {
+		t.Fatalf("steady state must write nothing, got labels=%v annotations=%v resources=%v", p.Labels, p.Annotations, p.Resources)
+	}
+}
+
+func TestTimeSlicingLabel(t *testing.T) {
+	n := a100Node()
+	step(t, n, MigInput{}, DPInput{})
+	n.Labels[LabelDPConfig] = "ts4"
+	step(t, n, MigInput{}, DPInput{})
+	if n.Capacity["nvidia.com/gpu"] != "32" || n.Allocatable["nvidia.com/gpu"] != "32" ||
+		n.Labels["nvidia.com/gpu.replicas"] != "4" || n.Labels["nvidia.com/gpu.product"] != "NVIDIA-A100-SXM4-80GB-SHARED" ||
+		n.Labels["nvidia.com/gpu.sharing-strategy"] != "time-slicing" || n.Annotations[AnnDPConfig] != "ts4" {
+		t.Fatalf("labels %v capacity %v", n.Labels, n.Capacity)
+	}
+	// Back to exclusive: the -SHARED suffix goes.
+	n.Labels[LabelDPConfig] = "default"
+	step(t, n, MigInput{}, DPInput{})
+	if n.Capacity["nvidia.com/gpu"] != "8" || n.Labels["nvidia.com/gpu.product"] != "NVIDIA-A100-SXM4-80GB" || n.Labels["nvidia.com/gpu.replicas"] != "1" {
+		t.Fatalf("labels %v capacity %v", n.Labels, n.Capacity)
+	}
+}
+
+func TestContentChangeDoesNotReload(t *testing.T) {
+	n := a100Node()
+	n.Labels[LabelDPConfig] = "ts4"
+	step(t, n, MigInput{}, DPInput{})
+	cm := configMap(t)
+	cm["ts4"] = strings.Replace(cm["ts4"], "replicas: 4", "replicas: 8", 1)
+	p, _, _ := step(t, n, MigInput{}, DPInput{ConfigMap: cm})
+	if !p.Empty() || n.Capacity["nvidia.com/gpu"] != "32" {
+		t.Fatalf("ConfigMap content change must not reload: %+v", p)
+	}
+	// A ClusterPolicy change rolls the DaemonSet: reload with the new content.
+	cp2 := cp
+	cp2.DPDefault = "ts4"
+	step(t, n, MigInput{}, DPInput{ConfigMap: cm, CP: cp2})
+	if n.Capacity["nvidia.com/gpu"] != "64" {
+		t.Fatalf("capacity %v", n.Capacity)
+	}
+}
+
+func TestMissingKeyCrashLoops(t *testing.T) {
+	n := a100Node()
+	n.Labels[LabelDPConfig] = "ts4"
+	step(t, n, MigInput{}, DPInput{})
+	n.Labels[LabelDPConfig] = "nope"
+	p, _, dr := step(t, n, MigInput{}, DPInput{})
+	if !dr.Failed || !strings.Contains(n.Annotations[AnnDPError], "specified config nope does not exist") || p.Resources != nil || n.Capacity["nvidia.com/gpu"] != "32" {
+		t.Fatalf("failed=%v error=%q capacity=%v", dr.Failed, n.Annotations[AnnDPError], n.Capacity)
+	}
+	// Invalid content of an existing key: the plugin fails to load it.
+	n.Labels[LabelDPConfig] = "broken"
+	step(t, n, MigInput{}, DPInput{})
+	if !strings.Contains(n.Annotations[AnnDPError], "number of replicas must be >= 2") {
+		t.Fatalf("error=%q", n.Annotations[AnnDPError])
+	}
+	n.Labels[LabelDPConfig] = "default"
+	step(t, n, MigInput{}, DPInput{})
+	if _, ok := n.Annotations[AnnDPError]; ok || n.Capacity["nvidia.com/gpu"] != "8" {
+		t.Fatalf("recovery: %v %v", n.Annotations, n.Capacity)
+	}
+}
+
+func TestSelectConfig(t *testing.T) {
+	cm := map[string]string{"default": "", "a": ""}
+	for _, tc := range []struct {
+		label, def string
+		fallbacks  []string
+		cm         map[string]string
+		want, err  string
+	}{
+		{label: "a", cm: cm, want: "a"},
+		{label: "b", cm: cm, err: "specified config b does not exist"},
+		{def: "a", cm: cm, want: "a"},
+		{def: "zz", cm: cm, err: "does not exist"},
+		{fallbacks: []string{FallbackEmpty}, cm: cm, want: ""},
+		{fallbacks: []string{FallbackNamed, FallbackSingle}, cm: cm, want: "default"},
+		{fallbacks: []string{FallbackNamed, FallbackSingle}, cm: map[string]string{"x": ""}, want: "x"},
+		{fallbacks: []string{FallbackNamed, FallbackSingle}, cm: map[string]string{"x": "", "y": ""}, err: "all fallbacks failed"},
+		{cm: nil, err: "not found"},
+	} {
+		got, err := SelectConfig(tc.label, DPInput{CP: ClusterPolicy{DPConfigName: "dp", DPDefault: tc.def}, ConfigMap: tc.cm, Fallbacks: tc.fallbacks})
+		if tc.err != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.err) {
+				t.Errorf("%+v: error %v, want %q", tc, err, tc.err)
+			}
+			continue
+		}
+		if err != nil || got != tc.want {
+			t.Errorf("%+v: got %q, %v", tc, got, err)
+		}
+	}
+}
+
+func TestMigReconfiguration(t *testing.T) {
+	n := a100Node()
+	step(t, n, MigInput{}, DPInput{})
+	n.Labels[LabelMigConfig] = "all-1g.10gb"
+	n.Labels[LabelDPConfig] = "mig-ts2"
+	now := time.Now()
+	_, mr, _ := step(t, n, MigInput{Now: now, Delay: time.Second}, DPInput{})
+	if n.Labels[LabelMigState] != StatePending || !mr.StartTimer || mr.Requeue != time.Second || !mr.InProgress {
+		t.Fatalf("state %q result %+v", n.Labels[LabelMigState], mr)
+	}
+	// The device plugin is paused during the change: the new label is not loaded yet.
+	if n.Annotations[AnnDPConfig] != "default" || n.Capacity["nvidia.com/gpu"] != "8" {
+		t.Fatalf("device plugin reloaded during a MIG change: %v %v", n.Annotations[AnnDPConfig], n.Capacity)
+	}
+	due := now.Add(time.Second)
+	p, mr, _ := step(t, n, MigInput{Now: now.Add(500 * time.Millisecond), Due: &due, Delay: time.Second}, DPInput{})
+	if mr.Requeue != 500*time.Millisecond || !p.Empty() {
+		t.Fatalf("before due: %+v %+v", mr, p)
+	}
+	_, mr, _ = step(t, n, MigInput{Now: due, Due: &due, Delay: time.Second}, DPInput{})
+	if n.Labels[LabelMigState] != StateSuccess || !mr.ClearTimer || n.Annotations[AnnAppliedMig] != "all-1g.10gb" {
+		t.Fatalf("after due: state %q %+v", n.Labels[LabelMigState], mr)
+	}
+	// MIG single + time-slicing x2: 8 GPUs x 7 x 2.
+	if n.Capacity["nvidia.com/gpu"] != "112" || n.Labels["nvidia.com/gpu.product"] != "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED" {
+		t.Fatalf("labels %v capacity %v (dp error %q)", n.Labels, n.Capacity, n.Annotations[AnnDPError])
+	}
+	// Steady.
+	if p, _, _ := step(t, n, MigInput{Now: due.Add(time.Minute)}, DPInput{}); !p.Empty() {
+		t.Fatalf("steady: %+v", p)
+	}
+}
+
+func TestMigFailures(t *testing.T) {
+	n := a100Node()
+	step(t, n, MigInput{}, DPInput{})
+	n.Labels[LabelMigConfig] = "no-such-layout"
+	step(t, n, MigInput{Delay: time.Second}, DPInput{})
+	if n.Labels[LabelMigState] != StateFailed || !strings.Contains(n.Annotations[AnnMigError], "selected mig-config not present: no-such-layout") {
+		t.Fatalf("state %q error %q", n.Labels[LabelMigState], n.Annotations[AnnMigError])
+	}
+	// Busy GPU: pending, then failed; the geometry stays.
+	n.Labels[LabelMigConfig] = "all-3g.40gb"
+	now := time.Now()
+	step(t, n, MigInput{Now: now, Delay: time.Second}, DPInput{})
+	due := now.Add(time.Second)
+	step(t, n, MigInput{Now: due, Due: &due, BusyPods: []string{"default/train"}}, DPInput{})
+	if n.Labels[LabelMigState] != StateFailed || !strings.Contains(n.Annotations[AnnMigError], "In use by another client") || n.Annotations[AnnMigGeometry] != "" {
+		t.Fatalf("state %q error %q geometry %q", n.Labels[LabelMigState], n.Annotations[AnnMigError], n.Annotations[AnnMigGeometry])
+	}
+	// No retry until the label changes (as the real MIG manager).
+	if p, _, _ := step(t, n, MigInput{Now: due.Add(time.Minute)}, DPInput{}); !p.Empty() {
+		t.Fatalf("failed state must be kept: %+v", p)
+	}
+}
+
+func TestMigSingleTwoProfilesBreaksPlugin(t *testing.T) {
+	n := a100Node()
+	step(t, n, MigInput{}, DPInput{})
+	n.Labels[LabelMigConfig] = "all-balanced"
+	now := time.Now()
+	step(t, n, MigInput{Now: now}, DPInput{})
+	step(t, n, MigInput{Now: now, Due: &now}, DPInput{})
+	if n.Labels[LabelMigState] != StateSuccess || !strings.Contains(n.Annotations[AnnDPError], "more than one MIG device type") {
+		t.Fatalf("state %q dp error %q", n.Labels[LabelMigState], n.Annotations[AnnDPError])
+	}
+	// With the cluster strategy mixed the same geometry works.
+	cp2 := cp
+	cp2.MigStrategy = "mixed"
+	step(t, n, MigInput{Now: now}, DPInput{CP: cp2})
+	if n.Capacity["nvidia.com/mig-1g.10gb"] != "16" || n.Capacity["nvidia.com/mig-3g.40gb"] != "8" || n.Capacity["nvidia.com/gpu"] != "0" ||
+		n.Labels["nvidia.com/mig-2g.20gb.count"] != "8" || n.Labels["nvidia.com/mig.strategy"] != "mixed" {
+		t.Fatalf("labels %v capacity %v (dp error %q)", n.Labels, n.Capacity, n.Annotations[AnnDPError])
+	}
+	// Back to all-disabled: the mig-* labels and resources go away.
+	n.Labels[LabelMigConfig] = "all-disabled"
+	step(t, n, MigInput{Now: now}, DPInput{CP: cp2})
+	step(t, n, MigInput{Now: now, Due: &now}, DPInput{CP: cp2})
+	if _, ok := n.Labels["nvidia.com/mig-2g.20gb.count"]; ok || n.Capacity["nvidia.com/mig-1g.10gb"] != "0" || n.Capacity["nvidia.com/gpu"] != "8" {
+		t.Fatalf("labels %v capacity %v", n.Labels, n.Capacity)
+	}
+}
+
+func TestAutoLabel(t *testing.T) {
+	n := a100Node()
+	delete(n.Labels, LabelMigConfig)
+	p, _, _ := step(t, n, MigInput{AutoLabelEmpty: true}, DPInput{})
+	if v := p.Labels[LabelMigConfig]; v == nil || *v != "all-disabled" {
+		t.Fatalf("%+v", p.Labels)
+	}
+}
+
+func TestBusyPods(t *testing.T) {
+	gpu := corev1.ResourceList{"nvidia.com/mig-1g.10gb": resource.MustParse("1")}
+	pods := []corev1.Pod{
+		{ObjectMeta: metav1.ObjectMeta{Name: "a", Namespace: "x"}, Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Resources: corev1.ResourceRequirements{Limits: gpu}}}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "done", Namespace: "x"}, Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Resources: corev1.ResourceRequirements{Limits: gpu}}}}, Status: corev1.PodStatus{Phase: corev1.PodSucceeded}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "cpu", Namespace: "x"}, Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{}}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "other", Namespace: "x"}, Spec: corev1.PodSpec{NodeName: "m", Containers: []corev1.Container{{Resources: corev1.ResourceRequirements{Limits: gpu}}}}},
+	}
+	if got := BusyPods(pods, "n"); len(got) != 1 || got[0] != "x/a" {
+		t.Fatalf("%v", got)
+	}
+}
+
+func TestMPSLabels(t *testing.T) {
+	n := a100Node()
+	n.Labels[LabelDPConfig] = "mps4"
+	step(t, n, MigInput{}, DPInput{})
+	// renameByDefault: nvidia.com/gpu.shared, product without -SHARED.
+	if n.Capacity["nvidia.com/gpu.shared"] != "32" || n.Capacity["nvidia.com/gpu"] != "0" || n.Labels["nvidia.com/mps.capable"] != "true" ||
+		n.Labels["nvidia.com/gpu.product"] != "NVIDIA-A100-SXM4-80GB" || n.Labels["nvidia.com/gpu.sharing-strategy"] != "mps" {
+		t.Fatalf("labels %v capacity %v (dp error %q)", n.Labels, n.Capacity, n.Annotations[AnnDPError])
+	}
+}
