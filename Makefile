@@ -1,18 +1,25 @@
 # The two quick-start commands (see README.md):
 #   make demo   run the operator against a local control plane with example GPU nodes
 #   make test   run the whole test suite
-.PHONY: demo test crd
+.PHONY: demo test generate crd
 
 demo:
-	cargo run --quiet -- render -f examples/
+	bash tests/cluster/demo.sh
 
+# Builds the local control plane and NVIDIA's parsers first (cached; a cold build of
+# kube-apiserver takes several minutes), then every test.
 test:
+	bash tests/cluster/cluster.sh build
+	bash tests/nvidia/build.sh
 	cargo test --locked
-
-crd: generate
+	bash tests/nvidia/build.sh test
+	bash tests/nvidia/conformance.sh
 
 # Regenerate crds/ and the README's CRD reference from the Rust types.
 generate:
+	mkdir -p target
 	cargo run --quiet -- crd > crds/gpusharingpolicies.gpusharing.io.yaml
 	cargo run --quiet -- crd --markdown > target/crd-reference.md
-	python3 -c 'import re,sys; r=open("README.md").read(); t=open("target/crd-reference.md").read(); s="<!-- crd-reference:start -->\n"; e="<!-- crd-reference:end -->"; a=r.index(s)+len(s); b=r.index(e); open("README.md","w").write(r[:a]+t+r[b:])'
+	python3 -c 'r=open("README.md").read(); t=open("target/crd-reference.md").read(); s="<!-- crd-reference:start -->\n"; e="<!-- crd-reference:end -->"; a=r.index(s)+len(s); b=r.index(e); open("README.md","w").write(r[:a]+t+r[b:])'
+
+crd: generate

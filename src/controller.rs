@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt, stream};
-use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PartialObjectMeta};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -143,6 +143,7 @@ pub struct Context {
     policies: Store<GpuSharingPolicy>,
     nodes: Store<PartialObjectMeta<Node>>,
     configmaps: Store<ConfigMap>,
+    pods: Store<Pod>,
     cluster_policies: Option<Store<DynamicObject>>,
     recorder: Recorder,
     /// Counts of writes, for logs and tests.
@@ -183,6 +184,7 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
     let (policies, pw) = reflector::store();
     let (nodes, nw) = reflector::store();
     let (configmaps, cw) = reflector::store();
+    let (pods, podw) = reflector::store();
 
     let policy_stream = reflector::reflector(
         pw,
@@ -207,7 +209,42 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
         watcher(Api::<ConfigMap>::namespaced(client.clone(), &namespace), watcher::Config::default()).default_backoff(),
     )
     .boxed();
+    // Pods that may hold GPUs (MIG changes wait for idle GPUs): only bound, unfinished pods,
+    // stripped to what the check needs.
+    let pod_stream = reflector::reflector(
+        podw,
+        watcher(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default().fields("spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"),
+        )
+        .default_backoff()
+        .modify(|p: &mut Pod| {
+            p.metadata.managed_fields = None;
+            p.metadata.annotations = None;
+            p.metadata.labels = None;
+            p.metadata.owner_references = None;
+            p.status = None;
+            if let Some(spec) = p.spec.as_mut() {
+                spec.volumes = None;
+                spec.init_containers = None;
+                spec.affinity = None;
+                spec.tolerations = None;
+                for c in &mut spec.containers {
+                    c.env = None;
+                    c.command = None;
+                    c.args = None;
+                    c.volume_mounts = None;
+                    c.ports = None;
+                    c.liveness_probe = None;
+                    c.readiness_probe = None;
+                    c.startup_probe = None;
+                }
+            }
+        }),
+    )
+    .boxed();
     let mut streams = vec![
+        pod_stream.map_ok(|_| ()).boxed(),
         policy_stream.map_ok(|_| ()).boxed(),
         node_stream.map_ok(|_| ()).boxed(),
         cm_stream.map_ok(|_| ()).boxed(),
@@ -247,6 +284,7 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
         policies,
         nodes,
         configmaps,
+        pods,
         cluster_policies,
         recorder,
         writes: Default::default(),
@@ -256,6 +294,7 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
         loop_ctx.policies.wait_until_ready().await.ok();
         loop_ctx.nodes.wait_until_ready().await.ok();
         loop_ctx.configmaps.wait_until_ready().await.ok();
+        loop_ctx.pods.wait_until_ready().await.ok();
         if let Some(c) = &loop_ctx.cluster_policies {
             c.wait_until_ready().await.ok();
         }
@@ -292,6 +331,29 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
 impl Context {
     fn plan_input(&self) -> PlanInput {
         let policies: Vec<GpuSharingPolicy> = self.policies.state().iter().map(|p| (**p).clone()).collect();
+        let mut gpu_pods: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for p in self.pods.state() {
+            let Some(spec) = &p.spec else { continue };
+            let Some(node) = &spec.node_name else { continue };
+            let uses_gpu = spec.containers.iter().any(|c| {
+                let r = c.resources.as_ref();
+                let keys = r
+                    .and_then(|r| r.limits.as_ref())
+                    .into_iter()
+                    .chain(r.and_then(|r| r.requests.as_ref()))
+                    .flat_map(|m| m.keys());
+                keys.into_iter().any(|k| k.starts_with("nvidia.com/gpu") || k.starts_with("nvidia.com/mig-"))
+            });
+            if uses_gpu {
+                gpu_pods
+                    .entry(node.clone())
+                    .or_default()
+                    .push(format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()));
+            }
+        }
+        for v in gpu_pods.values_mut() {
+            v.sort();
+        }
         let mut nodes: Vec<NodeFacts> = self
             .nodes
             .state()
@@ -300,7 +362,7 @@ impl Context {
                 name: n.name_any(),
                 labels: n.labels().clone(),
                 owned: owned_labels(n.metadata.managed_fields.as_deref().unwrap_or_default()),
-                gpu_pods: vec![],
+                gpu_pods: gpu_pods.get(&n.name_any()).cloned().unwrap_or_default(),
             })
             .collect();
         nodes.sort_by(|a, b| a.name.cmp(&b.name));

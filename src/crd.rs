@@ -188,6 +188,12 @@ pub struct Mig {
     /// Time-slicing of the MIG instances.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_slicing: Option<TimeSlicing>,
+
+    /// Change the MIG layout even while pods that use GPUs run on the node. Off by default: MIG
+    /// changes need idle GPUs (the MIG manager fails with "In use by another client"), so the
+    /// operator waits (`Progressing`, reason `WaitingForIdleGPUs`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub proceed_with_busy_gpus: bool,
 }
 
 /// `single` or `mixed`.

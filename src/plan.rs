@@ -33,7 +33,7 @@ pub const LABEL_CC_MAJOR: &str = "nvidia.com/gpu.compute.major";
 pub const LABEL_CC_MINOR: &str = "nvidia.com/gpu.compute.minor";
 
 /// The labels this operator may own on a node.
-pub const MANAGED_LABELS: [&str; 3] = [LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_POLICY];
+pub const MANAGED_LABELS: [&str; 4] = [LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_POLICY];
 
 /// Most per-node entries kept in a policy's status.
 pub const MAX_NODE_DETAILS: usize = 50;
@@ -552,6 +552,8 @@ pub fn plan(input: &PlanInput) -> Plan {
             continue;
         }
         let key = w.key.clone().expect("valid policies have a key");
+        // Pods using GPUs block MIG changes unless the policy opts in.
+        let busy = !n.gpu_pods.is_empty() && !w.spec.mig.as_ref().is_some_and(|m| m.proceed_with_busy_gpus);
         let mut l = BTreeMap::new();
         l.insert(LABEL_POLICY.to_string(), w.name.clone());
         let (state, message, dp_key, mig_label): (&str, String, String, Option<String>) = match w.spec.strategy {
@@ -574,7 +576,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                 }
                 if mig_done(&layout) {
                     ("Applied", String::new(), key.clone(), Some(layout))
-                } else if cur_mig.as_deref() != Some(layout.as_str()) && !n.gpu_pods.is_empty() {
+                } else if cur_mig.as_deref() != Some(layout.as_str()) && busy {
                     // Idle GPUs are needed to change the layout: hold everything.
                     let held = hold();
                     for v in held.values() {
@@ -620,7 +622,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                         message: "MIG manager failed to disable MIG; node left untouched".into(),
                     });
                     continue;
-                } else if cur_mig.as_deref() != Some(MIG_DISABLED_LAYOUT) && !n.gpu_pods.is_empty() {
+                } else if cur_mig.as_deref() != Some(MIG_DISABLED_LAYOUT) && busy {
                     let held = hold();
                     for v in held.values() {
                         used_keys.insert(v.clone());
@@ -689,6 +691,21 @@ pub fn plan(input: &PlanInput) -> Plan {
         }
         node_labels.insert(n.name.clone(), l);
         details.push(NodeDetail { name: n.name.clone(), state: state.into(), message });
+    }
+
+    // A MIG layout change also sets nvidia.com/mig.config.state=pending in the same write: until
+    // the MIG manager reports, the old "success" must not be read as confirming the new layout.
+    // We keep owning "pending" only until the MIG manager overwrites it (its update takes the
+    // field over), so we never remove or overwrite its report.
+    for n in &sorted_nodes {
+        let Some(l) = node_labels.get_mut(&n.name) else { continue };
+        let Some(want) = l.get(LABEL_MIG_CONFIG).cloned() else { continue };
+        let cur_state = n.labels.get(LABEL_MIG_STATE).map(String::as_str);
+        if n.labels.get(LABEL_MIG_CONFIG) != Some(&want)
+            || (n.owned.contains(LABEL_MIG_STATE) && cur_state == Some("pending"))
+        {
+            l.insert(LABEL_MIG_STATE.to_string(), "pending".to_string());
+        }
     }
 
     // Device-plugin ConfigMap: default, every valid policy's key, and keys nodes still use.

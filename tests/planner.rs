@@ -67,6 +67,7 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
                 layout: Some("all-1g.10gb".into()),
                 custom_layout: None,
                 time_slicing: Some(TimeSlicing { replicas: Some(replicas), ..Default::default() }),
+                proceed_with_busy_gpus: false,
             });
         }
         _ => {
@@ -79,6 +80,7 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
                     MigDeviceGroup { devices: Some(vec![4, 5, 6, 7]), mig_enabled: false, mig_devices: BTreeMap::new() },
                 ]),
                 time_slicing: None,
+                proceed_with_busy_gpus: false,
             });
         }
     }
@@ -195,9 +197,13 @@ impl World {
                 n.labels.insert(k.clone(), v.clone());
             }
             n.owned = want.keys().cloned().collect();
-            if n.labels.get(LABEL_MIG_CONFIG) != old_mig.as_ref() && n.labels.contains_key(LABEL_MIG_CONFIG) {
-                n.labels.insert(LABEL_MIG_STATE.into(), "pending".into());
-            }
+            assert!(
+                n.labels.get(LABEL_MIG_CONFIG) == old_mig.as_ref()
+                    || n.labels.get(LABEL_MIG_STATE).map(String::as_str) == Some("pending"),
+                "{}: MIG layout changed without marking the state pending: {:?}",
+                n.name,
+                n.labels
+            );
         }
     }
 
@@ -207,6 +213,8 @@ impl World {
                 let layout = n.labels.get(LABEL_MIG_CONFIG).cloned().unwrap_or_default();
                 let ok = self.mig_layouts.contains(&layout) || layout == MIG_DISABLED_LAYOUT;
                 n.labels.insert(LABEL_MIG_STATE.into(), if ok { "success" } else { "failed" }.into());
+                // Its update takes the field over from us.
+                n.owned.remove(LABEL_MIG_STATE);
             }
         }
     }
@@ -380,6 +388,13 @@ fn busy_gpus_block_mig_changes() {
     let c = p.statuses["mig"].conditions.iter().find(|c| c.type_ == "Progressing").unwrap();
     assert_eq!(c.reason, "WaitingForIdleGPUs");
     assert!(c.message.contains("default/train-0"));
+    // Opting in proceeds.
+    let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
+    n.gpu_pods = vec!["default/train-0".into()];
+    let mut p = policy("mig", 3, 2, false, Some("a"), 0, 0);
+    p.spec.mig.as_mut().unwrap().proceed_with_busy_gpus = true;
+    let plan = plan::plan(&PlanInput::new(vec![p], vec![n]));
+    assert_eq!(plan.node_labels["a100-0"][LABEL_MIG_CONFIG], "all-1g.10gb");
 }
 
 #[test]

@@ -1,0 +1,172 @@
+//! End-to-end: safe transitions between strategies and conflicts, on the real control plane with
+//! the node simulator playing the MIG manager, device plugin and GPU Feature Discovery.
+
+mod common;
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use futures::StreamExt;
+use support::*;
+
+const NODE: &str = "a100-node-0";
+
+fn mig_policy(name: &str, profile: &str) -> String {
+    format!(
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: {profile}}}}}\n  strategy: mig\n  mig: {{migStrategy: single, layout: all-1g.10gb}}\n"
+    )
+}
+
+fn mps_policy(name: &str, profile: &str, priority: i32) -> String {
+    format!(
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  priority: {priority}\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: {profile}}}}}\n  strategy: mps\n  mps: {{replicas: 4}}\n"
+    )
+}
+
+/// Records every label set the node goes through, until `stop` fires (or 50 s pass).
+fn record_node_history(
+    client: kube::Client,
+    node: &'static str,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<Vec<BTreeMap<String, String>>> {
+    tokio::spawn(async move {
+        let api: Api<Node> = Api::all(client);
+        let cfg = watcher::Config::default().fields(&format!("metadata.name={node}"));
+        let mut history = Vec::new();
+        let stream = watcher(api, cfg).applied_objects().take_until(async move {
+            tokio::select! { _ = stop => {}, _ = tokio::time::sleep(Duration::from_secs(50)) => {} }
+        });
+        futures::pin_mut!(stream);
+        while let Some(Ok(n)) = stream.next().await {
+            let l: BTreeMap<String, String> = n.metadata.labels.unwrap_or_default().into_iter().collect();
+            if history.last() != Some(&l) {
+                history.push(l);
+            }
+        }
+        history
+    })
+}
+
+#[tokio::test]
+async fn mig_to_mps_goes_through_confirmed_all_disabled() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
+    common::apply_yaml(&c, &mig_policy("mig-inference", "inference")).await.unwrap();
+    let s = until("MIG Ready", LONG, || ready(&c, "mig-inference")).await;
+    assert_eq!(s["migConfig"], "all-1g.10gb");
+    let l = labels(&c, NODE).await;
+    assert_eq!(l["nvidia.com/mig.config"], "all-1g.10gb");
+    assert_eq!(l["nvidia.com/mig.config.state"], "success");
+
+    // Switch the node to MPS: record every label state it passes through.
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let history = record_node_history(c.clone(), NODE, stopped);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    Api::<gpu_sharing_operator::crd::GpuSharingPolicy>::all(c.clone())
+        .delete("mig-inference", &DeleteParams::default())
+        .await
+        .unwrap();
+    common::apply_yaml(&c, &mps_policy("mps-inference", "inference", 0)).await.unwrap();
+    let s = until("MPS Ready", LONG, || async {
+        let s = ready(&c, "mps-inference").await?;
+        (s["appliedNodes"] == 1).then_some(s)
+    })
+    .await;
+    let mps_key = s["deviceConfigKey"].as_str().unwrap().to_string();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.send(()).ok();
+    let history = history.await.unwrap();
+    // Invariant over the whole transition: the MPS config is never selected while MIG may be on.
+    let mut saw_disabled_confirmed = false;
+    for l in &history {
+        let mig_off = l.get("nvidia.com/mig.config").map(String::as_str) == Some("all-disabled")
+            && l.get("nvidia.com/mig.config.state").map(String::as_str) == Some("success");
+        saw_disabled_confirmed |= mig_off;
+        if l.get("nvidia.com/device-plugin.config") == Some(&mps_key) {
+            assert!(mig_off, "MPS selected while MIG not confirmed off: {l:?}");
+        }
+    }
+    assert!(saw_disabled_confirmed, "never passed through all-disabled/success: {history:#?}");
+    assert_eq!(labels(&c, NODE).await["nvidia.com/gpu.sharing-strategy"], "mps");
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn conflicting_policies_report_the_winner_and_emit_an_event() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, "h200-node-0", "gpusharing.io/profile", Some("shared")).await;
+    common::apply_yaml(&c, &mps_policy("mps-low", "shared", 0)).await.unwrap();
+    common::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: ts-high}\nspec:\n  priority: 10\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-H200}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 3}\n",
+    )
+    .await
+    .unwrap();
+    let s = until("mps-low Conflicted", LONG, || async {
+        let s = policy_status(&c, "mps-low").await?;
+        (condition(&s, "Conflicted")?["status"] == "True").then_some(s)
+    })
+    .await;
+    let msg = condition(&s, "Conflicted").unwrap()["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("h200-node-0 (won by ts-high)"), "{msg}");
+    assert_eq!(s["conflictingNodes"], 1);
+    until("ts-high Ready", LONG, || ready(&c, "ts-high")).await;
+    let l = labels(&c, "h200-node-0").await;
+    assert_eq!(l["gpusharing.io/policy"], "ts-high");
+    assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "time-slicing");
+    // An event on the losing policy says so.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(c.clone(), "default");
+    until("Conflicted event", LONG, || async {
+        let list = events.list(&ListParams::default()).await.ok()?;
+        list.items
+            .iter()
+            .find(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("mps-low")
+                    && e.reason.as_deref() == Some("OverlappingPolicy")
+            })
+            .map(|_| ())
+    })
+    .await;
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn mig_change_waits_for_idle_gpus() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    // A pod bound to the node, using a GPU (no kubelet: it stays Pending, but it is there).
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "train-0", "namespace": "default"},
+        "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "cuda",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}
+    }))
+    .unwrap();
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
+    common::apply_yaml(&c, &mig_policy("mig-inference", "inference")).await.unwrap();
+    let s = until("WaitingForIdleGPUs", LONG, || async {
+        let s = policy_status(&c, "mig-inference").await?;
+        (condition(&s, "Progressing")?["reason"] == "WaitingForIdleGPUs").then_some(s)
+    })
+    .await;
+    assert!(condition(&s, "Progressing").unwrap()["message"].as_str().unwrap().contains("default/train-0"));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(labels(&c, NODE).await["nvidia.com/mig.config"], "all-disabled", "layout untouched while busy");
+    // The pod goes: the layout changes.
+    pods.delete("train-0", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await.unwrap();
+    let s = until("MIG Ready after the pod left", LONG, || ready(&c, "mig-inference")).await;
+    assert_eq!(s["migConfig"], "all-1g.10gb");
+    assert_eq!(labels(&c, NODE).await["nvidia.com/mig.config"], "all-1g.10gb");
+    op.stop().await;
+}

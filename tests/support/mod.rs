@@ -1,0 +1,181 @@
+//! Helpers shared by the end-to-end tests: the operator in-process, the node simulator, and
+//! small queries. Each test gets its own control plane (tests/common) and they run one at a time.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::common::{self, TestCluster};
+use gpu_sharing_operator::controller;
+use gpu_sharing_operator::crd::GpuSharingPolicy;
+use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use kube::{Client, CustomResourceExt, ResourceExt};
+use serde_json::json;
+use tokio::sync::oneshot;
+
+pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+pub const NS: &str = "gpu-operator";
+pub const DP_CM: &str = "gpu-sharing-device-plugin-config";
+
+/// The operator, running in this process against the test cluster.
+pub struct Operator {
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Operator {
+    pub fn start(client: Client, namespace: Option<&str>) -> Operator {
+        let (tx, rx) = oneshot::channel::<()>();
+        let config = controller::Config {
+            namespace: namespace.map(String::from),
+            resync: Duration::from_secs(30),
+            ..Default::default()
+        };
+        let task = tokio::spawn(async move {
+            controller::run(client, config, async {
+                rx.await.ok();
+            })
+            .await
+            .expect("controller runs");
+        });
+        Operator { stop: Some(tx), task }
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            s.send(()).ok();
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub async fn install_crd(client: &Client) {
+    let crd_yaml = serde_yaml::to_string(&GpuSharingPolicy::crd()).unwrap();
+    common::apply_yaml(client, &crd_yaml).await.expect("CRD applies");
+    common::wait_crd_established(client, "gpusharingpolicies.gpusharing.io", Duration::from_secs(30))
+        .await
+        .expect("CRD established");
+}
+
+/// The test-only simulator of NVIDIA's node components (tests/nvidia), as a child process that
+/// exits with us (its stdin is our pipe).
+pub struct Simulator(pub std::process::Child);
+
+impl Drop for Simulator {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn start_simulator(cluster: &TestCluster) -> Simulator {
+    let root = common::repo_root();
+    let out = std::process::Command::new("bash")
+        .arg(root.join("tests/nvidia/build.sh"))
+        .arg("path")
+        .output()
+        .expect("tests/nvidia/build.sh runs");
+    assert!(out.status.success(), "simulator build failed: {}", String::from_utf8_lossy(&out.stderr));
+    let dir = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let log = std::fs::File::create(cluster.dir.path().join("simulator.log")).unwrap();
+    let child = std::process::Command::new(format!("{dir}/gpu-node-simulator"))
+        .args(["--kubeconfig"])
+        .arg(&cluster.kubeconfig)
+        .args(["--namespace", &cluster.gpu_operator_namespace, "--mig-delay", "300ms", "--exit-on-stdin-eof"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("simulator starts");
+    Simulator(child)
+}
+
+/// resourceVersions of everything the operator may write.
+pub async fn resource_versions(c: &Client) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for n in Api::<Node>::all(c.clone()).list(&Default::default()).await.unwrap() {
+        out.insert(format!("node/{}", n.name_any()), n.resource_version().unwrap_or_default());
+    }
+    for cm in Api::<ConfigMap>::namespaced(c.clone(), NS).list(&Default::default()).await.unwrap() {
+        out.insert(format!("cm/{}", cm.name_any()), cm.resource_version().unwrap_or_default());
+    }
+    for p in Api::<GpuSharingPolicy>::all(c.clone()).list(&Default::default()).await.unwrap() {
+        out.insert(format!("gsp/{}", p.name_any()), p.resource_version().unwrap_or_default());
+    }
+    let cps: Api<DynamicObject> = Api::all_with(c.clone(), &controller::cluster_policy_resource());
+    for cp in cps.list(&Default::default()).await.unwrap() {
+        out.insert(format!("cp/{}", cp.name_any()), cp.resource_version().unwrap_or_default());
+    }
+    out
+}
+
+/// A fresh control plane with our CRD, and the node simulator (GPU Feature Discovery's labels
+/// are what "applied" is checked against).
+pub async fn setup() -> (tokio::sync::MutexGuard<'static, ()>, TestCluster, Simulator) {
+    let guard = SERIAL.lock().await;
+    let cluster = TestCluster::start().await;
+    install_crd(&cluster.client).await;
+    let sim = start_simulator(&cluster);
+    (guard, cluster, sim)
+}
+
+pub async fn until<F, Fut, T>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub async fn labels(client: &Client, node: &str) -> BTreeMap<String, String> {
+    Api::<Node>::all(client.clone()).get(node).await.unwrap().labels().clone()
+}
+
+pub async fn label_node(client: &Client, node: &str, key: &str, value: Option<&str>) {
+    let patch = json!({"metadata": {"labels": {key: value}}});
+    Api::<Node>::all(client.clone()).patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+}
+
+pub async fn policy_status(client: &Client, name: &str) -> Option<serde_json::Value> {
+    let p = Api::<GpuSharingPolicy>::all(client.clone()).get(name).await.ok()?;
+    Some(serde_json::to_value(p.status?).unwrap())
+}
+
+pub fn condition<'a>(status: &'a serde_json::Value, type_: &str) -> Option<&'a serde_json::Value> {
+    status["conditions"].as_array()?.iter().find(|c| c["type"] == type_)
+}
+
+pub async fn ready(client: &Client, name: &str) -> Option<serde_json::Value> {
+    let s = policy_status(client, name).await?;
+    (condition(&s, "Ready")?["status"] == "True").then_some(s)
+}
+
+pub async fn configmap_data(client: &Client, name: &str) -> Option<BTreeMap<String, String>> {
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), NS).get(name).await.ok()?;
+    Some(cm.data.unwrap_or_default().into_iter().collect())
+}
+
+pub async fn cluster_policy(client: &Client) -> serde_json::Value {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &controller::cluster_policy_resource());
+    api.get("cluster-policy").await.unwrap().data
+}
+
+pub const LONG: Duration = Duration::from_secs(60);
+
