@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
-use kube::api::{Api, DynamicObject, Patch, PatchParams, PartialObjectMeta};
+use kube::api::{Api, DynamicObject, PartialObjectMeta, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{self, Event as FinalizerEvent};
@@ -23,7 +23,9 @@ use tracing::{debug, info, warn};
 
 use crate::crd::{Condition, GpuSharingPolicy, GpuSharingPolicyStatus};
 use crate::nvidia::{self, MIG_PARTED_KEY};
-use crate::plan::{self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_POLICY, MANAGED_LABELS, NodeFacts, Plan, PlanInput};
+use crate::plan::{
+    self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_POLICY, MANAGED_LABELS, NodeFacts, Plan, PlanInput,
+};
 use crate::render::{self, CONFIG_LABEL, MANAGED_BY};
 
 /// Our server-side apply field manager.
@@ -69,13 +71,18 @@ impl Default for Config {
 
 /// The ClusterPolicy resource (GPU Operator, `nvidia.com/v1`, cluster-scoped).
 pub fn cluster_policy_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("nvidia.com", "v1", "ClusterPolicy"), "clusterpolicies")
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("nvidia.com", "v1", "ClusterPolicy"),
+        "clusterpolicies",
+    )
 }
 
 /// Label paths our field manager owns on an object, from its managedFields.
 fn owned_labels(entries: &[ManagedFieldsEntry]) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
-    for e in entries.iter().filter(|e| e.manager.as_deref() == Some(MANAGER) && e.operation.as_deref() == Some("Apply")) {
+    for e in entries.iter().filter(|e| {
+        e.manager.as_deref() == Some(MANAGER) && e.operation.as_deref() == Some("Apply")
+    }) {
         if let Some(labels) = e
             .fields_v1
             .as_ref()
@@ -110,7 +117,9 @@ fn owned_spec_paths(entries: &[ManagedFieldsEntry]) -> BTreeSet<String> {
         }
     }
     let mut out = BTreeSet::new();
-    for e in entries.iter().filter(|e| e.manager.as_deref() == Some(MANAGER) && e.operation.as_deref() == Some("Apply")) {
+    for e in entries.iter().filter(|e| {
+        e.manager.as_deref() == Some(MANAGER) && e.operation.as_deref() == Some("Apply")
+    }) {
         if let Some(spec) = e.fields_v1.as_ref().and_then(|f| f.0.get("f:spec")) {
             walk(spec, "spec", &mut out);
         }
@@ -157,13 +166,21 @@ pub async fn detect_namespace(client: &Client) -> Option<String> {
     let list = api.list(&Default::default()).await.ok()?;
     let mut items = list.items;
     items.sort_by_key(|o| (o.metadata.creation_timestamp.clone(), o.name_any()));
-    items
-        .first()
-        .and_then(|o| o.data.get("status")?.get("namespace")?.as_str().map(String::from))
+    items.first().and_then(|o| {
+        o.data
+            .get("status")?
+            .get("namespace")?
+            .as_str()
+            .map(String::from)
+    })
 }
 
 /// Runs the controller until the future is dropped.
-pub async fn run(client: Client, config: Config, shutdown: impl std::future::Future<Output = ()>) -> Result<(), Error> {
+pub async fn run(
+    client: Client,
+    config: Config,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), Error> {
     let cp_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
     let cluster_policy_served = cp_api.list(&Default::default()).await.is_ok();
     let namespace = match &config.namespace {
@@ -174,7 +191,9 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
                 n
             }
             None => {
-                warn!("no ClusterPolicy with status.namespace found; using gpu-operator (pass --namespace to choose)");
+                warn!(
+                    "no ClusterPolicy with status.namespace found; using gpu-operator (pass --namespace to choose)"
+                );
                 "gpu-operator".into()
             }
         },
@@ -188,25 +207,36 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
 
     let policy_stream = reflector::reflector(
         pw,
-        watcher(Api::<GpuSharingPolicy>::all(client.clone()), watcher::Config::default()).default_backoff(),
+        watcher(
+            Api::<GpuSharingPolicy>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff(),
     )
     .boxed();
     // Label-only node cache: keep labels and our own managedFields entries, drop the rest.
     let node_stream = reflector::reflector(
         nw,
-        watcher(Api::<PartialObjectMeta<Node>>::all(client.clone()), watcher::Config::default())
-            .default_backoff()
-            .modify(|n: &mut PartialObjectMeta<Node>| {
-                n.metadata.annotations = None;
-                if let Some(m) = n.metadata.managed_fields.as_mut() {
-                    m.retain(|e| e.manager.as_deref() == Some(MANAGER));
-                }
-            }),
+        watcher(
+            Api::<PartialObjectMeta<Node>>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(|n: &mut PartialObjectMeta<Node>| {
+            n.metadata.annotations = None;
+            if let Some(m) = n.metadata.managed_fields.as_mut() {
+                m.retain(|e| e.manager.as_deref() == Some(MANAGER));
+            }
+        }),
     )
     .boxed();
     let cm_stream = reflector::reflector(
         cw,
-        watcher(Api::<ConfigMap>::namespaced(client.clone(), &namespace), watcher::Config::default()).default_backoff(),
+        watcher(
+            Api::<ConfigMap>::namespaced(client.clone(), &namespace),
+            watcher::Config::default(),
+        )
+        .default_backoff(),
     )
     .boxed();
     // Pods that may hold GPUs (MIG changes wait for idle GPUs): only bound, unfinished pods,
@@ -215,7 +245,8 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
         podw,
         watcher(
             Api::<Pod>::all(client.clone()),
-            watcher::Config::default().fields("spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"),
+            watcher::Config::default()
+                .fields("spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"),
         )
         .default_backoff()
         .modify(|p: &mut Pod| {
@@ -253,13 +284,18 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
         let cpw = reflector::store::Writer::new(cluster_policy_resource());
         let cps = cpw.as_reader();
         streams.push(
-            reflector::reflector(cpw, watcher(cp_api, watcher::Config::default()).default_backoff())
-                .map_ok(|_| ())
-                .boxed(),
+            reflector::reflector(
+                cpw,
+                watcher(cp_api, watcher::Config::default()).default_backoff(),
+            )
+            .map_ok(|_| ())
+            .boxed(),
         );
         Some(cps)
     } else {
-        warn!("the ClusterPolicy CRD (nvidia.com/v1) is not served: nodes are labelled, but no device plugin reads the config");
+        warn!(
+            "the ClusterPolicy CRD (nvidia.com/v1) is not served: nodes are labelled, but no device plugin reads the config"
+        );
         None
     };
     let events = {
@@ -275,7 +311,10 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
 
     let recorder = Recorder::new(
         client.clone(),
-        Reporter { controller: MANAGER.into(), instance: std::env::var("POD_NAME").ok() },
+        Reporter {
+            controller: MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        },
     );
     let ctx = Arc::new(Context {
         client,
@@ -304,7 +343,11 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
             match reconcile_all(&loop_ctx).await {
                 Ok(requeue) => {
                     backoff = Duration::from_millis(500);
-                    let wait = if requeue { Duration::from_secs(2) } else { loop_ctx.config.resync };
+                    let wait = if requeue {
+                        Duration::from_secs(2)
+                    } else {
+                        loop_ctx.config.resync
+                    };
                     tokio::select! {
                         _ = notify.notified() => {},
                         _ = tokio::time::sleep(wait) => {},
@@ -330,11 +373,18 @@ pub async fn run(client: Client, config: Config, shutdown: impl std::future::Fut
 
 impl Context {
     fn plan_input(&self) -> PlanInput {
-        let policies: Vec<GpuSharingPolicy> = self.policies.state().iter().map(|p| (**p).clone()).collect();
+        let policies: Vec<GpuSharingPolicy> = self
+            .policies
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
         let mut gpu_pods: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for p in self.pods.state() {
             let Some(spec) = &p.spec else { continue };
-            let Some(node) = &spec.node_name else { continue };
+            let Some(node) = &spec.node_name else {
+                continue;
+            };
             let uses_gpu = spec.containers.iter().any(|c| {
                 let r = c.resources.as_ref();
                 let keys = r
@@ -342,13 +392,15 @@ impl Context {
                     .into_iter()
                     .chain(r.and_then(|r| r.requests.as_ref()))
                     .flat_map(|m| m.keys());
-                keys.into_iter().any(|k| k.starts_with("nvidia.com/gpu") || k.starts_with("nvidia.com/mig-"))
+                keys.into_iter()
+                    .any(|k| k.starts_with("nvidia.com/gpu") || k.starts_with("nvidia.com/mig-"))
             });
             if uses_gpu {
-                gpu_pods
-                    .entry(node.clone())
-                    .or_default()
-                    .push(format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()));
+                gpu_pods.entry(node.clone()).or_default().push(format!(
+                    "{}/{}",
+                    p.namespace().unwrap_or_default(),
+                    p.name_any()
+                ));
             }
         }
         for v in gpu_pods.values_mut() {
@@ -396,11 +448,18 @@ impl Context {
     }
 
     fn count_write(&self) {
-        self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.writes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     async fn event(&self, policy: &GpuSharingPolicy, type_: EventType, reason: &str, note: String) {
-        let ev = Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
+        let ev = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
         if let Err(e) = self.recorder.publish(&ev, &policy.object_ref(&())).await {
             debug!(error = %e, "event not published");
         }
@@ -408,12 +467,24 @@ impl Context {
 }
 
 /// Applies a ConfigMap when its data or our labels differ from the cache.
-async fn apply_configmap(ctx: &Context, name: &str, kind: &str, data: &BTreeMap<String, String>, why: &str) -> Result<bool, Error> {
-    let current = ctx.configmaps.state().into_iter().find(|c| c.name_any() == name);
+async fn apply_configmap(
+    ctx: &Context,
+    name: &str,
+    kind: &str,
+    data: &BTreeMap<String, String>,
+    why: &str,
+) -> Result<bool, Error> {
+    let current = ctx
+        .configmaps
+        .state()
+        .into_iter()
+        .find(|c| c.name_any() == name);
     let same = current.as_ref().is_some_and(|c| {
-        let cur: BTreeMap<String, String> = c.data.clone().unwrap_or_default().into_iter().collect();
+        let cur: BTreeMap<String, String> =
+            c.data.clone().unwrap_or_default().into_iter().collect();
         let labels = c.labels();
-        cur == *data && labels.get(MANAGED_BY.0).map(String::as_str) == Some(MANAGED_BY.1)
+        cur == *data
+            && labels.get(MANAGED_BY.0).map(String::as_str) == Some(MANAGED_BY.1)
             && labels.get(CONFIG_LABEL).map(String::as_str) == Some(kind)
     });
     if same {
@@ -421,7 +492,12 @@ async fn apply_configmap(ctx: &Context, name: &str, kind: &str, data: &BTreeMap<
     }
     let obj = render::configmap(name, &ctx.namespace, kind, data);
     let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    api.patch(name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&obj)).await?;
+    api.patch(
+        name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&obj),
+    )
+    .await?;
     ctx.count_write();
     info!(configmap = %format!("{}/{name}", ctx.namespace), keys = data.len(), reason = why, "applied ConfigMap");
     Ok(true)
@@ -429,7 +505,11 @@ async fn apply_configmap(ctx: &Context, name: &str, kind: &str, data: &BTreeMap<
 
 /// Whether the node's labels already are what we want to own.
 fn node_in_sync(node: &NodeFacts, desired: &BTreeMap<String, String>) -> bool {
-    let owned: BTreeSet<&String> = node.owned.iter().filter(|k| MANAGED_LABELS.contains(&k.as_str())).collect();
+    let owned: BTreeSet<&String> = node
+        .owned
+        .iter()
+        .filter(|k| MANAGED_LABELS.contains(&k.as_str()))
+        .collect();
     let want: BTreeSet<&String> = desired.keys().collect();
     owned == want && desired.iter().all(|(k, v)| node.labels.get(k) == Some(v))
 }
@@ -441,22 +521,41 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     let plan = plan::plan(&input);
 
     // 1. ConfigMaps first: a key exists before any node label points to it.
-    apply_configmap(ctx, &ctx.config.device_configmap, "device-plugin", &plan.device_config, "policies changed").await?;
+    apply_configmap(
+        ctx,
+        &ctx.config.device_configmap,
+        "device-plugin",
+        &plan.device_config,
+        "policies changed",
+    )
+    .await?;
     if let Some(m) = &plan.mig_config {
         let mut data = BTreeMap::new();
         data.insert(MIG_PARTED_KEY.to_string(), m.clone());
-        apply_configmap(ctx, &ctx.config.mig_configmap, "mig-parted", &data, "custom MIG layouts changed").await?;
+        apply_configmap(
+            ctx,
+            &ctx.config.mig_configmap,
+            "mig-parted",
+            &data,
+            "custom MIG layouts changed",
+        )
+        .await?;
     }
 
     // 2. The ClusterPolicy points at our ConfigMaps.
     apply_cluster_policy(ctx, &plan).await?;
 
     // 3. Node labels, concurrently.
-    let node_by_name: BTreeMap<&str, &NodeFacts> = input.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    let node_by_name: BTreeMap<&str, &NodeFacts> =
+        input.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
     let changes: Vec<(String, BTreeMap<String, String>)> = plan
         .node_labels
         .iter()
-        .filter(|(n, want)| node_by_name.get(n.as_str()).is_some_and(|node| !node_in_sync(node, want)))
+        .filter(|(n, want)| {
+            node_by_name
+                .get(n.as_str())
+                .is_some_and(|node| !node_in_sync(node, want))
+        })
         .map(|(n, w)| (n.clone(), w.clone()))
         .collect();
     let nodes_api: Api<Node> = Api::all(ctx.client.clone());
@@ -485,13 +584,22 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
             Err(e) => first_err = first_err.or(Some(e)),
         }
     }
-    let policies: BTreeMap<String, Arc<GpuSharingPolicy>> =
-        ctx.policies.state().into_iter().map(|p| (p.name_any(), p)).collect();
+    let policies: BTreeMap<String, Arc<GpuSharingPolicy>> = ctx
+        .policies
+        .state()
+        .into_iter()
+        .map(|p| (p.name_any(), p))
+        .collect();
     for (policy, nodes) in &labelled {
         if let Some(p) = policies.get(policy) {
             let shown: Vec<&str> = nodes.iter().take(10).map(String::as_str).collect();
-            ctx.event(p, EventType::Normal, "NodesLabelled", format!("labelled {} nodes: {}", nodes.len(), shown.join(", ")))
-                .await;
+            ctx.event(
+                p,
+                EventType::Normal,
+                "NodesLabelled",
+                format!("labelled {} nodes: {}", nodes.len(), shown.join(", ")),
+            )
+            .await;
         }
     }
     if let Some(e) = first_err {
@@ -500,24 +608,39 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
 
     // 4. The mig-parted ConfigMap goes only once nothing points to it.
     if plan.mig_config.is_none() {
-        let exists = ctx.configmaps.state().iter().any(|c| c.name_any() == ctx.config.mig_configmap);
+        let exists = ctx
+            .configmaps
+            .state()
+            .iter()
+            .any(|c| c.name_any() == ctx.config.mig_configmap);
         let referenced = ctx.active_cluster_policy().is_some_and(|cp| {
-            lookup(&cp.data, ".spec.migManager.config.name").and_then(|v| v.as_str()) == Some(ctx.config.mig_configmap.as_str())
+            lookup(&cp.data, ".spec.migManager.config.name").and_then(|v| v.as_str())
+                == Some(ctx.config.mig_configmap.as_str())
         });
         if exists && !referenced {
             let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-            api.delete(&ctx.config.mig_configmap, &Default::default()).await?;
+            api.delete(&ctx.config.mig_configmap, &Default::default())
+                .await?;
             ctx.count_write();
             info!(configmap = %ctx.config.mig_configmap, "deleted mig-parted ConfigMap: no custom layout left");
         }
     }
 
     // 5. Finalizers and status.
-    let mut in_progress = !plan.node_labels.is_empty() && plan.statuses.values().any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes);
+    let mut in_progress = !plan.node_labels.is_empty()
+        && plan
+            .statuses
+            .values()
+            .any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes);
     for p in policies.values() {
         match finalize(ctx, p.clone(), &plan, &input).await {
             Ok(_) => {}
-            Err(Error::Finalizer(e)) if matches!(*e, finalizer::Error::CleanupFailed(Error::CleanupPending(_))) => {
+            Err(Error::Finalizer(e))
+                if matches!(
+                    *e,
+                    finalizer::Error::CleanupFailed(Error::CleanupPending(_))
+                ) =>
+            {
                 in_progress = true;
             }
             Err(e) => return Err(e),
@@ -531,7 +654,12 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     Ok(in_progress)
 }
 
-async fn finalize(ctx: &Context, p: Arc<GpuSharingPolicy>, plan: &Plan, input: &PlanInput) -> Result<Action, Error> {
+async fn finalize(
+    ctx: &Context,
+    p: Arc<GpuSharingPolicy>,
+    plan: &Plan,
+    input: &PlanInput,
+) -> Result<Action, Error> {
     let api: Api<GpuSharingPolicy> = Api::all(ctx.client.clone());
     let name = p.name_any();
     finalizer::finalizer(&api, FINALIZER, p.clone(), |event| async move {
@@ -541,13 +669,25 @@ async fn finalize(ctx: &Context, p: Arc<GpuSharingPolicy>, plan: &Plan, input: &
                 // Done when no node carries its labels and no config key of its remains.
                 let labelled = input.nodes.iter().any(|n| {
                     n.labels.get(LABEL_POLICY) == Some(&name)
-                        || n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).is_some_and(|k| is_key_of(&name, k))
+                        || n.labels
+                            .get(LABEL_DEVICE_PLUGIN_CONFIG)
+                            .is_some_and(|k| is_key_of(&name, k))
                 });
-                let keys_left = input.current_device_config.keys().chain(plan.device_config.keys()).any(|k| is_key_of(&name, k));
+                let keys_left = input
+                    .current_device_config
+                    .keys()
+                    .chain(plan.device_config.keys())
+                    .any(|k| is_key_of(&name, k));
                 if labelled || keys_left {
                     return Err(Error::CleanupPending(name.clone()));
                 }
-                ctx.event(&p, EventType::Normal, "CleanedUp", "removed node labels and config keys; finalizer released".into()).await;
+                ctx.event(
+                    &p,
+                    EventType::Normal,
+                    "CleanedUp",
+                    "removed node labels and config keys; finalizer released".into(),
+                )
+                .await;
                 info!(policy = %name, "cleanup complete");
                 Ok(Action::await_change())
             }
@@ -569,13 +709,19 @@ fn merge_conditions(old: &[Condition], new: &mut [Condition], now: &Time) {
     for c in new.iter_mut() {
         let prev = old.iter().find(|o| o.type_ == c.type_);
         c.last_transition_time = match prev {
-            Some(o) if o.status == c.status => o.last_transition_time.clone().or_else(|| Some(now.clone())),
+            Some(o) if o.status == c.status => {
+                o.last_transition_time.clone().or_else(|| Some(now.clone()))
+            }
             _ => Some(now.clone()),
         };
     }
 }
 
-async fn write_status(ctx: &Context, p: &GpuSharingPolicy, mut status: GpuSharingPolicyStatus) -> Result<(), Error> {
+async fn write_status(
+    ctx: &Context,
+    p: &GpuSharingPolicy,
+    mut status: GpuSharingPolicyStatus,
+) -> Result<(), Error> {
     let old = p.status.clone().unwrap_or_default();
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     merge_conditions(&old.conditions, &mut status.conditions, &now);
@@ -588,17 +734,35 @@ async fn write_status(ctx: &Context, p: &GpuSharingPolicy, mut status: GpuSharin
         "kind": GpuSharingPolicy::kind(&()),
         "status": status,
     });
-    api.patch_status(&p.name_any(), &PatchParams::apply(MANAGER).force(), &Patch::Apply(&obj)).await?;
+    api.patch_status(
+        &p.name_any(),
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&obj),
+    )
+    .await?;
     ctx.count_write();
     debug!(policy = %p.name_any(), "status updated");
     // Events for condition changes.
     for c in &status.conditions {
         let before = old.conditions.iter().find(|o| o.type_ == c.type_);
         if before.is_none_or(|b| b.status != c.status || b.reason != c.reason) {
-            let bad = matches!((c.type_.as_str(), c.status.as_str()), ("Accepted", "False") | ("Conflicted", "True") | ("Degraded", "True"));
+            let bad = matches!(
+                (c.type_.as_str(), c.status.as_str()),
+                ("Accepted", "False") | ("Conflicted", "True") | ("Degraded", "True")
+            );
             if bad || c.type_ == "Ready" {
-                let t = if bad { EventType::Warning } else { EventType::Normal };
-                ctx.event(p, t, &c.reason, format!("{}={}: {}", c.type_, c.status, c.message)).await;
+                let t = if bad {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                };
+                ctx.event(
+                    p,
+                    t,
+                    &c.reason,
+                    format!("{}={}: {}", c.type_, c.status, c.message),
+                )
+                .await;
             }
         }
     }
@@ -606,14 +770,21 @@ async fn write_status(ctx: &Context, p: &GpuSharingPolicy, mut status: GpuSharin
 }
 
 async fn apply_cluster_policy(ctx: &Context, plan: &Plan) -> Result<(), Error> {
-    let Some(cp) = ctx.active_cluster_policy() else { return Ok(()) };
+    let Some(cp) = ctx.active_cluster_policy() else {
+        return Ok(());
+    };
     let mut want = BTreeMap::new();
     leaf_paths(&json!({"spec": plan.cluster_policy_spec}), "", &mut want);
     // `leaf_paths` of an empty spec yields ".spec" -> {}: nothing to own.
     want.retain(|_, v| !v.as_object().is_some_and(|o| o.is_empty()));
-    let want: BTreeMap<String, serde_json::Value> = want.into_iter().map(|(k, v)| (k.trim_start_matches('.').to_string(), v)).collect();
+    let want: BTreeMap<String, serde_json::Value> = want
+        .into_iter()
+        .map(|(k, v)| (k.trim_start_matches('.').to_string(), v))
+        .collect();
     let owned = owned_spec_paths(cp.metadata.managed_fields.as_deref().unwrap_or_default());
-    let values_ok = want.iter().all(|(k, v)| lookup(&cp.data, &format!(".{k}")) == Some(v));
+    let values_ok = want
+        .iter()
+        .all(|(k, v)| lookup(&cp.data, &format!(".{k}")) == Some(v));
     let owned_ok = owned == want.keys().cloned().collect::<BTreeSet<_>>();
     if values_ok && owned_ok {
         return Ok(());
@@ -621,7 +792,13 @@ async fn apply_cluster_policy(ctx: &Context, plan: &Plan) -> Result<(), Error> {
     let drift: Vec<String> = want
         .iter()
         .filter(|(k, v)| lookup(&cp.data, &format!(".{k}")).is_some_and(|cur| cur != *v))
-        .map(|(k, v)| format!("{k}={} (was {})", v, lookup(&cp.data, &format!(".{k}")).unwrap_or(&serde_json::Value::Null)))
+        .map(|(k, v)| {
+            format!(
+                "{k}={} (was {})",
+                v,
+                lookup(&cp.data, &format!(".{k}")).unwrap_or(&serde_json::Value::Null)
+            )
+        })
         .collect();
     let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &cluster_policy_resource());
     let obj = json!({
@@ -630,7 +807,12 @@ async fn apply_cluster_policy(ctx: &Context, plan: &Plan) -> Result<(), Error> {
         "metadata": {"name": cp.name_any()},
         "spec": plan.cluster_policy_spec,
     });
-    api.patch(&cp.name_any(), &PatchParams::apply(MANAGER).force(), &Patch::Apply(&obj)).await?;
+    api.patch(
+        &cp.name_any(),
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&obj),
+    )
+    .await?;
     ctx.count_write();
     if drift.is_empty() {
         info!(clusterpolicy = %cp.name_any(), spec = %plan.cluster_policy_spec, "applied ClusterPolicy settings");

@@ -70,7 +70,9 @@ pub struct GpuSharingPolicySpec {
 }
 
 /// The sharing strategy.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub enum Strategy {
     /// One pod per GPU (no `sharing` section in the device-plugin config).
@@ -197,7 +199,9 @@ pub struct Mig {
 }
 
 /// `single` or `mixed`.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub enum MigStrategy {
     Single,

@@ -9,7 +9,10 @@ use crate::crd::GpuSharingPolicy;
 fn constraints(s: &Value) -> String {
     let mut c = Vec::new();
     if let Some(e) = s.get("enum").and_then(|e| e.as_array()) {
-        let v: Vec<String> = e.iter().filter_map(|x| x.as_str().map(|s| format!("`{s}`"))).collect();
+        let v: Vec<String> = e
+            .iter()
+            .filter_map(|x| x.as_str().map(|s| format!("`{s}`")))
+            .collect();
         c.push(format!("one of {}", v.join(", ")));
     }
     for (k, label) in [("minimum", ">="), ("maximum", "<=")] {
@@ -17,7 +20,12 @@ fn constraints(s: &Value) -> String {
             c.push(format!("{label} {v}"));
         }
     }
-    for (k, label) in [("maxProperties", "entries <="), ("minItems", "items >="), ("maxItems", "items <="), ("maxLength", "length <=")] {
+    for (k, label) in [
+        ("maxProperties", "entries <="),
+        ("minItems", "items >="),
+        ("maxItems", "items <="),
+        ("maxLength", "length <="),
+    ] {
         if let Some(v) = s.get(k) {
             c.push(format!("{label} {v}"));
         }
@@ -58,7 +66,11 @@ fn walk(path: &str, s: &Value, required: bool, rows: &mut Vec<String>) {
         .unwrap_or_default();
     if let Some(props) = s.get("properties").and_then(|p| p.as_object()) {
         for (k, v) in props {
-            let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+            let p = if path.is_empty() {
+                k.clone()
+            } else {
+                format!("{path}.{k}")
+            };
             walk(&p, v, req.contains(&k.as_str()), rows);
         }
     }
@@ -71,7 +83,10 @@ fn walk(path: &str, s: &Value, required: bool, rows: &mut Vec<String>) {
 pub fn crd_reference() -> String {
     let crd = serde_json::to_value(GpuSharingPolicy::crd()).expect("CRD serializes");
     let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
-    let mut rows = vec!["| field | type | description | validation |".to_string(), "|---|---|---|---|".to_string()];
+    let mut rows = vec![
+        "| field | type | description | validation |".to_string(),
+        "|---|---|---|---|".to_string(),
+    ];
     walk("spec", schema, true, &mut rows);
     rows.join("\n") + "\n"
 }

@@ -63,7 +63,9 @@ enum LogFormat {
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Pretty => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -78,7 +80,8 @@ async fn run(namespace: Option<String>, resync: u64) -> anyhow::Result<()> {
         ..Default::default()
     };
     let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("signal handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {},
             _ = term.recv() => {},
@@ -88,11 +91,19 @@ async fn run(namespace: Option<String>, resync: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn read_mig_base(path: &PathBuf) -> Result<std::collections::BTreeMap<String, serde_yaml::Value>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let v: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+fn read_mig_base(
+    path: &PathBuf,
+) -> Result<std::collections::BTreeMap<String, serde_yaml::Value>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let v: serde_yaml::Value =
+        serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     // A ConfigMap: take data["config.yaml"]; otherwise the config itself.
-    let inner = match v.get("data").and_then(|d| d.get(nvidia::MIG_PARTED_KEY)).and_then(|c| c.as_str()) {
+    let inner = match v
+        .get("data")
+        .and_then(|d| d.get(nvidia::MIG_PARTED_KEY))
+        .and_then(|c| c.as_str())
+    {
         Some(s) => s.to_string(),
         None => text,
     };
@@ -102,7 +113,11 @@ fn read_mig_base(path: &PathBuf) -> Result<std::collections::BTreeMap<String, se
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Run { namespace, log_format, resync_seconds } => {
+        Command::Run {
+            namespace,
+            log_format,
+            resync_seconds,
+        } => {
             init_tracing(log_format);
             let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
             match rt.block_on(run(namespace, resync_seconds)) {
@@ -118,10 +133,18 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Crd { markdown: false } => {
-            print!("{}", serde_yaml::to_string(&GpuSharingPolicy::crd()).expect("CRD serializes"));
+            print!(
+                "{}",
+                serde_yaml::to_string(&GpuSharingPolicy::crd()).expect("CRD serializes")
+            );
             ExitCode::SUCCESS
         }
-        Command::Render { file, nodes, namespace, mig_parted_config } => {
+        Command::Render {
+            file,
+            nodes,
+            namespace,
+            mig_parted_config,
+        } => {
             let policies = match render::load_policies(&file) {
                 Ok(p) => p,
                 Err(errs) => {

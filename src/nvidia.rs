@@ -46,7 +46,11 @@ pub struct Flags {
 /// `sharing`: never both sub-sections (NVIDIA silently prefers MPS).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct Sharing {
-    #[serde(rename = "timeSlicing", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "timeSlicing",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub time_slicing: Option<ReplicatedResources>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mps: Option<ReplicatedResources>,
@@ -56,7 +60,11 @@ pub struct Sharing {
 pub struct ReplicatedResources {
     #[serde(rename = "renameByDefault")]
     pub rename_by_default: bool,
-    #[serde(rename = "failRequestsGreaterThanOne", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "failRequestsGreaterThanOne",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub fail_requests_greater_than_one: Option<bool>,
     pub resources: Vec<ReplicatedResource>,
 }
@@ -84,7 +92,11 @@ pub struct MigConfigEntry {
     pub devices: MigDevices,
     #[serde(rename = "mig-enabled")]
     pub mig_enabled: bool,
-    #[serde(rename = "mig-devices", default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "mig-devices",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub mig_devices: Option<BTreeMap<String, i32>>,
 }
 
@@ -104,7 +116,11 @@ pub enum AllDevices {
 
 /// Adds the `nvidia.com/` prefix the way NVIDIA's parser does.
 pub fn qualify_resource(name: &str) -> String {
-    if name.contains('/') { name.to_string() } else { format!("nvidia.com/{name}") }
+    if name.contains('/') {
+        name.to_string()
+    } else {
+        format!("nvidia.com/{name}")
+    }
 }
 
 /// The MIG profiles a policy's MIG layout creates, when we know them: custom layouts always,
@@ -115,7 +131,12 @@ pub fn layout_profiles(mig: &Mig) -> Option<Vec<String>> {
         let mut v: Vec<String> = groups
             .iter()
             .filter(|g| g.mig_enabled)
-            .flat_map(|g| g.mig_devices.iter().filter(|(_, c)| **c > 0).map(|(p, _)| p.clone()))
+            .flat_map(|g| {
+                g.mig_devices
+                    .iter()
+                    .filter(|(_, c)| **c > 0)
+                    .map(|(p, _)| p.clone())
+            })
             .collect();
         v.sort();
         v.dedup();
@@ -124,7 +145,11 @@ pub fn layout_profiles(mig: &Mig) -> Option<Vec<String>> {
     let layout = mig.layout.as_deref()?;
     let rest = layout.strip_prefix("all-")?;
     if matches!(rest, "disabled" | "enabled" | "balanced") {
-        return if rest == "disabled" { Some(vec![]) } else { None };
+        return if rest == "disabled" {
+            Some(vec![])
+        } else {
+            None
+        };
     }
     // all-1g.5gb.me -> 1g.5gb+me, all-1g.24gb.me.all -> 1g.24gb+me.all, all-1g.24gb.gfx -> +gfx
     let profile = if let Some(p) = rest.strip_suffix(".me.all") {
@@ -136,7 +161,11 @@ pub fn layout_profiles(mig: &Mig) -> Option<Vec<String>> {
     } else {
         rest.to_string()
     };
-    if crate::validate::is_mig_profile(&profile) { Some(vec![profile]) } else { None }
+    if crate::validate::is_mig_profile(&profile) {
+        Some(vec![profile])
+    } else {
+        None
+    }
 }
 
 /// The resource name under which a MIG profile is advertised with the `mixed` strategy.
@@ -150,7 +179,12 @@ fn replicated(ts: &TimeSlicing, default_names: &[String]) -> ReplicatedResources
         let replicas = ts.replicas.unwrap_or(2);
         default_names
             .iter()
-            .map(|n| ReplicatedResource { name: n.clone(), rename: None, devices: None, replicas })
+            .map(|n| ReplicatedResource {
+                name: n.clone(),
+                rename: None,
+                devices: None,
+                replicas,
+            })
             .collect()
     } else {
         ts.resources
@@ -177,7 +211,13 @@ pub fn device_plugin_config(spec: &GpuSharingPolicySpec) -> DevicePluginConfig {
         Strategy::TimeSlicing => {
             let ts = spec.time_slicing.clone().unwrap_or_default();
             let r = replicated(&ts, &[GPU_RESOURCE.to_string()]);
-            ("none".to_string(), Some(Sharing { time_slicing: Some(r), mps: None }))
+            (
+                "none".to_string(),
+                Some(Sharing {
+                    time_slicing: Some(r),
+                    mps: None,
+                }),
+            )
         }
         Strategy::Mps => {
             let mps = spec.mps.clone().unwrap_or_default();
@@ -191,10 +231,19 @@ pub fn device_plugin_config(spec: &GpuSharingPolicySpec) -> DevicePluginConfig {
                     replicas: mps.replicas,
                 }],
             };
-            ("none".to_string(), Some(Sharing { time_slicing: None, mps: Some(r) }))
+            (
+                "none".to_string(),
+                Some(Sharing {
+                    time_slicing: None,
+                    mps: Some(r),
+                }),
+            )
         }
         Strategy::Mig => {
-            let mig = spec.mig.as_ref().expect("validated: mig strategy has a mig block");
+            let mig = spec
+                .mig
+                .as_ref()
+                .expect("validated: mig strategy has a mig block");
             let sharing = mig.time_slicing.as_ref().map(|ts| {
                 let names = match mig.mig_strategy {
                     MigStrategy::Single => vec![GPU_RESOURCE.to_string()],
@@ -204,19 +253,28 @@ pub fn device_plugin_config(spec: &GpuSharingPolicySpec) -> DevicePluginConfig {
                         .map(|p| mig_resource(p))
                         .collect(),
                 };
-                Sharing { time_slicing: Some(replicated(ts, &names)), mps: None }
+                Sharing {
+                    time_slicing: Some(replicated(ts, &names)),
+                    mps: None,
+                }
             });
             (mig.mig_strategy.as_str().to_string(), sharing)
         }
     };
-    DevicePluginConfig { version: "v1".into(), flags: Flags { mig_strategy }, sharing }
+    DevicePluginConfig {
+        version: "v1".into(),
+        flags: Flags { mig_strategy },
+        sharing,
+    }
 }
 
 /// The config of the `default` key: no sharing.
 pub fn exclusive_config(mig_strategy: &str) -> DevicePluginConfig {
     DevicePluginConfig {
         version: "v1".into(),
-        flags: Flags { mig_strategy: mig_strategy.to_string() },
+        flags: Flags {
+            mig_strategy: mig_strategy.to_string(),
+        },
         sharing: None,
     }
 }
@@ -251,7 +309,11 @@ pub fn custom_layout_entries(mig: &Mig) -> Vec<MigConfigEntry> {
                 Some(d) => MigDevices::Indices(d.clone()),
             },
             mig_enabled: g.mig_enabled,
-            mig_devices: if g.mig_enabled { Some(g.mig_devices.clone()) } else { None },
+            mig_devices: if g.mig_enabled {
+                Some(g.mig_devices.clone())
+            } else {
+                None
+            },
         })
         .collect()
 }
@@ -259,7 +321,11 @@ pub fn custom_layout_entries(mig: &Mig) -> Vec<MigConfigEntry> {
 /// The `all-disabled` layout, always present in our mig-parted config: it is what nodes move
 /// through when they leave MIG.
 pub fn disabled_layout() -> Vec<MigConfigEntry> {
-    vec![MigConfigEntry { devices: MigDevices::All(AllDevices::All), mig_enabled: false, mig_devices: None }]
+    vec![MigConfigEntry {
+        devices: MigDevices::All(AllDevices::All),
+        mig_enabled: false,
+        mig_devices: None,
+    }]
 }
 
 /// The mig-parted config: the named layouts we were given (from the GPU Operator's default
@@ -277,7 +343,10 @@ pub fn mig_parted_config(
         serde_yaml::to_value(disabled_layout()).expect("serializable"),
     );
     for (k, v) in custom {
-        configs.insert(serde_yaml::Value::String(k.clone()), serde_yaml::to_value(v).expect("serializable"));
+        configs.insert(
+            serde_yaml::Value::String(k.clone()),
+            serde_yaml::to_value(v).expect("serializable"),
+        );
     }
     let mut root = serde_yaml::Mapping::new();
     root.insert("version".into(), "v1".into());
@@ -287,7 +356,9 @@ pub fn mig_parted_config(
 
 /// Reads the `mig-configs` of a mig-parted config text (for example the GPU Operator's
 /// `default-mig-parted-config`), keeping every layout as it is.
-pub fn parse_mig_configs(text: &str) -> Result<BTreeMap<String, serde_yaml::Value>, serde_yaml::Error> {
+pub fn parse_mig_configs(
+    text: &str,
+) -> Result<BTreeMap<String, serde_yaml::Value>, serde_yaml::Error> {
     #[derive(Deserialize)]
     struct Doc {
         #[serde(rename = "mig-configs", default)]

@@ -10,8 +10,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde_json::json;
 
 use crate::crd::{
-    Capacity, Condition, GpuSharingPolicy, GpuSharingPolicySpec, GpuSharingPolicyStatus, Mig, MigStrategy, NodeDetail,
-    Strategy,
+    Capacity, Condition, GpuSharingPolicy, GpuSharingPolicySpec, GpuSharingPolicyStatus, Mig,
+    MigStrategy, NodeDetail, Strategy,
 };
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use crate::validate::{self, MigProfile};
@@ -33,7 +33,12 @@ pub const LABEL_CC_MAJOR: &str = "nvidia.com/gpu.compute.major";
 pub const LABEL_CC_MINOR: &str = "nvidia.com/gpu.compute.minor";
 
 /// The labels this operator may own on a node.
-pub const MANAGED_LABELS: [&str; 4] = [LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_POLICY];
+pub const MANAGED_LABELS: [&str; 4] = [
+    LABEL_DEVICE_PLUGIN_CONFIG,
+    LABEL_MIG_CONFIG,
+    LABEL_MIG_STATE,
+    LABEL_POLICY,
+];
 
 /// Most per-node entries kept in a policy's status.
 pub const MAX_NODE_DETAILS: usize = 50;
@@ -110,8 +115,17 @@ struct Prepared<'a> {
 
 /// Deterministic precedence: priority (high first), then oldest, then name.
 fn precedence(p: &GpuSharingPolicy) -> (i32, bool, String, String) {
-    let ts = p.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string());
-    (-p.spec.priority, ts.is_none(), ts.unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
+    let ts = p
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| t.0.to_string());
+    (
+        -p.spec.priority,
+        ts.is_none(),
+        ts.unwrap_or_default(),
+        p.metadata.name.clone().unwrap_or_default(),
+    )
 }
 
 /// Labels that change as a result of what this operator does (directly, or through GPU Feature
@@ -133,7 +147,9 @@ pub const SHARED_SUFFIX: &str = "-SHARED";
 
 /// The labels selectors are matched against: the product without GFD's `-SHARED` suffix, so a
 /// policy selecting `nvidia.com/gpu.product=NVIDIA-H200` keeps its nodes once they are shared.
-pub fn selection_labels(labels: &BTreeMap<String, String>) -> std::borrow::Cow<'_, BTreeMap<String, String>> {
+pub fn selection_labels(
+    labels: &BTreeMap<String, String>,
+) -> std::borrow::Cow<'_, BTreeMap<String, String>> {
     let base = labels.get(LABEL_GPU_PRODUCT).and_then(|p| {
         let p2 = p.strip_suffix(SHARED_SUFFIX).unwrap_or(p);
         let p3 = p2.find("-MIG-").map_or(p2, |i| &p2[..i]);
@@ -178,7 +194,11 @@ fn label_i64(n: &NodeFacts, key: &str) -> Option<i64> {
 }
 
 /// MIG-instance counts per GPU of a node under a MIG policy, when known.
-fn mig_instances(mig: &Mig, base: Option<&BTreeMap<String, serde_yaml::Value>>, gpus: i64) -> Option<Vec<(MigProfile, i64)>> {
+fn mig_instances(
+    mig: &Mig,
+    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+    gpus: i64,
+) -> Option<Vec<(MigProfile, i64)>> {
     let mut out = Vec::new();
     if let Some(groups) = &mig.custom_layout {
         for g in groups.iter().filter(|g| g.mig_enabled) {
@@ -200,7 +220,10 @@ fn mig_instances(mig: &Mig, base: Option<&BTreeMap<String, serde_yaml::Value>>, 
     }
     let devs = entries[0].get("mig-devices")?.as_mapping()?;
     for (p, c) in devs {
-        out.push((validate::parse_mig_profile(p.as_str()?)?, gpus * c.as_i64()?));
+        out.push((
+            validate::parse_mig_profile(p.as_str()?)?,
+            gpus * c.as_i64()?,
+        ));
     }
     Some(out)
 }
@@ -241,7 +264,9 @@ fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<Strin
         Strategy::Mig => {
             let mig = spec.mig.as_ref()?;
             if node.labels.get(LABEL_MIG_CAPABLE).map(String::as_str) != Some("true") {
-                return Some(format!("{product} does not support MIG (nvidia.com/mig.capable is not true)"));
+                return Some(format!(
+                    "{product} does not support MIG (nvidia.com/mig.capable is not true)"
+                ));
             }
             let gpus = label_i64(node, LABEL_GPU_COUNT);
             if let (Some(groups), Some(gpus)) = (&mig.custom_layout, gpus) {
@@ -252,15 +277,19 @@ fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<Strin
                         Some(d) => {
                             for i in d {
                                 if *i as i64 >= gpus {
-                                    return Some(format!("GPU index {i} does not exist: the node has {gpus} GPUs"));
+                                    return Some(format!(
+                                        "GPU index {i} does not exist: the node has {gpus} GPUs"
+                                    ));
                                 }
                                 covered.insert(*i);
                             }
                         }
                     }
                 }
-                let missing: Vec<String> =
-                    (0..gpus as i32).filter(|i| !covered.contains(i)).map(|i| i.to_string()).collect();
+                let missing: Vec<String> = (0..gpus as i32)
+                    .filter(|i| !covered.contains(i))
+                    .map(|i| i.to_string())
+                    .collect();
                 if !missing.is_empty() {
                     return Some(format!(
                         "GPUs {} are in no device group of customLayout (mig-parted requires every GPU to be covered)",
@@ -289,7 +318,13 @@ fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<Strin
     }
 }
 
-fn condition(type_: &str, status: bool, reason: &str, message: String, generation: Option<i64>) -> Condition {
+fn condition(
+    type_: &str,
+    status: bool,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+) -> Condition {
     Condition {
         type_: type_.into(),
         status: if status { "True" } else { "False" }.into(),
@@ -302,13 +337,18 @@ fn condition(type_: &str, status: bool, reason: &str, message: String, generatio
 
 fn replicas_of(spec: &GpuSharingPolicySpec) -> i32 {
     let ts_replicas = |ts: &crate::crd::TimeSlicing| {
-        ts.replicas.unwrap_or_else(|| ts.resources.iter().map(|r| r.replicas).max().unwrap_or(1))
+        ts.replicas
+            .unwrap_or_else(|| ts.resources.iter().map(|r| r.replicas).max().unwrap_or(1))
     };
     match spec.strategy {
         Strategy::Exclusive => 1,
         Strategy::TimeSlicing => spec.time_slicing.as_ref().map_or(1, ts_replicas),
         Strategy::Mps => spec.mps.as_ref().map_or(1, |m| m.replicas),
-        Strategy::Mig => spec.mig.as_ref().and_then(|m| m.time_slicing.as_ref()).map_or(1, ts_replicas),
+        Strategy::Mig => spec
+            .mig
+            .as_ref()
+            .and_then(|m| m.time_slicing.as_ref())
+            .map_or(1, ts_replicas),
     }
 }
 
@@ -338,11 +378,21 @@ fn node_capacity(
         }
         Strategy::Mps => {
             let r = spec.mps.as_ref().map_or(1, |m| m.replicas) as i64;
-            (gpus, Some(gpus * r), mem.map(|m| m / r), Some(100 / r), true)
+            (
+                gpus,
+                Some(gpus * r),
+                mem.map(|m| m / r),
+                Some(100 / r),
+                true,
+            )
         }
         Strategy::Mig => {
-            let Some(mig) = spec.mig.as_ref() else { return (gpus, None, None, None, true) };
-            let Some(instances) = mig_instances(mig, base, gpus) else { return (gpus, None, None, None, true) };
+            let Some(mig) = spec.mig.as_ref() else {
+                return (gpus, None, None, None, true);
+            };
+            let Some(instances) = mig_instances(mig, base, gpus) else {
+                return (gpus, None, None, None, true);
+            };
             let ts = mig.time_slicing.as_ref();
             let mut total = 0;
             let mut min_mem: Option<i64> = None;
@@ -367,7 +417,8 @@ fn node_capacity(
                 total += n * r;
                 let m = p.memory_gb as i64 * 1024;
                 min_mem = Some(min_mem.map_or(m, |x| x.min(m)));
-                let t = (p.compute.unwrap_or(p.slices) as i64 * 100) / validate::MAX_COMPUTE_SLICES as i64;
+                let t = (p.compute.unwrap_or(p.slices) as i64 * 100)
+                    / validate::MAX_COMPUTE_SLICES as i64;
                 min_threads = Some(min_threads.map_or(t, |x| x.min(t)));
             }
             let isolated = ts.is_none();
@@ -383,7 +434,10 @@ fn profile_name(p: &MigProfile) -> String {
     }
 }
 
-fn prepare<'a>(p: &'a GpuSharingPolicy, base: Option<&BTreeMap<String, serde_yaml::Value>>) -> Prepared<'a> {
+fn prepare<'a>(
+    p: &'a GpuSharingPolicy,
+    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+) -> Prepared<'a> {
     let name = p.metadata.name.clone().unwrap_or_default();
     let (errs, warnings) = validate::validate(&name, &p.spec);
     let mut errors: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
@@ -409,21 +463,61 @@ fn prepare<'a>(p: &'a GpuSharingPolicy, base: Option<&BTreeMap<String, serde_yam
     } else {
         (None, None)
     };
-    Prepared { name, policy: p, spec: &p.spec, errors, warnings, key, config_text, layout }
+    Prepared {
+        name,
+        policy: p,
+        spec: &p.spec,
+        errors,
+        warnings,
+        key,
+        config_text,
+        layout,
+    }
+}
+
+/// Leaves a node exactly as it is (the labels we own keep their values, and the keys they name
+/// stay in the ConfigMap), and records why.
+fn hold_node(
+    n: &NodeFacts,
+    state: &str,
+    message: String,
+    node_labels: &mut BTreeMap<String, BTreeMap<String, String>>,
+    used_keys: &mut BTreeSet<String>,
+    details: &mut Vec<NodeDetail>,
+) {
+    let held: BTreeMap<String, String> = n
+        .owned
+        .iter()
+        .filter_map(|k| n.labels.get(k).map(|v| (k.clone(), v.clone())))
+        .collect();
+    used_keys.extend(held.values().cloned());
+    node_labels.insert(n.name.clone(), held);
+    details.push(NodeDetail {
+        name: n.name.clone(),
+        state: state.into(),
+        message,
+    });
 }
 
 /// Computes the desired state.
 pub fn plan(input: &PlanInput) -> Plan {
     let base = input.base_mig_configs.as_ref();
-    let mut policies: Vec<&GpuSharingPolicy> =
-        input.policies.iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect();
+    let mut policies: Vec<&GpuSharingPolicy> = input
+        .policies
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect();
     policies.sort_by_key(|p| precedence(p));
     let mut prepared: Vec<Prepared> = policies.iter().map(|p| prepare(p, base)).collect();
     // A custom layout points the MIG manager at our ConfigMap; named layouts must then be in it,
     // which needs the GPU Operator's default config.
-    let any_custom = prepared
-        .iter()
-        .any(|p| p.errors.is_empty() && p.spec.mig.as_ref().is_some_and(|m| m.custom_layout.is_some()));
+    let any_custom = prepared.iter().any(|p| {
+        p.errors.is_empty()
+            && p.spec
+                .mig
+                .as_ref()
+                .is_some_and(|m| m.custom_layout.is_some())
+    });
     if any_custom && base.is_none() {
         for p in prepared.iter_mut().filter(|p| p.errors.is_empty()) {
             if let Some(l) = p.spec.mig.as_ref().and_then(|m| m.layout.as_ref())
@@ -448,7 +542,10 @@ pub fn plan(input: &PlanInput) -> Plan {
         let sel_labels = selection_labels(&n.labels);
         for (i, p) in prepared.iter().enumerate() {
             if selector_matches(&p.spec.node_selector, &sel_labels) {
-                matched.entry(p.name.as_str()).or_default().push(n.name.as_str());
+                matched
+                    .entry(p.name.as_str())
+                    .or_default()
+                    .push(n.name.as_str());
                 winner.entry(n.name.as_str()).or_insert(i);
             }
         }
@@ -471,13 +568,19 @@ pub fn plan(input: &PlanInput) -> Plan {
     let mut policy_blocked: BTreeMap<usize, String> = BTreeMap::new();
     let mut latent: BTreeMap<usize, String> = BTreeMap::new();
     if let Some(cm) = cluster_mig {
-        let owner = mig_owner.map(|i| prepared[i].name.clone()).unwrap_or_default();
+        let owner = mig_owner
+            .map(|i| prepared[i].name.clone())
+            .unwrap_or_default();
         for (i, p) in prepared.iter().enumerate() {
             if !p.errors.is_empty() {
                 continue;
             }
             // Only a policy that governs nodes is blocked; one without nodes gets a warning.
-            let policy_blocked = if governing.contains(&i) { &mut policy_blocked } else { &mut latent };
+            let policy_blocked = if governing.contains(&i) {
+                &mut policy_blocked
+            } else {
+                &mut latent
+            };
             if let Some(m) = &p.spec.mig
                 && m.mig_strategy != cm
             {
@@ -510,20 +613,22 @@ pub fn plan(input: &PlanInput) -> Plan {
 
     for n in &sorted_nodes {
         let cur = |k: &str| n.labels.get(k).cloned();
-        let hold = || -> BTreeMap<String, String> {
-            n.owned.iter().filter_map(|k| n.labels.get(k).map(|v| (k.clone(), v.clone()))).collect()
-        };
         let mig_capable = n.labels.get(LABEL_MIG_CAPABLE).map(String::as_str) == Some("true");
         let mig_state = cur(LABEL_MIG_STATE);
         let cur_mig = cur(LABEL_MIG_CONFIG);
-        let mig_done = |layout: &str| cur_mig.as_deref() == Some(layout) && mig_state.as_deref() == Some("success");
+        let mig_done = |layout: &str| {
+            cur_mig.as_deref() == Some(layout) && mig_state.as_deref() == Some("success")
+        };
 
         let Some(&wi) = winner.get(n.name.as_str()) else {
             // No policy: give back what we own; a MIG layout we set is returned to all-disabled
             // (the GPU Operator's default) rather than left half-owned.
             let mut l = BTreeMap::new();
             if n.owned.contains(LABEL_MIG_CONFIG) {
-                l.insert(LABEL_MIG_CONFIG.to_string(), MIG_DISABLED_LAYOUT.to_string());
+                l.insert(
+                    LABEL_MIG_CONFIG.to_string(),
+                    MIG_DISABLED_LAYOUT.to_string(),
+                );
             }
             node_labels.insert(n.name.clone(), l);
             continue;
@@ -531,124 +636,162 @@ pub fn plan(input: &PlanInput) -> Plan {
         let w = &prepared[wi];
         let details = per_policy_nodes.entry(wi).or_default();
         if !w.errors.is_empty() || policy_blocked.contains_key(&wi) {
-            let held = hold();
-            for v in held.values() {
-                used_keys.insert(v.clone());
-            }
-            node_labels.insert(n.name.clone(), held);
-            details.push(NodeDetail {
-                name: n.name.clone(),
-                state: "Rejected".into(),
-                message: "policy not accepted; node left as it was".into(),
-            });
+            hold_node(
+                n,
+                "Rejected",
+                "policy not accepted; node left as it was".to_string(),
+                &mut node_labels,
+                &mut used_keys,
+                details,
+            );
             continue;
         }
         if let Some(reason) = node_rejection(w.spec, n) {
-            node_labels.insert(n.name.clone(), hold());
-            for v in hold().values() {
-                used_keys.insert(v.clone());
-            }
-            details.push(NodeDetail { name: n.name.clone(), state: "Rejected".into(), message: reason });
+            hold_node(
+                n,
+                "Rejected",
+                reason,
+                &mut node_labels,
+                &mut used_keys,
+                details,
+            );
             continue;
         }
         let key = w.key.clone().expect("valid policies have a key");
         // Pods using GPUs block MIG changes unless the policy opts in.
-        let busy = !n.gpu_pods.is_empty() && !w.spec.mig.as_ref().is_some_and(|m| m.proceed_with_busy_gpus);
+        let busy = !n.gpu_pods.is_empty()
+            && !w
+                .spec
+                .mig
+                .as_ref()
+                .is_some_and(|m| m.proceed_with_busy_gpus);
         let mut l = BTreeMap::new();
         l.insert(LABEL_POLICY.to_string(), w.name.clone());
-        let (state, message, dp_key, mig_label): (&str, String, String, Option<String>) = match w.spec.strategy {
-            Strategy::Mig => {
-                let layout = w.layout.clone().expect("mig policies have a layout");
-                let failed = cur_mig.as_deref() == Some(layout.as_str()) && mig_state.as_deref() == Some("failed");
-                if failed {
-                    failed_nodes.entry(wi).or_default().push(n.name.clone());
-                    let held = hold();
-                    for v in held.values() {
-                        used_keys.insert(v.clone());
+        let (state, message, dp_key, mig_label): (&str, String, String, Option<String>) =
+            match w.spec.strategy {
+                Strategy::Mig => {
+                    let layout = w.layout.clone().expect("mig policies have a layout");
+                    let failed = cur_mig.as_deref() == Some(layout.as_str())
+                        && mig_state.as_deref() == Some("failed");
+                    if failed {
+                        failed_nodes.entry(wi).or_default().push(n.name.clone());
+                        hold_node(
+                        n,
+                        "Failed",
+                        format!(
+                            "MIG manager reported failed for layout {layout}; node left untouched"
+                        )
+                        .to_string(),
+                        &mut node_labels,
+                        &mut used_keys,
+                        details,
+                    );
+                        continue;
                     }
-                    node_labels.insert(n.name.clone(), held);
-                    details.push(NodeDetail {
-                        name: n.name.clone(),
-                        state: "Failed".into(),
-                        message: format!("MIG manager reported failed for layout {layout}; node left untouched"),
-                    });
-                    continue;
+                    if mig_done(&layout) {
+                        ("Applied", String::new(), key.clone(), Some(layout))
+                    } else if cur_mig.as_deref() != Some(layout.as_str()) && busy {
+                        // Idle GPUs are needed to change the layout: hold everything.
+                        hold_node(
+                            n,
+                            "Waiting",
+                            format!(
+                                "WaitingForIdleGPUs: pods using GPUs: {}",
+                                n.gpu_pods.join(", ")
+                            )
+                            .to_string(),
+                            &mut node_labels,
+                            &mut used_keys,
+                            details,
+                        );
+                        continue;
+                    } else if cur(LABEL_DEVICE_PLUGIN_CONFIG)
+                        .is_some_and(|k| k != DEFAULT_KEY && k != key)
+                    {
+                        // First take the sharing config off; the layout changes on a later step.
+                        let held_mig = n
+                            .owned
+                            .contains(LABEL_MIG_CONFIG)
+                            .then(|| cur_mig.clone())
+                            .flatten();
+                        (
+                            "Pending",
+                            "removing the sharing config before changing the MIG layout"
+                                .to_string(),
+                            DEFAULT_KEY.to_string(),
+                            held_mig,
+                        )
+                    } else {
+                        // Sharing stays off while the layout changes.
+                        (
+                            "Pending",
+                            format!("waiting for MIG layout {layout}"),
+                            DEFAULT_KEY.to_string(),
+                            Some(layout),
+                        )
+                    }
                 }
-                if mig_done(&layout) {
-                    ("Applied", String::new(), key.clone(), Some(layout))
-                } else if cur_mig.as_deref() != Some(layout.as_str()) && busy {
-                    // Idle GPUs are needed to change the layout: hold everything.
-                    let held = hold();
-                    for v in held.values() {
-                        used_keys.insert(v.clone());
-                    }
-                    node_labels.insert(n.name.clone(), held);
-                    details.push(NodeDetail {
-                        name: n.name.clone(),
-                        state: "Waiting".into(),
-                        message: format!("WaitingForIdleGPUs: pods using GPUs: {}", n.gpu_pods.join(", ")),
-                    });
-                    continue;
-                } else if cur(LABEL_DEVICE_PLUGIN_CONFIG).is_some_and(|k| k != DEFAULT_KEY && k != key) {
-                    // First take the sharing config off; the layout changes on a later step.
-                    let held_mig = n.owned.contains(LABEL_MIG_CONFIG).then(|| cur_mig.clone()).flatten();
-                    ("Pending", "removing the sharing config before changing the MIG layout".to_string(), DEFAULT_KEY.to_string(), held_mig)
-                } else {
-                    // Sharing stays off while the layout changes.
-                    ("Pending", format!("waiting for MIG layout {layout}"), DEFAULT_KEY.to_string(), Some(layout))
-                }
-            }
-            _ => {
-                // Sharing (or exclusive) on a MIG-capable node: MIG must be off, and confirmed,
-                // before the new device-plugin config is applied.
-                let confirmed_off = match cur_mig.as_deref() {
-                    None => true,
-                    Some(MIG_DISABLED_LAYOUT) => matches!(mig_state.as_deref(), None | Some("success")),
-                    Some(_) => false,
-                };
-                let keep_mig_label = n.owned.contains(LABEL_MIG_CONFIG).then(|| MIG_DISABLED_LAYOUT.to_string());
-                if !mig_capable && cur_mig.is_none() || confirmed_off {
-                    ("Applied", String::new(), key.clone(), keep_mig_label)
-                } else if cur_mig.as_deref() == Some(MIG_DISABLED_LAYOUT) && mig_state.as_deref() == Some("failed") {
-                    failed_nodes.entry(wi).or_default().push(n.name.clone());
-                    let held = hold();
-                    for v in held.values() {
-                        used_keys.insert(v.clone());
-                    }
-                    node_labels.insert(n.name.clone(), held);
-                    details.push(NodeDetail {
-                        name: n.name.clone(),
-                        state: "Failed".into(),
-                        message: "MIG manager failed to disable MIG; node left untouched".into(),
-                    });
-                    continue;
-                } else if cur_mig.as_deref() != Some(MIG_DISABLED_LAYOUT) && busy {
-                    let held = hold();
-                    for v in held.values() {
-                        used_keys.insert(v.clone());
-                    }
-                    node_labels.insert(n.name.clone(), held);
-                    details.push(NodeDetail {
-                        name: n.name.clone(),
-                        state: "Waiting".into(),
-                        message: format!("WaitingForIdleGPUs: pods using GPUs: {}", n.gpu_pods.join(", ")),
-                    });
-                    continue;
-                } else {
-                    (
+                _ => {
+                    // Sharing (or exclusive) on a MIG-capable node: MIG must be off, and confirmed,
+                    // before the new device-plugin config is applied.
+                    let confirmed_off = match cur_mig.as_deref() {
+                        None => true,
+                        Some(MIG_DISABLED_LAYOUT) => {
+                            matches!(mig_state.as_deref(), None | Some("success"))
+                        }
+                        Some(_) => false,
+                    };
+                    let keep_mig_label = n
+                        .owned
+                        .contains(LABEL_MIG_CONFIG)
+                        .then(|| MIG_DISABLED_LAYOUT.to_string());
+                    if !mig_capable && cur_mig.is_none() || confirmed_off {
+                        ("Applied", String::new(), key.clone(), keep_mig_label)
+                    } else if cur_mig.as_deref() == Some(MIG_DISABLED_LAYOUT)
+                        && mig_state.as_deref() == Some("failed")
+                    {
+                        failed_nodes.entry(wi).or_default().push(n.name.clone());
+                        hold_node(
+                            n,
+                            "Failed",
+                            "MIG manager failed to disable MIG; node left untouched".to_string(),
+                            &mut node_labels,
+                            &mut used_keys,
+                            details,
+                        );
+                        continue;
+                    } else if cur_mig.as_deref() != Some(MIG_DISABLED_LAYOUT) && busy {
+                        hold_node(
+                            n,
+                            "Waiting",
+                            format!(
+                                "WaitingForIdleGPUs: pods using GPUs: {}",
+                                n.gpu_pods.join(", ")
+                            )
+                            .to_string(),
+                            &mut node_labels,
+                            &mut used_keys,
+                            details,
+                        );
+                        continue;
+                    } else {
+                        (
                         "Pending",
-                        "waiting for MIG to be disabled and confirmed before sharing is enabled".into(),
+                        "waiting for MIG to be disabled and confirmed before sharing is enabled"
+                            .into(),
                         DEFAULT_KEY.to_string(),
                         Some(MIG_DISABLED_LAYOUT.to_string()),
                     )
+                    }
                 }
-            }
-        };
+            };
         // "Applied" also needs the labels to be in place already, and GFD to agree when it reports.
         let labels_in_place = cur(LABEL_DEVICE_PLUGIN_CONFIG).as_deref() == Some(dp_key.as_str());
         let gfd_replicas_ok = match (w.spec.strategy, label_i64(n, LABEL_GPU_REPLICAS)) {
             (Strategy::Mig, _) | (_, None) => true,
-            (_, Some(r)) => r == replicas_of(w.spec) as i64 || w.spec.strategy == Strategy::Exclusive && r == 1,
+            (_, Some(r)) => {
+                r == replicas_of(w.spec) as i64 || w.spec.strategy == Strategy::Exclusive && r == 1
+            }
         };
         let (state, message) = if state == "Applied" && !labels_in_place {
             ("Pending", format!("labelling node with config {dp_key}"))
@@ -657,7 +800,10 @@ pub fn plan(input: &PlanInput) -> Plan {
                 "Pending",
                 format!(
                     "GPU Feature Discovery reports nvidia.com/gpu.replicas={}, expected {}",
-                    n.labels.get(LABEL_GPU_REPLICAS).cloned().unwrap_or_default(),
+                    n.labels
+                        .get(LABEL_GPU_REPLICAS)
+                        .cloned()
+                        .unwrap_or_default(),
                     replicas_of(w.spec)
                 ),
             )
@@ -667,7 +813,10 @@ pub fn plan(input: &PlanInput) -> Plan {
         if state == "Applied" {
             *applied_count.entry(wi).or_default() += 1;
             let (phys, sched, mem, threads, iso) = node_capacity(w.spec, n, base);
-            let c = cap.entry(wi).or_insert_with(|| Capacity { memory_isolation: true, ..Default::default() });
+            let c = cap.entry(wi).or_insert_with(|| Capacity {
+                memory_isolation: true,
+                ..Default::default()
+            });
             c.physical_gpus += phys;
             match sched {
                 Some(s) => c.schedulable_replicas += s,
@@ -679,7 +828,8 @@ pub fn plan(input: &PlanInput) -> Plan {
                 c.memory_per_client_mib = Some(c.memory_per_client_mib.map_or(m, |x| x.min(m)));
             }
             if let Some(t) = threads {
-                c.threads_per_client_percent = Some(c.threads_per_client_percent.map_or(t, |x| x.min(t)));
+                c.threads_per_client_percent =
+                    Some(c.threads_per_client_percent.map_or(t, |x| x.min(t)));
             }
             c.memory_isolation &= iso;
         }
@@ -690,7 +840,11 @@ pub fn plan(input: &PlanInput) -> Plan {
             l.insert(LABEL_MIG_CONFIG.to_string(), m);
         }
         node_labels.insert(n.name.clone(), l);
-        details.push(NodeDetail { name: n.name.clone(), state: state.into(), message });
+        details.push(NodeDetail {
+            name: n.name.clone(),
+            state: state.into(),
+            message,
+        });
     }
 
     // A MIG layout change also sets nvidia.com/mig.config.state=pending in the same write: until
@@ -698,8 +852,12 @@ pub fn plan(input: &PlanInput) -> Plan {
     // We keep owning "pending" only until the MIG manager overwrites it (its update takes the
     // field over), so we never remove or overwrite its report.
     for n in &sorted_nodes {
-        let Some(l) = node_labels.get_mut(&n.name) else { continue };
-        let Some(want) = l.get(LABEL_MIG_CONFIG).cloned() else { continue };
+        let Some(l) = node_labels.get_mut(&n.name) else {
+            continue;
+        };
+        let Some(want) = l.get(LABEL_MIG_CONFIG).cloned() else {
+            continue;
+        };
         let cur_state = n.labels.get(LABEL_MIG_STATE).map(String::as_str);
         if n.labels.get(LABEL_MIG_CONFIG) != Some(&want)
             || (n.owned.contains(LABEL_MIG_STATE) && cur_state == Some("pending"))
@@ -741,7 +899,10 @@ pub fn plan(input: &PlanInput) -> Plan {
         if let Some(mig) = &p.spec.mig
             && mig.custom_layout.is_some()
         {
-            custom.insert(nvidia::custom_layout_name(&p.name), nvidia::custom_layout_entries(mig));
+            custom.insert(
+                nvidia::custom_layout_name(&p.name),
+                nvidia::custom_layout_entries(mig),
+            );
         }
     }
     let empty = BTreeMap::new();
@@ -758,7 +919,10 @@ pub fn plan(input: &PlanInput) -> Plan {
         );
     }
     if mig_config.is_some() {
-        spec.insert("migManager".into(), json!({"config": {"name": input.mig_configmap_name}}));
+        spec.insert(
+            "migManager".into(),
+            json!({"config": {"name": input.mig_configmap_name}}),
+        );
     }
     if let Some(cm) = cluster_mig {
         spec.insert("mig".into(), json!({"strategy": cm.as_str()}));
@@ -786,22 +950,52 @@ pub fn plan(input: &PlanInput) -> Plan {
         let accepted_msg;
         if !p.errors.is_empty() {
             accepted_msg = p.errors.join("; ");
-            conditions.push(condition("Accepted", false, "InvalidSpec", accepted_msg.clone(), generation));
+            conditions.push(condition(
+                "Accepted",
+                false,
+                "InvalidSpec",
+                accepted_msg.clone(),
+                generation,
+            ));
         } else if let Some(reason) = policy_blocked.get(&i) {
-            conditions.push(condition("Accepted", false, "ClusterWideConflict", reason.clone(), generation));
+            conditions.push(condition(
+                "Accepted",
+                false,
+                "ClusterWideConflict",
+                reason.clone(),
+                generation,
+            ));
         } else if !rejected.is_empty() {
-            let msgs: Vec<String> = rejected.iter().take(5).map(|d| format!("{}: {}", d.name, d.message)).collect();
+            let msgs: Vec<String> = rejected
+                .iter()
+                .take(5)
+                .map(|d| format!("{}: {}", d.name, d.message))
+                .collect();
             conditions.push(condition(
                 "Accepted",
                 false,
                 "IncompatibleNodes",
-                format!("{} of {} nodes cannot run this policy and were left untouched: {}", rejected.len(), won, msgs.join("; ")),
+                format!(
+                    "{} of {} nodes cannot run this policy and were left untouched: {}",
+                    rejected.len(),
+                    won,
+                    msgs.join("; ")
+                ),
                 generation,
             ));
         } else {
-            conditions.push(condition("Accepted", true, "Valid", "spec is valid for every matched node".into(), generation));
+            conditions.push(condition(
+                "Accepted",
+                true,
+                "Valid",
+                "spec is valid for every matched node".into(),
+                generation,
+            ));
         }
-        let ready = p.errors.is_empty() && !policy_blocked.contains_key(&i) && applied == won && rejected.is_empty();
+        let ready = p.errors.is_empty()
+            && !policy_blocked.contains_key(&i)
+            && applied == won
+            && rejected.is_empty();
         let (rr, rm) = if !p.errors.is_empty() || policy_blocked.contains_key(&i) {
             ("NotAccepted", "the policy is not accepted".to_string())
         } else if won == 0 {
@@ -809,28 +1003,63 @@ pub fn plan(input: &PlanInput) -> Plan {
         } else if ready {
             ("Converged", format!("all {won} nodes are configured"))
         } else {
-            ("Progressing", format!("{applied} of {won} nodes are configured"))
+            (
+                "Progressing",
+                format!("{applied} of {won} nodes are configured"),
+            )
         };
         let ready = ready && won > 0 || (rr == "NoNodes");
         conditions.push(condition("Ready", ready, rr, rm, generation));
         let pending = details.iter().filter(|d| d.state == "Pending").count();
         if !waiting.is_empty() {
-            let msgs: Vec<String> = waiting.iter().take(5).map(|d| format!("{}: {}", d.name, d.message)).collect();
-            conditions.push(condition("Progressing", true, "WaitingForIdleGPUs", msgs.join("; "), generation));
+            let msgs: Vec<String> = waiting
+                .iter()
+                .take(5)
+                .map(|d| format!("{}: {}", d.name, d.message))
+                .collect();
+            conditions.push(condition(
+                "Progressing",
+                true,
+                "WaitingForIdleGPUs",
+                msgs.join("; "),
+                generation,
+            ));
         } else if pending > 0 {
-            conditions.push(condition("Progressing", true, "Reconfiguring", format!("{pending} nodes are being reconfigured"), generation));
+            conditions.push(condition(
+                "Progressing",
+                true,
+                "Reconfiguring",
+                format!("{pending} nodes are being reconfigured"),
+                generation,
+            ));
         } else {
-            conditions.push(condition("Progressing", false, "Idle", "nothing in progress".into(), generation));
+            conditions.push(condition(
+                "Progressing",
+                false,
+                "Idle",
+                "nothing in progress".into(),
+                generation,
+            ));
         }
         if conflicting.is_empty() {
-            conditions.push(condition("Conflicted", false, "NoOverlap", "no other policy selects these nodes".into(), generation));
+            conditions.push(condition(
+                "Conflicted",
+                false,
+                "NoOverlap",
+                "no other policy selects these nodes".into(),
+                generation,
+            ));
         } else {
             let shown: Vec<String> = conflicting.iter().take(10).cloned().collect();
             conditions.push(condition(
                 "Conflicted",
                 true,
                 "OverlappingPolicy",
-                format!("{} matched nodes are governed by another policy: {}", conflicting.len(), shown.join(", ")),
+                format!(
+                    "{} matched nodes are governed by another policy: {}",
+                    conflicting.len(),
+                    shown.join(", ")
+                ),
                 generation,
             ));
         }
@@ -848,31 +1077,60 @@ pub fn plan(input: &PlanInput) -> Plan {
                 "Degraded",
                 true,
                 "MigConfigFailed",
-                format!("nvidia.com/mig.config.state=failed on: {}", failed.join(", ")),
+                format!(
+                    "nvidia.com/mig.config.state=failed on: {}",
+                    failed.join(", ")
+                ),
                 generation,
             ));
         } else {
-            conditions.push(condition("Degraded", false, "Healthy", "no failures".into(), generation));
+            conditions.push(condition(
+                "Degraded",
+                false,
+                "Healthy",
+                "no failures".into(),
+                generation,
+            ));
         }
         for c in &conflicting {
             let node = c.split(' ').next().unwrap_or_default();
-            details.push(NodeDetail { name: node.into(), state: "Conflicted".into(), message: c.clone() });
+            details.push(NodeDetail {
+                name: node.into(),
+                state: "Conflicted".into(),
+                message: c.clone(),
+            });
         }
         // Non-ready first, then by name; bounded.
-        details.sort_by(|a, b| ((a.state == "Applied"), &a.name).cmp(&((b.state == "Applied"), &b.name)));
+        details.sort_by(|a, b| {
+            ((a.state == "Applied"), &a.name).cmp(&((b.state == "Applied"), &b.name))
+        });
         details.truncate(MAX_NODE_DETAILS);
         let mut warnings = p.warnings.clone();
         if let Some(l) = latent.get(&i) {
-            warnings.push(format!("this policy governs no node yet; once it does: {l}"));
+            warnings.push(format!(
+                "this policy governs no node yet; once it does: {l}"
+            ));
         }
         if cap_unknown.contains(&i) {
-            warnings.push("schedulable replicas exclude nodes whose MIG layout's instance count is unknown".into());
+            warnings.push(
+                "schedulable replicas exclude nodes whose MIG layout's instance count is unknown"
+                    .into(),
+            );
         }
-        if p.spec.strategy == Strategy::TimeSlicing || p.spec.mig.as_ref().is_some_and(|m| m.time_slicing.is_some()) {
-            warnings.push("time-slicing gives no memory or fault isolation between replicas".into());
+        if p.spec.strategy == Strategy::TimeSlicing
+            || p.spec
+                .mig
+                .as_ref()
+                .is_some_and(|m| m.time_slicing.is_some())
+        {
+            warnings
+                .push("time-slicing gives no memory or fault isolation between replicas".into());
         }
         let capacity = if p.errors.is_empty() {
-            Some(cap.remove(&i).unwrap_or(Capacity { memory_isolation: p.spec.strategy != Strategy::TimeSlicing, ..Default::default() }))
+            Some(cap.remove(&i).unwrap_or(Capacity {
+                memory_isolation: p.spec.strategy != Strategy::TimeSlicing,
+                ..Default::default()
+            }))
         } else {
             None
         };
@@ -887,7 +1145,11 @@ pub fn plan(input: &PlanInput) -> Plan {
                 applied_nodes: applied,
                 conflicting_nodes: conflicting.len() as i32,
                 device_config_key: p.key.clone(),
-                mig_config: if p.errors.is_empty() { p.layout.clone() } else { None },
+                mig_config: if p.errors.is_empty() {
+                    p.layout.clone()
+                } else {
+                    None
+                },
                 capacity,
                 node_details: details,
                 warnings,
@@ -895,5 +1157,11 @@ pub fn plan(input: &PlanInput) -> Plan {
         );
     }
 
-    Plan { device_config, mig_config, cluster_policy_spec, node_labels, statuses }
+    Plan {
+        device_config,
+        mig_config,
+        cluster_policy_spec,
+        node_labels,
+        statuses,
+    }
 }

@@ -25,9 +25,15 @@ pub const CONFIG_LABEL: &str = "gpusharing.io/config";
 #[derive(Debug, thiserror::Error)]
 pub enum RenderError {
     #[error("cannot read {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: invalid YAML: {source}")]
-    Yaml { path: PathBuf, source: serde_yaml::Error },
+    Yaml {
+        path: PathBuf,
+        source: serde_yaml::Error,
+    },
     #[error("policy {name:?}: {message}")]
     Policy { name: String, message: String },
     #[error("{path}: {message}")]
@@ -35,7 +41,10 @@ pub enum RenderError {
 }
 
 fn yaml_files(path: &Path) -> Result<Vec<PathBuf>, RenderError> {
-    let io = |source| RenderError::Io { path: path.to_path_buf(), source };
+    let io = |source| RenderError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     if path.is_dir() {
         let mut files: Vec<PathBuf> = std::fs::read_dir(path)
             .map_err(io)?
@@ -52,9 +61,15 @@ fn yaml_files(path: &Path) -> Result<Vec<PathBuf>, RenderError> {
 fn documents(path: &Path) -> Result<Vec<serde_yaml::Value>, RenderError> {
     let mut docs = Vec::new();
     for file in yaml_files(path)? {
-        let text = std::fs::read_to_string(&file).map_err(|source| RenderError::Io { path: file.clone(), source })?;
+        let text = std::fs::read_to_string(&file).map_err(|source| RenderError::Io {
+            path: file.clone(),
+            source,
+        })?;
         for d in serde_yaml::Deserializer::from_str(&text) {
-            let v = serde_yaml::Value::deserialize(d).map_err(|source| RenderError::Yaml { path: file.clone(), source })?;
+            let v = serde_yaml::Value::deserialize(d).map_err(|source| RenderError::Yaml {
+                path: file.clone(),
+                source,
+            })?;
             if v.is_null() {
                 continue;
             }
@@ -73,12 +88,21 @@ use serde::Deserialize;
 
 /// Keys present in `input` that did not survive the typed round trip: fields we do not know.
 /// NVIDIA's parsers silently ignore unknown keys; we refuse them instead.
-fn unknown_fields(input: &serde_yaml::Value, typed: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+fn unknown_fields(
+    input: &serde_yaml::Value,
+    typed: &serde_json::Value,
+    path: &str,
+    out: &mut Vec<String>,
+) {
     match (input, typed) {
         (serde_yaml::Value::Mapping(m), serde_json::Value::Object(o)) => {
             for (k, v) in m {
                 let Some(k) = k.as_str() else { continue };
-                let p = if path.is_empty() { k.to_string() } else { format!("{path}.{k}") };
+                let p = if path.is_empty() {
+                    k.to_string()
+                } else {
+                    format!("{path}.{k}")
+                };
                 match o.get(k) {
                     Some(t) => unknown_fields(v, t, &p, out),
                     None => {
@@ -118,11 +142,16 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
             .and_then(|n| n.as_str())
             .unwrap_or("<unnamed>")
             .to_string();
-        let api_version = d.get("apiVersion").and_then(|a| a.as_str()).unwrap_or_default();
+        let api_version = d
+            .get("apiVersion")
+            .and_then(|a| a.as_str())
+            .unwrap_or_default();
         if api_version != "gpusharing.io/v1alpha1" {
             errors.push(RenderError::Policy {
                 name,
-                message: format!("apiVersion: expected gpusharing.io/v1alpha1, got {api_version:?}"),
+                message: format!(
+                    "apiVersion: expected gpusharing.io/v1alpha1, got {api_version:?}"
+                ),
             });
             continue;
         }
@@ -130,11 +159,17 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
             Ok(p) => p,
             Err(e) => {
                 let path = e.path().to_string();
-                errors.push(RenderError::Policy { name, message: format!("{path}: {}", e.into_inner()) });
+                errors.push(RenderError::Policy {
+                    name,
+                    message: format!("{path}: {}", e.into_inner()),
+                });
                 continue;
             }
         };
-        if policies.iter().any(|q: &GpuSharingPolicy| q.metadata.name.as_deref() == Some(name.as_str())) {
+        if policies
+            .iter()
+            .any(|q: &GpuSharingPolicy| q.metadata.name.as_deref() == Some(name.as_str()))
+        {
             errors.push(RenderError::Policy {
                 name: name.clone(),
                 message: "metadata.name: defined more than once (a later definition would silently replace the first)".into(),
@@ -147,23 +182,38 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
         for u in unknown.iter().filter(|u| u.starts_with("spec")) {
             errors.push(RenderError::Policy {
                 name: name.clone(),
-                message: format!("{u}: unknown field (NVIDIA's parsers silently ignore unknown keys; we do not)"),
+                message: format!(
+                    "{u}: unknown field (NVIDIA's parsers silently ignore unknown keys; we do not)"
+                ),
             });
         }
         let (errs, _) = validate::validate(&name, &p.spec);
         for e in errs {
-            errors.push(RenderError::Policy { name: name.clone(), message: e.to_string() });
+            errors.push(RenderError::Policy {
+                name: name.clone(),
+                message: e.to_string(),
+            });
         }
         // The CRD's CEL rules, evaluated locally: what the API server would reject.
         if let Err(e) = p.validate_cel() {
             let known: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
-            if known.iter().all(|k| !k.contains(&format!("policy {name:?}"))) {
-                errors.push(RenderError::Policy { name: name.clone(), message: format!("CEL validation: {e}") });
+            if known
+                .iter()
+                .all(|k| !k.contains(&format!("policy {name:?}")))
+            {
+                errors.push(RenderError::Policy {
+                    name: name.clone(),
+                    message: format!("CEL validation: {e}"),
+                });
             }
         }
         policies.push(p);
     }
-    if errors.is_empty() { Ok(policies) } else { Err(errors) }
+    if errors.is_empty() {
+        Ok(policies)
+    } else {
+        Err(errors)
+    }
 }
 
 /// Reads nodes (Node objects, or a NodeList) from a file.
@@ -177,22 +227,37 @@ pub fn load_nodes(path: &Path) -> Result<Vec<NodeFacts>, RenderError> {
             .get("metadata")
             .and_then(|m| m.get("name"))
             .and_then(|n| n.as_str())
-            .ok_or_else(|| RenderError::Input { path: path.to_path_buf(), message: "a Node without metadata.name".into() })?
+            .ok_or_else(|| RenderError::Input {
+                path: path.to_path_buf(),
+                message: "a Node without metadata.name".into(),
+            })?
             .to_string();
         let labels: BTreeMap<String, String> = d
             .get("metadata")
             .and_then(|m| m.get("labels"))
             .map(|l| serde_yaml::from_value(l.clone()))
             .transpose()
-            .map_err(|e| RenderError::Input { path: path.to_path_buf(), message: format!("node {name}: labels: {e}") })?
+            .map_err(|e| RenderError::Input {
+                path: path.to_path_buf(),
+                message: format!("node {name}: labels: {e}"),
+            })?
             .unwrap_or_default();
-        nodes.push(NodeFacts { name, labels, ..Default::default() });
+        nodes.push(NodeFacts {
+            name,
+            labels,
+            ..Default::default()
+        });
     }
     Ok(nodes)
 }
 
 /// The ConfigMap objects and the ClusterPolicy patch of a plan, as JSON values.
-pub fn configmap(name: &str, namespace: &str, kind: &str, data: &BTreeMap<String, String>) -> serde_json::Value {
+pub fn configmap(
+    name: &str,
+    namespace: &str,
+    kind: &str,
+    data: &BTreeMap<String, String>,
+) -> serde_json::Value {
     json!({
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -206,12 +271,27 @@ pub fn configmap(name: &str, namespace: &str, kind: &str, data: &BTreeMap<String
 }
 
 /// All documents of the render output.
-pub fn documents_of(plan: &Plan, input: &PlanInput, namespace: &str, with_nodes: bool) -> Vec<serde_json::Value> {
-    let mut out = vec![configmap(&input.device_configmap_name, namespace, "device-plugin", &plan.device_config)];
+pub fn documents_of(
+    plan: &Plan,
+    input: &PlanInput,
+    namespace: &str,
+    with_nodes: bool,
+) -> Vec<serde_json::Value> {
+    let mut out = vec![configmap(
+        &input.device_configmap_name,
+        namespace,
+        "device-plugin",
+        &plan.device_config,
+    )];
     if let Some(m) = &plan.mig_config {
         let mut data = BTreeMap::new();
         data.insert(MIG_PARTED_KEY.to_string(), m.clone());
-        out.push(configmap(&input.mig_configmap_name, namespace, "mig-parted", &data));
+        out.push(configmap(
+            &input.mig_configmap_name,
+            namespace,
+            "mig-parted",
+            &data,
+        ));
     }
     out.push(json!({
         "apiVersion": "nvidia.com/v1",
@@ -258,7 +338,10 @@ pub fn render_text(
                 .iter()
                 .filter(|c| c.type_ == "Accepted" && c.reason == "InvalidSpec")
                 .flat_map(|c| c.message.split("; ").map(String::from).collect::<Vec<_>>())
-                .map(|m| RenderError::Policy { name: name.clone(), message: m })
+                .map(|m| RenderError::Policy {
+                    name: name.clone(),
+                    message: m,
+                })
                 .collect::<Vec<_>>()
         })
         .collect();

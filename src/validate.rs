@@ -27,7 +27,10 @@ pub struct FieldError {
 }
 
 fn err(path: impl Into<String>, message: impl Into<String>) -> FieldError {
-    FieldError { path: path.into(), message: message.into() }
+    FieldError {
+        path: path.into(),
+        message: message.into(),
+    }
 }
 
 /// Whether `p` is a MIG profile name: `[Nc.]Ng.NNgb[+me|+me.all|+gfx|-me]`.
@@ -47,7 +50,8 @@ pub struct MigProfile {
 }
 
 fn digits(s: &str) -> Option<u32> {
-    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > 1 && s.starts_with('0')) {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > 1 && s.starts_with('0'))
+    {
         return None;
     }
     s.parse().ok()
@@ -71,14 +75,25 @@ pub fn parse_mig_profile(p: &str) -> Option<MigProfile> {
     }
     let slices = digits(parts[0].strip_suffix('g')?)?;
     let memory_gb = digits(parts[1].strip_suffix("gb")?)?;
-    if slices == 0 || slices > 8 || memory_gb == 0 || compute == Some(0) || compute.is_some_and(|c| c > slices) {
+    if slices == 0
+        || slices > 8
+        || memory_gb == 0
+        || compute == Some(0)
+        || compute.is_some_and(|c| c > slices)
+    {
         return None;
     }
-    Some(MigProfile { compute, slices, memory_gb })
+    Some(MigProfile {
+        compute,
+        slices,
+        memory_gb,
+    })
 }
 
 fn is_dns_label_ish(s: &str, allow_dot: bool) -> bool {
-    let ok_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (allow_dot && c == '.');
+    let ok_char = |c: char| {
+        c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (allow_dot && c == '.')
+    };
     !s.is_empty()
         && s.chars().all(ok_char)
         && s.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
@@ -107,7 +122,9 @@ pub fn check_resource_name(name: &str) -> Result<(), String> {
 pub fn is_label_value(s: &str) -> bool {
     s.len() <= 63
         && (s.is_empty()
-            || (s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            || (s
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
                 && s.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
                 && s.chars().last().is_some_and(|c| c.is_ascii_alphanumeric())))
 }
@@ -118,7 +135,12 @@ fn check_selector(sel: &LabelSelector, errs: &mut Vec<FieldError>) {
         .iter()
         .flatten()
         .map(|(k, _)| ("matchLabels", k))
-        .chain(sel.match_expressions.iter().flatten().map(|e| ("matchExpressions", &e.key)));
+        .chain(
+            sel.match_expressions
+                .iter()
+                .flatten()
+                .map(|e| ("matchExpressions", &e.key)),
+        );
     for (field, k) in keys {
         if crate::plan::UNSTABLE_LABELS.contains(&k.as_str()) {
             errs.push(err(
@@ -148,9 +170,17 @@ fn check_selector(sel: &LabelSelector, errs: &mut Vec<FieldError>) {
     }
 }
 
-fn check_time_slicing(ts: &TimeSlicing, path: &str, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) {
+fn check_time_slicing(
+    ts: &TimeSlicing,
+    path: &str,
+    errs: &mut Vec<FieldError>,
+    warnings: &mut Vec<String>,
+) {
     if ts.replicas.is_none() && ts.resources.is_empty() {
-        errs.push(err(path, "set replicas, or at least one entry in resources"));
+        errs.push(err(
+            path,
+            "set replicas, or at least one entry in resources",
+        ));
     }
     if let Some(r) = ts.replicas
         && r < 2
@@ -171,7 +201,10 @@ fn check_time_slicing(ts: &TimeSlicing, path: &str, errs: &mut Vec<FieldError>, 
         if r.replicas < 2 {
             errs.push(err(
                 format!("{rp}.replicas"),
-                format!("must be >= 2, got {} (NVIDIA: number of replicas must be >= 2)", r.replicas),
+                format!(
+                    "must be >= 2, got {} (NVIDIA: number of replicas must be >= 2)",
+                    r.replicas
+                ),
             ));
         }
         if !seen.insert(nvidia::qualify_resource(&r.name)) {
@@ -213,9 +246,10 @@ fn check_time_slicing(ts: &TimeSlicing, path: &str, errs: &mut Vec<FieldError>, 
 
 fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) {
     match (&mig.layout, &mig.custom_layout) {
-        (Some(_), Some(_)) | (None, None) => {
-            errs.push(err("spec.mig", "set exactly one of layout (a named mig-parted layout) and customLayout"))
-        }
+        (Some(_), Some(_)) | (None, None) => errs.push(err(
+            "spec.mig",
+            "set exactly one of layout (a named mig-parted layout) and customLayout",
+        )),
         _ => {}
     }
     if let Some(l) = &mig.layout
@@ -228,7 +262,10 @@ fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) 
     }
     if let Some(groups) = &mig.custom_layout {
         if groups.is_empty() {
-            errs.push(err("spec.mig.customLayout", "needs at least one device group"));
+            errs.push(err(
+                "spec.mig.customLayout",
+                "needs at least one device group",
+            ));
         }
         let mut used: BTreeSet<i32> = BTreeSet::new();
         let all_groups = groups.iter().filter(|g| g.devices.is_none()).count();
@@ -242,11 +279,17 @@ fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) 
             let gp = format!("spec.mig.customLayout[{i}]");
             if let Some(devs) = &g.devices {
                 if devs.is_empty() {
-                    errs.push(err(format!("{gp}.devices"), "list at least one GPU index, or omit devices for all GPUs"));
+                    errs.push(err(
+                        format!("{gp}.devices"),
+                        "list at least one GPU index, or omit devices for all GPUs",
+                    ));
                 }
                 for d in devs {
                     if !(0..=15).contains(d) {
-                        errs.push(err(format!("{gp}.devices"), format!("GPU index {d} is out of range 0..15")));
+                        errs.push(err(
+                            format!("{gp}.devices"),
+                            format!("GPU index {d} is out of range 0..15"),
+                        ));
                     } else if !used.insert(*d) {
                         errs.push(err(
                             format!("{gp}.devices"),
@@ -294,7 +337,8 @@ fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) 
     if mig.mig_strategy == MigStrategy::Single {
         // The device plugin's single strategy needs every GPU in MIG mode with one profile.
         if let Some(groups) = &mig.custom_layout {
-            let profiles: BTreeSet<&String> = groups.iter().flat_map(|g| g.mig_devices.keys()).collect();
+            let profiles: BTreeSet<&String> =
+                groups.iter().flat_map(|g| g.mig_devices.keys()).collect();
             if groups.iter().any(|g| !g.mig_enabled) {
                 errs.push(err(
                     "spec.mig.customLayout",
@@ -321,7 +365,8 @@ fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) 
         if mig.mig_strategy == MigStrategy::Mixed
             && let Some(profiles) = nvidia::layout_profiles(mig)
         {
-            let offered: BTreeSet<String> = profiles.iter().map(|p| nvidia::mig_resource(p)).collect();
+            let offered: BTreeSet<String> =
+                profiles.iter().map(|p| nvidia::mig_resource(p)).collect();
             for (i, r) in ts.resources.iter().enumerate() {
                 let q = nvidia::qualify_resource(&r.name);
                 if q != GPU_RESOURCE && !offered.contains(&q) {
@@ -335,7 +380,11 @@ fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) 
                     ));
                 }
             }
-            if ts.resources.is_empty() && profiles.iter().any(|p| parse_mig_profile(p).is_some_and(|x| x.compute.is_some())) {
+            if ts.resources.is_empty()
+                && profiles
+                    .iter()
+                    .any(|p| parse_mig_profile(p).is_some_and(|x| x.compute.is_some()))
+            {
                 errs.push(err(
                     "spec.mig.timeSlicing",
                     "compute-instance profiles (Nc.Ng.NNgb) are not advertised as resources by the device plugin: name the resources to time-slice",
@@ -382,17 +431,27 @@ pub fn validate(name: &str, spec: &GpuSharingPolicySpec) -> (Vec<FieldError>, Ve
         ));
     }
     if !is_dns_label_ish(name, false) {
-        errs.push(err("metadata.name", "must consist of lower-case letters, digits and '-'"));
+        errs.push(err(
+            "metadata.name",
+            "must consist of lower-case letters, digits and '-'",
+        ));
     }
     check_selector(&spec.node_selector, &mut errs);
     let blocks = [
-        (Strategy::TimeSlicing, "timeSlicing", spec.time_slicing.is_some()),
+        (
+            Strategy::TimeSlicing,
+            "timeSlicing",
+            spec.time_slicing.is_some(),
+        ),
         (Strategy::Mps, "mps", spec.mps.is_some()),
         (Strategy::Mig, "mig", spec.mig.is_some()),
     ];
     for (s, field, present) in blocks {
         if spec.strategy == s && !present {
-            errs.push(err(format!("spec.{field}"), format!("required when strategy is {}", s.as_str())));
+            errs.push(err(
+                format!("spec.{field}"),
+                format!("required when strategy is {}", s.as_str()),
+            ));
         }
         if spec.strategy != s && present {
             let extra = if spec.strategy == Strategy::Mps && s == Strategy::Mig {
@@ -402,7 +461,10 @@ pub fn validate(name: &str, spec: &GpuSharingPolicySpec) -> (Vec<FieldError>, Ve
             };
             errs.push(err(
                 format!("spec.{field}"),
-                format!("must not be set when strategy is {}{extra}", spec.strategy.as_str()),
+                format!(
+                    "must not be set when strategy is {}{extra}",
+                    spec.strategy.as_str()
+                ),
             ));
         }
     }
@@ -429,13 +491,38 @@ mod tests {
 
     #[test]
     fn profile_grammar() {
-        for ok in ["1g.10gb", "1c.2g.20gb", "7g.141gb", "1g.10gb+me", "1g.24gb+me.all", "1g.24gb+gfx", "1g.24gb-me"] {
+        for ok in [
+            "1g.10gb",
+            "1c.2g.20gb",
+            "7g.141gb",
+            "1g.10gb+me",
+            "1g.24gb+me.all",
+            "1g.24gb+gfx",
+            "1g.24gb-me",
+        ] {
             assert!(is_mig_profile(ok), "{ok}");
         }
-        for bad in ["", "1g", "1g.10", "0g.10gb", "1g.10gb+foo", "g.10gb", "1G.10GB", "3c.2g.20gb", "01g.10gb"] {
+        for bad in [
+            "",
+            "1g",
+            "1g.10",
+            "0g.10gb",
+            "1g.10gb+foo",
+            "g.10gb",
+            "1G.10GB",
+            "3c.2g.20gb",
+            "01g.10gb",
+        ] {
             assert!(!is_mig_profile(bad), "{bad}");
         }
-        assert_eq!(parse_mig_profile("3g.71gb"), Some(MigProfile { compute: None, slices: 3, memory_gb: 71 }));
+        assert_eq!(
+            parse_mig_profile("3g.71gb"),
+            Some(MigProfile {
+                compute: None,
+                slices: 3,
+                memory_gb: 71
+            })
+        );
     }
 
     #[test]

@@ -11,8 +11,8 @@ use std::time::Duration;
 use gpu_sharing_operator::controller::{self, FINALIZER};
 use gpu_sharing_operator::crd::GpuSharingPolicy;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
-use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::json;
 use support::*;
 
@@ -21,14 +21,19 @@ async fn mps_on_h200_end_to_end() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), None);
-    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml")).await.unwrap();
+    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+        .await
+        .unwrap();
 
     let status = until("h200-mps Ready", LONG, || ready(&c, "h200-mps")).await;
     // The ConfigMap key holds NVIDIA's MPS config.
     let key = status["deviceConfigKey"].as_str().unwrap().to_string();
     let data = configmap_data(&c, DP_CM).await.unwrap();
     let cfg: serde_yaml::Value = serde_yaml::from_str(&data[&key]).unwrap();
-    assert_eq!(cfg["sharing"]["mps"]["resources"][0]["name"], "nvidia.com/gpu");
+    assert_eq!(
+        cfg["sharing"]["mps"]["resources"][0]["name"],
+        "nvidia.com/gpu"
+    );
     assert_eq!(cfg["sharing"]["mps"]["resources"][0]["replicas"], 4);
     assert!(data.contains_key("default"));
     // ClusterPolicy points at it.
@@ -36,7 +41,10 @@ async fn mps_on_h200_end_to_end() {
     assert_eq!(cp["spec"]["devicePlugin"]["config"]["name"], DP_CM);
     assert_eq!(cp["spec"]["devicePlugin"]["config"]["default"], "default");
     // The node is labelled; the simulated device plugin advertises 8 x 4.
-    assert_eq!(labels(&c, "h200-node-0").await["nvidia.com/device-plugin.config"], key);
+    assert_eq!(
+        labels(&c, "h200-node-0").await["nvidia.com/device-plugin.config"],
+        key
+    );
     let alloc = until("allocatable 32", LONG, || async {
         let n = Api::<Node>::all(c.clone()).get("h200-node-0").await.ok()?;
         let q = n.status?.allocatable?.get("nvidia.com/gpu")?.0.clone();
@@ -54,7 +62,10 @@ async fn mps_on_h200_end_to_end() {
     assert_eq!(status["capacity"]["memoryPerClientMib"], 35942);
     assert_eq!(status["capacity"]["threadsPerClientPercent"], 25);
     assert_eq!(status["nodes"], "1/1");
-    assert_eq!(condition(&status, "Ready").unwrap()["observedGeneration"], 1);
+    assert_eq!(
+        condition(&status, "Ready").unwrap()["observedGeneration"],
+        1
+    );
     let l = labels(&c, "h200-node-0").await;
     assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "mps");
     assert_eq!(l["nvidia.com/gpu.replicas"], "4");
@@ -66,19 +77,35 @@ async fn time_slicing_profiles_by_node_label_and_relabel_moves_nodes() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
-    common::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml")).await.unwrap();
+    common::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
+        .await
+        .unwrap();
     label_node(&c, "l4-node-1", "gpusharing.io/profile", Some("l4-heavy")).await;
 
-    let ts = until("l4-time-slicing Ready", LONG, || ready(&c, "l4-time-slicing")).await;
+    let ts = until("l4-time-slicing Ready", LONG, || {
+        ready(&c, "l4-time-slicing")
+    })
+    .await;
     let heavy = until("l4-heavy Ready", LONG, || ready(&c, "l4-heavy")).await;
     let ts_key = ts["deviceConfigKey"].as_str().unwrap().to_string();
     let heavy_key = heavy["deviceConfigKey"].as_str().unwrap().to_string();
-    assert_eq!(labels(&c, "l4-node-0").await["nvidia.com/device-plugin.config"], ts_key);
-    assert_eq!(labels(&c, "l4-node-1").await["nvidia.com/device-plugin.config"], heavy_key);
+    assert_eq!(
+        labels(&c, "l4-node-0").await["nvidia.com/device-plugin.config"],
+        ts_key
+    );
+    assert_eq!(
+        labels(&c, "l4-node-1").await["nvidia.com/device-plugin.config"],
+        heavy_key
+    );
     // l4-time-slicing also selects l4-node-1 but loses it to the higher priority.
     assert_eq!(ts["nodes"], "1/2");
     assert_eq!(condition(&ts, "Conflicted").unwrap()["status"], "True");
-    assert!(condition(&ts, "Conflicted").unwrap()["message"].as_str().unwrap().contains("l4-node-1 (won by l4-heavy)"));
+    assert!(
+        condition(&ts, "Conflicted").unwrap()["message"]
+            .as_str()
+            .unwrap()
+            .contains("l4-node-1 (won by l4-heavy)")
+    );
     let data = configmap_data(&c, DP_CM).await.unwrap();
     assert!(data[&heavy_key].contains("replicas: 8"));
     assert!(data[&ts_key].contains("replicas: 4"));
@@ -103,20 +130,41 @@ async fn delete_cleans_up_and_drift_is_repaired() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
-    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml")).await.unwrap();
+    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+        .await
+        .unwrap();
     let s = until("Ready", LONG, || ready(&c, "h200-mps")).await;
     let key = s["deviceConfigKey"].as_str().unwrap().to_string();
-    let p = Api::<GpuSharingPolicy>::all(c.clone()).get("h200-mps").await.unwrap();
+    let p = Api::<GpuSharingPolicy>::all(c.clone())
+        .get("h200-mps")
+        .await
+        .unwrap();
     assert!(p.finalizers().contains(&FINALIZER.to_string()));
 
     // Drift: a hand edit of the label, the key and the ClusterPolicy reference is put back.
-    label_node(&c, "h200-node-0", "nvidia.com/device-plugin.config", Some("hand-edited")).await;
+    label_node(
+        &c,
+        "h200-node-0",
+        "nvidia.com/device-plugin.config",
+        Some("hand-edited"),
+    )
+    .await;
     let cms: Api<ConfigMap> = Api::namespaced(c.clone(), NS);
     let patch = json!({"data": {key.clone(): "version: v1\n"}});
-    cms.patch(DP_CM, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
-    let cp_api: Api<DynamicObject> = Api::all_with(c.clone(), &controller::cluster_policy_resource());
+    cms.patch(DP_CM, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let cp_api: Api<DynamicObject> =
+        Api::all_with(c.clone(), &controller::cluster_policy_resource());
     let patch = json!({"spec": {"devicePlugin": {"config": {"name": "someone-else"}}}});
-    cp_api.patch("cluster-policy", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    cp_api
+        .patch(
+            "cluster-policy",
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
     until("drift repaired", LONG, || async {
         let l = labels(&c, "h200-node-0").await;
         let data = configmap_data(&c, DP_CM).await?;
@@ -131,9 +179,17 @@ async fn delete_cleans_up_and_drift_is_repaired() {
     label_node(&c, "h200-node-0", "team", Some("research")).await;
 
     // Delete: labels, key and the ClusterPolicy reference go; the policy is released.
-    Api::<GpuSharingPolicy>::all(c.clone()).delete("h200-mps", &DeleteParams::default()).await.unwrap();
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .delete("h200-mps", &DeleteParams::default())
+        .await
+        .unwrap();
     until("policy gone", LONG, || async {
-        Api::<GpuSharingPolicy>::all(c.clone()).get_opt("h200-mps").await.unwrap().is_none().then_some(())
+        Api::<GpuSharingPolicy>::all(c.clone())
+            .get_opt("h200-mps")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
     })
     .await;
     let l = labels(&c, "h200-node-0").await;
@@ -143,8 +199,11 @@ async fn delete_cleans_up_and_drift_is_repaired() {
     until("key and reference removed", LONG, || async {
         let data = configmap_data(&c, DP_CM).await?;
         let cp = cluster_policy(&c).await;
-        (!data.contains_key(&key) && cp["spec"]["devicePlugin"].get("config").is_none_or(|c| c.get("name").is_none()))
-            .then_some(())
+        (!data.contains_key(&key)
+            && cp["spec"]["devicePlugin"]
+                .get("config")
+                .is_none_or(|c| c.get("name").is_none()))
+        .then_some(())
     })
     .await;
     op.stop().await;
@@ -160,13 +219,24 @@ async fn invalid_policies_rejected_or_reported_without_touching_nodes() {
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: bad}\nspec: {nodeSelector: {}, strategy: mps, mps: {replicas: 4}, mig: {migStrategy: single, layout: all-1g.10gb}}",
     )
     .unwrap();
-    let err = api.create(&PostParams::default(), &bad).await.unwrap_err().to_string();
-    assert!(err.contains("spec.mig must be set when, and only when, strategy is mig"), "{err}");
+    let err = api
+        .create(&PostParams::default(), &bad)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("spec.mig must be set when, and only when, strategy is mig"),
+        "{err}"
+    );
     let bad: GpuSharingPolicy = serde_yaml::from_str(
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: bad}\nspec: {nodeSelector: {}, strategy: timeSlicing, timeSlicing: {replicas: 1}}",
     )
     .unwrap();
-    let err = api.create(&PostParams::default(), &bad).await.unwrap_err().to_string();
+    let err = api
+        .create(&PostParams::default(), &bad)
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("spec.timeSlicing.replicas"), "{err}");
 
     // What admission cannot know (the node's GPU) is reported, and the node is left alone.
@@ -186,11 +256,23 @@ async fn invalid_policies_rejected_or_reported_without_touching_nodes() {
     .await;
     let a = condition(&s, "Accepted").unwrap();
     assert_eq!(a["reason"], "IncompatibleNodes");
-    assert!(a["message"].as_str().unwrap().contains("does not support MIG"), "{a}");
+    assert!(
+        a["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not support MIG"),
+        "{a}"
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = labels(&c, "l4-node-0").await;
-    assert_eq!(before.get("nvidia.com/mig.config"), after.get("nvidia.com/mig.config"));
-    assert_eq!(before.get("nvidia.com/device-plugin.config"), after.get("nvidia.com/device-plugin.config"));
+    assert_eq!(
+        before.get("nvidia.com/mig.config"),
+        after.get("nvidia.com/mig.config")
+    );
+    assert_eq!(
+        before.get("nvidia.com/device-plugin.config"),
+        after.get("nvidia.com/device-plugin.config")
+    );
     op.stop().await;
 }
 
@@ -198,11 +280,18 @@ async fn invalid_policies_rejected_or_reported_without_touching_nodes() {
 async fn restart_midway_converges_and_steady_state_writes_nothing() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
-    common::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml")).await.unwrap();
-    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml")).await.unwrap();
+    common::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
+        .await
+        .unwrap();
+    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+        .await
+        .unwrap();
     let op = Operator::start(c.clone(), None);
     // Stop as soon as something was written, then start a fresh operator.
-    until("first writes", LONG, || async { configmap_data(&c, DP_CM).await }).await;
+    until("first writes", LONG, || async {
+        configmap_data(&c, DP_CM).await
+    })
+    .await;
     op.stop().await;
     let op = Operator::start(c.clone(), None);
     for name in ["l4-time-slicing", "h200-mps"] {
@@ -212,6 +301,10 @@ async fn restart_midway_converges_and_steady_state_writes_nothing() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let snapshot = resource_versions(&c).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
-    assert_eq!(snapshot, resource_versions(&c).await, "steady state must write nothing");
+    assert_eq!(
+        snapshot,
+        resource_versions(&c).await,
+        "steady state must write nothing"
+    );
     op.stop().await;
 }

@@ -7,10 +7,10 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
-use futures::StreamExt;
 use support::*;
 
 const NODE: &str = "a100-node-0";
@@ -42,7 +42,8 @@ fn record_node_history(
         });
         futures::pin_mut!(stream);
         while let Some(Ok(n)) = stream.next().await {
-            let l: BTreeMap<String, String> = n.metadata.labels.unwrap_or_default().into_iter().collect();
+            let l: BTreeMap<String, String> =
+                n.metadata.labels.unwrap_or_default().into_iter().collect();
             if history.last() != Some(&l) {
                 history.push(l);
             }
@@ -57,7 +58,9 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
-    common::apply_yaml(&c, &mig_policy("mig-inference", "inference")).await.unwrap();
+    common::apply_yaml(&c, &mig_policy("mig-inference", "inference"))
+        .await
+        .unwrap();
     let s = until("MIG Ready", LONG, || ready(&c, "mig-inference")).await;
     assert_eq!(s["migConfig"], "all-1g.10gb");
     let l = labels(&c, NODE).await;
@@ -72,7 +75,9 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
         .delete("mig-inference", &DeleteParams::default())
         .await
         .unwrap();
-    common::apply_yaml(&c, &mps_policy("mps-inference", "inference", 0)).await.unwrap();
+    common::apply_yaml(&c, &mps_policy("mps-inference", "inference", 0))
+        .await
+        .unwrap();
     let s = until("MPS Ready", LONG, || async {
         let s = ready(&c, "mps-inference").await?;
         (s["appliedNodes"] == 1).then_some(s)
@@ -92,8 +97,14 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
             assert!(mig_off, "MPS selected while MIG not confirmed off: {l:?}");
         }
     }
-    assert!(saw_disabled_confirmed, "never passed through all-disabled/success: {history:#?}");
-    assert_eq!(labels(&c, NODE).await["nvidia.com/gpu.sharing-strategy"], "mps");
+    assert!(
+        saw_disabled_confirmed,
+        "never passed through all-disabled/success: {history:#?}"
+    );
+    assert_eq!(
+        labels(&c, NODE).await["nvidia.com/gpu.sharing-strategy"],
+        "mps"
+    );
     op.stop().await;
 }
 
@@ -103,7 +114,9 @@ async fn conflicting_policies_report_the_winner_and_emit_an_event() {
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, "h200-node-0", "gpusharing.io/profile", Some("shared")).await;
-    common::apply_yaml(&c, &mps_policy("mps-low", "shared", 0)).await.unwrap();
+    common::apply_yaml(&c, &mps_policy("mps-low", "shared", 0))
+        .await
+        .unwrap();
     common::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: ts-high}\nspec:\n  priority: 10\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-H200}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 3}\n",
@@ -115,7 +128,10 @@ async fn conflicting_policies_report_the_winner_and_emit_an_event() {
         (condition(&s, "Conflicted")?["status"] == "True").then_some(s)
     })
     .await;
-    let msg = condition(&s, "Conflicted").unwrap()["message"].as_str().unwrap().to_string();
+    let msg = condition(&s, "Conflicted").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert!(msg.contains("h200-node-0 (won by ts-high)"), "{msg}");
     assert_eq!(s["conflictingNodes"], 1);
     until("ts-high Ready", LONG, || ready(&c, "ts-high")).await;
@@ -154,19 +170,44 @@ async fn mig_change_waits_for_idle_gpus() {
     pods.create(&PostParams::default(), &pod).await.unwrap();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
-    common::apply_yaml(&c, &mig_policy("mig-inference", "inference")).await.unwrap();
+    common::apply_yaml(&c, &mig_policy("mig-inference", "inference"))
+        .await
+        .unwrap();
     let s = until("WaitingForIdleGPUs", LONG, || async {
         let s = policy_status(&c, "mig-inference").await?;
         (condition(&s, "Progressing")?["reason"] == "WaitingForIdleGPUs").then_some(s)
     })
     .await;
-    assert!(condition(&s, "Progressing").unwrap()["message"].as_str().unwrap().contains("default/train-0"));
+    assert!(
+        condition(&s, "Progressing").unwrap()["message"]
+            .as_str()
+            .unwrap()
+            .contains("default/train-0")
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(labels(&c, NODE).await["nvidia.com/mig.config"], "all-disabled", "layout untouched while busy");
+    assert_eq!(
+        labels(&c, NODE).await["nvidia.com/mig.config"],
+        "all-disabled",
+        "layout untouched while busy"
+    );
     // The pod goes: the layout changes.
-    pods.delete("train-0", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await.unwrap();
-    let s = until("MIG Ready after the pod left", LONG, || ready(&c, "mig-inference")).await;
+    pods.delete(
+        "train-0",
+        &DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let s = until("MIG Ready after the pod left", LONG, || {
+        ready(&c, "mig-inference")
+    })
+    .await;
     assert_eq!(s["migConfig"], "all-1g.10gb");
-    assert_eq!(labels(&c, NODE).await["nvidia.com/mig.config"], "all-1g.10gb");
+    assert_eq!(
+        labels(&c, NODE).await["nvidia.com/mig.config"],
+        "all-1g.10gb"
+    );
     op.stop().await;
 }

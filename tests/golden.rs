@@ -28,7 +28,9 @@ struct NormFlags {
 }
 impl Default for NormFlags {
     fn default() -> Self {
-        NormFlags { mig_strategy: none() }
+        NormFlags {
+            mig_strategy: none(),
+        }
     }
 }
 fn none() -> String {
@@ -66,7 +68,8 @@ fn policy(yaml: &str) -> GpuSharingPolicy {
 }
 
 fn rendered(p: &GpuSharingPolicy) -> String {
-    let (errs, _) = gpu_sharing_operator::validate::validate(p.metadata.name.as_deref().unwrap(), &p.spec);
+    let (errs, _) =
+        gpu_sharing_operator::validate::validate(p.metadata.name.as_deref().unwrap(), &p.spec);
     assert!(errs.is_empty(), "{errs:?}");
     nvidia::to_yaml(&nvidia::device_plugin_config(&p.spec))
 }
@@ -151,7 +154,10 @@ fn time_slicing_two_profiles_match_nvidia_example() {
         .collect();
     assert_eq!(docs.len(), 2);
     assert_eq!(normalize(&rendered(&docs[0])), normalize(NVIDIA_TS_ANY));
-    assert_eq!(normalize(&rendered(&docs[1])), normalize(NVIDIA_TS_L4_HEAVY));
+    assert_eq!(
+        normalize(&rendered(&docs[1])),
+        normalize(NVIDIA_TS_L4_HEAVY)
+    );
 }
 
 #[test]
@@ -159,7 +165,10 @@ fn custom_mig_split_matches_nvidia_example() {
     let p = policy(include_str!("../examples/mig-custom-split.yaml"));
     let mig = p.spec.mig.as_ref().unwrap();
     let mut custom = BTreeMap::new();
-    custom.insert(nvidia::custom_layout_name("a100-mig-split"), nvidia::custom_layout_entries(mig));
+    custom.insert(
+        nvidia::custom_layout_name("a100-mig-split"),
+        nvidia::custom_layout_entries(mig),
+    );
     let ours = nvidia::mig_parted_config(&BTreeMap::new(), &custom);
     let mut want: serde_yaml::Value = serde_yaml::from_str(NVIDIA_CUSTOM_MIG).unwrap();
     // We always add all-disabled: nodes leave MIG through it.
@@ -224,7 +233,11 @@ fn h200_node() -> NodeFacts {
     ] {
         labels.insert(k.to_string(), v.to_string());
     }
-    NodeFacts { name: "h200-node-0".into(), labels, ..Default::default() }
+    NodeFacts {
+        name: "h200-node-0".into(),
+        labels,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -236,7 +249,10 @@ fn mps_capacity_on_h200() {
     let labels = &first.node_labels["h200-node-0"];
     let key = labels["nvidia.com/device-plugin.config"].clone();
     assert!(key.starts_with("h200-mps-"));
-    assert!(first.device_config.contains_key(&key), "the key exists before a label points to it");
+    assert!(
+        first.device_config.contains_key(&key),
+        "the key exists before a label points to it"
+    );
     // Once labelled, the node is applied and the capacity is computed.
     node.labels.extend(labels.clone());
     let second = plan::plan(&PlanInput::new(vec![p], vec![node]));
@@ -261,13 +277,22 @@ fn render_works_on_every_example() {
     for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/examples")).unwrap() {
         let path = entry.unwrap().path();
         let out = bin().arg("render").arg("-f").arg(&path).output().unwrap();
-        assert!(out.status.success(), "{}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
         let text = String::from_utf8(out.stdout).unwrap();
-        let docs: Vec<serde_yaml::Value> =
-            serde_yaml::Deserializer::from_str(&text).map(|d| serde_yaml::Value::deserialize(d).unwrap()).collect();
+        let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
+            .map(|d| serde_yaml::Value::deserialize(d).unwrap())
+            .collect();
         assert_eq!(docs[0]["kind"], "ConfigMap");
         assert_eq!(docs[0]["metadata"]["namespace"], "gpu-operator");
-        let policies = docs.iter().filter(|d| d["kind"] == "GpuSharingPolicy").count();
+        let policies = docs
+            .iter()
+            .filter(|d| d["kind"] == "GpuSharingPolicy")
+            .count();
         assert!(policies >= 1, "{}", path.display());
         // Every policy's key is in the ConfigMap.
         for d in docs.iter().filter(|d| d["kind"] == "GpuSharingPolicy") {
@@ -309,15 +334,31 @@ metadata:
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
-    let docs: Vec<serde_yaml::Value> =
-        serde_yaml::Deserializer::from_str(&text).map(|d| serde_yaml::Value::deserialize(d).unwrap()).collect();
-    let node = docs.iter().find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "h200-node-0").unwrap();
-    let key = node["metadata"]["labels"]["nvidia.com/device-plugin.config"].as_str().unwrap();
+    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde_yaml::Value::deserialize(d).unwrap())
+        .collect();
+    let node = docs
+        .iter()
+        .find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "h200-node-0")
+        .unwrap();
+    let key = node["metadata"]["labels"]["nvidia.com/device-plugin.config"]
+        .as_str()
+        .unwrap();
     assert!(key.starts_with("h200-mps-"));
-    let cpu = docs.iter().find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "cpu-node").unwrap();
-    assert_eq!(cpu["metadata"]["labels"].as_mapping().map(|m| m.len()), Some(0));
+    let cpu = docs
+        .iter()
+        .find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "cpu-node")
+        .unwrap();
+    assert_eq!(
+        cpu["metadata"]["labels"].as_mapping().map(|m| m.len()),
+        Some(0)
+    );
 }
 
 fn render_error(policy_yaml: &str) -> String {
@@ -325,8 +366,16 @@ fn render_error(policy_yaml: &str) -> String {
     let f = dir.path().join("p.yaml");
     std::fs::write(&f, policy_yaml).unwrap();
     let out = bin().arg("render").arg("-f").arg(&f).output().unwrap();
-    assert_eq!(out.status.code(), Some(1), "expected failure, got {}", String::from_utf8_lossy(&out.stdout));
-    assert!(out.stdout.is_empty(), "nothing is rendered for invalid input");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "expected failure, got {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "nothing is rendered for invalid input"
+    );
     String::from_utf8(out.stderr).unwrap()
 }
 
@@ -337,7 +386,10 @@ fn broken_policies_give_clear_errors() {
             "spec: {nodeSelector: {}, strategy: timeSlicing, timeSlicing: {replicas: 1}}",
             "spec.timeSlicing.replicas: must be >= 2",
         ),
-        ("spec: {nodeSelector: {}, strategy: mps, mps: {replicas: 49}}", "spec.mps.replicas: must be between 2 and 48"),
+        (
+            "spec: {nodeSelector: {}, strategy: mps, mps: {replicas: 49}}",
+            "spec.mps.replicas: must be between 2 and 48",
+        ),
         (
             "spec: {nodeSelector: {}, strategy: mps, mps: {replicas: 4}, mig: {migStrategy: single, layout: all-1g.10gb}}",
             "spec.mig: must not be set when strategy is mps (MPS cannot be combined with MIG)",
@@ -370,10 +422,15 @@ fn broken_policies_give_clear_errors() {
             "spec: {nodeSelector: {}, strategy: mig, mig: {migStrategy: mixed, customLayout: [{migEnabled: true, migDevices: {1g.10g: 1}}]}}",
             "not a MIG profile name",
         ),
-        ("spec: {nodeSelector: {}, strategy: sometimes}", "unknown variant `sometimes`"),
+        (
+            "spec: {nodeSelector: {}, strategy: sometimes}",
+            "unknown variant `sometimes`",
+        ),
     ];
     for (spec, want) in cases {
-        let yaml = format!("apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: broken}}\n{spec}\n");
+        let yaml = format!(
+            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: broken}}\n{spec}\n"
+        );
         let err = render_error(&yaml);
         assert!(err.contains("error: policy \"broken\""), "{err}");
         assert!(err.contains(want), "for {spec}\nwant {want:?}\ngot {err}");
@@ -385,9 +442,11 @@ fn crd_in_repo_is_current() {
     let out = bin().arg("crd").output().unwrap();
     assert!(out.status.success());
     let generated = String::from_utf8(out.stdout).unwrap();
-    let committed =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/gpusharingpolicies.gpusharing.io.yaml"))
-            .unwrap();
+    let committed = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/crds/gpusharingpolicies.gpusharing.io.yaml"
+    ))
+    .unwrap();
     assert!(
         generated == committed,
         "crds/ is stale: run `cargo run -- crd > crds/gpusharingpolicies.gpusharing.io.yaml`"
@@ -396,9 +455,15 @@ fn crd_in_repo_is_current() {
 
 #[test]
 fn readme_crd_reference_is_current() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let start = readme.find("<!-- crd-reference:start -->\n").expect("start marker") + "<!-- crd-reference:start -->\n".len();
-    let end = readme.find("<!-- crd-reference:end -->").expect("end marker");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let start = readme
+        .find("<!-- crd-reference:start -->\n")
+        .expect("start marker")
+        + "<!-- crd-reference:start -->\n".len();
+    let end = readme
+        .find("<!-- crd-reference:end -->")
+        .expect("end marker");
     assert!(
         readme[start..end] == gpu_sharing_operator::docs::crd_reference(),
         "README CRD reference is stale: regenerate it with `gpu-sharing-operator crd --markdown`"

@@ -10,7 +10,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpu_sharing_operator::crd::{GpuSharingPolicy, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Mps, Strategy as Sharing, TimeSlicing};
+use gpu_sharing_operator::crd::{
+    GpuSharingPolicy, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Mps,
+    Strategy as Sharing, TimeSlicing,
+};
 use gpu_sharing_operator::nvidia::{DEFAULT_KEY, DevicePluginConfig, MIG_DISABLED_LAYOUT};
 use gpu_sharing_operator::plan::{
     self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE, NodeFacts, Plan, PlanInput,
@@ -24,13 +27,21 @@ fn node(name: &str, product: &str, mig_capable: bool, profile: Option<&str>) -> 
     let mut labels = BTreeMap::new();
     labels.insert("nvidia.com/gpu.product".into(), product.into());
     labels.insert("nvidia.com/gpu.count".into(), "8".into());
-    let mem = if product.contains("A100") { "81920" } else { "143771" };
+    let mem = if product.contains("A100") {
+        "81920"
+    } else {
+        "143771"
+    };
     labels.insert("nvidia.com/gpu.memory".into(), mem.into());
     labels.insert("nvidia.com/mig.capable".into(), mig_capable.to_string());
     if let Some(p) = profile {
         labels.insert("gpusharing.io/profile".into(), p.into());
     }
-    NodeFacts { name: name.into(), labels, ..Default::default() }
+    NodeFacts {
+        name: name.into(),
+        labels,
+        ..Default::default()
+    }
 }
 
 fn selector(profile: Option<&str>) -> LabelSelector {
@@ -54,19 +65,32 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
         0 => {}
         1 => {
             s.strategy = Sharing::TimeSlicing;
-            s.time_slicing = Some(TimeSlicing { replicas: Some(replicas), ..Default::default() });
+            s.time_slicing = Some(TimeSlicing {
+                replicas: Some(replicas),
+                ..Default::default()
+            });
         }
         2 => {
             s.strategy = Sharing::Mps;
-            s.mps = Some(Mps { replicas, rename_by_default: false });
+            s.mps = Some(Mps {
+                replicas,
+                rename_by_default: false,
+            });
         }
         3 => {
             s.strategy = Sharing::Mig;
             s.mig = Some(Mig {
-                mig_strategy: if mixed { MigStrategy::Mixed } else { MigStrategy::Single },
+                mig_strategy: if mixed {
+                    MigStrategy::Mixed
+                } else {
+                    MigStrategy::Single
+                },
                 layout: Some("all-1g.10gb".into()),
                 custom_layout: None,
-                time_slicing: Some(TimeSlicing { replicas: Some(replicas), ..Default::default() }),
+                time_slicing: Some(TimeSlicing {
+                    replicas: Some(replicas),
+                    ..Default::default()
+                }),
                 proceed_with_busy_gpus: false,
             });
         }
@@ -76,8 +100,17 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
                 mig_strategy: MigStrategy::Mixed,
                 layout: None,
                 custom_layout: Some(vec![
-                    MigDeviceGroup { devices: Some(vec![0, 1, 2, 3]), mig_enabled: true, mig_devices: [("1g.10gb".to_string(), 3), ("2g.20gb".to_string(), 2)].into() },
-                    MigDeviceGroup { devices: Some(vec![4, 5, 6, 7]), mig_enabled: false, mig_devices: BTreeMap::new() },
+                    MigDeviceGroup {
+                        devices: Some(vec![0, 1, 2, 3]),
+                        mig_enabled: true,
+                        mig_devices: [("1g.10gb".to_string(), 3), ("2g.20gb".to_string(), 2)]
+                            .into(),
+                    },
+                    MigDeviceGroup {
+                        devices: Some(vec![4, 5, 6, 7]),
+                        mig_enabled: false,
+                        mig_devices: BTreeMap::new(),
+                    },
                 ]),
                 time_slicing: None,
                 proceed_with_busy_gpus: false,
@@ -87,14 +120,23 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
     s
 }
 
-fn policy(name: &str, kind: u8, replicas: i32, mixed: bool, profile: Option<&str>, priority: i32, age: i64) -> GpuSharingPolicy {
+fn policy(
+    name: &str,
+    kind: u8,
+    replicas: i32,
+    mixed: bool,
+    profile: Option<&str>,
+    priority: i32,
+    age: i64,
+) -> GpuSharingPolicy {
     let mut spec = spec_of(kind, replicas, mixed);
     spec.node_selector = selector(profile);
     spec.priority = priority;
     let mut p = GpuSharingPolicy::new(name, spec);
     p.metadata.generation = Some(1);
-    p.metadata.creation_timestamp =
-        Some(Time(k8s_openapi::jiff::Timestamp::from_second(1_700_000_000 + age).unwrap()));
+    p.metadata.creation_timestamp = Some(Time(
+        k8s_openapi::jiff::Timestamp::from_second(1_700_000_000 + age).unwrap(),
+    ));
     p
 }
 
@@ -109,14 +151,40 @@ struct PolicyGen {
 }
 
 fn policy_gen() -> impl Strategy<Value = PolicyGen> {
-    (0u8..5, 2i32..8, any::<bool>(), proptest::option::of(0usize..4), 0i32..3, 0i64..5)
-        .prop_map(|(kind, replicas, mixed, profile, priority, age)| PolicyGen { kind, replicas, mixed, profile, priority, age })
+    (
+        0u8..5,
+        2i32..8,
+        any::<bool>(),
+        proptest::option::of(0usize..4),
+        0i32..3,
+        0i64..5,
+    )
+        .prop_map(
+            |(kind, replicas, mixed, profile, priority, age)| PolicyGen {
+                kind,
+                replicas,
+                mixed,
+                profile,
+                priority,
+                age,
+            },
+        )
 }
 
 fn build(gens: &[PolicyGen]) -> Vec<GpuSharingPolicy> {
     gens.iter()
         .enumerate()
-        .map(|(i, g)| policy(&format!("p{i}"), g.kind, g.replicas, g.mixed, g.profile.map(|p| PROFILES[p]), g.priority, g.age))
+        .map(|(i, g)| {
+            policy(
+                &format!("p{i}"),
+                g.kind,
+                g.replicas,
+                g.mixed,
+                g.profile.map(|p| PROFILES[p]),
+                g.priority,
+                g.age,
+            )
+        })
         .collect()
 }
 
@@ -154,9 +222,13 @@ fn base_layouts() -> BTreeMap<String, serde_yaml::Value> {
     let mut m = BTreeMap::new();
     m.insert(
         "all-1g.10gb".to_string(),
-        serde_yaml::from_str("[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]").unwrap(),
+        serde_yaml::from_str("[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]")
+            .unwrap(),
     );
-    m.insert(MIG_DISABLED_LAYOUT.to_string(), serde_yaml::from_str("[{devices: all, mig-enabled: false}]").unwrap());
+    m.insert(
+        MIG_DISABLED_LAYOUT.to_string(),
+        serde_yaml::from_str("[{devices: all, mig-enabled: false}]").unwrap(),
+    );
     m
 }
 
@@ -212,7 +284,10 @@ impl World {
             if n.labels.get(LABEL_MIG_STATE).map(String::as_str) == Some("pending") {
                 let layout = n.labels.get(LABEL_MIG_CONFIG).cloned().unwrap_or_default();
                 let ok = self.mig_layouts.contains(&layout) || layout == MIG_DISABLED_LAYOUT;
-                n.labels.insert(LABEL_MIG_STATE.into(), if ok { "success" } else { "failed" }.into());
+                n.labels.insert(
+                    LABEL_MIG_STATE.into(),
+                    if ok { "success" } else { "failed" }.into(),
+                );
                 // Its update takes the field over from us.
                 n.owned.remove(LABEL_MIG_STATE);
             }
@@ -223,35 +298,63 @@ impl World {
     fn mig_maybe_on(n: &NodeFacts) -> bool {
         match n.labels.get(LABEL_MIG_CONFIG).map(String::as_str) {
             None => false,
-            Some(MIG_DISABLED_LAYOUT) => n.labels.get(LABEL_MIG_STATE).is_some_and(|s| s != "success"),
+            Some(MIG_DISABLED_LAYOUT) => n
+                .labels
+                .get(LABEL_MIG_STATE)
+                .is_some_and(|s| s != "success"),
             Some(_) => true,
         }
     }
 
     fn check_invariants(&self) {
         for n in &self.nodes {
-            let Some(key) = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) else { continue };
-            let text = self.config.get(key).unwrap_or_else(|| panic!("{}: label names missing key {key}", n.name));
+            let Some(key) = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) else {
+                continue;
+            };
+            let text = self
+                .config
+                .get(key)
+                .unwrap_or_else(|| panic!("{}: label names missing key {key}", n.name));
             let cfg: DevicePluginConfig = serde_yaml::from_str(text).unwrap();
             let sharing = cfg.sharing.as_ref();
             let mps = sharing.is_some_and(|s| s.mps.is_some());
             let full_gpu_ts = sharing
                 .and_then(|s| s.time_slicing.as_ref())
                 .is_some_and(|_| cfg.flags.mig_strategy == "none");
-            assert!(!(mps && sharing.unwrap().time_slicing.is_some()), "both MPS and time-slicing in {key}");
+            assert!(
+                !(mps && sharing.unwrap().time_slicing.is_some()),
+                "both MPS and time-slicing in {key}"
+            );
             if Self::mig_maybe_on(n) {
-                assert!(!mps, "{}: MPS config {key} while MIG may be on: {:?}", n.name, n.labels);
-                assert!(!full_gpu_ts, "{}: full-GPU time-slicing {key} while MIG may be on: {:?}", n.name, n.labels);
+                assert!(
+                    !mps,
+                    "{}: MPS config {key} while MIG may be on: {:?}",
+                    n.name, n.labels
+                );
+                assert!(
+                    !full_gpu_ts,
+                    "{}: full-GPU time-slicing {key} while MIG may be on: {:?}",
+                    n.name, n.labels
+                );
             }
         }
     }
 }
 
 fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
-    let mut w = World { nodes: initial_nodes(), policies: build(&policies), config: BTreeMap::new(), mig_layouts: BTreeSet::new() };
+    let mut w = World {
+        nodes: initial_nodes(),
+        policies: build(&policies),
+        config: BTreeMap::new(),
+        mig_layouts: BTreeSet::new(),
+    };
     // Start from MIG enabled on one node, as an admin left it.
-    w.nodes[0].labels.insert(LABEL_MIG_CONFIG.into(), "all-1g.10gb".into());
-    w.nodes[0].labels.insert(LABEL_MIG_STATE.into(), "success".into());
+    w.nodes[0]
+        .labels
+        .insert(LABEL_MIG_CONFIG.into(), "all-1g.10gb".into());
+    w.nodes[0]
+        .labels
+        .insert(LABEL_MIG_STATE.into(), "success".into());
     for s in steps {
         match s {
             Step::Apply => {
@@ -263,8 +366,15 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
                 shuffled.nodes.reverse();
                 assert_eq!(plan::plan(&shuffled), p, "plan depends on input order");
                 for (n, labels) in &p.node_labels {
-                    for k in labels.iter().filter(|(k, _)| *k == LABEL_DEVICE_PLUGIN_CONFIG).map(|(_, v)| v) {
-                        assert!(p.device_config.contains_key(k), "{n}: label {k} names no key of the plan");
+                    for k in labels
+                        .iter()
+                        .filter(|(k, _)| *k == LABEL_DEVICE_PLUGIN_CONFIG)
+                        .map(|(_, v)| v)
+                    {
+                        assert!(
+                            p.device_config.contains_key(k),
+                            "{n}: label {k} names no key of the plan"
+                        );
                     }
                 }
                 w.apply(&p);
@@ -272,7 +382,9 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
             Step::MigManager => w.mig_manager(),
             Step::Relabel(n, p) => match p {
                 Some(p) => {
-                    w.nodes[n].labels.insert("gpusharing.io/profile".into(), PROFILES[p].into());
+                    w.nodes[n]
+                        .labels
+                        .insert("gpusharing.io/profile".into(), PROFILES[p].into());
                 }
                 None => {
                     w.nodes[n].labels.remove("gpusharing.io/profile");
@@ -333,13 +445,30 @@ fn mig_to_mps_goes_through_confirmed_all_disabled() {
     w.policies = vec![policy("mps", 2, 4, false, Some("a"), 0, 0)];
     let p = plan::plan(&w.input());
     let labels = &p.node_labels["a100-0"];
-    assert_eq!(labels[LABEL_MIG_CONFIG], MIG_DISABLED_LAYOUT, "first MIG off");
-    assert_eq!(labels[LABEL_DEVICE_PLUGIN_CONFIG], DEFAULT_KEY, "no sharing until MIG is off");
+    assert_eq!(
+        labels[LABEL_MIG_CONFIG], MIG_DISABLED_LAYOUT,
+        "first MIG off"
+    );
+    assert_eq!(
+        labels[LABEL_DEVICE_PLUGIN_CONFIG], DEFAULT_KEY,
+        "no sharing until MIG is off"
+    );
     w.apply(&p);
     // Still pending: the plan does not move on.
     let p = plan::plan(&w.input());
-    assert_eq!(p.node_labels["a100-0"][LABEL_DEVICE_PLUGIN_CONFIG], DEFAULT_KEY);
-    assert_eq!(p.statuses["mps"].conditions.iter().find(|c| c.type_ == "Progressing").unwrap().status, "True");
+    assert_eq!(
+        p.node_labels["a100-0"][LABEL_DEVICE_PLUGIN_CONFIG],
+        DEFAULT_KEY
+    );
+    assert_eq!(
+        p.statuses["mps"]
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Progressing")
+            .unwrap()
+            .status,
+        "True"
+    );
     // Confirmed: now MPS.
     w.mig_manager();
     let p = plan::plan(&w.input());
@@ -355,9 +484,16 @@ fn overlapping_policies_priority_then_age_then_name() {
     let low_old = policy("old", 1, 2, false, Some("a"), 0, 0);
     let low_new = policy("new", 1, 3, false, Some("a"), 0, 1);
     let high = policy("high", 2, 4, false, None, 5, 2);
-    let p = plan::plan(&PlanInput::new(vec![low_new.clone(), low_old.clone()], nodes.clone()));
+    let p = plan::plan(&PlanInput::new(
+        vec![low_new.clone(), low_old.clone()],
+        nodes.clone(),
+    ));
     assert_eq!(p.node_labels["h200-0"]["gpusharing.io/policy"], "old");
-    let c = p.statuses["new"].conditions.iter().find(|c| c.type_ == "Conflicted").unwrap();
+    let c = p.statuses["new"]
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Conflicted")
+        .unwrap();
     assert_eq!(c.status, "True");
     assert!(c.message.contains("h200-0 (won by old)"), "{}", c.message);
     assert_eq!(p.statuses["new"].conflicting_nodes, 1);
@@ -368,24 +504,54 @@ fn overlapping_policies_priority_then_age_then_name() {
 #[test]
 fn failed_mig_node_is_left_alone_and_degraded() {
     let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
-    n.labels.insert(LABEL_MIG_CONFIG.into(), "all-1g.10gb".into());
+    n.labels
+        .insert(LABEL_MIG_CONFIG.into(), "all-1g.10gb".into());
     n.labels.insert(LABEL_MIG_STATE.into(), "failed".into());
-    n.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG.into(), DEFAULT_KEY.into());
-    n.owned = [LABEL_MIG_CONFIG.to_string(), LABEL_DEVICE_PLUGIN_CONFIG.to_string()].into();
-    let p = plan::plan(&PlanInput::new(vec![policy("mig", 3, 2, false, Some("a"), 0, 0)], vec![n.clone()]));
-    let want: BTreeMap<String, String> = n.owned.iter().map(|k| (k.clone(), n.labels[k].clone())).collect();
-    assert_eq!(p.node_labels["a100-0"], want, "nothing changes on a failed node");
-    let d = p.statuses["mig"].conditions.iter().find(|c| c.type_ == "Degraded").unwrap();
-    assert_eq!((d.status.as_str(), d.reason.as_str()), ("True", "MigConfigFailed"));
+    n.labels
+        .insert(LABEL_DEVICE_PLUGIN_CONFIG.into(), DEFAULT_KEY.into());
+    n.owned = [
+        LABEL_MIG_CONFIG.to_string(),
+        LABEL_DEVICE_PLUGIN_CONFIG.to_string(),
+    ]
+    .into();
+    let p = plan::plan(&PlanInput::new(
+        vec![policy("mig", 3, 2, false, Some("a"), 0, 0)],
+        vec![n.clone()],
+    ));
+    let want: BTreeMap<String, String> = n
+        .owned
+        .iter()
+        .map(|k| (k.clone(), n.labels[k].clone()))
+        .collect();
+    assert_eq!(
+        p.node_labels["a100-0"], want,
+        "nothing changes on a failed node"
+    );
+    let d = p.statuses["mig"]
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Degraded")
+        .unwrap();
+    assert_eq!(
+        (d.status.as_str(), d.reason.as_str()),
+        ("True", "MigConfigFailed")
+    );
 }
 
 #[test]
 fn busy_gpus_block_mig_changes() {
     let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
     n.gpu_pods = vec!["default/train-0".into()];
-    let p = plan::plan(&PlanInput::new(vec![policy("mig", 3, 2, false, Some("a"), 0, 0)], vec![n]));
+    let p = plan::plan(&PlanInput::new(
+        vec![policy("mig", 3, 2, false, Some("a"), 0, 0)],
+        vec![n],
+    ));
     assert!(p.node_labels["a100-0"].is_empty(), "{:?}", p.node_labels);
-    let c = p.statuses["mig"].conditions.iter().find(|c| c.type_ == "Progressing").unwrap();
+    let c = p.statuses["mig"]
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Progressing")
+        .unwrap();
     assert_eq!(c.reason, "WaitingForIdleGPUs");
     assert!(c.message.contains("default/train-0"));
     // Opting in proceeds.
@@ -400,28 +566,54 @@ fn busy_gpus_block_mig_changes() {
 #[test]
 fn invalid_policy_changes_nothing_on_its_nodes() {
     let mut n = node("h200-0", "NVIDIA-H200", false, Some("a"));
-    n.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG.into(), "old-12345678".into());
+    n.labels
+        .insert(LABEL_DEVICE_PLUGIN_CONFIG.into(), "old-12345678".into());
     n.owned = [LABEL_DEVICE_PLUGIN_CONFIG.to_string()].into();
     let mut bad = policy("bad", 2, 4, false, Some("a"), 0, 0);
     bad.spec.mps.as_mut().unwrap().replicas = 1;
     let mut input = PlanInput::new(vec![bad], vec![n]);
-    input.current_device_config.insert("old-12345678".into(), "version: v1\n".into());
+    input
+        .current_device_config
+        .insert("old-12345678".into(), "version: v1\n".into());
     let p = plan::plan(&input);
-    assert_eq!(p.node_labels["h200-0"][LABEL_DEVICE_PLUGIN_CONFIG], "old-12345678");
-    assert!(p.device_config.contains_key("old-12345678"), "a key in use is kept");
-    let a = p.statuses["bad"].conditions.iter().find(|c| c.type_ == "Accepted").unwrap();
-    assert_eq!((a.status.as_str(), a.reason.as_str()), ("False", "InvalidSpec"));
+    assert_eq!(
+        p.node_labels["h200-0"][LABEL_DEVICE_PLUGIN_CONFIG],
+        "old-12345678"
+    );
+    assert!(
+        p.device_config.contains_key("old-12345678"),
+        "a key in use is kept"
+    );
+    let a = p.statuses["bad"]
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Accepted")
+        .unwrap();
+    assert_eq!(
+        (a.status.as_str(), a.reason.as_str()),
+        ("False", "InvalidSpec")
+    );
     assert!(a.message.contains("spec.mps.replicas"), "{}", a.message);
 }
 
 #[test]
 fn mixed_mig_blocks_mps_cluster_wide() {
-    let nodes = vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a")), node("h200-0", "NVIDIA-H200", false, Some("b"))];
+    let nodes = vec![
+        node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a")),
+        node("h200-0", "NVIDIA-H200", false, Some("b")),
+    ];
     let p = plan::plan(&PlanInput::new(
-        vec![policy("mig", 4, 2, true, Some("a"), 1, 0), policy("mps", 2, 4, false, Some("b"), 0, 0)],
+        vec![
+            policy("mig", 4, 2, true, Some("a"), 1, 0),
+            policy("mps", 2, 4, false, Some("b"), 0, 0),
+        ],
         nodes,
     ));
-    let a = p.statuses["mps"].conditions.iter().find(|c| c.type_ == "Accepted").unwrap();
+    let a = p.statuses["mps"]
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Accepted")
+        .unwrap();
     assert_eq!(a.reason, "ClusterWideConflict");
     assert!(p.node_labels["h200-0"].is_empty());
     assert_eq!(p.cluster_policy_spec["mig"]["strategy"], "mixed");
@@ -431,21 +623,46 @@ fn mixed_mig_blocks_mps_cluster_wide() {
 fn shared_product_suffix_keeps_nodes_selected() {
     // GFD appends -SHARED (and -MIG-<profile> with MIG single) to the product once shared.
     let mut sel = LabelSelector::default();
-    sel.match_labels = Some([("nvidia.com/gpu.product".to_string(), "NVIDIA-H200".to_string())].into());
-    for product in ["NVIDIA-H200", "NVIDIA-H200-SHARED", "NVIDIA-H200-MIG-1g.18gb", "NVIDIA-H200-MIG-1g.18gb-SHARED"] {
+    sel.match_labels = Some(
+        [(
+            "nvidia.com/gpu.product".to_string(),
+            "NVIDIA-H200".to_string(),
+        )]
+        .into(),
+    );
+    for product in [
+        "NVIDIA-H200",
+        "NVIDIA-H200-SHARED",
+        "NVIDIA-H200-MIG-1g.18gb",
+        "NVIDIA-H200-MIG-1g.18gb-SHARED",
+    ] {
         let mut n = node("h", "NVIDIA-H200", false, None);
-        n.labels.insert("nvidia.com/gpu.product".into(), product.into());
-        assert!(plan::selector_matches(&sel, &plan::selection_labels(&n.labels)), "{product}");
+        n.labels
+            .insert("nvidia.com/gpu.product".into(), product.into());
+        assert!(
+            plan::selector_matches(&sel, &plan::selection_labels(&n.labels)),
+            "{product}"
+        );
     }
     let mut n = node("h", "NVIDIA-H200", false, None);
-    n.labels.insert("nvidia.com/gpu.product".into(), "NVIDIA-H200-NVL".into());
-    assert!(!plan::selector_matches(&sel, &plan::selection_labels(&n.labels)));
+    n.labels
+        .insert("nvidia.com/gpu.product".into(), "NVIDIA-H200-NVL".into());
+    assert!(!plan::selector_matches(
+        &sel,
+        &plan::selection_labels(&n.labels)
+    ));
 }
 
 #[test]
 fn selectors_on_labels_sharing_changes_are_refused() {
     let mut p = policy("flappy", 1, 4, false, None, 0, 0);
-    p.spec.node_selector.match_labels = Some([("nvidia.com/gpu.replicas".to_string(), "1".to_string())].into());
+    p.spec.node_selector.match_labels =
+        Some([("nvidia.com/gpu.replicas".to_string(), "1".to_string())].into());
     let (errs, _) = gpu_sharing_operator::validate::validate("flappy", &p.spec);
-    assert!(errs.iter().any(|e| e.path == "spec.nodeSelector.matchLabels" && e.message.contains("nvidia.com/gpu.replicas")), "{errs:?}");
+    assert!(
+        errs.iter()
+            .any(|e| e.path == "spec.nodeSelector.matchLabels"
+                && e.message.contains("nvidia.com/gpu.replicas")),
+        "{errs:?}"
+    );
 }

@@ -40,7 +40,10 @@ impl Operator {
             .await
             .expect("controller runs");
         });
-        Operator { stop: Some(tx), task }
+        Operator {
+            stop: Some(tx),
+            task,
+        }
     }
 
     pub async fn stop(mut self) {
@@ -59,10 +62,16 @@ impl Drop for Operator {
 
 pub async fn install_crd(client: &Client) {
     let crd_yaml = serde_yaml::to_string(&GpuSharingPolicy::crd()).unwrap();
-    common::apply_yaml(client, &crd_yaml).await.expect("CRD applies");
-    common::wait_crd_established(client, "gpusharingpolicies.gpusharing.io", Duration::from_secs(30))
+    common::apply_yaml(client, &crd_yaml)
         .await
-        .expect("CRD established");
+        .expect("CRD applies");
+    common::wait_crd_established(
+        client,
+        "gpusharingpolicies.gpusharing.io",
+        Duration::from_secs(30),
+    )
+    .await
+    .expect("CRD established");
 }
 
 /// The test-only simulator of NVIDIA's node components (tests/nvidia), as a child process that
@@ -83,13 +92,23 @@ pub fn start_simulator(cluster: &TestCluster) -> Simulator {
         .arg("path")
         .output()
         .expect("tests/nvidia/build.sh runs");
-    assert!(out.status.success(), "simulator build failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "simulator build failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let dir = String::from_utf8(out.stdout).unwrap().trim().to_string();
     let log = std::fs::File::create(cluster.dir.path().join("simulator.log")).unwrap();
     let child = std::process::Command::new(format!("{dir}/gpu-node-simulator"))
         .args(["--kubeconfig"])
         .arg(&cluster.kubeconfig)
-        .args(["--namespace", &cluster.gpu_operator_namespace, "--mig-delay", "300ms", "--exit-on-stdin-eof"])
+        .args([
+            "--namespace",
+            &cluster.gpu_operator_namespace,
+            "--mig-delay",
+            "300ms",
+            "--exit-on-stdin-eof",
+        ])
         .stdin(std::process::Stdio::piped())
         .stdout(log.try_clone().unwrap())
         .stderr(log)
@@ -101,18 +120,42 @@ pub fn start_simulator(cluster: &TestCluster) -> Simulator {
 /// resourceVersions of everything the operator may write.
 pub async fn resource_versions(c: &Client) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
-    for n in Api::<Node>::all(c.clone()).list(&Default::default()).await.unwrap() {
-        out.insert(format!("node/{}", n.name_any()), n.resource_version().unwrap_or_default());
+    for n in Api::<Node>::all(c.clone())
+        .list(&Default::default())
+        .await
+        .unwrap()
+    {
+        out.insert(
+            format!("node/{}", n.name_any()),
+            n.resource_version().unwrap_or_default(),
+        );
     }
-    for cm in Api::<ConfigMap>::namespaced(c.clone(), NS).list(&Default::default()).await.unwrap() {
-        out.insert(format!("cm/{}", cm.name_any()), cm.resource_version().unwrap_or_default());
+    for cm in Api::<ConfigMap>::namespaced(c.clone(), NS)
+        .list(&Default::default())
+        .await
+        .unwrap()
+    {
+        out.insert(
+            format!("cm/{}", cm.name_any()),
+            cm.resource_version().unwrap_or_default(),
+        );
     }
-    for p in Api::<GpuSharingPolicy>::all(c.clone()).list(&Default::default()).await.unwrap() {
-        out.insert(format!("gsp/{}", p.name_any()), p.resource_version().unwrap_or_default());
+    for p in Api::<GpuSharingPolicy>::all(c.clone())
+        .list(&Default::default())
+        .await
+        .unwrap()
+    {
+        out.insert(
+            format!("gsp/{}", p.name_any()),
+            p.resource_version().unwrap_or_default(),
+        );
     }
     let cps: Api<DynamicObject> = Api::all_with(c.clone(), &controller::cluster_policy_resource());
     for cp in cps.list(&Default::default()).await.unwrap() {
-        out.insert(format!("cp/{}", cp.name_any()), cp.resource_version().unwrap_or_default());
+        out.insert(
+            format!("cp/{}", cp.name_any()),
+            cp.resource_version().unwrap_or_default(),
+        );
     }
     out
 }
@@ -145,21 +188,35 @@ where
 }
 
 pub async fn labels(client: &Client, node: &str) -> BTreeMap<String, String> {
-    Api::<Node>::all(client.clone()).get(node).await.unwrap().labels().clone()
+    Api::<Node>::all(client.clone())
+        .get(node)
+        .await
+        .unwrap()
+        .labels()
+        .clone()
 }
 
 pub async fn label_node(client: &Client, node: &str, key: &str, value: Option<&str>) {
     let patch = json!({"metadata": {"labels": {key: value}}});
-    Api::<Node>::all(client.clone()).patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    Api::<Node>::all(client.clone())
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
 }
 
 pub async fn policy_status(client: &Client, name: &str) -> Option<serde_json::Value> {
-    let p = Api::<GpuSharingPolicy>::all(client.clone()).get(name).await.ok()?;
+    let p = Api::<GpuSharingPolicy>::all(client.clone())
+        .get(name)
+        .await
+        .ok()?;
     Some(serde_json::to_value(p.status?).unwrap())
 }
 
 pub fn condition<'a>(status: &'a serde_json::Value, type_: &str) -> Option<&'a serde_json::Value> {
-    status["conditions"].as_array()?.iter().find(|c| c["type"] == type_)
+    status["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
 }
 
 pub async fn ready(client: &Client, name: &str) -> Option<serde_json::Value> {
@@ -168,14 +225,17 @@ pub async fn ready(client: &Client, name: &str) -> Option<serde_json::Value> {
 }
 
 pub async fn configmap_data(client: &Client, name: &str) -> Option<BTreeMap<String, String>> {
-    let cm = Api::<ConfigMap>::namespaced(client.clone(), NS).get(name).await.ok()?;
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
+        .get(name)
+        .await
+        .ok()?;
     Some(cm.data.unwrap_or_default().into_iter().collect())
 }
 
 pub async fn cluster_policy(client: &Client) -> serde_json::Value {
-    let api: Api<DynamicObject> = Api::all_with(client.clone(), &controller::cluster_policy_resource());
+    let api: Api<DynamicObject> =
+        Api::all_with(client.clone(), &controller::cluster_policy_resource());
     api.get("cluster-policy").await.unwrap().data
 }
 
 pub const LONG: Duration = Duration::from_secs(60);
-
