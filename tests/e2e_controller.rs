@@ -308,3 +308,63 @@ async fn restart_midway_converges_and_steady_state_writes_nothing() {
     );
     op.stop().await;
 }
+
+#[tokio::test]
+async fn namespace_is_detected_from_the_cluster_policy() {
+    // OpenShift installs the GPU Operator in nvidia-gpu-operator; a ConfigMap in gpu-operator
+    // would be silently ignored there. No --namespace: the operator reads status.namespace.
+    let (_g, cluster, _sim) =
+        setup_with(common::ClusterOptions::default().namespace("nvidia-gpu-operator")).await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), None);
+    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+        .await
+        .unwrap();
+    let s = until("Ready", LONG, || async {
+        let s = ready(&c, "h200-mps").await?;
+        (s["appliedNodes"] == 1).then_some(s)
+    })
+    .await;
+    let key = s["deviceConfigKey"].as_str().unwrap();
+    let data = configmap_data_in(&c, "nvidia-gpu-operator", DP_CM)
+        .await
+        .expect("ConfigMap in nvidia-gpu-operator");
+    assert!(data.contains_key(key));
+    assert!(
+        configmap_data_in(&c, "gpu-operator", DP_CM).await.is_none(),
+        "nothing in the wrong namespace"
+    );
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn policy_crd_round_trip() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let api: Api<GpuSharingPolicy> = Api::all(c.clone());
+    for f in [
+        include_str!("../examples/mps-h200.yaml"),
+        include_str!("../examples/mig-custom-split.yaml"),
+        include_str!("../examples/mig-1g10gb-time-sliced.yaml"),
+    ] {
+        let sent: GpuSharingPolicy = serde_yaml::from_str(f).unwrap();
+        api.create(&PostParams::default(), &sent).await.unwrap();
+        let back = api.get(&sent.name_any()).await.unwrap();
+        assert_eq!(
+            back.spec, sent.spec,
+            "spec survives the API server unchanged"
+        );
+    }
+    // `kubectl get gsp` columns come from the CRD.
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(c.clone());
+    let crd = crds.get("gpusharingpolicies.gpusharing.io").await.unwrap();
+    let cols: Vec<String> = crd.spec.versions[0]
+        .additional_printer_columns
+        .iter()
+        .flatten()
+        .map(|c| c.name.clone())
+        .collect();
+    assert_eq!(cols, ["Strategy", "Replicas", "Nodes", "Ready", "Age"]);
+    assert_eq!(crd.spec.names.short_names, Some(vec!["gsp".to_string()]));
+}

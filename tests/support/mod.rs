@@ -163,8 +163,15 @@ pub async fn resource_versions(c: &Client) -> BTreeMap<String, String> {
 /// A fresh control plane with our CRD, and the node simulator (GPU Feature Discovery's labels
 /// are what "applied" is checked against).
 pub async fn setup() -> (tokio::sync::MutexGuard<'static, ()>, TestCluster, Simulator) {
+    setup_with(common::ClusterOptions::default()).await
+}
+
+/// [`setup`] with cluster options (e.g. another GPU Operator namespace).
+pub async fn setup_with(
+    opts: common::ClusterOptions,
+) -> (tokio::sync::MutexGuard<'static, ()>, TestCluster, Simulator) {
     let guard = SERIAL.lock().await;
-    let cluster = TestCluster::start().await;
+    let cluster = TestCluster::start_with(opts).await;
     install_crd(&cluster.client).await;
     let sim = start_simulator(&cluster);
     (guard, cluster, sim)
@@ -225,7 +232,15 @@ pub async fn ready(client: &Client, name: &str) -> Option<serde_json::Value> {
 }
 
 pub async fn configmap_data(client: &Client, name: &str) -> Option<BTreeMap<String, String>> {
-    let cm = Api::<ConfigMap>::namespaced(client.clone(), NS)
+    configmap_data_in(client, NS, name).await
+}
+
+pub async fn configmap_data_in(
+    client: &Client,
+    ns: &str,
+    name: &str,
+) -> Option<BTreeMap<String, String>> {
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), ns)
         .get(name)
         .await
         .ok()?;
