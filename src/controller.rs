@@ -56,6 +56,8 @@ pub struct Config {
     pub mig_configmap: String,
     /// Full resync period (drift is also caught by the watches).
     pub resync: Duration,
+    /// Where to count what happens (served on /metrics by the binary).
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Default for Config {
@@ -65,6 +67,7 @@ impl Default for Config {
             device_configmap: nvidia::DEVICE_PLUGIN_CONFIGMAP.into(),
             mig_configmap: nvidia::MIG_PARTED_CONFIGMAP.into(),
             resync: Duration::from_secs(300),
+            metrics: Arc::default(),
         }
     }
 }
@@ -340,7 +343,18 @@ pub async fn run(
         info!(namespace = %loop_ctx.namespace, "caches ready; reconciling");
         let mut backoff = Duration::from_millis(500);
         loop {
-            match reconcile_all(&loop_ctx).await {
+            let started = std::time::Instant::now();
+            let result = reconcile_all(&loop_ctx).await;
+            loop_ctx
+                .config
+                .metrics
+                .observe_reconcile(started.elapsed(), result.is_ok());
+            loop_ctx
+                .config
+                .metrics
+                .ready
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            match result {
                 Ok(requeue) => {
                     backoff = Duration::from_millis(500);
                     let wait = if requeue {
@@ -447,7 +461,8 @@ impl Context {
         all.into_iter().next()
     }
 
-    fn count_write(&self) {
+    fn count_write(&self, kind: &str) {
+        self.config.metrics.count_write(kind);
         self.writes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -464,6 +479,30 @@ impl Context {
             debug!(error = %e, "event not published");
         }
     }
+}
+
+fn record_plan_metrics(ctx: &Context, input: &PlanInput, plan: &Plan) {
+    let strategy_of: BTreeMap<String, &str> = input
+        .policies
+        .iter()
+        .map(|p| (p.name_any(), p.spec.strategy.as_str()))
+        .collect();
+    let mut per_strategy: BTreeMap<String, u64> = BTreeMap::new();
+    for labels in plan.node_labels.values() {
+        if let Some(s) = labels.get(LABEL_POLICY).and_then(|p| strategy_of.get(p)) {
+            *per_strategy.entry(s.to_string()).or_default() += 1;
+        }
+    }
+    ctx.config.metrics.set_nodes_per_strategy(per_strategy);
+    let conflicted = plan
+        .statuses
+        .values()
+        .filter(|s| s.conflicting_nodes > 0)
+        .count() as u64;
+    ctx.config
+        .metrics
+        .conflicted_policies
+        .store(conflicted, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Applies a ConfigMap when its data or our labels differ from the cache.
@@ -498,7 +537,7 @@ async fn apply_configmap(
         &Patch::Apply(&obj),
     )
     .await?;
-    ctx.count_write();
+    ctx.count_write("ConfigMap");
     info!(configmap = %format!("{}/{name}", ctx.namespace), keys = data.len(), reason = why, "applied ConfigMap");
     Ok(true)
 }
@@ -519,6 +558,7 @@ fn node_in_sync(node: &NodeFacts, desired: &BTreeMap<String, String>) -> bool {
 pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     let input = ctx.plan_input();
     let plan = plan::plan(&input);
+    record_plan_metrics(ctx, &input, &plan);
 
     // 1. ConfigMaps first: a key exists before any node label points to it.
     apply_configmap(
@@ -576,7 +616,7 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     for r in results {
         match r {
             Ok((name, labels)) => {
-                ctx.count_write();
+                ctx.count_write("Node");
                 let policy = labels.get(LABEL_POLICY).cloned().unwrap_or_default();
                 info!(node = %name, labels = ?labels, policy = %policy, "applied node labels");
                 labelled.entry(policy).or_default().push(name);
@@ -621,7 +661,7 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
             let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
             api.delete(&ctx.config.mig_configmap, &Default::default())
                 .await?;
-            ctx.count_write();
+            ctx.count_write("ConfigMap");
             info!(configmap = %ctx.config.mig_configmap, "deleted mig-parted ConfigMap: no custom layout left");
         }
     }
@@ -740,7 +780,7 @@ async fn write_status(
         &Patch::Apply(&obj),
     )
     .await?;
-    ctx.count_write();
+    ctx.count_write("GpuSharingPolicyStatus");
     debug!(policy = %p.name_any(), "status updated");
     // Events for condition changes.
     for c in &status.conditions {
@@ -813,7 +853,7 @@ async fn apply_cluster_policy(ctx: &Context, plan: &Plan) -> Result<(), Error> {
         &Patch::Apply(&obj),
     )
     .await?;
-    ctx.count_write();
+    ctx.count_write("ClusterPolicy");
     if drift.is_empty() {
         info!(clusterpolicy = %cp.name_any(), spec = %plan.cluster_policy_spec, "applied ClusterPolicy settings");
     } else {

@@ -7,6 +7,8 @@
 pub mod controller;
 pub mod crd;
 pub mod docs;
+pub mod leader;
+pub mod metrics;
 pub mod nvidia;
 pub mod plan;
 pub mod render;

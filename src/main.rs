@@ -35,6 +35,21 @@ enum Command {
         /// Seconds between full resyncs (watches catch changes in between).
         #[arg(long, default_value_t = 300)]
         resync_seconds: u64,
+        /// Address of /metrics, /healthz and /readyz ("" to disable).
+        #[arg(long, default_value = "0.0.0.0:8080")]
+        metrics_addr: String,
+        /// Run several replicas: only the holder of a coordination.k8s.io Lease writes.
+        #[arg(long)]
+        leader_elect: bool,
+        /// Namespace of the leader Lease (defaults to the pod's namespace, else "default").
+        #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+        lease_namespace: String,
+        /// Seconds a leader's lease lasts without renewal before a standby takes over.
+        #[arg(long, default_value_t = 15)]
+        lease_duration_seconds: u64,
+        /// Seconds between lease renewals.
+        #[arg(long, default_value_t = 5)]
+        lease_renew_seconds: u64,
     },
     /// Print, without a cluster, every object the operator would write for these policies.
     Render {
@@ -72,14 +87,28 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
-async fn run(namespace: Option<String>, resync: u64) -> anyhow::Result<()> {
+struct RunArgs {
+    namespace: Option<String>,
+    resync_seconds: u64,
+    metrics_addr: String,
+    leader_elect: bool,
+    lease_namespace: String,
+    lease_duration_seconds: u64,
+    lease_renew_seconds: u64,
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    use std::sync::atomic::Ordering;
     let client = kube::Client::try_default().await?;
-    let config = controller::Config {
-        namespace,
-        resync: std::time::Duration::from_secs(resync),
-        ..Default::default()
-    };
-    let shutdown = async {
+    let metrics = std::sync::Arc::new(gpu_sharing_operator::metrics::Metrics::default());
+    if !args.metrics_addr.is_empty() {
+        let listener = tokio::net::TcpListener::bind(&args.metrics_addr).await?;
+        tokio::spawn(gpu_sharing_operator::metrics::serve(
+            listener,
+            metrics.clone(),
+        ));
+    }
+    let signal = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .expect("signal handler");
         tokio::select! {
@@ -87,7 +116,48 @@ async fn run(namespace: Option<String>, resync: u64) -> anyhow::Result<()> {
             _ = term.recv() => {},
         }
     };
-    controller::run(client, config, shutdown).await?;
+    let config = controller::Config {
+        namespace: args.namespace,
+        resync: std::time::Duration::from_secs(args.resync_seconds),
+        metrics: metrics.clone(),
+        ..Default::default()
+    };
+    if !args.leader_elect {
+        metrics.leader.store(true, Ordering::Relaxed);
+        controller::run(client, config, signal).await?;
+        return Ok(());
+    }
+    let identity = std::env::var("POD_NAME")
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "gpu-sharing-operator".into());
+    let lead_cfg = gpu_sharing_operator::leader::LeaderConfig {
+        namespace: args.lease_namespace,
+        name: "gpu-sharing-operator".into(),
+        identity: format!("{identity}-{}", std::process::id()),
+        lease_duration: std::time::Duration::from_secs(args.lease_duration_seconds),
+        renew: std::time::Duration::from_secs(args.lease_renew_seconds),
+    };
+    tokio::pin!(signal);
+    let (mut leading, release) = tokio::select! {
+        l = gpu_sharing_operator::leader::lead(client.clone(), lead_cfg) => l,
+        _ = &mut signal => return Ok(()),
+    };
+    metrics.leader.store(true, Ordering::Relaxed);
+    let mut lost = false;
+    let stop = async {
+        tokio::select! {
+            _ = &mut signal => {},
+            _ = leading.wait_for(|l| !*l) => { lost = true; },
+        }
+    };
+    controller::run(client, config, stop).await?;
+    metrics.leader.store(false, Ordering::Relaxed);
+    if lost {
+        anyhow::bail!("lost leadership; exiting so that this replica restarts as a standby");
+    }
+    let _ = release.send(());
+    // Give the release a moment to reach the API server.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     Ok(())
 }
 
@@ -117,10 +187,24 @@ fn main() -> ExitCode {
             namespace,
             log_format,
             resync_seconds,
+            metrics_addr,
+            leader_elect,
+            lease_namespace,
+            lease_duration_seconds,
+            lease_renew_seconds,
         } => {
             init_tracing(log_format);
             let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
-            match rt.block_on(run(namespace, resync_seconds)) {
+            let args = RunArgs {
+                namespace,
+                resync_seconds,
+                metrics_addr,
+                leader_elect,
+                lease_namespace,
+                lease_duration_seconds,
+                lease_renew_seconds,
+            };
+            match rt.block_on(run(args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e:#}");
