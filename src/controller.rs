@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
 use kube::api::{Api, DynamicObject, PartialObjectMeta, Patch, PatchParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -157,6 +158,8 @@ pub struct Context {
     configmaps: Store<ConfigMap>,
     pods: Store<Pod>,
     cluster_policies: Option<Store<DynamicObject>>,
+    /// Our ResourceClaimTemplates (DRA backend), when resource.k8s.io/v1 is served.
+    claim_templates: Option<Store<ResourceClaimTemplate>>,
     recorder: Recorder,
     /// Counts of writes, for logs and tests.
     pub writes: std::sync::atomic::AtomicU64,
@@ -283,6 +286,30 @@ pub async fn run(
         node_stream.map_ok(|_| ()).boxed(),
         cm_stream.map_ok(|_| ()).boxed(),
     ];
+    // ResourceClaimTemplates we own, in any namespace (resource.k8s.io/v1, Kubernetes 1.34+).
+    let rct_api: Api<ResourceClaimTemplate> = Api::all(client.clone());
+    let managed = format!("{}={}", MANAGED_BY.0, MANAGED_BY.1);
+    let claim_templates = if rct_api
+        .list(&kube::api::ListParams::default().labels(&managed).limit(1))
+        .await
+        .is_ok()
+    {
+        let (store, w) = reflector::store();
+        streams.push(
+            reflector::reflector(
+                w,
+                watcher(rct_api, watcher::Config::default().labels(&managed)).default_backoff(),
+            )
+            .map_ok(|_| ())
+            .boxed(),
+        );
+        Some(store)
+    } else {
+        warn!(
+            "resource.k8s.io/v1 ResourceClaimTemplates are not served: policies with backend dra cannot be applied"
+        );
+        None
+    };
     let cluster_policies = if cluster_policy_served {
         let cpw = reflector::store::Writer::new(cluster_policy_resource());
         let cps = cpw.as_reader();
@@ -328,6 +355,7 @@ pub async fn run(
         configmaps,
         pods,
         cluster_policies,
+        claim_templates,
         recorder,
         writes: Default::default(),
     });
@@ -338,6 +366,9 @@ pub async fn run(
         loop_ctx.configmaps.wait_until_ready().await.ok();
         loop_ctx.pods.wait_until_ready().await.ok();
         if let Some(c) = &loop_ctx.cluster_policies {
+            c.wait_until_ready().await.ok();
+        }
+        if let Some(c) = &loop_ctx.claim_templates {
             c.wait_until_ready().await.ok();
         }
         info!(namespace = %loop_ctx.namespace, "caches ready; reconciling");
@@ -646,6 +677,9 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
         return Err(e);
     }
 
+    // 3b. ResourceClaimTemplates of DRA policies.
+    apply_claim_templates(ctx, &plan).await?;
+
     // 4. The mig-parted ConfigMap goes only once nothing points to it.
     if plan.mig_config.is_none() {
         let exists = ctx
@@ -718,7 +752,12 @@ async fn finalize(
                     .keys()
                     .chain(plan.device_config.keys())
                     .any(|k| is_key_of(&name, k));
-                if labelled || keys_left {
+                let templates_left = ctx.claim_templates.as_ref().is_some_and(|s| {
+                    s.state()
+                        .iter()
+                        .any(|t| t.labels().get(LABEL_POLICY) == Some(&name))
+                });
+                if labelled || keys_left || templates_left {
                     return Err(Error::CleanupPending(name.clone()));
                 }
                 ctx.event(
@@ -742,6 +781,83 @@ fn is_key_of(policy: &str, key: &str) -> bool {
     key.strip_prefix(policy)
         .and_then(|r| r.strip_prefix('-'))
         .is_some_and(|h| h.len() == 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Whether `have` holds everything in `want` (the API server adds defaults, e.g. allocationMode).
+fn json_contains(have: &serde_json::Value, want: &serde_json::Value) -> bool {
+    match (have, want) {
+        (serde_json::Value::Object(h), serde_json::Value::Object(w)) => w
+            .iter()
+            .all(|(k, v)| h.get(k).is_some_and(|hv| json_contains(hv, v))),
+        (serde_json::Value::Array(h), serde_json::Value::Array(w)) => {
+            h.len() == w.len() && h.iter().zip(w).all(|(a, b)| json_contains(a, b))
+        }
+        _ => have == want,
+    }
+}
+
+/// Creates, updates and deletes our ResourceClaimTemplates to match the plan. Their spec is
+/// immutable, so a changed template is deleted and created again (claims are only made from it
+/// when pods are created, so existing pods keep theirs).
+async fn apply_claim_templates(ctx: &Context, plan: &Plan) -> Result<(), Error> {
+    let Some(store) = &ctx.claim_templates else {
+        return Ok(());
+    };
+    let current: BTreeMap<String, Arc<ResourceClaimTemplate>> = store
+        .state()
+        .into_iter()
+        .map(|t| {
+            (
+                format!("{}/{}", t.namespace().unwrap_or_default(), t.name_any()),
+                t,
+            )
+        })
+        .collect();
+    for (id, want) in &plan.claim_templates {
+        let (ns, name) = id.split_once('/').expect("namespace/name");
+        let same = current.get(id).is_some_and(|cur| {
+            let cur_spec = serde_json::to_value(&cur.spec).unwrap_or_default();
+            json_contains(&cur_spec, &want["spec"])
+                && cur.labels().get(LABEL_POLICY).map(String::as_str)
+                    == want["metadata"]["labels"][LABEL_POLICY].as_str()
+        });
+        if same {
+            continue;
+        }
+        let api: Api<ResourceClaimTemplate> = Api::namespaced(ctx.client.clone(), ns);
+        if current.contains_key(id) {
+            api.delete(name, &Default::default()).await?;
+            ctx.count_write("ResourceClaimTemplate");
+        }
+        match api
+            .patch(
+                name,
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(want),
+            )
+            .await
+        {
+            Ok(_) => {
+                ctx.count_write("ResourceClaimTemplate");
+                info!(template = %id, reason = "DRA policy changed", "applied ResourceClaimTemplate");
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                warn!(template = %id, "namespace does not exist; the ResourceClaimTemplate waits for it");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    for (id, cur) in &current {
+        if plan.claim_templates.contains_key(id) {
+            continue;
+        }
+        let api: Api<ResourceClaimTemplate> =
+            Api::namespaced(ctx.client.clone(), &cur.namespace().unwrap_or_default());
+        api.delete(&cur.name_any(), &Default::default()).await?;
+        ctx.count_write("ResourceClaimTemplate");
+        info!(template = %id, reason = "no policy renders it any more", "deleted ResourceClaimTemplate");
+    }
+    Ok(())
 }
 
 /// Keeps `lastTransitionTime` of conditions whose status did not change.

@@ -43,6 +43,8 @@ pub const MAX_POLICY_NAME: usize = 54;
 #[x_kube(validation = Rule::new("self.strategy == 'timeSlicing' ? has(self.timeSlicing) : !has(self.timeSlicing)").message("spec.timeSlicing must be set when, and only when, strategy is timeSlicing"))]
 #[x_kube(validation = Rule::new("self.strategy == 'mps' ? has(self.mps) : !has(self.mps)").message("spec.mps must be set when, and only when, strategy is mps"))]
 #[x_kube(validation = Rule::new("self.strategy == 'mig' ? has(self.mig) : !has(self.mig)").message("spec.mig must be set when, and only when, strategy is mig (MPS cannot be combined with MIG)"))]
+#[x_kube(validation = Rule::new("(has(self.backend) && self.backend == 'dra') == has(self.dra)").message("spec.dra must be set when, and only when, backend is dra"))]
+#[x_kube(validation = Rule::new("!(has(self.backend) && self.backend == 'dra' && self.strategy == 'mig')").message("backend dra supports exclusive, timeSlicing and mps; MIG sharing goes through the device plugin"))]
 pub struct GpuSharingPolicySpec {
     /// Nodes this policy applies to. Admins usually label nodes (for example
     /// `gpusharing.io/profile=l4-heavy`) to pick a profile.
@@ -67,6 +69,114 @@ pub struct GpuSharingPolicySpec {
     /// Settings for `strategy: mig`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<Mig>,
+
+    /// How the sharing reaches the nodes: NVIDIA's device plugin (ConfigMaps and node labels,
+    /// the default) or NVIDIA's DRA driver (ResourceClaimTemplates with a GpuConfig).
+    #[serde(default, skip_serializing_if = "Backend::is_device_plugin")]
+    pub backend: Backend,
+
+    /// Settings for `backend: dra`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dra: Option<Dra>,
+}
+
+/// `devicePlugin` or `dra`.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Backend {
+    #[default]
+    DevicePlugin,
+    Dra,
+}
+
+impl Backend {
+    pub fn is_device_plugin(&self) -> bool {
+        *self == Backend::DevicePlugin
+    }
+}
+
+/// Sharing through NVIDIA's DRA driver (`gpu.nvidia.com`): the operator renders a
+/// `resource.k8s.io/v1` ResourceClaimTemplate with a `resource.nvidia.com/v1beta1` GpuConfig in
+/// each namespace; pods reference it in `resourceClaims`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.namespaces.all(n, self.namespaces.exists_one(m, m == n))").message("namespaces must be unique"))]
+pub struct Dra {
+    /// Namespaces that get the ResourceClaimTemplate.
+    #[schemars(length(min = 1, max = 64), inner(length(min = 1, max = 63)))]
+    #[x_kube(validation = Rule::new("self.all(n, n.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$'))").message("namespaces must be DNS labels"))]
+    pub namespaces: Vec<String>,
+
+    /// Name of the ResourceClaimTemplate (default: the policy's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')").message("templateName must be a DNS subdomain"))]
+    pub template_name: Option<String>,
+
+    /// Time-slice length for `strategy: timeSlicing`.
+    #[serde(default)]
+    pub time_slicing_interval: TimeSliceInterval,
+
+    /// MPS settings beyond the defaults derived from `spec.mps.replicas`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<DraMps>,
+
+    /// The feature gates the DRA driver runs with (its Helm values): they decide what it accepts.
+    #[serde(default)]
+    pub driver_feature_gates: DraFeatureGates,
+}
+
+/// `Default`, `Short`, `Medium` or `Long`.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum TimeSliceInterval {
+    #[default]
+    Default,
+    Short,
+    Medium,
+    Long,
+}
+
+/// MPS settings of the DRA driver's GpuConfig.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DraMps {
+    /// Share of SM threads per client; default 100 / replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 100))]
+    pub default_active_thread_percentage: Option<i32>,
+
+    /// Pinned device memory per client (a Quantity, at least 1Mi); default GPU memory / replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 32))]
+    #[x_kube(validation = Rule::new("self.matches('^[0-9]+(Ki|Mi|Gi|Ti|k|M|G|T)?$')").message("a memory quantity such as 10Gi or 35942Mi"))]
+    pub default_pinned_device_memory_limit: Option<String>,
+
+    /// Per-device overrides: device index or UUID -> Quantity.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 64))]
+    pub per_device_pinned_memory_limits: BTreeMap<String, String>,
+
+    /// Start the MPS control daemon in multi-user mode (driver v0.5.0+, Volta or newer).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub multi_user: bool,
+}
+
+/// DRA driver feature gates that matter for sharing.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DraFeatureGates {
+    /// `MPSSupport` (alpha): needed for MPS.
+    #[serde(default, rename = "MPSSupport")]
+    pub mps_support: bool,
+    /// `TimeSlicingSettings` (alpha): needed for time-slicing.
+    #[serde(default, rename = "TimeSlicingSettings")]
+    pub time_slicing_settings: bool,
+    /// `DynamicMIG`: cannot be on together with MPSSupport.
+    #[serde(default, rename = "DynamicMIG")]
+    pub dynamic_mig: bool,
+    /// `ConsumableShares` in a non-disabled mode: MPS claims cannot be prepared with it.
+    #[serde(default, rename = "ConsumableShares")]
+    pub consumable_shares: bool,
 }
 
 /// The sharing strategy.
@@ -275,6 +385,10 @@ pub struct GpuSharingPolicyStatus {
     /// Key of the device-plugin ConfigMap the nodes are labelled with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_config_key: Option<String>,
+
+    /// ResourceClaimTemplates rendered for `backend: dra` (`namespace/name`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub templates: Vec<String>,
 
     /// mig-parted layout the nodes are labelled with (MIG only).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -7,6 +7,7 @@
 pub mod controller;
 pub mod crd;
 pub mod docs;
+pub mod dra;
 pub mod leader;
 pub mod metrics;
 pub mod nvidia;

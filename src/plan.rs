@@ -10,8 +10,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde_json::json;
 
 use crate::crd::{
-    Capacity, Condition, GpuSharingPolicy, GpuSharingPolicySpec, GpuSharingPolicyStatus, Mig,
-    MigStrategy, NodeDetail, Strategy,
+    Backend, Capacity, Condition, GpuSharingPolicy, GpuSharingPolicySpec, GpuSharingPolicyStatus,
+    Mig, MigStrategy, NodeDetail, Strategy,
 };
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use crate::validate::{self, MigProfile};
@@ -99,6 +99,8 @@ pub struct Plan {
     pub node_labels: BTreeMap<String, BTreeMap<String, String>>,
     /// Status of every policy, by name.
     pub statuses: BTreeMap<String, GpuSharingPolicyStatus>,
+    /// ResourceClaimTemplates of DRA policies, by `namespace/name`.
+    pub claim_templates: BTreeMap<String, serde_json::Value>,
 }
 
 /// A policy after validation, with what it renders to.
@@ -245,6 +247,16 @@ fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<Strin
         .get(LABEL_GPU_PRODUCT)
         .map(|p| p.trim_end_matches(SHARED_SUFFIX).to_string())
         .unwrap_or_else(|| "unknown GPU".into());
+    let multi_user = spec
+        .dra
+        .as_ref()
+        .and_then(|d| d.mps.as_ref())
+        .is_some_and(|m| m.multi_user);
+    if multi_user && label_i64(node, LABEL_CC_MAJOR).is_some_and(|m| m < 7) {
+        return Some(format!(
+            "{product}: MPS multiUser needs a Volta or newer GPU (compute capability 7.0+)"
+        ));
+    }
     match spec.strategy {
         Strategy::Mps => {
             let replicas = spec.mps.as_ref()?.replicas;
@@ -378,13 +390,8 @@ fn node_capacity(
         }
         Strategy::Mps => {
             let r = spec.mps.as_ref().map_or(1, |m| m.replicas) as i64;
-            (
-                gpus,
-                Some(gpus * r),
-                mem.map(|m| m / r),
-                Some(100 / r),
-                true,
-            )
+            let (threads, memory) = crate::dra::mps_limits(spec, mem);
+            (gpus, Some(gpus * r), memory, Some(threads), true)
         }
         Strategy::Mig => {
             let Some(mig) = spec.mig.as_ref() else {
@@ -457,7 +464,10 @@ fn prepare<'a>(
             layout = Some(l.clone());
         }
     }
-    let (key, config_text) = if errors.is_empty() {
+    let (key, config_text) = if errors.is_empty() && p.spec.backend == Backend::Dra {
+        // The DRA driver shares the GPUs; the device plugin, if it runs, must not.
+        (Some(DEFAULT_KEY.to_string()), None)
+    } else if errors.is_empty() {
         let text = nvidia::to_yaml(&nvidia::device_plugin_config(&p.spec));
         (Some(nvidia::content_key(&name, &text)), Some(text))
     } else {
@@ -509,6 +519,25 @@ pub fn plan(input: &PlanInput) -> Plan {
         .collect();
     policies.sort_by_key(|p| precedence(p));
     let mut prepared: Vec<Prepared> = policies.iter().map(|p| prepare(p, base)).collect();
+    // Two DRA policies cannot render the same ResourceClaimTemplate.
+    let mut template_owner: BTreeMap<String, String> = BTreeMap::new();
+    for p in prepared.iter_mut().filter(|p| p.errors.is_empty()) {
+        let Some(dra) = &p.spec.dra else { continue };
+        let name = crate::dra::template_name(&p.name, p.spec);
+        for ns in &dra.namespaces {
+            let id = format!("{ns}/{name}");
+            if let Some(first) = template_owner.get(&id) {
+                p.errors.push(format!(
+                    "spec.dra: ResourceClaimTemplate {id} is already rendered by policy {first}"
+                ));
+            } else {
+                template_owner.insert(id, p.name.clone());
+            }
+        }
+        if !p.errors.is_empty() {
+            p.key = None;
+        }
+    }
     // A custom layout points the MIG manager at our ConfigMap; named layouts must then be in it,
     // which needs the GPU Operator's default config.
     let any_custom = prepared.iter().any(|p| {
@@ -787,10 +816,15 @@ pub fn plan(input: &PlanInput) -> Plan {
             };
         // "Applied" also needs the labels to be in place already, and GFD to agree when it reports.
         let labels_in_place = cur(LABEL_DEVICE_PLUGIN_CONFIG).as_deref() == Some(dp_key.as_str());
+        let expected_replicas = if w.spec.backend == Backend::Dra {
+            1
+        } else {
+            replicas_of(w.spec) as i64
+        };
         let gfd_replicas_ok = match (w.spec.strategy, label_i64(n, LABEL_GPU_REPLICAS)) {
             (Strategy::Mig, _) | (_, None) => true,
             (_, Some(r)) => {
-                r == replicas_of(w.spec) as i64 || w.spec.strategy == Strategy::Exclusive && r == 1
+                r == expected_replicas || w.spec.strategy == Strategy::Exclusive && r == 1
             }
         };
         let (state, message) = if state == "Applied" && !labels_in_place {
@@ -804,7 +838,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                         .get(LABEL_GPU_REPLICAS)
                         .cloned()
                         .unwrap_or_default(),
-                    replicas_of(w.spec)
+                    expected_replicas
                 ),
             )
         } else {
@@ -928,6 +962,28 @@ pub fn plan(input: &PlanInput) -> Plan {
         spec.insert("mig".into(), json!({"strategy": cm.as_str()}));
     }
     let cluster_policy_spec = serde_json::Value::Object(spec);
+
+    // ResourceClaimTemplates of valid, accepted DRA policies. Memory defaults come from the
+    // smallest GPU among the nodes the policy governs.
+    let mut claim_templates = BTreeMap::new();
+    let mut templates_of: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    for (i, p) in prepared.iter().enumerate() {
+        let Some(dra) = &p.spec.dra else { continue };
+        if !p.errors.is_empty() || policy_blocked.contains_key(&i) {
+            continue;
+        }
+        let min_mem = sorted_nodes
+            .iter()
+            .filter(|n| winner.get(n.name.as_str()) == Some(&i))
+            .filter_map(|n| label_i64(n, LABEL_GPU_MEMORY))
+            .min();
+        for ns in &dra.namespaces {
+            let t = crate::dra::claim_template(&p.name, ns, p.spec, min_mem);
+            let id = format!("{ns}/{}", crate::dra::template_name(&p.name, p.spec));
+            templates_of.entry(i).or_default().push(id.clone());
+            claim_templates.insert(id, t);
+        }
+    }
 
     // Statuses.
     let mut statuses = BTreeMap::new();
@@ -1144,7 +1200,12 @@ pub fn plan(input: &PlanInput) -> Plan {
                 matched_nodes: matched_nodes.len() as i32,
                 applied_nodes: applied,
                 conflicting_nodes: conflicting.len() as i32,
-                device_config_key: p.key.clone(),
+                device_config_key: if p.spec.backend == Backend::Dra {
+                    None
+                } else {
+                    p.key.clone()
+                },
+                templates: templates_of.remove(&i).unwrap_or_default(),
                 mig_config: if p.errors.is_empty() {
                     p.layout.clone()
                 } else {
@@ -1163,5 +1224,6 @@ pub fn plan(input: &PlanInput) -> Plan {
         cluster_policy_spec,
         node_labels,
         statuses,
+        claim_templates,
     }
 }

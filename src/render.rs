@@ -3,7 +3,7 @@
 //!
 //! The output is an interface (documented in the README, parsed by the conformance test):
 //! 1. the device-plugin ConfigMap; 2. the mig-parted ConfigMap (only with custom MIG layouts);
-//! 3. the ClusterPolicy patch; 4. with nodes, one Node document each with the labels the operator
+//! 3. the ClusterPolicy patch; 3b. ResourceClaimTemplates of DRA policies; 4. with nodes, one Node document each with the labels the operator
 //! manages on it; 5. one GpuSharingPolicy document per policy with its computed status.
 
 use std::collections::BTreeMap;
@@ -299,6 +299,7 @@ pub fn documents_of(
         "metadata": {"name": "cluster-policy"},
         "spec": plan.cluster_policy_spec,
     }));
+    out.extend(plan.claim_templates.values().cloned());
     if with_nodes {
         for (name, labels) in &plan.node_labels {
             out.push(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}));

@@ -482,6 +482,7 @@ pub fn validate(name: &str, spec: &GpuSharingPolicySpec) -> (Vec<FieldError>, Ve
     if let Some(mig) = &spec.mig {
         check_mig(mig, &mut errs, &mut warnings);
     }
+    crate::dra::validate(spec, &mut errs, &mut warnings);
     (errs, warnings)
 }
 

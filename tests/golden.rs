@@ -294,10 +294,21 @@ fn render_works_on_every_example() {
             .filter(|d| d["kind"] == "GpuSharingPolicy")
             .count();
         assert!(policies >= 1, "{}", path.display());
-        // Every policy's key is in the ConfigMap.
+        // Every policy's key is in the ConfigMap; every DRA policy's templates are rendered.
         for d in docs.iter().filter(|d| d["kind"] == "GpuSharingPolicy") {
-            let key = d["status"]["deviceConfigKey"].as_str().unwrap();
-            assert!(docs[0]["data"][key].is_string(), "{key} missing");
+            if let Some(key) = d["status"]["deviceConfigKey"].as_str() {
+                assert!(docs[0]["data"][key].is_string(), "{key} missing");
+            } else {
+                let templates = d["status"]["templates"]
+                    .as_sequence()
+                    .expect("a DRA policy lists its templates");
+                for t in templates {
+                    let (ns, name) = t.as_str().unwrap().split_once('/').unwrap();
+                    assert!(docs.iter().any(|x| x["kind"] == "ResourceClaimTemplate"
+                        && x["metadata"]["namespace"] == ns
+                        && x["metadata"]["name"] == name));
+                }
+            }
         }
         n += 1;
     }
@@ -467,5 +478,110 @@ fn readme_crd_reference_is_current() {
     assert!(
         readme[start..end] == gpu_sharing_operator::docs::crd_reference(),
         "README CRD reference is stale: regenerate it with `gpu-sharing-operator crd --markdown`"
+    );
+}
+
+// NVIDIA's DRA driver quickstart, gpu-test-mps: two containers share one GPU through MPS with
+// 50% of the threads and 10Gi of pinned memory each (in resource.k8s.io/v1 form: `exactly`).
+const NVIDIA_DRA_MPS: &str = r#"
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  namespace: gpu-test6
+  name: single-gpu
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu.nvidia.com
+      config:
+      - requests: ["gpu"]
+        opaque:
+          driver: gpu.nvidia.com
+          parameters:
+            apiVersion: resource.nvidia.com/v1beta1
+            kind: GpuConfig
+            sharing:
+              strategy: MPS
+              mpsConfig:
+                defaultActiveThreadPercentage: 50
+                defaultPinnedDeviceMemoryLimit: 10Gi
+"#;
+
+#[test]
+fn dra_mps_matches_nvidia_example() {
+    let p = policy(include_str!("../examples/dra-mps.yaml"));
+    let (errs, _) = gpu_sharing_operator::validate::validate("dra-mps", &p.spec);
+    assert!(errs.is_empty(), "{errs:?}");
+    let mut ours =
+        gpu_sharing_operator::dra::claim_template("dra-mps", "gpu-test6", &p.spec, Some(81920));
+    let want: serde_json::Value = serde_yaml::from_str(NVIDIA_DRA_MPS).unwrap();
+    assert_eq!(
+        ours["metadata"]["labels"]["gpusharing.io/policy"],
+        "dra-mps"
+    );
+    ours["metadata"].as_object_mut().unwrap().remove("labels");
+    assert_eq!(ours, want);
+}
+
+#[test]
+fn dra_defaults_follow_replicas_and_gates_are_enforced() {
+    let mut p = policy(include_str!("../examples/dra-mps.yaml"));
+    p.spec.mps.as_mut().unwrap().replicas = 4;
+    p.spec.dra.as_mut().unwrap().mps = None;
+    // H200: 143771 MiB / 4 = 35942 MiB, 100 / 4 = 25%.
+    let cfg = gpu_sharing_operator::dra::gpu_config(&p.spec, Some(143771)).unwrap();
+    assert_eq!(
+        cfg["sharing"]["mpsConfig"]["defaultActiveThreadPercentage"],
+        25
+    );
+    assert_eq!(
+        cfg["sharing"]["mpsConfig"]["defaultPinnedDeviceMemoryLimit"],
+        "35942Mi"
+    );
+    let check = |spec: &gpu_sharing_operator::crd::GpuSharingPolicySpec| {
+        gpu_sharing_operator::validate::validate("p", spec)
+            .0
+            .iter()
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let mut no_gate = p.spec.clone();
+    no_gate
+        .dra
+        .as_mut()
+        .unwrap()
+        .driver_feature_gates
+        .mps_support = false;
+    assert!(check(&no_gate).contains("unless its MPSSupport feature gate is enabled"));
+    let mut dyn_mig = p.spec.clone();
+    dyn_mig
+        .dra
+        .as_mut()
+        .unwrap()
+        .driver_feature_gates
+        .dynamic_mig = true;
+    assert!(check(&dyn_mig).contains("MPSSupport cannot be enabled together with DynamicMIG"));
+    let mut shares = p.spec.clone();
+    shares
+        .dra
+        .as_mut()
+        .unwrap()
+        .driver_feature_gates
+        .consumable_shares = true;
+    assert!(check(&shares).contains("ConsumableShares"));
+    // Time-slicing always carries its interval (an empty config crashes older drivers).
+    let ts: GpuSharingPolicySpec = serde_yaml::from_str(
+        "nodeSelector: {}\nstrategy: timeSlicing\ntimeSlicing: {replicas: 2}\nbackend: dra\ndra: {namespaces: [a], driverFeatureGates: {TimeSlicingSettings: true}}",
+    )
+    .unwrap();
+    assert_eq!(check(&ts), "");
+    let cfg = gpu_sharing_operator::dra::gpu_config(&ts, None).unwrap();
+    assert_eq!(
+        cfg["sharing"],
+        serde_json::json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}})
     );
 }

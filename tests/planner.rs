@@ -60,6 +60,8 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
         time_slicing: None,
         mps: None,
         mig: None,
+        backend: Default::default(),
+        dra: None,
     };
     match kind % 5 {
         0 => {}

@@ -39,8 +39,8 @@ use kube::api::{
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command};
 
 use gpu_sharing_operator::controller::{MANAGER, cluster_policy_resource};
 use gpu_sharing_operator::crd::GpuSharingPolicy;
@@ -122,23 +122,30 @@ impl Cluster {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log_file))
-            .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("spawn {}", bin.display()))?;
         let stdout = child.stdout.take().expect("piped");
-        let mut lines = BufReader::new(stdout).lines();
-        let kubeconfig = tokio::time::timeout(Duration::from_secs(180), async {
-            while let Some(l) = lines.next_line().await? {
+        let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
+        // Reads READY, then keeps draining stdout.
+        std::thread::spawn(move || {
+            for l in BufReader::new(stdout).lines() {
+                let Ok(l) = l else { break };
                 if let Some(p) = l.trim().strip_prefix("READY ") {
-                    return Ok::<_, anyhow::Error>(PathBuf::from(p));
+                    let _ = tx.send(PathBuf::from(p));
                 }
             }
-            bail!("kube-local exited before READY (log: {})", log.display())
-        })
-        .await
-        .map_err(|_| anyhow!("kube-local not READY in 180 s"))??;
-        // Keep draining stdout.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        });
+        let kubeconfig =
+            match tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(180)))
+                .await?
+            {
+                Ok(p) => p,
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    bail!("kube-local not READY (log: {})", log.display());
+                }
+            };
         let kc = Kubeconfig::read_from(&kubeconfig)?;
         let mut config =
             kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
@@ -152,17 +159,20 @@ impl Cluster {
         })
     }
 
-    fn pid(&self) -> Option<u32> {
+    fn pid(&self) -> u32 {
         self.child.id()
     }
 
     async fn stop(mut self) {
         drop(self.child.stdin.take()); // EOF: kube-local shuts down
-        if tokio::time::timeout(Duration::from_secs(20), self.child.wait())
-            .await
-            .is_err()
-        {
-            let _ = self.child.kill().await;
+        let t = Instant::now();
+        while matches!(self.child.try_wait(), Ok(None)) {
+            if t.elapsed() > Duration::from_secs(20) {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -752,7 +762,7 @@ async fn run_operator(
     )
     .await?;
     let client = cluster.client.clone();
-    let kl_pid = cluster.pid().unwrap_or(0);
+    let kl_pid = cluster.pid();
     let op_log = args.out.join(format!("logs/{n}x{p}-operator.log"));
     let mut child: Option<Child> = None;
     let res = async {
@@ -770,10 +780,9 @@ async fn run_operator(
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(std::fs::File::create(&op_log)?))
-            .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("spawn {}", op.display()))?;
-        let pid = c.id().unwrap_or(0);
+        let pid = c.id();
         child = Some(c);
         let t = Instant::now();
         loop {
@@ -863,7 +872,8 @@ async fn run_operator(
     }
     .await;
     if let Some(mut c) = child {
-        let _ = c.kill().await;
+        let _ = c.kill();
+        let _ = c.wait();
     }
     cluster.stop().await;
     res
