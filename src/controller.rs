@@ -29,6 +29,10 @@ use crate::plan::{
 };
 use crate::render::{self, CONFIG_LABEL, MANAGED_BY};
 
+/// Drift repairs of the ClusterPolicy within this window that make it "contested".
+const CONTEST_WINDOW: Duration = Duration::from_secs(600);
+const CONTEST_REPAIRS: usize = 3;
+
 /// Our server-side apply field manager.
 pub const MANAGER: &str = "gpu-sharing-operator";
 /// Finalizer on policies: their node labels and config keys are removed before they go.
@@ -161,6 +165,8 @@ pub struct Context {
     /// Our ResourceClaimTemplates (DRA backend), when resource.k8s.io/v1 is served.
     claim_templates: Option<Store<ResourceClaimTemplate>>,
     recorder: Recorder,
+    /// When we had to put our ClusterPolicy settings back (drift repairs), for contest detection.
+    cluster_policy_repairs: std::sync::Mutex<Vec<(std::time::Instant, String)>>,
     /// Counts of writes, for logs and tests.
     pub writes: std::sync::atomic::AtomicU64,
 }
@@ -356,6 +362,7 @@ pub async fn run(
         pods,
         cluster_policies,
         claim_templates,
+        cluster_policy_repairs: Default::default(),
         recorder,
         writes: Default::default(),
     });
@@ -480,6 +487,7 @@ impl Context {
         input.current_device_config = current_device_config;
         input.base_mig_configs = base_mig_configs;
         input.cluster_policy_found = self.active_cluster_policy().is_some();
+        input.cluster_policy_contested = self.contested();
         input.device_configmap_name = self.config.device_configmap.clone();
         input.mig_configmap_name = self.config.mig_configmap.clone();
         input
@@ -490,6 +498,20 @@ impl Context {
         let mut all = self.cluster_policies.as_ref()?.state();
         all.sort_by_key(|o| (o.metadata.creation_timestamp.clone(), o.name_any()));
         all.into_iter().next()
+    }
+
+    /// Reverted by someone else at least 3 times in 10 minutes: a fight, not a one-off edit.
+    fn contested(&self) -> Option<String> {
+        let mut repairs = self.cluster_policy_repairs.lock().expect("repairs lock");
+        repairs.retain(|(t, _)| t.elapsed() < CONTEST_WINDOW);
+        (repairs.len() >= CONTEST_REPAIRS).then(|| {
+            format!(
+                "{} reverts in the last {} minutes, last: {}",
+                repairs.len(),
+                CONTEST_WINDOW.as_secs() / 60,
+                repairs.last().map(|(_, d)| d.as_str()).unwrap_or_default()
+            )
+        })
     }
 
     fn count_write(&self, kind: &str) {
@@ -974,6 +996,10 @@ async fn apply_cluster_policy(ctx: &Context, plan: &Plan) -> Result<(), Error> {
         info!(clusterpolicy = %cp.name_any(), spec = %plan.cluster_policy_spec, "applied ClusterPolicy settings");
     } else {
         warn!(clusterpolicy = %cp.name_any(), drift = ?drift, "ClusterPolicy was changed by someone else; put our settings back");
+        ctx.cluster_policy_repairs
+            .lock()
+            .expect("repairs lock")
+            .push((std::time::Instant::now(), drift.join(", ")));
     }
     Ok(())
 }

@@ -66,6 +66,9 @@ pub struct PlanInput {
     pub base_mig_configs: Option<BTreeMap<String, serde_yaml::Value>>,
     /// Whether the GPU Operator's ClusterPolicy exists.
     pub cluster_policy_found: bool,
+    /// Set when another actor keeps reverting our ClusterPolicy settings (e.g. a GitOps tool):
+    /// a description of what was reverted and how often.
+    pub cluster_policy_contested: Option<String>,
     /// Names of the ConfigMaps we own.
     pub device_configmap_name: String,
     pub mig_configmap_name: String,
@@ -79,6 +82,7 @@ impl PlanInput {
             current_device_config: BTreeMap::new(),
             base_mig_configs: None,
             cluster_policy_found: true,
+            cluster_policy_contested: None,
             device_configmap_name: nvidia::DEVICE_PLUGIN_CONFIGMAP.into(),
             mig_configmap_name: nvidia::MIG_PARTED_CONFIGMAP.into(),
         }
@@ -1126,6 +1130,18 @@ pub fn plan(input: &PlanInput) -> Plan {
                 true,
                 "ClusterPolicyMissing",
                 "the GPU Operator ClusterPolicy was not found: nodes are labelled but no device plugin reads the config".into(),
+                generation,
+            ));
+        } else if let Some(what) = input
+            .cluster_policy_contested
+            .as_ref()
+            .filter(|_| p.spec.backend != Backend::Dra)
+        {
+            conditions.push(condition(
+                "Degraded",
+                true,
+                "ClusterPolicyContested",
+                format!("another controller keeps reverting the ClusterPolicy settings this policy needs ({what}); make it leave them alone, e.g. ignore those fields in your GitOps tool"),
                 generation,
             ));
         } else if !failed.is_empty() {

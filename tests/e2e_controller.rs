@@ -368,3 +368,44 @@ async fn policy_crd_round_trip() {
     assert_eq!(cols, ["Strategy", "Replicas", "Nodes", "Ready", "Age"]);
     assert_eq!(crd.spec.names.short_names, Some(vec!["gsp".to_string()]));
 }
+
+#[tokio::test]
+async fn a_controller_reverting_the_cluster_policy_is_reported() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+        .await
+        .unwrap();
+    until("Ready", LONG, || ready(&c, "h200-mps")).await;
+    // A GitOps tool puts its own value back, again and again.
+    let cp_api: Api<DynamicObject> =
+        Api::all_with(c.clone(), &controller::cluster_policy_resource());
+    for i in 0..3 {
+        let patch = json!({"spec": {"devicePlugin": {"config": {"name": format!("gitops-{i}")}}}});
+        let pp = PatchParams {
+            field_manager: Some("argocd".into()),
+            ..Default::default()
+        };
+        cp_api
+            .patch("cluster-policy", &pp, &Patch::Merge(&patch))
+            .await
+            .unwrap();
+        until("repaired", LONG, || async {
+            (cluster_policy(&c).await["spec"]["devicePlugin"]["config"]["name"] == DP_CM)
+                .then_some(())
+        })
+        .await;
+    }
+    let s = until("Degraded ClusterPolicyContested", LONG, || async {
+        let s = policy_status(&c, "h200-mps").await?;
+        (condition(&s, "Degraded")?["reason"] == "ClusterPolicyContested").then_some(s)
+    })
+    .await;
+    let msg = condition(&s, "Degraded").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(msg.contains("spec.devicePlugin.config.name"), "{msg}");
+    op.stop().await;
+}
