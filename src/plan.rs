@@ -220,11 +220,18 @@ fn mig_instances(
     if layout == MIG_DISABLED_LAYOUT {
         return Some(out);
     }
+    // Entries per GPU model (device-filter): usable when they all create the same devices on all
+    // GPUs, as the `all-<profile>` layouts do.
     let entries = base?.get(layout)?.as_sequence()?;
-    if entries.len() != 1 {
+    let first = entries.first()?;
+    let same = entries.iter().all(|e| {
+        e.get("mig-devices") == first.get("mig-devices")
+            && e.get("devices").and_then(|d| d.as_str()) == Some("all")
+    });
+    if !same {
         return None;
     }
-    let devs = entries[0].get("mig-devices")?.as_mapping()?;
+    let devs = first.get("mig-devices")?.as_mapping()?;
     for (p, c) in devs {
         out.push((
             validate::parse_mig_profile(p.as_str()?)?,
@@ -825,8 +832,15 @@ pub fn plan(input: &PlanInput) -> Plan {
         } else {
             replicas_of(w.spec) as i64
         };
+        let mig_time_sliced = w
+            .spec
+            .mig
+            .as_ref()
+            .is_some_and(|m| m.time_slicing.is_some());
         let gfd_replicas_ok = match (w.spec.strategy, label_i64(n, LABEL_GPU_REPLICAS)) {
-            (Strategy::Mig, _) | (_, None) => true,
+            // Without time-slicing GFD reports 0 or 1 for MIG: nothing to compare.
+            (Strategy::Mig, _) if !mig_time_sliced => true,
+            (_, None) => true,
             (_, Some(r)) => {
                 r == expected_replicas || w.spec.strategy == Strategy::Exclusive && r == 1
             }
