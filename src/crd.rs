@@ -148,7 +148,7 @@ pub struct DraMps {
     /// Pinned device memory per client (a Quantity, at least 1Mi); default GPU memory / replicas.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 32))]
-    #[x_kube(validation = Rule::new("self.matches('^[0-9]+(Ki|Mi|Gi|Ti|k|M|G|T)?$')").message("a memory quantity such as 10Gi or 35942Mi"))]
+    #[x_kube(validation = Rule::new("self.matches('^[0-9]+([.][0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][0-9]+)?$')").message("a memory quantity such as 10Gi, 1.5Gi or 35942Mi"))]
     pub default_pinned_device_memory_limit: Option<String>,
 
     /// Per-device overrides: device index or UUID -> Quantity.

@@ -22,24 +22,36 @@ fn err(path: impl Into<String>, message: impl Into<String>) -> FieldError {
     }
 }
 
-/// Bytes of a memory quantity (`10Gi`, `35942Mi`, `1G`, `1048576`).
+/// Bytes of a memory quantity (`10Gi`, `35942Mi`, `1.5Gi`, `1G`, `1e9`, `1048576`).
 pub fn quantity_bytes(q: &str) -> Option<u128> {
-    let split = q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len());
+    let split = q
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(q.len());
     let (num, unit) = q.split_at(split);
-    let n: u128 = num.parse().ok()?;
-    let mult: u128 = match unit {
-        "" => 1,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        "k" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
+    if num.is_empty() || num.starts_with('.') || num.ends_with('.') || num.matches('.').count() > 1
+    {
+        return None;
+    }
+    let n: f64 = num.parse().ok()?;
+    let mult: f64 = match unit {
+        "" => 1.0,
+        "Ki" => 1024f64,
+        "Mi" => 1024f64.powi(2),
+        "Gi" => 1024f64.powi(3),
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "Ei" => 1024f64.powi(6),
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        "E" => 1e18,
+        u if u.starts_with(['e', 'E']) => 10f64.powi(u[1..].parse::<i32>().ok()?),
         _ => return None,
     };
-    n.checked_mul(mult)
+    let bytes = n * mult;
+    (bytes.is_finite() && bytes >= 0.0 && bytes < 1e30).then_some(bytes as u128)
 }
 
 fn is_device_ref(k: &str) -> bool {
@@ -155,7 +167,11 @@ pub fn validate(
             if !is_device_ref(k) {
                 errs.push(err(
                     format!("spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]"),
-                    "keys are device indices within the claim (\"0\") or GPU UUIDs",
+                    "the template's claim holds exactly one GPU: the only device index is \"0\" (or use that GPU's UUID)",
+                ));
+            } else if k.starts_with("GPU-") {
+                warnings.push(format!(
+                    "spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]: a GPU UUID key makes claims from this template fail on every other GPU"
                 ));
             }
             check_q(
@@ -209,7 +225,8 @@ pub fn mps_limits(spec: &GpuSharingPolicySpec, gpu_memory_mib: Option<i64>) -> (
         .map_or(100 / r, |t| t as i64);
     let memory = match m.and_then(|m| m.default_pinned_device_memory_limit.as_deref()) {
         Some(q) => quantity_bytes(q).map(|b| (b >> 20) as i64),
-        None => gpu_memory_mib.map(|g| g / r),
+        // The driver refuses limits below 1Mi: then leave the default out.
+        None => gpu_memory_mib.map(|g| g / r).filter(|m| *m >= 1),
     };
     (threads, memory)
 }

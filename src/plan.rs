@@ -990,9 +990,19 @@ pub fn plan(input: &PlanInput) -> Plan {
         if !p.errors.is_empty() || policy_blocked.contains_key(&i) {
             continue;
         }
+        // Only nodes the policy governs and accepts (a rejected node must not shape the limits).
+        let accepted: BTreeSet<&str> = per_policy_nodes
+            .get(&i)
+            .map(|d| {
+                d.iter()
+                    .filter(|d| d.state != "Rejected")
+                    .map(|d| d.name.as_str())
+                    .collect()
+            })
+            .unwrap_or_default();
         let min_mem = sorted_nodes
             .iter()
-            .filter(|n| winner.get(n.name.as_str()) == Some(&i))
+            .filter(|n| accepted.contains(n.name.as_str()))
             .filter_map(|n| label_i64(n, LABEL_GPU_MEMORY))
             .min();
         for ns in &dra.namespaces {

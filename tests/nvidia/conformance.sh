@@ -2,7 +2,8 @@
 # Conformance of `gpu-sharing-operator render` with NVIDIA's own config
 # parsers: builds the operator (cargo build) and tests/nvidia, then renders
 # examples/ and a generated corpus of valid and invalid policies and loads
-# every result with k8s-device-plugin v0.19.1 and mig-parted v0.13.1.
+# every result with k8s-device-plugin v0.19.1 and mig-parted v0.13.1, and
+# every ResourceClaimTemplate with NVIDIA's DRA driver v0.5.0.
 #
 #   tests/nvidia/conformance.sh [conformance flags, e.g. -v or --run REGEXP]
 #

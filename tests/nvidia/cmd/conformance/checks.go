@@ -82,7 +82,11 @@ func (c *checker) run() {
 	c.checkClusterPolicy()
 	c.checkDeviceConfigs()
 	for i := range c.policies {
-		c.checkPolicy(&c.policies[i])
+		if c.policies[i].IsDRA() {
+			c.checkDRAPolicy(&c.policies[i])
+		} else {
+			c.checkPolicy(&c.policies[i])
+		}
 	}
 	c.checkNodes()
 	for name := range c.out.Policies {

@@ -14,6 +14,7 @@ import (
 type corpusFile struct {
 	name     string
 	policies []policy.Policy
+	nodes    string // optional Nodes manifest: render with --nodes
 }
 
 var ptr = policy.Ptr[int]
@@ -77,6 +78,7 @@ func corpus() []corpusFile {
 	}
 
 	add("exclusive", newPolicy("exclusive", policy.Exclusive))
+	files = append(files, draCorpus()...)
 
 	// time-slicing: replicas x renameByDefault x failRequestsGreaterThanOne,
 	// three policies per file.
@@ -246,6 +248,11 @@ func writeCorpus(dir string) error {
 		}
 		if err := os.WriteFile(filepath.Join(dir, "valid", cf.name+".yaml"), data, 0o644); err != nil {
 			return err
+		}
+		if cf.nodes != "" {
+			if err := os.WriteFile(filepath.Join(dir, "valid", cf.name+".nodes"), []byte(cf.nodes), 0o644); err != nil {
+				return err
+			}
 		}
 	}
 	for _, ic := range invalidCases() {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 
+	"gpusharing.io/tests/nvidia/internal/dra"
 	"gpusharing.io/tests/nvidia/internal/nvconf"
 )
 
@@ -34,9 +35,17 @@ type naive struct {
 	evalNode bool
 	rejected bool   // NVIDIA's code must reject it (else: accepts silently)
 	why      string // for silently accepted configs: what goes wrong
+	// gpuConfig: a GpuConfig for NVIDIA's DRA driver, prepared on a
+	// one-GPU claim with these driver feature gates (dp is then unused).
+	gpuConfig string
+	gates     dra.Gates
 }
 
 func (n *naive) check() error {
+	if n.gpuConfig != "" {
+		_, err := dra.CheckGpuConfig([]byte(n.gpuConfig), n.gates, dra.FakeUUIDs(1))
+		return err
+	}
 	var slice []nvconfLayout
 	if n.mig != "" {
 		s, err := nvconf.ValidateMigConfig([]byte(n.mig), n.layout)
@@ -118,7 +127,7 @@ func invalidCases() []invalidCase {
 	one := func(name, spec string, fields []string, n *naive) invalidCase {
 		return invalidCase{name: name, yaml: pol(name, spec), policies: []string{name}, fields: fields, naive: n}
 	}
-	return []invalidCase{
+	return append([]invalidCase{
 		one("ts-replicas-1", `
 strategy: timeSlicing
 timeSlicing:
@@ -423,5 +432,5 @@ mig:
 			policies: []string{"twice"},
 			fields:   []string{"name", "duplicate"},
 		},
-	}
+	}, draInvalidCases()...)
 }

@@ -1,8 +1,10 @@
 // Command conformance checks `gpu-sharing-operator render` against NVIDIA's
 // own config parsers (k8s-device-plugin v0.19.1 api/config/v1, mig-parted
-// v0.13.1 api/spec/v1): every rendered config must load, and load to what
-// the policy asked for; every invalid policy must be rejected by render
-// before NVIDIA's code would reject it on a node.
+// v0.13.1 api/spec/v1, and for DRA policies NVIDIA's DRA driver v0.5.0
+// api/nvidia.com/resource/v1beta1 with its feature gates): every rendered
+// config must load, and load to what the policy asked for; every invalid
+// policy must be rejected by render before NVIDIA's code would reject it on
+// a node.
 //
 // Usage:
 //
@@ -154,7 +156,14 @@ func runAll(o *options) (passed, failed, skipped int, err error) {
 			if err := os.WriteFile(path, data, 0o644); err != nil {
 				return 0, 0, 0, err
 			}
-			cases = append(cases, validCase{name: "corpus/" + cf.name, path: path})
+			vc := validCase{name: "corpus/" + cf.name, path: path}
+			if cf.nodes != "" {
+				vc.nodes = filepath.Join(dir, cf.name+".nodes")
+				if err := os.WriteFile(vc.nodes, []byte(cf.nodes), 0o644); err != nil {
+					return 0, 0, 0, err
+				}
+			}
+			cases = append(cases, vc)
 		}
 	}
 

@@ -48,6 +48,54 @@ type Spec struct {
 	TimeSlicing  *Sharing              `json:"timeSlicing,omitempty"`
 	MPS          *Sharing              `json:"mps,omitempty"`
 	MIG          *MIGSpec              `json:"mig,omitempty"`
+	Backend      string                `json:"backend,omitempty"` // "", devicePlugin, dra
+	DRA          *DRASpec              `json:"dra,omitempty"`
+}
+
+// BackendDRA: sharing through NVIDIA's DRA driver (ResourceClaimTemplates).
+const BackendDRA = "dra"
+
+// DRASpec is spec.dra.
+type DRASpec struct {
+	Namespaces          []string        `json:"namespaces,omitempty"`
+	TemplateName        string          `json:"templateName,omitempty"`
+	TimeSlicingInterval string          `json:"timeSlicingInterval,omitempty"`
+	MPS                 *DRAMPS         `json:"mps,omitempty"`
+	DriverFeatureGates  map[string]bool `json:"driverFeatureGates,omitempty"`
+}
+
+// DRAMPS is spec.dra.mps.
+type DRAMPS struct {
+	DefaultActiveThreadPercentage  *int              `json:"defaultActiveThreadPercentage,omitempty"`
+	DefaultPinnedDeviceMemoryLimit string            `json:"defaultPinnedDeviceMemoryLimit,omitempty"`
+	PerDevicePinnedMemoryLimits    map[string]string `json:"perDevicePinnedMemoryLimits,omitempty"`
+	MultiUser                      *bool             `json:"multiUser,omitempty"`
+}
+
+// IsDRA: the policy uses the DRA backend.
+func (p *Policy) IsDRA() bool { return p.Spec.Backend == BackendDRA }
+
+// TemplateName is the name of the policy's ResourceClaimTemplates.
+func (p *Policy) TemplateName() string {
+	if p.Spec.DRA != nil && p.Spec.DRA.TemplateName != "" {
+		return p.Spec.DRA.TemplateName
+	}
+	return p.Metadata.Name
+}
+
+// Replicas is spec.mps.replicas / spec.timeSlicing.replicas (0 if unset).
+func (p *Policy) Replicas() int {
+	var sh *Sharing
+	switch p.Spec.Strategy {
+	case MPS:
+		sh = p.Spec.MPS
+	case TimeSlicing:
+		sh = p.Spec.TimeSlicing
+	}
+	if sh == nil || sh.Replicas == nil {
+		return 0
+	}
+	return *sh.Replicas
 }
 
 // Sharing is the body of spec.timeSlicing, spec.mps and spec.mig.timeSlicing.

@@ -23,6 +23,9 @@ const (
 	ConfigLabel           = "gpusharing.io/config"
 	DefaultKey            = "default"
 	MigPartedKey          = "config.yaml"
+	PolicyLabel           = "gpusharing.io/policy"
+	ClaimTemplateAPI      = "resource.k8s.io/v1"
+	ClaimTemplateKind     = "ResourceClaimTemplate"
 )
 
 // KeyPattern is the form of a policy's device-plugin ConfigMap key.
@@ -39,20 +42,26 @@ type Object struct {
 	Data   map[string]string `json:"data,omitempty"`
 	Spec   map[string]any    `json:"spec,omitempty"`
 	Status map[string]any    `json:"status,omitempty"`
+	// Raw is the document as printed (YAML), for strict decoding.
+	Raw []byte `json:"-"`
 }
 
 type Output struct {
 	DevicePlugin  *Object
 	MigParted     *Object // nil when no policy uses MIG
 	ClusterPolicy *Object
-	Nodes         []*Object
-	Policies      map[string]*Object // by name
-	PolicyOrder   []string
+	// ClaimTemplates: resource.k8s.io/v1 ResourceClaimTemplates of DRA
+	// policies, in output order.
+	ClaimTemplates []*Object
+	Nodes          []*Object
+	Policies       map[string]*Object // by name
+	PolicyOrder    []string
 }
 
 // Parse splits and checks the document order described in the render
 // contract: device-plugin ConfigMap, [mig-parted ConfigMap], ClusterPolicy,
-// [Nodes], GpuSharingPolicy statuses.
+// [ResourceClaimTemplates of DRA policies], [Nodes], GpuSharingPolicy
+// statuses.
 func Parse(out []byte, namespace string) (*Output, error) {
 	docs, err := ParseObjects(out)
 	if err != nil {
@@ -97,6 +106,29 @@ func Parse(out []byte, namespace string) (*Output, error) {
 	}
 	res.ClusterPolicy = d
 	i++
+	// 3b. ResourceClaimTemplates (DRA policies)
+	seenTemplate := map[string]bool{}
+	for d := next(); d != nil && d.Kind == ClaimTemplateKind; d = next() {
+		if d.APIVersion != ClaimTemplateAPI {
+			return nil, fmt.Errorf("document %d: ResourceClaimTemplate with apiVersion %q, want %s", i+1, d.APIVersion, ClaimTemplateAPI)
+		}
+		id := TemplateID(d)
+		if d.Metadata.Namespace == "" || d.Metadata.Name == "" {
+			return nil, fmt.Errorf("document %d: ResourceClaimTemplate %q without namespace or name", i+1, id)
+		}
+		if seenTemplate[id] {
+			return nil, fmt.Errorf("ResourceClaimTemplate %s twice", id)
+		}
+		seenTemplate[id] = true
+		if d.Metadata.Labels[ManagedByLabel] != ManagedByValue {
+			return nil, fmt.Errorf("ResourceClaimTemplate %s: label %s=%q, want %q", id, ManagedByLabel, d.Metadata.Labels[ManagedByLabel], ManagedByValue)
+		}
+		if d.Metadata.Labels[PolicyLabel] == "" {
+			return nil, fmt.Errorf("ResourceClaimTemplate %s: no label %s", id, PolicyLabel)
+		}
+		res.ClaimTemplates = append(res.ClaimTemplates, d)
+		i++
+	}
 	// 4. Nodes
 	for d := next(); d != nil && d.Kind == "Node"; d = next() {
 		if d.APIVersion != "v1" {
@@ -117,7 +149,67 @@ func Parse(out []byte, namespace string) (*Output, error) {
 		res.PolicyOrder = append(res.PolicyOrder, d.Metadata.Name)
 		i++
 	}
+	if err := checkTemplateOwners(res); err != nil {
+		return nil, err
+	}
 	return res, nil
+}
+
+// IsDRA: the status is a DRA policy's (it lists templates).
+func IsDRA(st *Object) bool {
+	_, ok := st.Status["templates"]
+	return ok
+}
+
+// checkTemplateOwners: every ResourceClaimTemplate belongs to a policy of
+// the output whose status.templates lists it; a DRA policy's status has
+// templates (exactly the ones rendered for it) and no deviceConfigKey.
+func checkTemplateOwners(res *Output) error {
+	byPolicy := map[string][]string{}
+	for _, t := range res.ClaimTemplates {
+		owner := t.Metadata.Labels[PolicyLabel]
+		if res.Policies[owner] == nil {
+			return fmt.Errorf("ResourceClaimTemplate %s: label %s=%q names no GpuSharingPolicy of the output", TemplateID(t), PolicyLabel, owner)
+		}
+		byPolicy[owner] = append(byPolicy[owner], TemplateID(t))
+	}
+	for _, name := range res.PolicyOrder {
+		st := res.Policies[name]
+		if !IsDRA(st) {
+			if len(byPolicy[name]) > 0 {
+				return fmt.Errorf("GpuSharingPolicy %s: ResourceClaimTemplates %v but no status.templates", name, byPolicy[name])
+			}
+			continue
+		}
+		listed, ok := Strings(st.Status, "templates")
+		if !ok {
+			return fmt.Errorf("GpuSharingPolicy %s: status.templates is not a list of strings", name)
+		}
+		if _, has := st.Status["deviceConfigKey"]; has {
+			return fmt.Errorf("GpuSharingPolicy %s: DRA policy (status.templates) with a status.deviceConfigKey", name)
+		}
+		if !sameSet(listed, byPolicy[name]) {
+			return fmt.Errorf("GpuSharingPolicy %s: status.templates=%v, rendered ResourceClaimTemplates %v", name, listed, byPolicy[name])
+		}
+	}
+	return nil
+}
+
+func sameSet(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	seen := map[string]int{}
+	for _, x := range a {
+		seen[x]++
+	}
+	for _, x := range b {
+		if seen[x] == 0 {
+			return false
+		}
+		seen[x]--
+	}
+	return true
 }
 
 // ParseObjects reads a multi-document YAML stream of Kubernetes objects
@@ -140,6 +232,7 @@ func ParseObjects(data []byte) ([]*Object, error) {
 		if err := yaml.Unmarshal(doc, o); err != nil {
 			return nil, fmt.Errorf("document %d: %w", len(docs)+1, err)
 		}
+		o.Raw = append([]byte(nil), doc...)
 		docs = append(docs, o)
 	}
 }
@@ -177,6 +270,40 @@ func stripComments(doc []byte) []byte {
 		b.WriteByte('\n')
 	}
 	return b.Bytes()
+}
+
+// TemplateID is "<namespace>/<name>" of a ResourceClaimTemplate, the form
+// of a DRA policy's status.templates entries.
+func TemplateID(d *Object) string {
+	return d.Metadata.Namespace + "/" + d.Metadata.Name
+}
+
+// Strings reads a list of strings at a path in a nested map (e.g.
+// status.templates); ok is false when it is absent or not such a list.
+func Strings(m map[string]any, path ...string) ([]string, bool) {
+	var cur any = m
+	for _, p := range path {
+		mm, ok := cur.(map[string]any)
+		if !ok {
+			return nil, false
+		}
+		if cur, ok = mm[p]; !ok {
+			return nil, false
+		}
+	}
+	list, ok := cur.([]any)
+	if !ok {
+		return nil, false
+	}
+	out := make([]string, 0, len(list))
+	for _, v := range list {
+		s, ok := v.(string)
+		if !ok {
+			return nil, false
+		}
+		out = append(out, s)
+	}
+	return out, true
 }
 
 // Str reads a string at a path in a nested map (e.g. spec.devicePlugin.config.name).
