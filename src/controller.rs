@@ -63,6 +63,9 @@ pub struct Config {
     pub resync: Duration,
     /// Where to count what happens (served on /metrics by the binary).
     pub metrics: Arc<crate::metrics::Metrics>,
+    /// How long `nvidia.com/mig.config.state=pending` may last before the node is reported
+    /// Degraded and left alone.
+    pub mig_timeout: Duration,
 }
 
 impl Default for Config {
@@ -73,6 +76,7 @@ impl Default for Config {
             mig_configmap: nvidia::MIG_PARTED_CONFIGMAP.into(),
             resync: Duration::from_secs(300),
             metrics: Arc::default(),
+            mig_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -165,6 +169,8 @@ pub struct Context {
     /// Our ResourceClaimTemplates (DRA backend), when resource.k8s.io/v1 is served.
     claim_templates: Option<Store<ResourceClaimTemplate>>,
     recorder: Recorder,
+    /// Since when each node has reported MIG state pending, for which layout.
+    mig_pending_since: std::sync::Mutex<BTreeMap<String, (String, std::time::Instant)>>,
     /// When we had to put our ClusterPolicy settings back (drift repairs), for contest detection.
     cluster_policy_repairs: std::sync::Mutex<Vec<(std::time::Instant, String)>>,
     /// Counts of writes, for logs and tests.
@@ -363,6 +369,7 @@ pub async fn run(
         cluster_policies,
         claim_templates,
         cluster_policy_repairs: Default::default(),
+        mig_pending_since: Default::default(),
         recorder,
         writes: Default::default(),
     });
@@ -488,6 +495,7 @@ impl Context {
         input.base_mig_configs = base_mig_configs;
         input.cluster_policy_found = self.active_cluster_policy().is_some();
         input.cluster_policy_contested = self.contested();
+        input.mig_stuck = self.mig_stuck(&input.nodes);
         input.device_configmap_name = self.config.device_configmap.clone();
         input.mig_configmap_name = self.config.mig_configmap.clone();
         input
@@ -498,6 +506,35 @@ impl Context {
         let mut all = self.cluster_policies.as_ref()?.state();
         all.sort_by_key(|o| (o.metadata.creation_timestamp.clone(), o.name_any()));
         all.into_iter().next()
+    }
+
+    /// Nodes pending for the same layout for longer than the MIG timeout.
+    fn mig_stuck(&self, nodes: &[NodeFacts]) -> BTreeSet<String> {
+        let mut since = self.mig_pending_since.lock().expect("pending lock");
+        let mut stuck = BTreeSet::new();
+        let mut seen = BTreeSet::new();
+        for n in nodes {
+            if n.labels.get(plan::LABEL_MIG_STATE).map(String::as_str) != Some("pending") {
+                continue;
+            }
+            let layout = n
+                .labels
+                .get(plan::LABEL_MIG_CONFIG)
+                .cloned()
+                .unwrap_or_default();
+            seen.insert(n.name.clone());
+            let entry = since
+                .entry(n.name.clone())
+                .or_insert_with(|| (layout.clone(), std::time::Instant::now()));
+            if entry.0 != layout {
+                *entry = (layout, std::time::Instant::now());
+            }
+            if entry.1.elapsed() > self.config.mig_timeout {
+                stuck.insert(n.name.clone());
+            }
+        }
+        since.retain(|k, _| seen.contains(k));
+        stuck
     }
 
     /// Reverted by someone else at least 3 times in 10 minutes: a fight, not a one-off edit.

@@ -50,6 +50,10 @@ enum Command {
         /// Seconds between lease renewals.
         #[arg(long, default_value_t = 5)]
         lease_renew_seconds: u64,
+        /// Seconds a node may report nvidia.com/mig.config.state=pending before it is reported
+        /// Degraded and left alone.
+        #[arg(long, default_value_t = 600)]
+        mig_timeout_seconds: u64,
     },
     /// Print, without a cluster, every object the operator would write for these policies.
     Render {
@@ -95,6 +99,7 @@ struct RunArgs {
     lease_namespace: String,
     lease_duration_seconds: u64,
     lease_renew_seconds: u64,
+    mig_timeout_seconds: u64,
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -120,6 +125,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         namespace: args.namespace,
         resync: std::time::Duration::from_secs(args.resync_seconds),
         metrics: metrics.clone(),
+        mig_timeout: std::time::Duration::from_secs(args.mig_timeout_seconds),
         ..Default::default()
     };
     if !args.leader_elect {
@@ -192,6 +198,7 @@ fn main() -> ExitCode {
             lease_namespace,
             lease_duration_seconds,
             lease_renew_seconds,
+            mig_timeout_seconds,
         } => {
             init_tracing(log_format);
             let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
@@ -203,6 +210,7 @@ fn main() -> ExitCode {
                 lease_namespace,
                 lease_duration_seconds,
                 lease_renew_seconds,
+                mig_timeout_seconds,
             };
             match rt.block_on(run(args)) {
                 Ok(()) => ExitCode::SUCCESS,

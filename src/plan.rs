@@ -69,6 +69,9 @@ pub struct PlanInput {
     /// Set when another actor keeps reverting our ClusterPolicy settings (e.g. a GitOps tool):
     /// a description of what was reverted and how often.
     pub cluster_policy_contested: Option<String>,
+    /// Nodes whose `nvidia.com/mig.config.state` has said `pending` for longer than the MIG
+    /// timeout (the MIG manager can exit early and never report).
+    pub mig_stuck: BTreeSet<String>,
     /// Names of the ConfigMaps we own.
     pub device_configmap_name: String,
     pub mig_configmap_name: String,
@@ -83,6 +86,7 @@ impl PlanInput {
             base_mig_configs: None,
             cluster_policy_found: true,
             cluster_policy_contested: None,
+            mig_stuck: BTreeSet::new(),
             device_configmap_name: nvidia::DEVICE_PLUGIN_CONFIGMAP.into(),
             mig_configmap_name: nvidia::MIG_PARTED_CONFIGMAP.into(),
         }
@@ -707,124 +711,129 @@ pub fn plan(input: &PlanInput) -> Plan {
                 .is_some_and(|m| m.proceed_with_busy_gpus);
         let mut l = BTreeMap::new();
         l.insert(LABEL_POLICY.to_string(), w.name.clone());
-        let (state, message, dp_key, mig_label): (&str, String, String, Option<String>) =
-            match w.spec.strategy {
-                Strategy::Mig => {
-                    let layout = w.layout.clone().expect("mig policies have a layout");
-                    let failed = cur_mig.as_deref() == Some(layout.as_str())
-                        && mig_state.as_deref() == Some("failed");
-                    if failed {
-                        failed_nodes.entry(wi).or_default().push(n.name.clone());
-                        hold_node(
+        let (state, message, dp_key, mig_label): (&str, String, String, Option<String>) = match w
+            .spec
+            .strategy
+        {
+            Strategy::Mig => {
+                let layout = w.layout.clone().expect("mig policies have a layout");
+                let stuck =
+                    input.mig_stuck.contains(&n.name) && mig_state.as_deref() == Some("pending");
+                let failed = cur_mig.as_deref() == Some(layout.as_str())
+                    && (mig_state.as_deref() == Some("failed") || stuck);
+                if failed {
+                    failed_nodes.entry(wi).or_default().push(n.name.clone());
+                    hold_node(
                         n,
                         "Failed",
                         format!(
-                            "MIG manager reported failed for layout {layout}; node left untouched"
+                            "MIG manager reported failed (or stayed pending past the timeout) for layout {layout}; node left untouched"
                         )
                         .to_string(),
                         &mut node_labels,
                         &mut used_keys,
                         details,
                     );
-                        continue;
-                    }
-                    if mig_done(&layout) {
-                        ("Applied", String::new(), key.clone(), Some(layout))
-                    } else if cur_mig.as_deref() != Some(layout.as_str()) && busy {
-                        // Idle GPUs are needed to change the layout: hold everything.
-                        hold_node(
-                            n,
-                            "Waiting",
-                            format!(
-                                "WaitingForIdleGPUs: pods using GPUs: {}",
-                                n.gpu_pods.join(", ")
-                            )
-                            .to_string(),
-                            &mut node_labels,
-                            &mut used_keys,
-                            details,
-                        );
-                        continue;
-                    } else if cur(LABEL_DEVICE_PLUGIN_CONFIG)
-                        .is_some_and(|k| k != DEFAULT_KEY && k != key)
-                    {
-                        // First take the sharing config off; the layout changes on a later step.
-                        let held_mig = n
-                            .owned
-                            .contains(LABEL_MIG_CONFIG)
-                            .then(|| cur_mig.clone())
-                            .flatten();
-                        (
-                            "Pending",
-                            "removing the sharing config before changing the MIG layout"
-                                .to_string(),
-                            DEFAULT_KEY.to_string(),
-                            held_mig,
-                        )
-                    } else {
-                        // Sharing stays off while the layout changes.
-                        (
-                            "Pending",
-                            format!("waiting for MIG layout {layout}"),
-                            DEFAULT_KEY.to_string(),
-                            Some(layout),
-                        )
-                    }
+                    continue;
                 }
-                _ => {
-                    // Sharing (or exclusive) on a MIG-capable node: MIG must be off, and confirmed,
-                    // before the new device-plugin config is applied.
-                    let confirmed_off = match cur_mig.as_deref() {
-                        None => true,
-                        Some(MIG_DISABLED_LAYOUT) => {
-                            matches!(mig_state.as_deref(), None | Some("success"))
-                        }
-                        Some(_) => false,
-                    };
-                    let keep_mig_label = n
+                if mig_done(&layout) {
+                    ("Applied", String::new(), key.clone(), Some(layout))
+                } else if cur_mig.as_deref() != Some(layout.as_str()) && busy {
+                    // Idle GPUs are needed to change the layout: hold everything.
+                    hold_node(
+                        n,
+                        "Waiting",
+                        format!(
+                            "WaitingForIdleGPUs: pods using GPUs: {}",
+                            n.gpu_pods.join(", ")
+                        )
+                        .to_string(),
+                        &mut node_labels,
+                        &mut used_keys,
+                        details,
+                    );
+                    continue;
+                } else if cur(LABEL_DEVICE_PLUGIN_CONFIG)
+                    .is_some_and(|k| k != DEFAULT_KEY && k != key)
+                {
+                    // First take the sharing config off; the layout changes on a later step.
+                    let held_mig = n
                         .owned
                         .contains(LABEL_MIG_CONFIG)
-                        .then(|| MIG_DISABLED_LAYOUT.to_string());
-                    if !mig_capable && cur_mig.is_none() || confirmed_off {
-                        ("Applied", String::new(), key.clone(), keep_mig_label)
-                    } else if cur_mig.as_deref() == Some(MIG_DISABLED_LAYOUT)
-                        && mig_state.as_deref() == Some("failed")
-                    {
-                        failed_nodes.entry(wi).or_default().push(n.name.clone());
-                        hold_node(
+                        .then(|| cur_mig.clone())
+                        .flatten();
+                    (
+                        "Pending",
+                        "removing the sharing config before changing the MIG layout".to_string(),
+                        DEFAULT_KEY.to_string(),
+                        held_mig,
+                    )
+                } else {
+                    // Sharing stays off while the layout changes.
+                    (
+                        "Pending",
+                        format!("waiting for MIG layout {layout}"),
+                        DEFAULT_KEY.to_string(),
+                        Some(layout),
+                    )
+                }
+            }
+            _ => {
+                // Sharing (or exclusive) on a MIG-capable node: MIG must be off, and confirmed,
+                // before the new device-plugin config is applied.
+                let confirmed_off = match cur_mig.as_deref() {
+                    None => true,
+                    Some(MIG_DISABLED_LAYOUT) => {
+                        matches!(mig_state.as_deref(), None | Some("success"))
+                    }
+                    Some(_) => false,
+                };
+                let keep_mig_label = n
+                    .owned
+                    .contains(LABEL_MIG_CONFIG)
+                    .then(|| MIG_DISABLED_LAYOUT.to_string());
+                if !mig_capable && cur_mig.is_none() || confirmed_off {
+                    ("Applied", String::new(), key.clone(), keep_mig_label)
+                } else if cur_mig.as_deref() == Some(MIG_DISABLED_LAYOUT)
+                    && (mig_state.as_deref() == Some("failed")
+                        || input.mig_stuck.contains(&n.name)
+                            && mig_state.as_deref() == Some("pending"))
+                {
+                    failed_nodes.entry(wi).or_default().push(n.name.clone());
+                    hold_node(
                             n,
                             "Failed",
-                            "MIG manager failed to disable MIG; node left untouched".to_string(),
+                            "MIG manager failed to disable MIG (or stayed pending past the timeout); node left untouched".to_string(),
                             &mut node_labels,
                             &mut used_keys,
                             details,
                         );
-                        continue;
-                    } else if cur_mig.as_deref() != Some(MIG_DISABLED_LAYOUT) && busy {
-                        hold_node(
-                            n,
-                            "Waiting",
-                            format!(
-                                "WaitingForIdleGPUs: pods using GPUs: {}",
-                                n.gpu_pods.join(", ")
-                            )
-                            .to_string(),
-                            &mut node_labels,
-                            &mut used_keys,
-                            details,
-                        );
-                        continue;
-                    } else {
-                        (
+                    continue;
+                } else if cur_mig.as_deref() != Some(MIG_DISABLED_LAYOUT) && busy {
+                    hold_node(
+                        n,
+                        "Waiting",
+                        format!(
+                            "WaitingForIdleGPUs: pods using GPUs: {}",
+                            n.gpu_pods.join(", ")
+                        )
+                        .to_string(),
+                        &mut node_labels,
+                        &mut used_keys,
+                        details,
+                    );
+                    continue;
+                } else {
+                    (
                         "Pending",
                         "waiting for MIG to be disabled and confirmed before sharing is enabled"
                             .into(),
                         DEFAULT_KEY.to_string(),
                         Some(MIG_DISABLED_LAYOUT.to_string()),
                     )
-                    }
                 }
-            };
+            }
+        };
         // "Applied" also needs the labels to be in place already, and GFD to agree when it reports.
         let labels_in_place = cur(LABEL_DEVICE_PLUGIN_CONFIG).as_deref() == Some(dp_key.as_str());
         let expected_replicas = if w.spec.backend == Backend::Dra {
@@ -1174,7 +1183,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                 true,
                 "MigConfigFailed",
                 format!(
-                    "nvidia.com/mig.config.state=failed on: {}",
+                    "nvidia.com/mig.config.state failed, or pending past the MIG timeout, on: {}",
                     failed.join(", ")
                 ),
                 generation,

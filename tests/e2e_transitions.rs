@@ -211,3 +211,40 @@ async fn mig_change_waits_for_idle_gpus() {
     );
     op.stop().await;
 }
+
+#[tokio::test]
+async fn mig_manager_that_never_reports_is_degraded_after_the_timeout() {
+    let (_g, cluster, sim) = setup().await;
+    // No MIG manager at all: the state we set to pending is never resolved.
+    drop(sim);
+    let c = cluster.client.clone();
+    let config = gpu_sharing_operator::controller::Config {
+        namespace: Some(NS.into()),
+        mig_timeout: Duration::from_secs(3),
+        ..Default::default()
+    };
+    let op = Operator::start_with(c.clone(), config);
+    label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
+    common::apply_yaml(&c, &mig_policy("mig-inference", "inference"))
+        .await
+        .unwrap();
+    until("pending", LONG, || async {
+        (labels(&c, NODE)
+            .await
+            .get("nvidia.com/mig.config.state")
+            .map(String::as_str)
+            == Some("pending"))
+        .then_some(())
+    })
+    .await;
+    let s = until("Degraded after the MIG timeout", LONG, || async {
+        let s = policy_status(&c, "mig-inference").await?;
+        (condition(&s, "Degraded")?["status"] == "True").then_some(s)
+    })
+    .await;
+    let d = condition(&s, "Degraded").unwrap();
+    assert_eq!(d["reason"], "MigConfigFailed");
+    assert!(d["message"].as_str().unwrap().contains(NODE), "{d}");
+    assert_eq!(condition(&s, "Ready").unwrap()["status"], "False");
+    op.stop().await;
+}

@@ -668,3 +668,44 @@ fn selectors_on_labels_sharing_changes_are_refused() {
         "{errs:?}"
     );
 }
+
+#[test]
+fn mig_pending_past_the_timeout_is_degraded_and_left_alone() {
+    let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
+    n.labels
+        .insert(LABEL_MIG_CONFIG.into(), "all-1g.10gb".into());
+    n.labels.insert(LABEL_MIG_STATE.into(), "pending".into());
+    n.owned = [LABEL_MIG_CONFIG.to_string(), LABEL_MIG_STATE.to_string()].into();
+    let mut input = PlanInput::new(
+        vec![policy("mig", 3, 2, false, Some("a"), 0, 0)],
+        vec![n.clone()],
+    );
+    input.base_mig_configs = Some(base_layouts());
+    let before = plan::plan(&input);
+    assert_eq!(
+        before.statuses["mig"]
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Degraded")
+            .unwrap()
+            .status,
+        "False"
+    );
+    input.mig_stuck.insert("a100-0".into());
+    let after = plan::plan(&input);
+    let d = after.statuses["mig"]
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Degraded")
+        .unwrap();
+    assert_eq!(
+        (d.status.as_str(), d.reason.as_str()),
+        ("True", "MigConfigFailed")
+    );
+    let held: BTreeMap<String, String> = n
+        .owned
+        .iter()
+        .map(|k| (k.clone(), n.labels[k].clone()))
+        .collect();
+    assert_eq!(after.node_labels["a100-0"], held);
+}

@@ -601,6 +601,20 @@ async fn wait_quiet(client: &Client, quiet: Duration, max: Duration) -> anyhow::
     }
 }
 
+/// Waits until kube-local (apiserver, etcd, its garbage collector digesting the new nodes) is
+/// idle: under 10% of a core for two consecutive seconds, at most `max`.
+async fn wait_idle(pid: u32, max: Duration) {
+    let start = Instant::now();
+    let mut calm = 0;
+    let mut last = proc_stats(pid).cpu_s;
+    while start.elapsed() < max && calm < 2 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = proc_stats(pid).cpu_s;
+        calm = if now - last < 0.1 { calm + 1 } else { 0 };
+        last = now;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // the two sides
 
@@ -685,6 +699,7 @@ async fn run_baseline(
             "spec": first.cluster_policy_spec,
         });
 
+        wait_idle(cluster.pid(), Duration::from_secs(60)).await;
         let before = scrape(&client).await?;
         let pp = PatchParams::apply(MANAGER).force();
         let start = Instant::now();
@@ -739,6 +754,8 @@ struct OperatorResult {
     apply_min: i64,
     edit_min: i64,
     stats: ProcStats,
+    /// After the caches synced, before any policy.
+    stats_synced: ProcStats,
     cpu_apply: f64,
     cpu_edit: f64,
     apiserver_cpu_apply: f64,
@@ -772,6 +789,7 @@ async fn run_operator(
         let timeout = Duration::from_secs(args.timeout_secs);
         let mut r = OperatorResult::default();
 
+        wait_idle(kl_pid, Duration::from_secs(60)).await;
         // Start the operator and let it settle (it may write the empty config first).
         let m0 = scrape(&client).await?;
         let c = Command::new(op)
@@ -797,6 +815,7 @@ async fn run_operator(
         }
         let m1 = wait_quiet(&client, Duration::from_secs(3), Duration::from_secs(60)).await?;
         r.startup = Writes::from(&diff(&m1, &m0), 0);
+        r.stats_synced = proc_stats(pid);
 
         // Apply the policies.
         let cpu0 = proc_stats(pid).cpu_s;
@@ -986,6 +1005,11 @@ fn render_details(rows: &[Row]) -> String {
             o.apiserver_cpu_apply,
             o.stats.hwm_kib as f64 / 1024.0,
             o.stats.rss_kib as f64 / 1024.0
+        ));
+        s.push_str(&format!(
+            "- operator memory after the caches synced (nodes, no policy yet): RSS {:.1} MiB, peak {:.1} MiB\n",
+            o.stats_synced.rss_kib as f64 / 1024.0,
+            o.stats_synced.hwm_kib as f64 / 1024.0
         ));
         for n in &o.notes {
             s.push_str(&format!("- note: {n}\n"));

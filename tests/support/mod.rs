@@ -27,12 +27,18 @@ pub struct Operator {
 
 impl Operator {
     pub fn start(client: Client, namespace: Option<&str>) -> Operator {
+        Operator::start_with(
+            client,
+            controller::Config {
+                namespace: namespace.map(String::from),
+                resync: Duration::from_secs(30),
+                ..Default::default()
+            },
+        )
+    }
+
+    pub fn start_with(client: Client, config: controller::Config) -> Operator {
         let (tx, rx) = oneshot::channel::<()>();
-        let config = controller::Config {
-            namespace: namespace.map(String::from),
-            resync: Duration::from_secs(30),
-            ..Default::default()
-        };
         let task = tokio::spawn(async move {
             controller::run(client, config, async {
                 rx.await.ok();
