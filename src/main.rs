@@ -24,37 +24,7 @@ enum Command {
         markdown: bool,
     },
     /// Run the controller (in-cluster config, or $KUBECONFIG / ~/.kube/config).
-    Run {
-        /// The GPU Operator's namespace, where the device plugin reads ConfigMaps; detected from
-        /// the ClusterPolicy's status.namespace when omitted.
-        #[arg(long, env = "GPU_OPERATOR_NAMESPACE")]
-        namespace: Option<String>,
-        /// Log format.
-        #[arg(long, value_enum, default_value = "pretty")]
-        log_format: LogFormat,
-        /// Seconds between full resyncs (watches catch changes in between).
-        #[arg(long, default_value_t = 300)]
-        resync_seconds: u64,
-        /// Address of /metrics, /healthz and /readyz ("" to disable).
-        #[arg(long, default_value = "0.0.0.0:8080")]
-        metrics_addr: String,
-        /// Run several replicas: only the holder of a coordination.k8s.io Lease writes.
-        #[arg(long)]
-        leader_elect: bool,
-        /// Namespace of the leader Lease (defaults to the pod's namespace, else "default").
-        #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
-        lease_namespace: String,
-        /// Seconds a leader's lease lasts without renewal before a standby takes over.
-        #[arg(long, default_value_t = 15)]
-        lease_duration_seconds: u64,
-        /// Seconds between lease renewals.
-        #[arg(long, default_value_t = 5)]
-        lease_renew_seconds: u64,
-        /// Seconds a node may report nvidia.com/mig.config.state=pending before it is reported
-        /// Degraded and left alone.
-        #[arg(long, default_value_t = 600)]
-        mig_timeout_seconds: u64,
-    },
+    Run(RunArgs),
     /// Print, without a cluster, every object the operator would write for these policies.
     Render {
         /// A policy file or a directory of them (*.yaml, *.yml).
@@ -91,14 +61,36 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+#[derive(clap::Args)]
 struct RunArgs {
+    /// The GPU Operator's namespace, where the device plugin reads ConfigMaps; detected from
+    /// the ClusterPolicy's status.namespace when omitted.
+    #[arg(long, env = "GPU_OPERATOR_NAMESPACE")]
     namespace: Option<String>,
+    /// Log format.
+    #[arg(long, value_enum, default_value = "pretty")]
+    log_format: LogFormat,
+    /// Seconds between full resyncs (watches catch changes in between).
+    #[arg(long, default_value_t = 300)]
     resync_seconds: u64,
+    /// Address of /metrics, /healthz and /readyz ("" to disable).
+    #[arg(long, default_value = "0.0.0.0:8080")]
     metrics_addr: String,
+    /// Run several replicas: only the holder of a coordination.k8s.io Lease writes.
+    #[arg(long)]
     leader_elect: bool,
+    /// Namespace of the leader Lease (defaults to the pod's namespace, else "default").
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     lease_namespace: String,
+    /// Seconds a leader's lease lasts without renewal before a standby takes over.
+    #[arg(long, default_value_t = 15)]
     lease_duration_seconds: u64,
+    /// Seconds between lease renewals.
+    #[arg(long, default_value_t = 5)]
     lease_renew_seconds: u64,
+    /// Seconds a node may report nvidia.com/mig.config.state=pending before it is reported
+    /// Degraded and left alone.
+    #[arg(long, default_value_t = 600)]
     mig_timeout_seconds: u64,
 }
 
@@ -189,29 +181,9 @@ fn read_mig_base(
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Run {
-            namespace,
-            log_format,
-            resync_seconds,
-            metrics_addr,
-            leader_elect,
-            lease_namespace,
-            lease_duration_seconds,
-            lease_renew_seconds,
-            mig_timeout_seconds,
-        } => {
-            init_tracing(log_format);
+        Command::Run(args) => {
+            init_tracing(args.log_format);
             let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
-            let args = RunArgs {
-                namespace,
-                resync_seconds,
-                metrics_addr,
-                leader_elect,
-                lease_namespace,
-                lease_duration_seconds,
-                lease_renew_seconds,
-                mig_timeout_seconds,
-            };
             match rt.block_on(run(args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {

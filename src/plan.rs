@@ -500,6 +500,14 @@ fn prepare<'a>(
     }
 }
 
+/// Why a MIG change waits on this node.
+fn busy_msg(n: &NodeFacts) -> String {
+    format!(
+        "WaitingForIdleGPUs: pods using GPUs: {}",
+        n.gpu_pods.join(", ")
+    )
+}
+
 /// Leaves a node exactly as it is (the labels we own keep their values, and the keys they name
 /// stay in the ConfigMap), and records why.
 fn hold_node(
@@ -743,11 +751,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                     hold_node(
                         n,
                         "Waiting",
-                        format!(
-                            "WaitingForIdleGPUs: pods using GPUs: {}",
-                            n.gpu_pods.join(", ")
-                        )
-                        .to_string(),
+                        busy_msg(n),
                         &mut node_labels,
                         &mut used_keys,
                         details,
@@ -813,11 +817,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                     hold_node(
                         n,
                         "Waiting",
-                        format!(
-                            "WaitingForIdleGPUs: pods using GPUs: {}",
-                            n.gpu_pods.join(", ")
-                        )
-                        .to_string(),
+                        busy_msg(n),
                         &mut node_labels,
                         &mut used_keys,
                         details,

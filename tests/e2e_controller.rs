@@ -52,11 +52,7 @@ async fn mps_on_h200_end_to_end() {
     })
     .await;
     assert_eq!(alloc, "32");
-    let status = until("GFD agrees", LONG, || async {
-        let s = ready(&c, "h200-mps").await?;
-        (s["appliedNodes"] == 1).then_some(s)
-    })
-    .await;
+    let status = until("GFD agrees", LONG, || ready_on(&c, "h200-mps", 1)).await;
     assert_eq!(status["capacity"]["physicalGpus"], 8);
     assert_eq!(status["capacity"]["schedulableReplicas"], 32);
     assert_eq!(status["capacity"]["memoryPerClientMib"], 35942);
@@ -320,11 +316,7 @@ async fn namespace_is_detected_from_the_cluster_policy() {
     common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
-    let s = until("Ready", LONG, || async {
-        let s = ready(&c, "h200-mps").await?;
-        (s["appliedNodes"] == 1).then_some(s)
-    })
-    .await;
+    let s = until("Ready", LONG, || ready_on(&c, "h200-mps", 1)).await;
     let key = s["deviceConfigKey"].as_str().unwrap();
     let data = configmap_data_in(&c, "nvidia-gpu-operator", DP_CM)
         .await

@@ -224,9 +224,8 @@ async fn least_privilege_rbac_is_enough_and_no_more() {
     common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
-    let s = until("Ready as the ServiceAccount", LONG, || async {
-        let s = ready(&admin, "h200-mps").await?;
-        (s["appliedNodes"] == 1).then_some(s)
+    let s = until("Ready as the ServiceAccount", LONG, || {
+        ready_on(&admin, "h200-mps", 1)
     })
     .await;
     assert_eq!(s["capacity"]["schedulableReplicas"], 32);

@@ -78,11 +78,7 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
     common::apply_yaml(&c, &mps_policy("mps-inference", "inference", 0))
         .await
         .unwrap();
-    let s = until("MPS Ready", LONG, || async {
-        let s = ready(&c, "mps-inference").await?;
-        (s["appliedNodes"] == 1).then_some(s)
-    })
-    .await;
+    let s = until("MPS Ready", LONG, || ready_on(&c, "mps-inference", 1)).await;
     let mps_key = s["deviceConfigKey"].as_str().unwrap().to_string();
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.send(()).ok();

@@ -260,3 +260,9 @@ pub async fn cluster_policy(client: &Client) -> serde_json::Value {
 }
 
 pub const LONG: Duration = Duration::from_secs(60);
+
+/// Ready, with `n` nodes applied.
+pub async fn ready_on(client: &Client, name: &str, n: i64) -> Option<serde_json::Value> {
+    let s = ready(client, name).await?;
+    (s["appliedNodes"] == n).then_some(s)
+}
