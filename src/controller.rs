@@ -649,16 +649,25 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     let input = ctx.plan_input();
     let plan = plan::plan(&input);
     record_plan_metrics(ctx, &input, &plan);
+    let writes_before = ctx.writes.load(std::sync::atomic::Ordering::Relaxed);
 
-    // 1. ConfigMaps first: a key exists before any node label points to it.
-    apply_configmap(
-        ctx,
-        &ctx.config.device_configmap,
-        "device-plugin",
-        &plan.device_config,
-        "policies changed",
-    )
-    .await?;
+    // 1. ConfigMaps first: a key exists before any node label points to it. With no policy and
+    // no ConfigMap yet there is nothing to write.
+    let cm_exists = ctx
+        .configmaps
+        .state()
+        .iter()
+        .any(|c| c.name_any() == ctx.config.device_configmap);
+    if cm_exists || !input.policies.is_empty() {
+        apply_configmap(
+            ctx,
+            &ctx.config.device_configmap,
+            "device-plugin",
+            &plan.device_config,
+            "policies changed",
+        )
+        .await?;
+    }
     if let Some(m) = &plan.mig_config {
         let mut data = BTreeMap::new();
         data.insert(MIG_PARTED_KEY.to_string(), m.clone());
@@ -759,12 +768,16 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
         }
     }
 
-    // 5. Finalizers and status.
-    let mut in_progress = !plan.node_labels.is_empty()
-        && plan
-            .statuses
-            .values()
-            .any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes);
+    // 5. Finalizers and status. A pass that changed something writes no status: the watch
+    // events of its own writes bring the next pass at once, and that one reports the outcome
+    // (one status write per change instead of an intermediate one).
+    let changed_this_pass = ctx.writes.load(std::sync::atomic::Ordering::Relaxed) > writes_before;
+    let mut in_progress = changed_this_pass
+        || !plan.node_labels.is_empty()
+            && plan
+                .statuses
+                .values()
+                .any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes);
     for p in policies.values() {
         match finalize(ctx, p.clone(), &plan, &input).await {
             Ok(_) => {}
@@ -779,6 +792,7 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
             Err(e) => return Err(e),
         }
         if p.metadata.deletion_timestamp.is_none()
+            && !changed_this_pass
             && let Some(s) = plan.statuses.get(&p.name_any())
         {
             write_status(ctx, p, s.clone()).await?;
