@@ -23,3 +23,12 @@ generate:
 	python3 -c 'r=open("README.md").read(); t=open("target/crd-reference.md").read(); s="<!-- crd-reference:start -->\n"; e="<!-- crd-reference:end -->"; a=r.index(s)+len(s); b=r.index(e); open("README.md","w").write(r[:a]+t+r[b:])'
 
 crd: generate
+
+# Scale benchmark (issue 6): operator vs. minimal direct writes on the local control plane.
+# Results in target/bench/results.md. Subset: make bench BENCH_ARGS="--configs 100x1,1000x20".
+BENCH_ARGS ?= --nodes 100,1000,5000 --policies 1,20,100
+.PHONY: bench
+bench:
+	bash tests/cluster/cluster.sh build
+	cargo build --release --locked --bins
+	target/release/scale-bench $(BENCH_ARGS)

@@ -169,6 +169,8 @@ pub struct Context {
     /// Our ResourceClaimTemplates (DRA backend), when resource.k8s.io/v1 is served.
     claim_templates: Option<Store<ResourceClaimTemplate>>,
     recorder: Recorder,
+    /// ClusterPolicy fields this process has applied: a later change by someone else is drift.
+    cluster_policy_applied: std::sync::Mutex<BTreeSet<String>>,
     /// Since when each node has reported MIG state pending, for which layout.
     mig_pending_since: std::sync::Mutex<BTreeMap<String, (String, std::time::Instant)>>,
     /// When we had to put our ClusterPolicy settings back (drift repairs), for contest detection.
@@ -370,6 +372,7 @@ pub async fn run(
         claim_templates,
         cluster_policy_repairs: Default::default(),
         mig_pending_since: Default::default(),
+        cluster_policy_applied: Default::default(),
         recorder,
         writes: Default::default(),
     });
@@ -565,9 +568,14 @@ impl Context {
             action: "Reconcile".into(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&ev, &policy.object_ref(&())).await {
-            debug!(error = %e, "event not published");
-        }
+        // Off the critical path: a slow events API never delays the next write.
+        let recorder = self.recorder.clone();
+        let reference = policy.object_ref(&());
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&ev, &reference).await {
+                debug!(error = %e, "event not published");
+            }
+        });
     }
 }
 
@@ -778,25 +786,36 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
                 .statuses
                 .values()
                 .any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes);
-    for p in policies.values() {
-        match finalize(ctx, p.clone(), &plan, &input).await {
-            Ok(_) => {}
-            Err(Error::Finalizer(e))
-                if matches!(
-                    *e,
-                    finalizer::Error::CleanupFailed(Error::CleanupPending(_))
-                ) =>
-            {
-                in_progress = true;
+    let (plan_ref, input_ref) = (&plan, &input);
+    let jobs: Vec<Arc<GpuSharingPolicy>> = policies.values().cloned().collect();
+    let results: Vec<Result<bool, Error>> = stream::iter(jobs)
+        .map(move |p: Arc<GpuSharingPolicy>| async move {
+            let mut pending = false;
+            match finalize(ctx, p.clone(), plan_ref, input_ref).await {
+                Ok(_) => {}
+                Err(Error::Finalizer(e))
+                    if matches!(
+                        *e,
+                        finalizer::Error::CleanupFailed(Error::CleanupPending(_))
+                    ) =>
+                {
+                    pending = true;
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
-        }
-        if p.metadata.deletion_timestamp.is_none()
-            && !changed_this_pass
-            && let Some(s) = plan.statuses.get(&p.name_any())
-        {
-            write_status(ctx, p, s.clone()).await?;
-        }
+            if p.metadata.deletion_timestamp.is_none()
+                && !changed_this_pass
+                && let Some(s) = plan_ref.statuses.get(&p.name_any())
+            {
+                write_status(ctx, &p, s.clone()).await?;
+            }
+            Ok(pending)
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    for r in results {
+        in_progress |= r?;
     }
     Ok(in_progress)
 }
@@ -1018,8 +1037,15 @@ async fn apply_cluster_policy(ctx: &Context, plan: &Plan) -> Result<(), Error> {
     if values_ok && owned_ok {
         return Ok(());
     }
+    // Drift: a field we owned now has another value (a first apply over the Helm defaults is not).
     let drift: Vec<String> = want
         .iter()
+        .filter(|(k, _)| {
+            ctx.cluster_policy_applied
+                .lock()
+                .expect("applied lock")
+                .contains(*k)
+        })
         .filter(|(k, v)| lookup(&cp.data, &format!(".{k}")).is_some_and(|cur| cur != *v))
         .map(|(k, v)| {
             format!(
@@ -1043,6 +1069,10 @@ async fn apply_cluster_policy(ctx: &Context, plan: &Plan) -> Result<(), Error> {
     )
     .await?;
     ctx.count_write("ClusterPolicy");
+    ctx.cluster_policy_applied
+        .lock()
+        .expect("applied lock")
+        .extend(want.keys().cloned());
     if drift.is_empty() {
         info!(clusterpolicy = %cp.name_any(), spec = %plan.cluster_policy_spec, "applied ClusterPolicy settings");
     } else {

@@ -183,7 +183,12 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Run(args) => {
             init_tracing(args.log_format);
-            let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+            // One thread: the work is I/O-bound, and one allocator arena keeps memory small at
+            // thousands of nodes.
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
             match rt.block_on(run(args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {

@@ -111,6 +111,19 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// `start`, tried twice: kube-local's seeding occasionally races the ClusterPolicy CRD's
+    /// discovery ("no matches for kind ClusterPolicy") and exits.
+    async fn start_retry(bin: &Path, dir: &Path, log: &Path) -> anyhow::Result<Cluster> {
+        match Cluster::start(bin, dir, log).await {
+            Ok(c) => Ok(c),
+            Err(e) => {
+                eprintln!("scale-bench: {e:#}; retrying once");
+                let _ = std::fs::remove_dir_all(dir);
+                Cluster::start(bin, dir, log).await
+            }
+        }
+    }
+
     async fn start(bin: &Path, dir: &Path, log: &Path) -> anyhow::Result<Cluster> {
         std::fs::create_dir_all(dir)?;
         let log_file = std::fs::File::create(log)?;
@@ -630,7 +643,7 @@ async fn run_baseline(
     p: usize,
 ) -> anyhow::Result<BaselineResult> {
     let dir = args.out.join(format!("run/{n}x{p}-baseline"));
-    let cluster = Cluster::start(
+    let cluster = Cluster::start_retry(
         kl,
         &dir,
         &args
@@ -770,7 +783,7 @@ async fn run_operator(
     p: usize,
 ) -> anyhow::Result<OperatorResult> {
     let dir = args.out.join(format!("run/{n}x{p}-operator"));
-    let cluster = Cluster::start(
+    let cluster = Cluster::start_retry(
         kl,
         &dir,
         &args

@@ -153,8 +153,14 @@ func (a *applier) resource(ctx context.Context, u *unstructured.Unstructured, na
 		return nil, fmt.Errorf("object without apiVersion/kind: %v", u.Object)
 	}
 	mapping, err := a.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
-	if meta.IsNoMatchError(err) {
-		// A CRD applied moments ago: refresh discovery once.
+	// A CRD applied moments ago: discovery can lag behind Established, so refresh and retry
+	// for a while (a single retry made cluster starts fail now and then).
+	for deadline := time.Now().Add(30 * time.Second); meta.IsNoMatchError(err) && time.Now().Before(deadline); {
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
 		a.mapper.Reset()
 		mapping, err = a.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
 	}
