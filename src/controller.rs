@@ -175,8 +175,6 @@ pub struct Context {
     mig_pending_since: std::sync::Mutex<BTreeMap<String, (String, std::time::Instant)>>,
     /// When we had to put our ClusterPolicy settings back (drift repairs), for contest detection.
     cluster_policy_repairs: std::sync::Mutex<Vec<(std::time::Instant, String)>>,
-    /// Counts of writes, for logs and tests.
-    pub writes: std::sync::atomic::AtomicU64,
 }
 
 /// Finds the GPU Operator's namespace: the `status.namespace` of the oldest (active)
@@ -374,7 +372,6 @@ pub async fn run(
         mig_pending_since: Default::default(),
         cluster_policy_applied: Default::default(),
         recorder,
-        writes: Default::default(),
     });
     let loop_ctx = ctx.clone();
     let control = async move {
@@ -556,8 +553,6 @@ impl Context {
 
     fn count_write(&self, kind: &str) {
         self.config.metrics.count_write(kind);
-        self.writes
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     async fn event(&self, policy: &GpuSharingPolicy, type_: EventType, reason: &str, note: String) {
@@ -657,7 +652,7 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     let input = ctx.plan_input();
     let plan = plan::plan(&input);
     record_plan_metrics(ctx, &input, &plan);
-    let writes_before = ctx.writes.load(std::sync::atomic::Ordering::Relaxed);
+    let writes_before = ctx.config.metrics.writes_total();
 
     // 1. ConfigMaps first: a key exists before any node label points to it. With no policy and
     // no ConfigMap yet there is nothing to write.
@@ -779,7 +774,7 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     // 5. Finalizers and status. A pass that changed something writes no status: the watch
     // events of its own writes bring the next pass at once, and that one reports the outcome
     // (one status write per change instead of an intermediate one).
-    let changed_this_pass = ctx.writes.load(std::sync::atomic::Ordering::Relaxed) > writes_before;
+    let changed_this_pass = ctx.config.metrics.writes_total() > writes_before;
     let mut in_progress = changed_this_pass
         || !plan.node_labels.is_empty()
             && plan

@@ -203,22 +203,10 @@ pub fn template_name(policy: &str, spec: &GpuSharingPolicySpec) -> String {
         .unwrap_or_else(|| policy.to_string())
 }
 
-fn replicas(spec: &GpuSharingPolicySpec) -> i64 {
-    match spec.strategy {
-        Strategy::Mps => spec.mps.as_ref().map_or(1, |m| m.replicas as i64),
-        Strategy::TimeSlicing => spec
-            .time_slicing
-            .as_ref()
-            .and_then(|t| t.replicas)
-            .unwrap_or(1) as i64,
-        _ => 1,
-    }
-}
-
-/// MPS limits per client: (thread percentage, pinned memory MiB) — explicit settings, else
+/// MPS limits per client (strategy mps): (thread percentage, pinned memory MiB) — explicit settings, else
 /// derived from replicas like the device-plugin path (100 / replicas, memory / replicas).
 pub fn mps_limits(spec: &GpuSharingPolicySpec, gpu_memory_mib: Option<i64>) -> (i64, Option<i64>) {
-    let r = replicas(spec).max(1);
+    let r = spec.mps.as_ref().map_or(1, |m| m.replicas as i64).max(1);
     let m = spec.dra.as_ref().and_then(|d| d.mps.as_ref());
     let threads = m
         .and_then(|m| m.default_active_thread_percentage)

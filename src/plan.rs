@@ -325,11 +325,7 @@ fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<Strin
                 }
             }
             if let Some(mem) = label_i64(node, LABEL_GPU_MEMORY) {
-                let profiles: Vec<String> = match &mig.custom_layout {
-                    Some(_) => nvidia::layout_profiles(mig).unwrap_or_default(),
-                    None => nvidia::layout_profiles(mig).unwrap_or_default(),
-                };
-                for p in profiles {
+                for p in nvidia::layout_profiles(mig).unwrap_or_default() {
                     if let Some(prof) = validate::parse_mig_profile(&p)
                         && !profile_fits_memory(&prof, mem)
                     {

@@ -13,7 +13,7 @@ use kube::ResourceExt;
 use serde_json::json;
 
 use crate::crd::GpuSharingPolicy;
-use crate::nvidia::{self, MIG_PARTED_KEY};
+use crate::nvidia::MIG_PARTED_KEY;
 use crate::plan::{self, NodeFacts, Plan, PlanInput};
 use crate::validate;
 
@@ -357,6 +357,3 @@ pub fn render_text(
     }
     Ok(text)
 }
-
-/// Keeps `nvidia` in the public surface of this module for callers that render configs alone.
-pub use nvidia::{device_plugin_config, to_yaml};
