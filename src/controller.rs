@@ -27,6 +27,7 @@ use crate::nvidia::{self, MIG_PARTED_KEY};
 use crate::plan::{
     self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_POLICY, MANAGED_LABELS, NodeFacts, Plan, PlanInput,
 };
+use crate::nodecache::NodeCache;
 use crate::render::{self, CONFIG_LABEL, MANAGED_BY};
 
 /// Drift repairs of the ClusterPolicy within this window that make it "contested".
@@ -89,29 +90,6 @@ pub fn cluster_policy_resource() -> ApiResource {
     )
 }
 
-/// Label paths our field manager owns on an object, from its managedFields.
-fn owned_labels(entries: &[ManagedFieldsEntry]) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    for e in entries.iter().filter(|e| {
-        e.manager.as_deref() == Some(MANAGER) && e.operation.as_deref() == Some("Apply")
-    }) {
-        if let Some(labels) = e
-            .fields_v1
-            .as_ref()
-            .and_then(|f| f.0.get("f:metadata"))
-            .and_then(|m| m.get("f:labels"))
-            .and_then(|l| l.as_object())
-        {
-            for k in labels.keys() {
-                if let Some(name) = k.strip_prefix("f:") {
-                    out.insert(name.to_string());
-                }
-            }
-        }
-    }
-    out
-}
-
 /// Leaf paths under `f:spec` our field manager owns on the ClusterPolicy.
 fn owned_spec_paths(entries: &[ManagedFieldsEntry]) -> BTreeSet<String> {
     fn walk(v: &serde_json::Value, prefix: &str, out: &mut BTreeSet<String>) {
@@ -162,7 +140,7 @@ pub struct Context {
     pub config: Config,
     pub namespace: String,
     policies: Store<GpuSharingPolicy>,
-    nodes: Store<PartialObjectMeta<Node>>,
+    nodes: Arc<NodeCache>,
     configmaps: Store<ConfigMap>,
     pods: Store<Pod>,
     cluster_policies: Option<Store<DynamicObject>>,
@@ -219,7 +197,7 @@ pub async fn run(
     let notify = Arc::new(Notify::new());
 
     let (policies, pw) = reflector::store();
-    let (nodes, nw) = reflector::store();
+    let nodes = Arc::new(NodeCache::new(MANAGER));
     let (configmaps, cw) = reflector::store();
     let (pods, podw) = reflector::store();
 
@@ -232,22 +210,17 @@ pub async fn run(
         .default_backoff(),
     )
     .boxed();
-    // Label-only node cache: keep labels and our own managedFields entries, drop the rest.
-    let node_stream = reflector::reflector(
-        nw,
+    // Node cache: only what the planner reads, built from each event (see nodecache).
+    let node_stream = {
+        let nodes = nodes.clone();
         watcher(
             Api::<PartialObjectMeta<Node>>::all(client.clone()),
             watcher::Config::default(),
         )
         .default_backoff()
-        .modify(|n: &mut PartialObjectMeta<Node>| {
-            n.metadata.annotations = None;
-            if let Some(m) = n.metadata.managed_fields.as_mut() {
-                m.retain(|e| e.manager.as_deref() == Some(MANAGER));
-            }
-        }),
-    )
-    .boxed();
+        .map_ok(move |ev| nodes.apply(ev))
+        .boxed()
+    };
     let cm_stream = reflector::reflector(
         cw,
         watcher(
@@ -376,7 +349,7 @@ pub async fn run(
     let loop_ctx = ctx.clone();
     let control = async move {
         loop_ctx.policies.wait_until_ready().await.ok();
-        loop_ctx.nodes.wait_until_ready().await.ok();
+        loop_ctx.nodes.wait_until_ready().await;
         loop_ctx.configmaps.wait_until_ready().await.ok();
         loop_ctx.pods.wait_until_ready().await.ok();
         if let Some(c) = &loop_ctx.cluster_policies {
@@ -465,18 +438,6 @@ impl Context {
         for v in gpu_pods.values_mut() {
             v.sort();
         }
-        let mut nodes: Vec<NodeFacts> = self
-            .nodes
-            .state()
-            .iter()
-            .map(|n| NodeFacts {
-                name: n.name_any(),
-                labels: n.labels().clone(),
-                owned: owned_labels(n.metadata.managed_fields.as_deref().unwrap_or_default()),
-                gpu_pods: gpu_pods.get(&n.name_any()).cloned().unwrap_or_default(),
-            })
-            .collect();
-        nodes.sort_by(|a, b| a.name.cmp(&b.name));
         let cms = self.configmaps.state();
         let current_device_config = cms
             .iter()
@@ -490,7 +451,9 @@ impl Context {
             .find(|c| c.name_any() == DEFAULT_MIG_CONFIGMAP)
             .and_then(|c| c.data.as_ref()?.get(MIG_PARTED_KEY).cloned())
             .and_then(|t| nvidia::parse_mig_configs(&t).ok());
-        let mut input = PlanInput::new(policies, nodes);
+        let mut input = PlanInput::new(policies, vec![]);
+        input.nodes = self.nodes.snapshot();
+        input.gpu_pods = gpu_pods;
         input.current_device_config = current_device_config;
         input.base_mig_configs = base_mig_configs;
         input.cluster_policy_found = self.active_cluster_policy().is_some();
@@ -509,7 +472,7 @@ impl Context {
     }
 
     /// Nodes pending for the same layout for longer than the MIG timeout.
-    fn mig_stuck(&self, nodes: &[NodeFacts]) -> BTreeSet<String> {
+    fn mig_stuck(&self, nodes: &[Arc<NodeFacts>]) -> BTreeSet<String> {
         let mut since = self.mig_pending_since.lock().expect("pending lock");
         let mut stuck = BTreeSet::new();
         let mut seen = BTreeSet::new();
@@ -689,7 +652,7 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
 
     // 3. Node labels, concurrently.
     let node_by_name: BTreeMap<&str, &NodeFacts> =
-        input.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+        input.nodes.iter().map(|n| (n.name.as_str(), &**n)).collect();
     let changes: Vec<(String, BTreeMap<String, String>)> = plan
         .node_labels
         .iter()

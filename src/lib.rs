@@ -10,6 +10,7 @@ pub mod docs;
 pub mod dra;
 pub mod leader;
 pub mod metrics;
+pub mod nodecache;
 pub mod nvidia;
 pub mod plan;
 pub mod render;

@@ -5,6 +5,7 @@
 //! [`PlanInput`], calls [`plan`], and applies the difference.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde_json::json;
@@ -50,15 +51,16 @@ pub struct NodeFacts {
     pub labels: BTreeMap<String, String>,
     /// Managed labels whose value this operator's field manager owns (from managedFields).
     pub owned: BTreeSet<String>,
-    /// Pods on the node that use GPUs (for the idle-GPU wait before MIG changes).
-    pub gpu_pods: Vec<String>,
 }
 
 /// Everything the planner reads.
 #[derive(Debug, Clone, Default)]
 pub struct PlanInput {
     pub policies: Vec<GpuSharingPolicy>,
-    pub nodes: Vec<NodeFacts>,
+    /// Shared with the controller's node cache: a pass copies no labels.
+    pub nodes: Vec<Arc<NodeFacts>>,
+    /// Pods that use GPUs, by node (for the idle-GPU wait before MIG changes).
+    pub gpu_pods: BTreeMap<String, Vec<String>>,
     /// Current data of our device-plugin ConfigMap (to keep keys nodes still point to).
     pub current_device_config: BTreeMap<String, String>,
     /// Named mig-parted layouts available to nodes (from the GPU Operator's default config).
@@ -81,7 +83,8 @@ impl PlanInput {
     pub fn new(policies: Vec<GpuSharingPolicy>, nodes: Vec<NodeFacts>) -> Self {
         PlanInput {
             policies,
-            nodes,
+            nodes: nodes.into_iter().map(Arc::new).collect(),
+            gpu_pods: BTreeMap::new(),
             current_device_config: BTreeMap::new(),
             base_mig_configs: None,
             cluster_policy_found: true,
@@ -497,11 +500,8 @@ fn prepare<'a>(
 }
 
 /// Why a MIG change waits on this node.
-fn busy_msg(n: &NodeFacts) -> String {
-    format!(
-        "WaitingForIdleGPUs: pods using GPUs: {}",
-        n.gpu_pods.join(", ")
-    )
+fn busy_msg(pods: &[String]) -> String {
+    format!("WaitingForIdleGPUs: pods using GPUs: {}", pods.join(", "))
 }
 
 /// Leaves a node exactly as it is (the labels we own keep their values, and the keys they name
@@ -580,7 +580,7 @@ pub fn plan(input: &PlanInput) -> Plan {
         }
     }
     // Nodes in name order, whatever order the caches gave them in.
-    let mut sorted_nodes: Vec<&NodeFacts> = input.nodes.iter().collect();
+    let mut sorted_nodes: Vec<&NodeFacts> = input.nodes.iter().map(|n| &**n).collect();
     sorted_nodes.sort_by(|a, b| a.name.cmp(&b.name));
 
     // Which policy governs each node.
@@ -707,7 +707,12 @@ pub fn plan(input: &PlanInput) -> Plan {
         }
         let key = w.key.clone().expect("valid policies have a key");
         // Pods using GPUs block MIG changes unless the policy opts in.
-        let busy = !n.gpu_pods.is_empty()
+        let pods = input
+            .gpu_pods
+            .get(&n.name)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let busy = !pods.is_empty()
             && !w
                 .spec
                 .mig
@@ -747,7 +752,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                     hold_node(
                         n,
                         "Waiting",
-                        busy_msg(n),
+                        busy_msg(pods),
                         &mut node_labels,
                         &mut used_keys,
                         details,
@@ -813,7 +818,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                     hold_node(
                         n,
                         "Waiting",
-                        busy_msg(n),
+                        busy_msg(pods),
                         &mut node_labels,
                         &mut used_keys,
                         details,

@@ -542,12 +542,11 @@ fn failed_mig_node_is_left_alone_and_degraded() {
 
 #[test]
 fn busy_gpus_block_mig_changes() {
-    let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
-    n.gpu_pods = vec!["default/train-0".into()];
-    let p = plan::plan(&PlanInput::new(
-        vec![policy("mig", 3, 2, false, Some("a"), 0, 0)],
-        vec![n],
-    ));
+    let n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
+    let busy = || [("a100-0".to_string(), vec!["default/train-0".to_string()])].into();
+    let mut input = PlanInput::new(vec![policy("mig", 3, 2, false, Some("a"), 0, 0)], vec![n]);
+    input.gpu_pods = busy();
+    let p = plan::plan(&input);
     assert!(p.node_labels["a100-0"].is_empty(), "{:?}", p.node_labels);
     let c = p.statuses["mig"]
         .conditions
@@ -557,11 +556,12 @@ fn busy_gpus_block_mig_changes() {
     assert_eq!(c.reason, "WaitingForIdleGPUs");
     assert!(c.message.contains("default/train-0"));
     // Opting in proceeds.
-    let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
-    n.gpu_pods = vec!["default/train-0".into()];
+    let n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
     let mut p = policy("mig", 3, 2, false, Some("a"), 0, 0);
     p.spec.mig.as_mut().unwrap().proceed_with_busy_gpus = true;
-    let plan = plan::plan(&PlanInput::new(vec![p], vec![n]));
+    let mut input = PlanInput::new(vec![p], vec![n]);
+    input.gpu_pods = busy();
+    let plan = plan::plan(&input);
     assert_eq!(plan.node_labels["a100-0"][LABEL_MIG_CONFIG], "all-1g.10gb");
 }
 

@@ -669,7 +669,6 @@ async fn run_baseline(
                 name: n.name_any(),
                 labels: n.labels().clone(),
                 owned: Default::default(),
-                gpu_pods: vec![],
             })
             .collect();
         facts.sort_by(|a, b| a.name.cmp(&b.name));
