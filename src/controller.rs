@@ -23,16 +23,24 @@ use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
 use crate::crd::{Condition, GpuSharingPolicy, GpuSharingPolicyStatus};
+use crate::nodecache::NodeCache;
 use crate::nvidia::{self, MIG_PARTED_KEY};
 use crate::plan::{
     self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_POLICY, MANAGED_LABELS, NodeFacts, Plan, PlanInput,
 };
-use crate::nodecache::NodeCache;
 use crate::render::{self, CONFIG_LABEL, MANAGED_BY};
 
 /// Drift repairs of the ClusterPolicy within this window that make it "contested".
 const CONTEST_WINDOW: Duration = Duration::from_secs(600);
 const CONTEST_REPAIRS: usize = 3;
+
+/// A pass starts once no watch event has arrived for this long...
+const COALESCE_QUIET: Duration = Duration::from_millis(100);
+/// ...or this long after the previous pass, whichever comes first.
+const COALESCE_MAX: Duration = Duration::from_secs(1);
+
+/// Nodes per list page when the node watch (re)lists.
+const NODE_LIST_PAGE: u32 = 100;
 
 /// Our server-side apply field manager.
 pub const MANAGER: &str = "gpu-sharing-operator";
@@ -215,7 +223,9 @@ pub async fn run(
         let nodes = nodes.clone();
         watcher(
             Api::<PartialObjectMeta<Node>>::all(client.clone()),
-            watcher::Config::default(),
+            // Small list pages: a page of nodes with all their managedFields is decoded at
+            // once before it is reduced to facts.
+            watcher::Config::default().page_size(NODE_LIST_PAGE),
         )
         .default_backoff()
         .map_ok(move |ev| nodes.apply(ev))
@@ -391,8 +401,19 @@ pub async fn run(
                     backoff = (backoff * 2).min(Duration::from_secs(60));
                 }
             }
-            // Coalesce bursts of watch events into one pass.
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // Coalesce bursts of watch events (`kubectl apply -f dir/`, a relabel of many
+            // nodes) into one pass: wait until the watches are quiet, within a bound.
+            let deadline = tokio::time::Instant::now() + COALESCE_MAX;
+            loop {
+                tokio::select! {
+                    _ = notify.notified() => {
+                        if tokio::time::Instant::now() >= deadline {
+                            break;
+                        }
+                    }
+                    _ = tokio::time::sleep(COALESCE_QUIET) => break,
+                }
+            }
         }
     };
     tokio::select! {
@@ -477,13 +498,13 @@ impl Context {
         let mut stuck = BTreeSet::new();
         let mut seen = BTreeSet::new();
         for n in nodes {
-            if n.labels.get(plan::LABEL_MIG_STATE).map(String::as_str) != Some("pending") {
+            if n.labels.get(plan::LABEL_MIG_STATE) != Some("pending") {
                 continue;
             }
             let layout = n
                 .labels
                 .get(plan::LABEL_MIG_CONFIG)
-                .cloned()
+                .map(str::to_string)
                 .unwrap_or_default();
             seen.insert(n.name.clone());
             let entry = since
@@ -616,6 +637,22 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     let plan = plan::plan(&input);
     record_plan_metrics(ctx, &input, &plan);
     let writes_before = ctx.config.metrics.writes_total();
+    // What the writes below need of the input, taken now: the pass then holds no node facts
+    // while it writes, so the cache can let each node's old facts go as the watch reports our
+    // label changes (otherwise a first pass over every node holds two copies of all of them).
+    let has_policies = !input.policies.is_empty();
+    let changes: Vec<String> = input
+        .nodes
+        .iter()
+        .filter(|node| {
+            plan.node_labels
+                .get(&node.name)
+                .is_some_and(|want| !node_in_sync(node, want))
+        })
+        .map(|node| node.name.clone())
+        .collect();
+    let cleanup_pending = cleanup_pending(&input, &plan);
+    drop(input);
 
     // 1. ConfigMaps first: a key exists before any node label points to it. With no policy and
     // no ConfigMap yet there is nothing to write.
@@ -624,7 +661,7 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
         .state()
         .iter()
         .any(|c| c.name_any() == ctx.config.device_configmap);
-    if cm_exists || !input.policies.is_empty() {
+    if cm_exists || has_policies {
         apply_configmap(
             ctx,
             &ctx.config.device_configmap,
@@ -651,22 +688,13 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     apply_cluster_policy(ctx, &plan).await?;
 
     // 3. Node labels, concurrently.
-    let node_by_name: BTreeMap<&str, &NodeFacts> =
-        input.nodes.iter().map(|n| (n.name.as_str(), &**n)).collect();
-    let changes: Vec<(String, BTreeMap<String, String>)> = plan
-        .node_labels
-        .iter()
-        .filter(|(n, want)| {
-            node_by_name
-                .get(n.as_str())
-                .is_some_and(|node| !node_in_sync(node, want))
-        })
-        .map(|(n, w)| (n.clone(), w.clone()))
-        .collect();
     let nodes_api: Api<Node> = Api::all(ctx.client.clone());
-    let results: Vec<Result<(String, BTreeMap<String, String>), Error>> = stream::iter(changes)
-        .map(|(name, labels)| {
+    let plan_ref = &plan;
+    type Labelled<'a> = (String, &'a BTreeMap<String, String>);
+    let results: Vec<Result<Labelled, Error>> = stream::iter(changes)
+        .map(|name: String| {
             let api = nodes_api.clone();
+            let labels = &plan_ref.node_labels[&name];
             async move {
                 let obj = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}});
                 api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&obj)).await?;
@@ -676,18 +704,20 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
         .buffer_unordered(16)
         .collect()
         .await;
-    let mut labelled: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut first_err = None;
+    let mut done = Vec::new();
     for r in results {
         match r {
-            Ok((name, labels)) => {
-                ctx.count_write("Node");
-                let policy = labels.get(LABEL_POLICY).cloned().unwrap_or_default();
-                info!(node = %name, labels = ?labels, policy = %policy, "applied node labels");
-                labelled.entry(policy).or_default().push(name);
-            }
+            Ok(ok) => done.push(ok),
             Err(e) => first_err = first_err.or(Some(e)),
         }
+    }
+    let mut labelled: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (name, labels) in &done {
+        ctx.count_write("Node");
+        let policy = labels.get(LABEL_POLICY).map_or("", String::as_str);
+        info!(node = %name, labels = ?labels, policy = %policy, "applied node labels");
+        labelled.entry(policy).or_default().push(name);
     }
     let policies: BTreeMap<String, Arc<GpuSharingPolicy>> = ctx
         .policies
@@ -696,8 +726,8 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
         .map(|p| (p.name_any(), p))
         .collect();
     for (policy, nodes) in &labelled {
-        if let Some(p) = policies.get(policy) {
-            let shown: Vec<&str> = nodes.iter().take(10).map(String::as_str).collect();
+        if let Some(p) = policies.get(*policy) {
+            let shown: Vec<&str> = nodes.iter().take(10).copied().collect();
             ctx.event(
                 p,
                 EventType::Normal,
@@ -744,12 +774,12 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
                 .statuses
                 .values()
                 .any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes);
-    let (plan_ref, input_ref) = (&plan, &input);
+    let cleanup_ref = &cleanup_pending;
     let jobs: Vec<Arc<GpuSharingPolicy>> = policies.values().cloned().collect();
     let results: Vec<Result<bool, Error>> = stream::iter(jobs)
         .map(move |p: Arc<GpuSharingPolicy>| async move {
             let mut pending = false;
-            match finalize(ctx, p.clone(), plan_ref, input_ref).await {
+            match finalize(ctx, p.clone(), cleanup_ref).await {
                 Ok(_) => {}
                 Err(Error::Finalizer(e))
                     if matches!(
@@ -778,11 +808,35 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
     Ok(in_progress)
 }
 
+/// Policies being deleted whose node labels or config keys are still there (in the state this
+/// pass planned from, or in its plan).
+fn cleanup_pending(input: &PlanInput, plan: &Plan) -> BTreeSet<String> {
+    input
+        .policies
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_some())
+        .map(|p| p.name_any())
+        .filter(|name| {
+            let labelled = input.nodes.iter().any(|n| {
+                n.labels.get(LABEL_POLICY) == Some(name.as_str())
+                    || n.labels
+                        .get(LABEL_DEVICE_PLUGIN_CONFIG)
+                        .is_some_and(|k| is_key_of(name, k))
+            });
+            let keys_left = input
+                .current_device_config
+                .keys()
+                .chain(plan.device_config.keys())
+                .any(|k| is_key_of(name, k));
+            labelled || keys_left
+        })
+        .collect()
+}
+
 async fn finalize(
     ctx: &Context,
     p: Arc<GpuSharingPolicy>,
-    plan: &Plan,
-    input: &PlanInput,
+    cleanup_pending: &BTreeSet<String>,
 ) -> Result<Action, Error> {
     let api: Api<GpuSharingPolicy> = Api::all(ctx.client.clone());
     let name = p.name_any();
@@ -790,24 +844,14 @@ async fn finalize(
         match event {
             FinalizerEvent::Apply(_) => Ok(Action::await_change()),
             FinalizerEvent::Cleanup(p) => {
-                // Done when no node carries its labels and no config key of its remains.
-                let labelled = input.nodes.iter().any(|n| {
-                    n.labels.get(LABEL_POLICY) == Some(&name)
-                        || n.labels
-                            .get(LABEL_DEVICE_PLUGIN_CONFIG)
-                            .is_some_and(|k| is_key_of(&name, k))
-                });
-                let keys_left = input
-                    .current_device_config
-                    .keys()
-                    .chain(plan.device_config.keys())
-                    .any(|k| is_key_of(&name, k));
+                // Done when no node carries its labels, no config key of its remains and no
+                // claim template of its is left.
                 let templates_left = ctx.claim_templates.as_ref().is_some_and(|s| {
                     s.state()
                         .iter()
                         .any(|t| t.labels().get(LABEL_POLICY) == Some(&name))
                 });
-                if labelled || keys_left || templates_left {
+                if cleanup_pending.contains(&name) || templates_left {
                     return Err(Error::CleanupPending(name.clone()));
                 }
                 ctx.event(

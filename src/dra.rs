@@ -51,7 +51,7 @@ pub fn quantity_bytes(q: &str) -> Option<u128> {
         _ => return None,
     };
     let bytes = n * mult;
-    (bytes.is_finite() && bytes >= 0.0 && bytes < 1e30).then_some(bytes as u128)
+    (bytes.is_finite() && (0.0..1e30).contains(&bytes)).then_some(bytes as u128)
 }
 
 fn is_device_ref(k: &str) -> bool {

@@ -4,9 +4,10 @@
 //! A reflector store would keep each node's whole metadata (managedFields included) and every
 //! pass would copy the labels out of it into the planner's input; at thousands of nodes those two
 //! copies were most of the operator's memory. Here the watch event is turned into facts and
-//! dropped, and a pass takes `Arc`s.
+//! dropped, and a pass takes `Arc`s. Label keys and values are interned: GFD, NFD and cloud
+//! providers put tens of labels on every node, nearly all with the same keys and few values.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::core::v1::Node;
@@ -15,7 +16,7 @@ use kube::api::PartialObjectMeta;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use crate::plan::NodeFacts;
+use crate::plan::{Labels, NodeFacts};
 
 /// Labels a field manager owns through server-side apply, read from a node's managedFields.
 pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<String> {
@@ -40,13 +41,49 @@ pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<S
     out
 }
 
+/// Shared copies of label strings.
+#[derive(Default)]
+pub struct Interner {
+    strings: HashSet<Arc<str>>,
+}
+
+impl Interner {
+    pub fn intern(&mut self, s: &str) -> Arc<str> {
+        if let Some(a) = self.strings.get(s) {
+            return a.clone();
+        }
+        let a: Arc<str> = Arc::from(s);
+        self.strings.insert(a.clone());
+        a
+    }
+
+    /// Forgets strings no node uses any more.
+    pub fn purge(&mut self) {
+        self.strings.retain(|a| Arc::strong_count(a) > 1);
+    }
+
+    pub fn len(&self) -> usize {
+        self.strings.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.strings.is_empty()
+    }
+}
+
 /// What the planner knows of a node, from its metadata.
-pub fn facts(node: PartialObjectMeta<Node>, manager: &str) -> NodeFacts {
+pub fn facts(node: PartialObjectMeta<Node>, manager: &str, strings: &mut Interner) -> NodeFacts {
     let meta = node.metadata;
+    let labels = meta
+        .labels
+        .unwrap_or_default()
+        .iter()
+        .map(|(k, v)| (strings.intern(k), strings.intern(v)))
+        .collect::<Vec<_>>();
     NodeFacts {
         owned: owned_labels(meta.managed_fields.as_deref().unwrap_or_default(), manager),
         name: meta.name.unwrap_or_default(),
-        labels: meta.labels.unwrap_or_default(),
+        labels: Labels::from_pairs(labels),
     }
 }
 
@@ -55,6 +92,25 @@ struct State {
     nodes: HashMap<String, Arc<NodeFacts>>,
     /// A relist in progress: it replaces `nodes` when complete.
     relist: Option<HashMap<String, Arc<NodeFacts>>>,
+    strings: Interner,
+    /// Nodes replaced or removed since the last purge of unused strings.
+    churn: usize,
+}
+
+impl State {
+    fn facts(&mut self, n: PartialObjectMeta<Node>, manager: &str) -> Arc<NodeFacts> {
+        Arc::new(facts(n, manager, &mut self.strings))
+    }
+
+    /// Purges unused strings once about as many nodes changed as there are: amortised O(1) per
+    /// event, and the interner never holds more than about twice what is in use.
+    fn churned(&mut self) {
+        self.churn += 1;
+        if self.churn > self.nodes.len().max(64) {
+            self.strings.purge();
+            self.churn = 0;
+        }
+    }
 }
 
 /// Shared node cache, fed by a metadata watch of nodes.
@@ -80,24 +136,30 @@ impl NodeCache {
         let mut s = self.state.write().expect("node cache lock");
         match event {
             watcher::Event::Apply(n) => {
-                let f = facts(n, &self.manager);
-                s.nodes.insert(f.name.clone(), Arc::new(f));
+                let f = s.facts(n, &self.manager);
+                if s.nodes.insert(f.name.clone(), f).is_some() {
+                    s.churned();
+                }
             }
             watcher::Event::Delete(n) => {
-                if let Some(name) = &n.metadata.name {
-                    s.nodes.remove(name);
+                if let Some(name) = &n.metadata.name
+                    && s.nodes.remove(name).is_some()
+                {
+                    s.churned();
                 }
             }
             watcher::Event::Init => s.relist = Some(HashMap::new()),
             watcher::Event::InitApply(n) => {
-                let f = facts(n, &self.manager);
+                let f = s.facts(n, &self.manager);
                 s.relist
                     .get_or_insert_with(HashMap::new)
-                    .insert(f.name.clone(), Arc::new(f));
+                    .insert(f.name.clone(), f);
             }
             watcher::Event::InitDone => {
                 if let Some(fresh) = s.relist.take() {
                     s.nodes = fresh;
+                    s.strings.purge();
+                    s.churn = 0;
                 }
                 drop(s);
                 self.ready.send_replace(true);
@@ -111,6 +173,11 @@ impl NodeCache {
         let mut v: Vec<Arc<NodeFacts>> = s.nodes.values().cloned().collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
         v
+    }
+
+    /// Distinct label strings held (for tests and metrics).
+    pub fn strings(&self) -> usize {
+        self.state.read().expect("node cache lock").strings.len()
     }
 
     /// Resolves once the first list is complete.
@@ -127,14 +194,15 @@ mod tests {
     use serde_json::json;
 
     fn node(name: &str, product: &str, managed: serde_json::Value) -> PartialObjectMeta<Node> {
-        let mut n = PartialObjectMeta::<Node>::default();
-        n.metadata = ObjectMeta {
-            name: Some(name.into()),
-            labels: Some([("nvidia.com/gpu.product".to_string(), product.to_string())].into()),
-            managed_fields: serde_json::from_value(managed).unwrap(),
+        PartialObjectMeta::<Node> {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some([("nvidia.com/gpu.product".to_string(), product.to_string())].into()),
+                managed_fields: serde_json::from_value(managed).unwrap(),
+                ..Default::default()
+            },
             ..Default::default()
-        };
-        n
+        }
     }
 
     #[test]
@@ -147,9 +215,13 @@ mod tests {
             {"manager": "gpu-feature-discovery", "operation": "Apply",
              "fieldsV1": {"f:metadata": {"f:labels": {"f:nvidia.com/gpu.product": {}}}}}
         ]);
-        let f = facts(node("a", "NVIDIA-L4", managed), "ours");
+        let f = facts(
+            node("a", "NVIDIA-L4", managed),
+            "ours",
+            &mut Interner::default(),
+        );
         assert_eq!(f.name, "a");
-        assert_eq!(f.labels["nvidia.com/gpu.product"], "NVIDIA-L4");
+        assert_eq!(&f.labels["nvidia.com/gpu.product"], "NVIDIA-L4");
         assert_eq!(
             f.owned,
             BTreeSet::from([
@@ -176,7 +248,8 @@ mod tests {
         c.apply(watcher::Event::Delete(node("b", "L4", json!([]))));
         let snap = c.snapshot();
         assert_eq!(snap.len(), 1);
-        assert_eq!(snap[0].labels["nvidia.com/gpu.product"], "H200");
+        assert_eq!(&snap[0].labels["nvidia.com/gpu.product"], "H200");
+        drop(snap);
 
         // A relist after a watch gap drops nodes deleted meanwhile.
         c.apply(watcher::Event::Init);
@@ -184,5 +257,44 @@ mod tests {
         c.apply(watcher::Event::InitDone);
         let names: Vec<String> = c.snapshot().iter().map(|n| n.name.clone()).collect();
         assert_eq!(names, ["c"]);
+        // Strings of the dropped nodes were purged: one key, one value remain.
+        assert_eq!(c.strings(), 2);
+    }
+
+    #[test]
+    fn labels_are_shared_between_nodes_and_unused_strings_purged() {
+        let c = NodeCache::new("ours");
+        c.apply(watcher::Event::Init);
+        for i in 0..10 {
+            c.apply(watcher::Event::InitApply(node(
+                &format!("n{i}"),
+                "NVIDIA-H200",
+                json!([]),
+            )));
+        }
+        c.apply(watcher::Event::InitDone);
+        let snap = c.snapshot();
+        let a = snap[0].labels.iter().next().unwrap().1.as_ptr();
+        let b = snap[9].labels.iter().next().unwrap().1.as_ptr();
+        assert_eq!(a, b, "the same value is one allocation");
+        assert_eq!(c.strings(), 2);
+        drop(snap);
+        // Every node changes product, more often than there are nodes: the old value goes.
+        for round in 0..7 {
+            for i in 0..10 {
+                let p = format!("GPU-{round}");
+                c.apply(watcher::Event::Apply(node(&format!("n{i}"), &p, json!([]))));
+            }
+        }
+        assert!(
+            c.strings() <= 2 + 10,
+            "interner holds {} strings",
+            c.strings()
+        );
+        assert!(
+            c.snapshot()
+                .iter()
+                .all(|n| n.labels.get("nvidia.com/gpu.product") == Some("GPU-6"))
+        );
     }
 }

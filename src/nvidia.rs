@@ -192,7 +192,7 @@ fn replicated(ts: &TimeSlicing, default_names: &[String]) -> ReplicatedResources
             .map(|r| ReplicatedResource {
                 name: qualify_resource(&r.name),
                 rename: r.rename.clone(),
-                devices: r.devices.as_ref().map(|d| d.clone()),
+                devices: r.devices.clone(),
                 replicas: r.replicas,
             })
             .collect()

@@ -44,11 +44,129 @@ pub const MANAGED_LABELS: [&str; 4] = [
 /// Most per-node entries kept in a policy's status.
 pub const MAX_NODE_DETAILS: usize = 50;
 
+/// A node's labels: (key, value) pairs sorted by key, as shared strings. The node cache interns
+/// them, so a key or value found on thousands of nodes (`nvidia.com/gpu.product=NVIDIA-H200`)
+/// is stored once; a node costs two pointers per label.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Labels(Box<[(Arc<str>, Arc<str>)]>);
+
+impl Labels {
+    /// From pairs in any order; a repeated key keeps its last value.
+    pub fn from_pairs(mut pairs: Vec<(Arc<str>, Arc<str>)>) -> Self {
+        pairs.reverse();
+        pairs.sort_by(|a, b| a.0.cmp(&b.0));
+        pairs.dedup_by(|a, b| a.0 == b.0);
+        Labels(pairs.into_boxed_slice())
+    }
+
+    fn position(&self, key: &str) -> Result<usize, usize> {
+        self.0.binary_search_by(|(k, _)| (**k).cmp(key))
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.position(key).ok().map(|i| &*self.0[i].1)
+    }
+
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.position(key).is_ok()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.0.iter().map(|(k, v)| (&**k, &**v))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Sets a label (rebuilds the pairs: for tests and small edits, not hot paths).
+    pub fn insert(&mut self, key: impl Into<Arc<str>>, value: impl Into<Arc<str>>) {
+        let (key, value) = (key.into(), value.into());
+        let mut v = std::mem::take(&mut self.0).into_vec();
+        match self.position_in(&v, &key) {
+            Ok(i) => v[i].1 = value,
+            Err(i) => v.insert(i, (key, value)),
+        }
+        self.0 = v.into_boxed_slice();
+    }
+
+    /// Removes a label, returning its value.
+    pub fn remove(&mut self, key: &str) -> Option<Arc<str>> {
+        let i = self.position(key).ok()?;
+        let mut v = std::mem::take(&mut self.0).into_vec();
+        let (_, value) = v.remove(i);
+        self.0 = v.into_boxed_slice();
+        Some(value)
+    }
+
+    fn position_in(&self, v: &[(Arc<str>, Arc<str>)], key: &str) -> Result<usize, usize> {
+        v.binary_search_by(|(k, _)| (**k).cmp(key))
+    }
+}
+
+impl std::fmt::Debug for Labels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl std::ops::Index<&str> for Labels {
+    type Output = str;
+    fn index(&self, key: &str) -> &str {
+        self.get(key).unwrap_or_else(|| panic!("no label {key:?}"))
+    }
+}
+
+impl<K: Into<Arc<str>>, V: Into<Arc<str>>> FromIterator<(K, V)> for Labels {
+    fn from_iter<I: IntoIterator<Item = (K, V)>>(iter: I) -> Self {
+        Labels::from_pairs(
+            iter.into_iter()
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect(),
+        )
+    }
+}
+
+impl<K: Into<Arc<str>>, V: Into<Arc<str>>> Extend<(K, V)> for Labels {
+    fn extend<I: IntoIterator<Item = (K, V)>>(&mut self, iter: I) {
+        let mut v = std::mem::take(&mut self.0).into_vec();
+        v.extend(iter.into_iter().map(|(k, v)| (k.into(), v.into())));
+        *self = Labels::from_pairs(v);
+    }
+}
+
+impl From<BTreeMap<String, String>> for Labels {
+    fn from(m: BTreeMap<String, String>) -> Self {
+        m.into_iter().collect()
+    }
+}
+
+/// Label lookup, for selectors over node labels and plain maps alike.
+pub trait LabelLookup {
+    fn label(&self, key: &str) -> Option<&str>;
+}
+
+impl LabelLookup for Labels {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.get(key)
+    }
+}
+
+impl LabelLookup for BTreeMap<String, String> {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.get(key).map(String::as_str)
+    }
+}
+
 /// What the planner knows of a node.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NodeFacts {
     pub name: String,
-    pub labels: BTreeMap<String, String>,
+    pub labels: Labels,
     /// Managed labels whose value this operator's field manager owns (from managedFields).
     pub owned: BTreeSet<String>,
 }
@@ -158,39 +276,46 @@ pub const UNSTABLE_LABELS: [&str; 8] = [
 /// GFD appends `-SHARED` to the product when a GPU is shared without renaming.
 pub const SHARED_SUFFIX: &str = "-SHARED";
 
-/// The labels selectors are matched against: the product without GFD's `-SHARED` suffix, so a
-/// policy selecting `nvidia.com/gpu.product=NVIDIA-H200` keeps its nodes once they are shared.
-pub fn selection_labels(
-    labels: &BTreeMap<String, String>,
-) -> std::borrow::Cow<'_, BTreeMap<String, String>> {
-    let base = labels.get(LABEL_GPU_PRODUCT).and_then(|p| {
-        let p2 = p.strip_suffix(SHARED_SUFFIX).unwrap_or(p);
-        let p3 = p2.find("-MIG-").map_or(p2, |i| &p2[..i]);
-        (p3 != p).then_some(p3)
+/// The labels selectors are matched against: the product without GFD's `-SHARED` suffix (and
+/// without a `-MIG-...` suffix of the mixed strategy), so a policy selecting
+/// `nvidia.com/gpu.product=NVIDIA-H200` keeps its nodes once they are shared.
+pub fn selection_labels(labels: &Labels) -> SelectionLabels<'_> {
+    let product = labels.get(LABEL_GPU_PRODUCT).map(|p| {
+        let p = p.strip_suffix(SHARED_SUFFIX).unwrap_or(p);
+        p.find("-MIG-").map_or(p, |i| &p[..i])
     });
-    match base {
-        Some(base) => {
-            let mut l = labels.clone();
-            l.insert(LABEL_GPU_PRODUCT.to_string(), base.to_string());
-            std::borrow::Cow::Owned(l)
+    SelectionLabels { labels, product }
+}
+
+/// A node's labels as selectors see them (see [`selection_labels`]).
+pub struct SelectionLabels<'a> {
+    labels: &'a Labels,
+    product: Option<&'a str>,
+}
+
+impl LabelLookup for SelectionLabels<'_> {
+    fn label(&self, key: &str) -> Option<&str> {
+        if key == LABEL_GPU_PRODUCT {
+            self.product
+        } else {
+            self.labels.get(key)
         }
-        None => std::borrow::Cow::Borrowed(labels),
     }
 }
 
 /// Whether a label selector matches a label set.
-pub fn selector_matches(sel: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
+pub fn selector_matches(sel: &LabelSelector, labels: &impl LabelLookup) -> bool {
     for (k, v) in sel.match_labels.iter().flatten() {
-        if labels.get(k) != Some(v) {
+        if labels.label(k) != Some(v.as_str()) {
             return false;
         }
     }
     for e in sel.match_expressions.iter().flatten() {
-        let vals = e.values.clone().unwrap_or_default();
-        let cur = labels.get(&e.key);
+        let vals = e.values.as_deref().unwrap_or_default();
+        let cur = labels.label(&e.key);
         let ok = match e.operator.as_str() {
-            "In" => cur.is_some_and(|c| vals.contains(c)),
-            "NotIn" => cur.is_none_or(|c| !vals.contains(c)),
+            "In" => cur.is_some_and(|c| vals.iter().any(|v| v == c)),
+            "NotIn" => cur.is_none_or(|c| vals.iter().all(|v| v != c)),
             "Exists" => cur.is_some(),
             "DoesNotExist" => cur.is_none(),
             _ => false,
@@ -293,7 +418,7 @@ fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<Strin
         }
         Strategy::Mig => {
             let mig = spec.mig.as_ref()?;
-            if node.labels.get(LABEL_MIG_CAPABLE).map(String::as_str) != Some("true") {
+            if node.labels.get(LABEL_MIG_CAPABLE) != Some("true") {
                 return Some(format!(
                     "{product} does not support MIG (nvidia.com/mig.capable is not true)"
                 ));
@@ -517,7 +642,7 @@ fn hold_node(
     let held: BTreeMap<String, String> = n
         .owned
         .iter()
-        .filter_map(|k| n.labels.get(k).map(|v| (k.clone(), v.clone())))
+        .filter_map(|k| n.labels.get(k).map(|v| (k.clone(), v.to_string())))
         .collect();
     used_keys.extend(held.values().cloned());
     node_labels.insert(n.name.clone(), held);
@@ -660,8 +785,8 @@ pub fn plan(input: &PlanInput) -> Plan {
     let mut used_layouts: BTreeSet<String> = BTreeSet::new();
 
     for n in &sorted_nodes {
-        let cur = |k: &str| n.labels.get(k).cloned();
-        let mig_capable = n.labels.get(LABEL_MIG_CAPABLE).map(String::as_str) == Some("true");
+        let cur = |k: &str| n.labels.get(k).map(str::to_string);
+        let mig_capable = n.labels.get(LABEL_MIG_CAPABLE) == Some("true");
         let mig_state = cur(LABEL_MIG_STATE);
         let cur_mig = cur(LABEL_MIG_CONFIG);
         let mig_done = |layout: &str| {
@@ -864,7 +989,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                     "GPU Feature Discovery reports nvidia.com/gpu.replicas={}, expected {}",
                     n.labels
                         .get(LABEL_GPU_REPLICAS)
-                        .cloned()
+                        .map(str::to_string)
                         .unwrap_or_default(),
                     expected_replicas
                 ),
@@ -920,7 +1045,7 @@ pub fn plan(input: &PlanInput) -> Plan {
         let Some(want) = l.get(LABEL_MIG_CONFIG).cloned() else {
             continue;
         };
-        let cur_state = n.labels.get(LABEL_MIG_STATE).map(String::as_str);
+        let cur_state = n.labels.get(LABEL_MIG_STATE);
         if n.labels.get(LABEL_MIG_CONFIG) != Some(&want)
             || (n.owned.contains(LABEL_MIG_STATE) && cur_state == Some("pending"))
         {
@@ -936,7 +1061,7 @@ pub fn plan(input: &PlanInput) -> Plan {
     );
     for p in &prepared {
         if let (Some(k), Some(t)) = (&p.key, &p.config_text) {
-            device_config.insert(k.clone(), t.clone());
+            device_config.insert(k.to_string(), t.clone());
         }
     }
     for n in &input.nodes {
@@ -944,14 +1069,14 @@ pub fn plan(input: &PlanInput) -> Plan {
             && !device_config.contains_key(k)
             && let Some(t) = input.current_device_config.get(k)
         {
-            device_config.insert(k.clone(), t.clone());
+            device_config.insert(k.to_string(), t.clone());
         }
     }
     for k in &used_keys {
         if !device_config.contains_key(k)
             && let Some(t) = input.current_device_config.get(k)
         {
-            device_config.insert(k.clone(), t.clone());
+            device_config.insert(k.to_string(), t.clone());
         }
     }
 

@@ -2,9 +2,10 @@
 //! object the operator would write as multi-document YAML.
 //!
 //! The output is an interface (documented in the README, parsed by the conformance test):
-//! 1. the device-plugin ConfigMap; 2. the mig-parted ConfigMap (only with custom MIG layouts);
-//! 3. the ClusterPolicy patch; 3b. ResourceClaimTemplates of DRA policies; 4. with nodes, one Node document each with the labels the operator
-//! manages on it; 5. one GpuSharingPolicy document per policy with its computed status.
+//! the device-plugin ConfigMap; the mig-parted ConfigMap (only with custom MIG layouts); the
+//! ClusterPolicy patch; ResourceClaimTemplates of DRA policies; with nodes, one Node document
+//! each with the labels the operator manages on it; one GpuSharingPolicy document per policy
+//! with its computed status.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -244,7 +245,7 @@ pub fn load_nodes(path: &Path) -> Result<Vec<NodeFacts>, RenderError> {
             .unwrap_or_default();
         nodes.push(NodeFacts {
             name,
-            labels,
+            labels: labels.into(),
             ..Default::default()
         });
     }

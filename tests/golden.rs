@@ -235,7 +235,7 @@ fn h200_node() -> NodeFacts {
     }
     NodeFacts {
         name: "h200-node-0".into(),
-        labels,
+        labels: labels.into(),
         ..Default::default()
     }
 }

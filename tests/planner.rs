@@ -16,7 +16,8 @@ use gpu_sharing_operator::crd::{
 };
 use gpu_sharing_operator::nvidia::{DEFAULT_KEY, DevicePluginConfig, MIG_DISABLED_LAYOUT};
 use gpu_sharing_operator::plan::{
-    self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE, NodeFacts, Plan, PlanInput,
+    self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE, Labels, NodeFacts, Plan,
+    PlanInput,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
 use proptest::prelude::*;
@@ -24,18 +25,18 @@ use proptest::prelude::*;
 const PROFILES: [&str; 4] = ["a", "b", "c", "d"];
 
 fn node(name: &str, product: &str, mig_capable: bool, profile: Option<&str>) -> NodeFacts {
-    let mut labels = BTreeMap::new();
-    labels.insert("nvidia.com/gpu.product".into(), product.into());
-    labels.insert("nvidia.com/gpu.count".into(), "8".into());
+    let mut labels = Labels::default();
+    labels.insert("nvidia.com/gpu.product", product);
+    labels.insert("nvidia.com/gpu.count", "8");
     let mem = if product.contains("A100") {
         "81920"
     } else {
         "143771"
     };
-    labels.insert("nvidia.com/gpu.memory".into(), mem.into());
-    labels.insert("nvidia.com/mig.capable".into(), mig_capable.to_string());
+    labels.insert("nvidia.com/gpu.memory", mem);
+    labels.insert("nvidia.com/mig.capable", mig_capable.to_string());
     if let Some(p) = profile {
-        labels.insert("gpusharing.io/profile".into(), p.into());
+        labels.insert("gpusharing.io/profile", p);
     }
     NodeFacts {
         name: name.into(),
@@ -266,14 +267,14 @@ impl World {
                     n.labels.remove(&k);
                 }
             }
-            let old_mig = n.labels.get(LABEL_MIG_CONFIG).cloned();
+            let old_mig = n.labels.get(LABEL_MIG_CONFIG).map(str::to_string);
             for (k, v) in want {
                 n.labels.insert(k.clone(), v.clone());
             }
             n.owned = want.keys().cloned().collect();
             assert!(
-                n.labels.get(LABEL_MIG_CONFIG) == old_mig.as_ref()
-                    || n.labels.get(LABEL_MIG_STATE).map(String::as_str) == Some("pending"),
+                n.labels.get(LABEL_MIG_CONFIG) == old_mig.as_deref()
+                    || n.labels.get(LABEL_MIG_STATE) == Some("pending"),
                 "{}: MIG layout changed without marking the state pending: {:?}",
                 n.name,
                 n.labels
@@ -283,13 +284,15 @@ impl World {
 
     fn mig_manager(&mut self) {
         for n in &mut self.nodes {
-            if n.labels.get(LABEL_MIG_STATE).map(String::as_str) == Some("pending") {
-                let layout = n.labels.get(LABEL_MIG_CONFIG).cloned().unwrap_or_default();
+            if n.labels.get(LABEL_MIG_STATE) == Some("pending") {
+                let layout = n
+                    .labels
+                    .get(LABEL_MIG_CONFIG)
+                    .map(str::to_string)
+                    .unwrap_or_default();
                 let ok = self.mig_layouts.contains(&layout) || layout == MIG_DISABLED_LAYOUT;
-                n.labels.insert(
-                    LABEL_MIG_STATE.into(),
-                    if ok { "success" } else { "failed" }.into(),
-                );
+                n.labels
+                    .insert(LABEL_MIG_STATE, if ok { "success" } else { "failed" });
                 // Its update takes the field over from us.
                 n.owned.remove(LABEL_MIG_STATE);
             }
@@ -298,7 +301,7 @@ impl World {
 
     /// MIG may be enabled on the node: its layout label is not a confirmed all-disabled.
     fn mig_maybe_on(n: &NodeFacts) -> bool {
-        match n.labels.get(LABEL_MIG_CONFIG).map(String::as_str) {
+        match n.labels.get(LABEL_MIG_CONFIG) {
             None => false,
             Some(MIG_DISABLED_LAYOUT) => n
                 .labels
@@ -351,12 +354,8 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
         mig_layouts: BTreeSet::new(),
     };
     // Start from MIG enabled on one node, as an admin left it.
-    w.nodes[0]
-        .labels
-        .insert(LABEL_MIG_CONFIG.into(), "all-1g.10gb".into());
-    w.nodes[0]
-        .labels
-        .insert(LABEL_MIG_STATE.into(), "success".into());
+    w.nodes[0].labels.insert(LABEL_MIG_CONFIG, "all-1g.10gb");
+    w.nodes[0].labels.insert(LABEL_MIG_STATE, "success");
     for s in steps {
         match s {
             Step::Apply => {
@@ -386,7 +385,7 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
                 Some(p) => {
                     w.nodes[n]
                         .labels
-                        .insert("gpusharing.io/profile".into(), PROFILES[p].into());
+                        .insert("gpusharing.io/profile", PROFILES[p]);
                 }
                 None => {
                     w.nodes[n].labels.remove("gpusharing.io/profile");
@@ -408,7 +407,12 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
     for n in &w.nodes {
         let want = &p.node_labels[&n.name];
         for (k, v) in want {
-            assert_eq!(n.labels.get(k), Some(v), "{}: not converged on {k}", n.name);
+            assert_eq!(
+                n.labels.get(k),
+                Some(v.as_str()),
+                "{}: not converged on {k}",
+                n.name
+            );
         }
     }
     let again = plan::plan(&w.input());
@@ -441,7 +445,7 @@ fn mig_to_mps_goes_through_confirmed_all_disabled() {
         w.apply(&p);
         w.mig_manager();
     }
-    assert_eq!(w.nodes[0].labels[LABEL_MIG_CONFIG], "all-1g.10gb");
+    assert_eq!(&w.nodes[0].labels[LABEL_MIG_CONFIG], "all-1g.10gb");
     assert!(w.nodes[0].labels[LABEL_DEVICE_PLUGIN_CONFIG].starts_with("mig-"));
     // Switch to MPS.
     w.policies = vec![policy("mps", 2, 4, false, Some("a"), 0, 0)];
@@ -506,11 +510,9 @@ fn overlapping_policies_priority_then_age_then_name() {
 #[test]
 fn failed_mig_node_is_left_alone_and_degraded() {
     let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
-    n.labels
-        .insert(LABEL_MIG_CONFIG.into(), "all-1g.10gb".into());
-    n.labels.insert(LABEL_MIG_STATE.into(), "failed".into());
-    n.labels
-        .insert(LABEL_DEVICE_PLUGIN_CONFIG.into(), DEFAULT_KEY.into());
+    n.labels.insert(LABEL_MIG_CONFIG, "all-1g.10gb");
+    n.labels.insert(LABEL_MIG_STATE, "failed");
+    n.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG, DEFAULT_KEY);
     n.owned = [
         LABEL_MIG_CONFIG.to_string(),
         LABEL_DEVICE_PLUGIN_CONFIG.to_string(),
@@ -523,7 +525,7 @@ fn failed_mig_node_is_left_alone_and_degraded() {
     let want: BTreeMap<String, String> = n
         .owned
         .iter()
-        .map(|k| (k.clone(), n.labels[k].clone()))
+        .map(|k| (k.clone(), n.labels[k].to_string()))
         .collect();
     assert_eq!(
         p.node_labels["a100-0"], want,
@@ -568,8 +570,7 @@ fn busy_gpus_block_mig_changes() {
 #[test]
 fn invalid_policy_changes_nothing_on_its_nodes() {
     let mut n = node("h200-0", "NVIDIA-H200", false, Some("a"));
-    n.labels
-        .insert(LABEL_DEVICE_PLUGIN_CONFIG.into(), "old-12345678".into());
+    n.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG, "old-12345678");
     n.owned = [LABEL_DEVICE_PLUGIN_CONFIG.to_string()].into();
     let mut bad = policy("bad", 2, 4, false, Some("a"), 0, 0);
     bad.spec.mps.as_mut().unwrap().replicas = 1;
@@ -624,14 +625,16 @@ fn mixed_mig_blocks_mps_cluster_wide() {
 #[test]
 fn shared_product_suffix_keeps_nodes_selected() {
     // GFD appends -SHARED (and -MIG-<profile> with MIG single) to the product once shared.
-    let mut sel = LabelSelector::default();
-    sel.match_labels = Some(
-        [(
-            "nvidia.com/gpu.product".to_string(),
-            "NVIDIA-H200".to_string(),
-        )]
-        .into(),
-    );
+    let sel = LabelSelector {
+        match_labels: Some(
+            [(
+                "nvidia.com/gpu.product".to_string(),
+                "NVIDIA-H200".to_string(),
+            )]
+            .into(),
+        ),
+        ..Default::default()
+    };
     for product in [
         "NVIDIA-H200",
         "NVIDIA-H200-SHARED",
@@ -639,16 +642,14 @@ fn shared_product_suffix_keeps_nodes_selected() {
         "NVIDIA-H200-MIG-1g.18gb-SHARED",
     ] {
         let mut n = node("h", "NVIDIA-H200", false, None);
-        n.labels
-            .insert("nvidia.com/gpu.product".into(), product.into());
+        n.labels.insert("nvidia.com/gpu.product", product);
         assert!(
             plan::selector_matches(&sel, &plan::selection_labels(&n.labels)),
             "{product}"
         );
     }
     let mut n = node("h", "NVIDIA-H200", false, None);
-    n.labels
-        .insert("nvidia.com/gpu.product".into(), "NVIDIA-H200-NVL".into());
+    n.labels.insert("nvidia.com/gpu.product", "NVIDIA-H200-NVL");
     assert!(!plan::selector_matches(
         &sel,
         &plan::selection_labels(&n.labels)
@@ -672,9 +673,8 @@ fn selectors_on_labels_sharing_changes_are_refused() {
 #[test]
 fn mig_pending_past_the_timeout_is_degraded_and_left_alone() {
     let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
-    n.labels
-        .insert(LABEL_MIG_CONFIG.into(), "all-1g.10gb".into());
-    n.labels.insert(LABEL_MIG_STATE.into(), "pending".into());
+    n.labels.insert(LABEL_MIG_CONFIG, "all-1g.10gb");
+    n.labels.insert(LABEL_MIG_STATE, "pending");
     n.owned = [LABEL_MIG_CONFIG.to_string(), LABEL_MIG_STATE.to_string()].into();
     let mut input = PlanInput::new(
         vec![policy("mig", 3, 2, false, Some("a"), 0, 0)],
@@ -705,7 +705,23 @@ fn mig_pending_past_the_timeout_is_degraded_and_left_alone() {
     let held: BTreeMap<String, String> = n
         .owned
         .iter()
-        .map(|k| (k.clone(), n.labels[k].clone()))
+        .map(|k| (k.clone(), n.labels[k].to_string()))
         .collect();
     assert_eq!(after.node_labels["a100-0"], held);
+}
+
+#[test]
+fn node_labels_behave_like_a_sorted_map() {
+    let mut l: Labels = [("b", "1"), ("a", "2"), ("b", "3")].into_iter().collect();
+    // A repeated key keeps its last value; iteration is in key order.
+    assert_eq!(l.iter().collect::<Vec<_>>(), [("a", "2"), ("b", "3")]);
+    l.insert("c", "4");
+    l.insert("a", "5");
+    assert_eq!(l.get("a"), Some("5"));
+    assert_eq!(l.remove("b").as_deref(), Some("3"));
+    assert_eq!(l.remove("zz"), None);
+    l.extend([("d", "6")]);
+    assert_eq!(format!("{l:?}"), r#"{"a": "5", "c": "4", "d": "6"}"#);
+    let from_map: Labels = BTreeMap::from([("c".to_string(), "4".to_string())]).into();
+    assert!(from_map.contains_key("c") && !from_map.contains_key("a"));
 }

@@ -436,6 +436,93 @@ fn policy_name(g: usize) -> String {
     format!("bench-{g:03}")
 }
 
+/// The labels of a GPU node as a real cluster has them: the kubelet's and the cloud provider's,
+/// Node Feature Discovery's, GPU Feature Discovery's and the GPU Operator's (57, a few unique to
+/// the node such as its hostname and GFD's timestamp), plus the benchmark's group. GFD's labels
+/// that follow the sharing config (`gpu.replicas`, `gpu.sharing-strategy`, `mps.capable`,
+/// `-SHARED` products) are left out: no GFD runs here to update them.
+fn node_labels(i: usize, p: usize) -> BTreeMap<String, String> {
+    let name = node_name(i);
+    let zone = format!("us-east-1{}", ["a", "b", "c"][i % 3]);
+    let ts = (1_780_000_000 + i as u64 * 7).to_string();
+    let mut l: BTreeMap<String, String> = [
+        ("kubernetes.io/hostname", name.as_str()),
+        ("kubernetes.io/os", "linux"),
+        ("kubernetes.io/arch", "amd64"),
+        ("beta.kubernetes.io/os", "linux"),
+        ("beta.kubernetes.io/arch", "amd64"),
+        ("beta.kubernetes.io/instance-type", "g6.12xlarge"),
+        ("node.kubernetes.io/instance-type", "g6.12xlarge"),
+        ("topology.kubernetes.io/region", "us-east-1"),
+        ("topology.kubernetes.io/zone", zone.as_str()),
+        ("failure-domain.beta.kubernetes.io/region", "us-east-1"),
+        ("failure-domain.beta.kubernetes.io/zone", zone.as_str()),
+        ("node-role.kubernetes.io/gpu", ""),
+        ("feature.node.kubernetes.io/cpu-cpuid.AVX", "true"),
+        ("feature.node.kubernetes.io/cpu-cpuid.AVX2", "true"),
+        ("feature.node.kubernetes.io/cpu-cpuid.AVX512F", "true"),
+        ("feature.node.kubernetes.io/cpu-cpuid.AVX512BW", "true"),
+        ("feature.node.kubernetes.io/cpu-cpuid.AVX512VNNI", "true"),
+        ("feature.node.kubernetes.io/cpu-cpuid.FMA3", "true"),
+        ("feature.node.kubernetes.io/cpu-cpuid.SHA", "true"),
+        ("feature.node.kubernetes.io/cpu-cpuid.VAES", "true"),
+        (
+            "feature.node.kubernetes.io/cpu-hardware_multithreading",
+            "true",
+        ),
+        ("feature.node.kubernetes.io/cpu-model.family", "25"),
+        ("feature.node.kubernetes.io/cpu-model.id", "1"),
+        ("feature.node.kubernetes.io/cpu-model.vendor_id", "AMD"),
+        (
+            "feature.node.kubernetes.io/kernel-version.full",
+            "6.1.0-28-cloud-amd64",
+        ),
+        ("feature.node.kubernetes.io/kernel-version.major", "6"),
+        ("feature.node.kubernetes.io/kernel-version.minor", "1"),
+        ("feature.node.kubernetes.io/kernel-version.revision", "0"),
+        ("feature.node.kubernetes.io/pci-10de.present", "true"),
+        ("feature.node.kubernetes.io/pci-1d0f.present", "true"),
+        ("feature.node.kubernetes.io/system-os_release.ID", "debian"),
+        (
+            "feature.node.kubernetes.io/system-os_release.VERSION_ID",
+            "12",
+        ),
+        (
+            "feature.node.kubernetes.io/storage-nonrotationaldisk",
+            "true",
+        ),
+        ("nvidia.com/cuda.driver-version.full", "570.172.08"),
+        ("nvidia.com/cuda.driver.major", "570"),
+        ("nvidia.com/cuda.driver.minor", "172"),
+        ("nvidia.com/cuda.driver.rev", "08"),
+        ("nvidia.com/cuda.runtime.major", "12"),
+        ("nvidia.com/cuda.runtime.minor", "8"),
+        ("nvidia.com/gfd.timestamp", ts.as_str()),
+        ("nvidia.com/gpu.compute.major", "8"),
+        ("nvidia.com/gpu.compute.minor", "9"),
+        ("nvidia.com/gpu.count", "4"),
+        ("nvidia.com/gpu.family", "ada-lovelace"),
+        ("nvidia.com/gpu.machine", "g6.12xlarge"),
+        ("nvidia.com/gpu.memory", "23034"),
+        ("nvidia.com/gpu.mode", "compute"),
+        ("nvidia.com/gpu.present", "true"),
+        ("nvidia.com/gpu.product", "NVIDIA-L4"),
+        ("nvidia.com/mig.capable", "false"),
+        ("nvidia.com/gpu.deploy.container-toolkit", "true"),
+        ("nvidia.com/gpu.deploy.dcgm", "true"),
+        ("nvidia.com/gpu.deploy.dcgm-exporter", "true"),
+        ("nvidia.com/gpu.deploy.device-plugin", "true"),
+        ("nvidia.com/gpu.deploy.driver", "true"),
+        ("nvidia.com/gpu.deploy.gpu-feature-discovery", "true"),
+        ("nvidia.com/gpu.deploy.operator-validator", "true"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    l.insert(GROUP_LABEL.into(), format!("g{}", group_of(i, p)));
+    l
+}
+
 async fn create_nodes(client: &Client, n: usize, p: usize, conc: usize) -> anyhow::Result<()> {
     let api: Api<Node> = Api::all(client.clone());
     stream::iter(0..n)
@@ -446,21 +533,7 @@ async fn create_nodes(client: &Client, n: usize, p: usize, conc: usize) -> anyho
                 let node: Node = serde_json::from_value(json!({
                     "apiVersion": "v1",
                     "kind": "Node",
-                    "metadata": {
-                        "name": name,
-                        "labels": {
-                            "kubernetes.io/hostname": name,
-                            "kubernetes.io/os": "linux",
-                            "nvidia.com/gpu.present": "true",
-                            "nvidia.com/gpu.product": "NVIDIA-L4",
-                            "nvidia.com/gpu.count": "4",
-                            "nvidia.com/gpu.memory": "23034",
-                            "nvidia.com/gpu.compute.major": "8",
-                            "nvidia.com/gpu.compute.minor": "9",
-                            "nvidia.com/mig.capable": "false",
-                            GROUP_LABEL: format!("g{}", group_of(i, p)),
-                        }
-                    },
+                    "metadata": {"name": name, "labels": node_labels(i, p)},
                     "spec": {}
                 }))?;
                 api.create(&PostParams::default(), &node).await?;
@@ -474,7 +547,7 @@ async fn create_nodes(client: &Client, n: usize, p: usize, conc: usize) -> anyho
 }
 
 fn policy_object(g: usize, replicas: i32) -> GpuSharingPolicy {
-    let sharing = if g % 2 == 0 {
+    let sharing = if g.is_multiple_of(2) {
         json!({"strategy": "timeSlicing", "timeSlicing": {"replicas": replicas}})
     } else {
         json!({"strategy": "mps", "mps": {"replicas": replicas}})
@@ -667,7 +740,7 @@ async fn run_baseline(
             .into_iter()
             .map(|n| NodeFacts {
                 name: n.name_any(),
-                labels: n.labels().clone(),
+                labels: n.labels().clone().into(),
                 owned: Default::default(),
             })
             .collect();
