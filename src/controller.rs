@@ -576,10 +576,17 @@ fn record_plan_metrics(ctx: &Context, input: &PlanInput, plan: &Plan) {
         .values()
         .filter(|s| s.conflicting_nodes > 0)
         .count() as u64;
-    ctx.config
-        .metrics
-        .conflicted_policies
+    let m = &ctx.config.metrics;
+    m.conflicted_policies
         .store(conflicted, std::sync::atomic::Ordering::Relaxed);
+    m.cached_nodes.store(
+        input.nodes.len() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    m.cached_label_strings.store(
+        ctx.nodes.strings() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
 }
 
 /// Applies a ConfigMap when its data or our labels differ from the cache.

@@ -28,6 +28,10 @@ pub struct Metrics {
     /// Nodes per strategy (from the last plan), and policies reporting Conflicted.
     nodes_per_strategy: Mutex<BTreeMap<String, u64>>,
     pub conflicted_policies: AtomicU64,
+    /// Nodes in the node cache, and distinct label strings it holds (its memory grows with
+    /// both).
+    pub cached_nodes: AtomicU64,
+    pub cached_label_strings: AtomicU64,
     /// Whether this replica leads (always true without leader election).
     pub leader: AtomicBool,
     /// Whether the caches are synced and a first pass ran.
@@ -146,6 +150,22 @@ impl Metrics {
             "gpu_sharing_conflicted_policies {}",
             self.conflicted_policies.load(Ordering::Relaxed)
         );
+        for (name, help, v) in [
+            (
+                "gpu_sharing_cached_nodes",
+                "Nodes in the operator's node cache.",
+                &self.cached_nodes,
+            ),
+            (
+                "gpu_sharing_cached_label_strings",
+                "Distinct label keys and values the node cache holds (shared between nodes).",
+                &self.cached_label_strings,
+            ),
+        ] {
+            let _ = writeln!(s, "# HELP {name} {help}");
+            let _ = writeln!(s, "# TYPE {name} gauge");
+            let _ = writeln!(s, "{name} {}", v.load(Ordering::Relaxed));
+        }
         let _ = writeln!(
             s,
             "# HELP gpu_sharing_leader Whether this replica is the leader."

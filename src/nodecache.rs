@@ -175,7 +175,7 @@ impl NodeCache {
         v
     }
 
-    /// Distinct label strings held (for tests and metrics).
+    /// Distinct label strings held (a metric: the cache's memory grows with it).
     pub fn strings(&self) -> usize {
         self.state.read().expect("node cache lock").strings.len()
     }

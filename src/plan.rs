@@ -87,7 +87,7 @@ impl Labels {
     pub fn insert(&mut self, key: impl Into<Arc<str>>, value: impl Into<Arc<str>>) {
         let (key, value) = (key.into(), value.into());
         let mut v = std::mem::take(&mut self.0).into_vec();
-        match self.position_in(&v, &key) {
+        match v.binary_search_by(|(k, _)| k.cmp(&key)) {
             Ok(i) => v[i].1 = value,
             Err(i) => v.insert(i, (key, value)),
         }
@@ -101,10 +101,6 @@ impl Labels {
         let (_, value) = v.remove(i);
         self.0 = v.into_boxed_slice();
         Some(value)
-    }
-
-    fn position_in(&self, v: &[(Arc<str>, Arc<str>)], key: &str) -> Result<usize, usize> {
-        v.binary_search_by(|(k, _)| (**k).cmp(key))
     }
 }
 

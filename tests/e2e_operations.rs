@@ -11,7 +11,7 @@ use std::time::Duration;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, ServiceAccount};
-use kube::Client;
+use kube::{Client, ResourceExt};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::json;
@@ -140,6 +140,26 @@ async fn leader_failover_and_metrics() {
     ] {
         assert!(metrics.contains(want), "missing {want:?} in\n{metrics}");
     }
+    // The node cache holds every node, and their labels share strings.
+    let listed = Api::<Node>::all(c.clone())
+        .list_metadata(&Default::default())
+        .await
+        .unwrap()
+        .items;
+    let node_count = listed.len();
+    let label_strings: usize = listed.iter().map(|n| 2 * n.labels().len()).sum();
+    let gauge = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in\n{metrics}"))
+    };
+    assert_eq!(gauge("gpu_sharing_cached_nodes"), node_count as u64);
+    let strings = gauge("gpu_sharing_cached_label_strings");
+    assert!(
+        strings > 0 && (strings as usize) < label_strings,
+        "{strings} cached strings for {label_strings} label keys and values:\n{metrics}"
+    );
     let (_, standby_metrics) = http_get(ports[standby], "/metrics")
         .unwrap_or_else(|| panic!("standby /metrics: log:\n{}", procs[standby].log()));
     assert!(
