@@ -83,100 +83,109 @@ impl Metrics {
     pub fn render(&self) -> String {
         let mut s = String::new();
         let reconciles = self.reconciles.load(Ordering::Relaxed);
-        let _ = writeln!(
-            s,
-            "# HELP gpu_sharing_reconciles_total Cluster-wide reconcile passes."
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        family(
+            &mut s,
+            "gpu_sharing_reconciles_total",
+            "counter",
+            "Cluster-wide reconcile passes.",
         );
-        let _ = writeln!(s, "# TYPE gpu_sharing_reconciles_total counter");
-        let _ = writeln!(s, "gpu_sharing_reconciles_total {reconciles}");
-        let _ = writeln!(
-            s,
-            "# HELP gpu_sharing_reconcile_errors_total Reconcile passes that failed (retried with backoff)."
+        sample(&mut s, "gpu_sharing_reconciles_total", "", reconciles);
+        family(
+            &mut s,
+            "gpu_sharing_reconcile_errors_total",
+            "counter",
+            "Reconcile passes that failed (retried with backoff).",
         );
-        let _ = writeln!(s, "# TYPE gpu_sharing_reconcile_errors_total counter");
-        let _ = writeln!(
-            s,
-            "gpu_sharing_reconcile_errors_total {}",
-            self.reconcile_errors.load(Ordering::Relaxed)
+        sample(
+            &mut s,
+            "gpu_sharing_reconcile_errors_total",
+            "",
+            load(&self.reconcile_errors),
         );
-        let _ = writeln!(
-            s,
-            "# HELP gpu_sharing_reconcile_duration_seconds Duration of reconcile passes."
-        );
-        let _ = writeln!(s, "# TYPE gpu_sharing_reconcile_duration_seconds histogram");
-        for (i, b) in BUCKETS.iter().enumerate() {
-            let _ = writeln!(
-                s,
-                "gpu_sharing_reconcile_duration_seconds_bucket{{le=\"{b}\"}} {}",
-                self.buckets[i].load(Ordering::Relaxed)
+        let hist = "gpu_sharing_reconcile_duration_seconds";
+        family(&mut s, hist, "histogram", "Duration of reconcile passes.");
+        for (b, count) in BUCKETS.iter().zip(&self.buckets) {
+            sample(
+                &mut s,
+                &format!("{hist}_bucket"),
+                &format!("le=\"{b}\""),
+                load(count),
             );
         }
-        let _ = writeln!(
-            s,
-            "gpu_sharing_reconcile_duration_seconds_bucket{{le=\"+Inf\"}} {reconciles}"
+        sample(&mut s, &format!("{hist}_bucket"), "le=\"+Inf\"", reconciles);
+        let sum = load(&self.duration_sum_us) as f64 / 1e6;
+        sample(&mut s, &format!("{hist}_sum"), "", sum);
+        sample(&mut s, &format!("{hist}_count"), "", reconciles);
+        family(
+            &mut s,
+            "gpu_sharing_api_writes_total",
+            "counter",
+            "Writes to the API server, by kind of object.",
         );
-        let _ = writeln!(
-            s,
-            "gpu_sharing_reconcile_duration_seconds_sum {}",
-            self.duration_sum_us.load(Ordering::Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(
-            s,
-            "gpu_sharing_reconcile_duration_seconds_count {reconciles}"
-        );
-        let _ = writeln!(
-            s,
-            "# HELP gpu_sharing_api_writes_total Writes to the API server, by kind of object."
-        );
-        let _ = writeln!(s, "# TYPE gpu_sharing_api_writes_total counter");
         for (kind, n) in self.writes.lock().expect("metrics lock").iter() {
-            let _ = writeln!(s, "gpu_sharing_api_writes_total{{kind=\"{kind}\"}} {n}");
+            sample(
+                &mut s,
+                "gpu_sharing_api_writes_total",
+                &format!("kind=\"{kind}\""),
+                n,
+            );
         }
-        let _ = writeln!(
-            s,
-            "# HELP gpu_sharing_nodes Nodes governed by a policy, by strategy."
+        family(
+            &mut s,
+            "gpu_sharing_nodes",
+            "gauge",
+            "Nodes governed by a policy, by strategy.",
         );
-        let _ = writeln!(s, "# TYPE gpu_sharing_nodes gauge");
         for (strategy, n) in self.nodes_per_strategy.lock().expect("metrics lock").iter() {
-            let _ = writeln!(s, "gpu_sharing_nodes{{strategy=\"{strategy}\"}} {n}");
+            sample(
+                &mut s,
+                "gpu_sharing_nodes",
+                &format!("strategy=\"{strategy}\""),
+                n,
+            );
         }
-        let _ = writeln!(
-            s,
-            "# HELP gpu_sharing_conflicted_policies Policies that lose nodes to another policy."
-        );
-        let _ = writeln!(s, "# TYPE gpu_sharing_conflicted_policies gauge");
-        let _ = writeln!(
-            s,
-            "gpu_sharing_conflicted_policies {}",
-            self.conflicted_policies.load(Ordering::Relaxed)
-        );
         for (name, help, v) in [
+            (
+                "gpu_sharing_conflicted_policies",
+                "Policies that lose nodes to another policy.",
+                load(&self.conflicted_policies),
+            ),
             (
                 "gpu_sharing_cached_nodes",
                 "Nodes in the operator's node cache.",
-                &self.cached_nodes,
+                load(&self.cached_nodes),
             ),
             (
                 "gpu_sharing_cached_label_strings",
                 "Distinct label keys and values the node cache holds (shared between nodes).",
-                &self.cached_label_strings,
+                load(&self.cached_label_strings),
+            ),
+            (
+                "gpu_sharing_leader",
+                "Whether this replica is the leader.",
+                u64::from(self.leader.load(Ordering::Relaxed)),
             ),
         ] {
-            let _ = writeln!(s, "# HELP {name} {help}");
-            let _ = writeln!(s, "# TYPE {name} gauge");
-            let _ = writeln!(s, "{name} {}", v.load(Ordering::Relaxed));
+            family(&mut s, name, "gauge", help);
+            sample(&mut s, name, "", v);
         }
-        let _ = writeln!(
-            s,
-            "# HELP gpu_sharing_leader Whether this replica is the leader."
-        );
-        let _ = writeln!(s, "# TYPE gpu_sharing_leader gauge");
-        let _ = writeln!(
-            s,
-            "gpu_sharing_leader {}",
-            u8::from(self.leader.load(Ordering::Relaxed))
-        );
         s
+    }
+}
+
+/// The `# HELP` and `# TYPE` lines of a metric family.
+fn family(s: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(s, "# HELP {name} {help}");
+    let _ = writeln!(s, "# TYPE {name} {kind}");
+}
+
+/// One sample line, with labels (`k="v",...`) when not empty.
+fn sample(s: &mut String, name: &str, labels: &str, value: impl std::fmt::Display) {
+    if labels.is_empty() {
+        let _ = writeln!(s, "{name} {value}");
+    } else {
+        let _ = writeln!(s, "{name}{{{labels}}} {value}");
     }
 }
 
