@@ -443,8 +443,12 @@ func (c *checker) compareDP(name, key string, cfg *spec.Config, want *policy.Exp
 
 func (c *checker) checkMIGPolicy(p *policy.Policy, st *render.Object, dp *nvconf.DevicePluginResult) {
 	name := p.Metadata.Name
-	wantLayout := policy.MigConfigName(p)
 	got, _ := render.Str(st.Status, "migConfig")
+	wantLayout, err := policy.MigConfigName(p, got)
+	if err != nil {
+		c.r.fail("policy %s: %v", name, err)
+		return
+	}
 	if got != wantLayout {
 		c.r.fail("policy %s: status.migConfig=%q, want %q", name, got, wantLayout)
 	}

@@ -64,6 +64,7 @@ type options struct {
 	fallbacks        string
 	defaultMigConfig string
 	retry            time.Duration
+	restartDelay     time.Duration
 }
 
 func main() {
@@ -76,6 +77,7 @@ func main() {
 	flag.BoolVar(&o.autoLabelMig, "auto-label-mig-config", true, "label MIG-capable nodes without nvidia.com/mig.config with all-disabled, as the GPU Operator does")
 	flag.StringVar(&o.fallbacks, "fallback-strategies", sim.FallbackEmpty, "config-manager FALLBACK_STRATEGIES when neither label nor default names a config (the GPU Operator uses 'empty'; the plugin's Helm chart 'named,single')")
 	flag.StringVar(&o.defaultMigConfig, "default-mig-config", "", "mig-parted config (file: ConfigMap manifest or raw) used when the ClusterPolicy names none and the namespace has no "+sim.DefaultMigConfigMap+" (default: a small built-in config)")
+	flag.DurationVar(&o.restartDelay, "restart-delay", time.Second, "how long the device plugin and GPU Feature Discovery take to restart after a reload trigger (config label, ClusterPolicy, MIG geometry) before they load the config and GFD relabels with a new nvidia.com/gfd.timestamp")
 	flag.DurationVar(&o.retry, "crashloop-retry", 5*time.Second, "how often a node whose simulated device plugin cannot start is re-evaluated")
 	flag.Parse()
 	log.SetFlags(log.Ltime | log.Lmicroseconds)
@@ -107,8 +109,14 @@ type simulator struct {
 	cps     cache.Store
 	builtin string
 
-	mu     sync.Mutex
-	timers map[string]pendingMig // node -> MIG reconfiguration in progress
+	mu       sync.Mutex
+	timers   map[string]pendingMig     // node -> MIG reconfiguration in progress
+	restarts map[string]pendingRestart // node -> device plugin/GFD restart in progress
+}
+
+type pendingRestart struct {
+	key string
+	due time.Time
 }
 
 type pendingMig struct {
@@ -133,7 +141,8 @@ func run(ctx context.Context, o *options) error {
 	s := &simulator{
 		o: o, core: core, dyn: dyn,
 		queue:   workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
-		timers:  map[string]pendingMig{},
+		timers:   map[string]pendingMig{},
+		restarts: map[string]pendingRestart{},
 		builtin: sim.BuiltinMigConfig,
 	}
 	if o.defaultMigConfig != "" {
@@ -242,6 +251,7 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 	if apierrors.IsNotFound(err) {
 		s.mu.Lock()
 		delete(s.timers, name)
+		delete(s.restarts, name)
 		s.mu.Unlock()
 		return 0, nil
 	}
@@ -299,8 +309,27 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		}
 	}
 	var dpRes sim.DPResult
+	var restartWait time.Duration
 	if !migRes.InProgress {
-		dpRes = sim.PlanDevicePlugin(n, hw, dpIn, patch)
+		// A reload trigger restarts the plugin and GFD: they load the new
+		// config (and GFD stamps its labels) only after restartDelay.
+		now := time.Now()
+		dpIn.Now = now
+		key := sim.DPLoadKey(n, dpIn)
+		s.mu.Lock()
+		r, ok := s.restarts[name]
+		if sim.DPLoaded(n, key) {
+			delete(s.restarts, name)
+		} else if !ok || r.key != key {
+			r = pendingRestart{key: key, due: now.Add(s.o.restartDelay)}
+			s.restarts[name] = r
+		}
+		s.mu.Unlock()
+		if sim.DPLoaded(n, key) || !now.Before(r.due) {
+			dpRes = sim.PlanDevicePlugin(n, hw, dpIn, patch)
+		} else {
+			restartWait = r.due.Sub(now)
+		}
 	}
 
 	if err := s.write(ctx, node, patch); err != nil {
@@ -315,6 +344,9 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 	}
 	s.mu.Unlock()
 	requeue := migRes.Requeue
+	if restartWait > 0 && (requeue == 0 || requeue > restartWait) {
+		requeue = restartWait
+	}
 	if dpRes.Failed && (requeue == 0 || requeue > s.o.retry) {
 		requeue = s.o.retry
 	}

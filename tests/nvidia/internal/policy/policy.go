@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"regexp"
 	"sort"
 	"strings"
 
@@ -321,16 +322,23 @@ func isProfile(s string) bool {
 	return nvconf.ValidMigProfile(s) == nil
 }
 
-// MigConfigName is the mig-parted layout a MIG policy's nodes get.
-func MigConfigName(p *Policy) string {
+// MigConfigName is the mig-parted layout a MIG policy's nodes get. Custom
+// layouts are content-addressed (custom-<policy>-<8 hex>): the hash is the
+// operator's, so given the name the status reports, this checks its form.
+func MigConfigName(p *Policy, reported string) (string, error) {
 	if p.Spec.MIG == nil {
-		return ""
+		return "", nil
 	}
 	if len(p.Spec.MIG.CustomLayout) > 0 {
-		return "custom-" + p.Metadata.Name
+		if !customLayoutName.MatchString(reported) || !strings.HasPrefix(reported, "custom-"+p.Metadata.Name[:min(len(p.Metadata.Name), 47)]) {
+			return "", fmt.Errorf("custom layout name %q is not custom-<policy>-<8 hex>", reported)
+		}
+		return reported, nil
 	}
-	return p.Spec.MIG.Layout
+	return p.Spec.MIG.Layout, nil
 }
+
+var customLayoutName = regexp.MustCompile(`^custom-[a-z0-9-]+-[0-9a-f]{8}$`)
 
 func deref[T any](p *T) T {
 	var zero T

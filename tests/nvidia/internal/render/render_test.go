@@ -21,7 +21,7 @@ func TestParseSample(t *testing.T) {
 	if s, _ := Str(out.ClusterPolicy.Spec, "mig", "strategy"); s != "mixed" {
 		t.Fatalf("mig.strategy = %q", s)
 	}
-	if s, _ := Str(out.Policies["a100-mig"].Status, "migConfig"); s != "custom-a100-mig" {
+	if s, _ := Str(out.Policies["a100-mig"].Status, "migConfig"); s != "custom-a100-mig-5a1e0c3d" {
 		t.Fatalf("migConfig = %q", s)
 	}
 }

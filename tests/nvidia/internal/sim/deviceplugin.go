@@ -4,7 +4,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"sort"
+	"strconv"
 	"strings"
+	"time"
 
 	"gpusharing.io/tests/nvidia/internal/nvconf"
 )
@@ -28,6 +30,29 @@ type DPInput struct {
 	Fallbacks []string
 	// Geometry: the node's GPUs after the MIG step.
 	Geometry Geometry
+	// Now: when GFD labels (its nvidia.com/gfd.timestamp); zero: no timestamp.
+	Now time.Time
+}
+
+// LabelGFDTimestamp is the unix time (seconds) of GFD's last labelling.
+const LabelGFDTimestamp = "nvidia.com/gfd.timestamp"
+
+// DPLoadKey identifies what the device plugin would load now; DPLoaded
+// reports whether it already runs with it (no reload trigger changed).
+func DPLoadKey(n *Node, in DPInput) string {
+	kb, _ := json.Marshal(loadKey{
+		Label:       n.Labels[LabelDPConfig],
+		ConfigMap:   in.CP.DPConfigName,
+		Default:     in.CP.DPDefault,
+		MigStrategy: in.CP.MigStrategy,
+		Geometry:    in.Geometry.String(),
+	})
+	return string(kb)
+}
+
+// DPLoaded reports whether the node's plugin already loaded key.
+func DPLoaded(n *Node, key string) bool {
+	return n.Annotations[AnnDPLoaded] == key
 }
 
 // loadKey is what makes the real device plugin reload: a change of the
@@ -103,17 +128,11 @@ type DPResult struct {
 // of the reload triggers changed, select and load the config with NVIDIA's
 // parser, then set the GFD labels and the node's extended resources.
 func PlanDevicePlugin(n *Node, hw Hardware, in DPInput, p *Patch) DPResult {
-	key := loadKey{
-		Label:       n.Labels[LabelDPConfig],
-		ConfigMap:   in.CP.DPConfigName,
-		Default:     in.CP.DPDefault,
-		MigStrategy: in.CP.MigStrategy,
-		Geometry:    in.Geometry.String(),
-	}
-	kb, _ := json.Marshal(key)
-	if n.Annotations[AnnDPLoaded] == string(kb) {
+	kb := DPLoadKey(n, in)
+	if DPLoaded(n, kb) {
 		return DPResult{}
 	}
+	label := n.Labels[LabelDPConfig]
 	fail := func(err error) DPResult {
 		msg := err.Error()
 		if n.Annotations[AnnDPError] != msg {
@@ -122,7 +141,7 @@ func PlanDevicePlugin(n *Node, hw Hardware, in DPInput, p *Patch) DPResult {
 		p.setAnn(n, AnnDPError, msg)
 		return DPResult{Failed: true}
 	}
-	cfgKey, err := SelectConfig(key.Label, in)
+	cfgKey, err := SelectConfig(label, in)
 	if err != nil {
 		return fail(err)
 	}
@@ -160,6 +179,11 @@ func PlanDevicePlugin(n *Node, hw Hardware, in DPInput, p *Patch) DPResult {
 	for k := range managed {
 		p.delLabel(n, k)
 	}
+	// GFD stamps every labelling; the operator reads it as "GFD saw the
+	// config loaded at or after this time".
+	if !in.Now.IsZero() {
+		p.setLabel(n, LabelGFDTimestamp, strconv.FormatInt(in.Now.Unix(), 10))
+	}
 	sort.Strings(names)
 	p.setAnn(n, AnnManagedLabels, strings.Join(names, ","))
 
@@ -185,7 +209,7 @@ func PlanDevicePlugin(n *Node, hw Hardware, in DPInput, p *Patch) DPResult {
 			break
 		}
 	}
-	p.setAnn(n, AnnDPLoaded, string(kb))
+	p.setAnn(n, AnnDPLoaded, kb)
 	p.setAnn(n, AnnDPConfig, cfgKey)
 	p.delAnn(n, AnnDPError)
 	p.logf("device plugin loaded config %q (migStrategy %s): resources %s", cfgKey, deref(loaded.Effective.Flags.MigStrategy), formatResources(outcome.Resources))

@@ -367,3 +367,25 @@ func TestMPSLabels(t *testing.T) {
 		t.Fatalf("labels %v capacity %v (dp error %q)", n.Labels, n.Capacity, n.Annotations[AnnDPError])
 	}
 }
+
+func TestGFDStampsEveryLoad(t *testing.T) {
+	n := a100Node()
+	at := time.Unix(1_800_000_000, 0)
+	step(t, n, MigInput{}, DPInput{Now: at})
+	if n.Labels[LabelGFDTimestamp] != "1800000000" {
+		t.Fatalf("first load: labels %v", n.Labels)
+	}
+	// No reload trigger: GFD's labels (and timestamp) stay.
+	if p, _, _ := step(t, n, MigInput{}, DPInput{Now: at.Add(time.Minute)}); !p.Empty() {
+		t.Fatalf("no trigger must write nothing: %+v", p)
+	}
+	n.Labels[LabelDPConfig] = "ts4"
+	key := DPLoadKey(n, DPInput{CP: cp})
+	if DPLoaded(n, key) {
+		t.Fatal("a new config label is a reload trigger")
+	}
+	step(t, n, MigInput{}, DPInput{Now: at.Add(2 * time.Minute)})
+	if n.Labels[LabelGFDTimestamp] != "1800000120" || n.Labels["nvidia.com/gpu.replicas"] != "4" {
+		t.Fatalf("reload: labels %v", n.Labels)
+	}
+}
