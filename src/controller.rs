@@ -472,8 +472,18 @@ impl Context {
             .find(|c| c.name_any() == DEFAULT_MIG_CONFIGMAP)
             .and_then(|c| c.data.as_ref()?.get(MIG_PARTED_KEY).cloned())
             .and_then(|t| nvidia::parse_mig_configs(&t).ok());
+        let current_mig_configs = cms
+            .iter()
+            .find(|c| c.name_any() == self.config.mig_configmap)
+            .and_then(|c| c.data.as_ref()?.get(MIG_PARTED_KEY).cloned())
+            .and_then(|t| nvidia::parse_mig_configs(&t).ok())
+            .unwrap_or_default();
         let mut input = PlanInput::new(policies, vec![]);
         input.nodes = self.nodes.snapshot();
+        input.current_mig_configs = current_mig_configs;
+        input.now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
         input.gpu_pods = gpu_pods;
         input.current_device_config = current_device_config;
         input.base_mig_configs = base_mig_configs;
@@ -626,15 +636,26 @@ async fn apply_configmap(
     Ok(true)
 }
 
-/// Whether the node's labels already are what we want to own.
-fn node_in_sync(node: &NodeFacts, desired: &BTreeMap<String, String>) -> bool {
+/// Whether the node's labels and annotations already are what we want to own.
+fn node_in_sync(
+    node: &NodeFacts,
+    desired: &BTreeMap<String, String>,
+    desired_annotations: &BTreeMap<String, String>,
+) -> bool {
     let owned: BTreeSet<&String> = node
         .owned
         .iter()
         .filter(|k| MANAGED_LABELS.contains(&k.as_str()))
         .collect();
     let want: BTreeSet<&String> = desired.keys().collect();
-    owned == want && desired.iter().all(|(k, v)| node.labels.get(k) == Some(v))
+    let owned_annotations: BTreeSet<&String> = node.owned_annotations.iter().collect();
+    let want_annotations: BTreeSet<&String> = desired_annotations.keys().collect();
+    owned == want
+        && desired.iter().all(|(k, v)| node.labels.get(k) == Some(v))
+        && owned_annotations == want_annotations
+        && desired_annotations
+            .iter()
+            .all(|(k, v)| node.annotations.get(k) == Some(v))
 }
 
 /// One pass: plan, then apply the difference in a safe order. Returns whether something is
@@ -652,9 +673,11 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
         .nodes
         .iter()
         .filter(|node| {
+            let none = BTreeMap::new();
+            let annotations = plan.node_annotations.get(&node.name).unwrap_or(&none);
             plan.node_labels
                 .get(&node.name)
-                .is_some_and(|want| !node_in_sync(node, want))
+                .is_some_and(|want| !node_in_sync(node, want, annotations))
         })
         .map(|node| node.name.clone())
         .collect();
@@ -702,8 +725,9 @@ pub async fn reconcile_all(ctx: &Context) -> Result<bool, Error> {
         .map(|name: String| {
             let api = nodes_api.clone();
             let labels = &plan_ref.node_labels[&name];
+            let annotations = plan_ref.node_annotations.get(&name);
             async move {
-                let obj = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}});
+                let obj = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels, "annotations": annotations.cloned().unwrap_or_default()}});
                 api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&obj)).await?;
                 Ok((name, labels))
             }

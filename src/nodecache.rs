@@ -16,10 +16,23 @@ use kube::api::PartialObjectMeta;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use crate::plan::{Labels, NodeFacts};
+use crate::plan::{Labels, MANAGED_ANNOTATIONS, NodeFacts};
 
 /// Labels a field manager owns through server-side apply, read from a node's managedFields.
 pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<String> {
+    owned_metadata_keys(entries, manager, "f:labels")
+}
+
+/// Annotations a field manager owns through server-side apply.
+pub fn owned_annotations(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<String> {
+    owned_metadata_keys(entries, manager, "f:annotations")
+}
+
+fn owned_metadata_keys(
+    entries: &[ManagedFieldsEntry],
+    manager: &str,
+    field: &str,
+) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for e in entries.iter().filter(|e| {
         e.manager.as_deref() == Some(manager) && e.operation.as_deref() == Some("Apply")
@@ -28,7 +41,7 @@ pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<S
             .fields_v1
             .as_ref()
             .and_then(|f| f.0.get("f:metadata"))
-            .and_then(|m| m.get("f:labels"))
+            .and_then(|m| m.get(field))
             .and_then(|l| l.as_object())
         {
             for k in labels.keys() {
@@ -74,6 +87,15 @@ impl Interner {
 /// What the planner knows of a node, from its metadata.
 pub fn facts(node: PartialObjectMeta<Node>, manager: &str, strings: &mut Interner) -> NodeFacts {
     let meta = node.metadata;
+    let managed = meta.managed_fields.as_deref().unwrap_or_default();
+    // Only our own annotations: other controllers put large ones on nodes.
+    let annotations = meta
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| MANAGED_ANNOTATIONS.contains(&k.as_str()))
+        .map(|(k, v)| (strings.intern(k), Arc::<str>::from(v.as_str())))
+        .collect::<Vec<_>>();
     let labels = meta
         .labels
         .unwrap_or_default()
@@ -81,9 +103,11 @@ pub fn facts(node: PartialObjectMeta<Node>, manager: &str, strings: &mut Interne
         .map(|(k, v)| (strings.intern(k), strings.intern(v)))
         .collect::<Vec<_>>();
     NodeFacts {
-        owned: owned_labels(meta.managed_fields.as_deref().unwrap_or_default(), manager),
+        owned: owned_labels(managed, manager),
+        owned_annotations: owned_annotations(managed, manager),
         name: meta.name.unwrap_or_default(),
         labels: Labels::from_pairs(labels),
+        annotations: Labels::from_pairs(annotations),
     }
 }
 

@@ -293,9 +293,73 @@ pub fn content_key(policy: &str, content: &str) -> String {
     format!("{policy}-{hex}")
 }
 
-/// The mig-parted layout name of a policy's custom layout.
-pub fn custom_layout_name(policy: &str) -> String {
+/// The name custom layouts had before they were content-addressed (`custom-<policy>`). A node
+/// still labelled with it keeps it while its content equals the policy's layout, so upgrading
+/// the operator does not reconfigure MIG on running nodes.
+pub fn legacy_custom_layout_name(policy: &str) -> String {
     format!("custom-{policy}")
+}
+
+/// Longest label value (`nvidia.com/mig.config` names the layout).
+const MAX_LABEL_VALUE: usize = 63;
+
+/// Content-addressed mig-parted layout name of a policy's custom layout:
+/// `custom-<policy>-<first 8 hex of sha256 of the layout>`. The MIG manager, like the device
+/// plugin, acts only when the node label's value changes, so an edited layout must get a new
+/// name to ever reach the node. A policy name too long for a label value is shortened, and the
+/// hash then covers the full name too, so two policies never share a name by accident.
+pub fn custom_layout_name(policy: &str, entries: &[MigConfigEntry]) -> String {
+    let content = serde_json::to_value(entries).expect("serializable");
+    let name = format!("custom-{policy}-{}", content_hash(&content));
+    if name.len() <= MAX_LABEL_VALUE {
+        return name;
+    }
+    let hash = content_hash(&serde_json::json!([policy, content]));
+    let keep = MAX_LABEL_VALUE - "custom-".len() - 1 - hash.len();
+    format!("custom-{}-{hash}", policy[..keep].trim_end_matches('-'))
+}
+
+/// First 8 hex digits of the sha256 of a value's canonical JSON (object keys sorted at every
+/// level), so the hash depends on the content only, not on how a ConfigMap orders its keys or
+/// which YAML library wrote it.
+pub fn content_hash(v: &serde_json::Value) -> String {
+    fn canonical(v: &serde_json::Value, out: &mut String) {
+        match v {
+            serde_json::Value::Object(m) => {
+                let sorted: BTreeMap<&String, &serde_json::Value> = m.iter().collect();
+                out.push('{');
+                for (i, (k, v)) in sorted.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&serde_json::to_string(k).expect("string"));
+                    out.push(':');
+                    canonical(v, out);
+                }
+                out.push('}');
+            }
+            serde_json::Value::Array(a) => {
+                out.push('[');
+                for (i, v) in a.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    canonical(v, out);
+                }
+                out.push(']');
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+    let mut text = String::new();
+    canonical(v, &mut text);
+    let digest = Sha256::digest(text.as_bytes());
+    digest.iter().take(4).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Content hash of a mig-parted layout (its list of entries) as read from a ConfigMap.
+pub fn layout_hash(entries: &serde_yaml::Value) -> Option<String> {
+    serde_json::to_value(entries).ok().map(|v| content_hash(&v))
 }
 
 /// mig-parted entries of a custom layout.

@@ -33,6 +33,22 @@ pub const LABEL_MIG_CAPABLE: &str = "nvidia.com/mig.capable";
 pub const LABEL_CC_MAJOR: &str = "nvidia.com/gpu.compute.major";
 pub const LABEL_CC_MINOR: &str = "nvidia.com/gpu.compute.minor";
 
+/// Node label GPU Feature Discovery sets to the unix time (seconds) of its last labelling.
+pub const LABEL_GFD_TIMESTAMP: &str = "nvidia.com/gfd.timestamp";
+
+/// Node annotation (ours): unix time (seconds) at which we last changed the node's
+/// `nvidia.com/device-plugin.config`. GFD's timestamp newer than it confirms the new config.
+pub const ANNOTATION_CONFIG_WRITTEN: &str = "gpusharing.io/device-plugin-config-written";
+/// Node annotation (ours): `<layout>@<content hash>`, the MIG layout we labelled the node with
+/// and what that name meant then. A named layout whose content changes later (a GPU Operator
+/// upgrade) is detected by comparing it with what the name means now.
+pub const ANNOTATION_MIG_LAYOUT: &str = "gpusharing.io/mig-layout-content";
+/// The annotations this operator may own on a node.
+pub const MANAGED_ANNOTATIONS: [&str; 2] = [ANNOTATION_CONFIG_WRITTEN, ANNOTATION_MIG_LAYOUT];
+/// Policy annotation: while present, nodes whose named MIG layout changed content since they
+/// were configured are re-applied through `all-disabled`.
+pub const ANNOTATION_REAPPLY_MIG: &str = "gpusharing.io/reapply-mig-layout";
+
 /// The labels this operator may own on a node.
 pub const MANAGED_LABELS: [&str; 4] = [
     LABEL_DEVICE_PLUGIN_CONFIG,
@@ -165,6 +181,10 @@ pub struct NodeFacts {
     pub labels: Labels,
     /// Managed labels whose value this operator's field manager owns (from managedFields).
     pub owned: BTreeSet<String>,
+    /// The node's annotations under our keys ([`MANAGED_ANNOTATIONS`]) only.
+    pub annotations: Labels,
+    /// Which of [`MANAGED_ANNOTATIONS`] this operator's field manager owns.
+    pub owned_annotations: BTreeSet<String>,
 }
 
 /// Everything the planner reads.
@@ -180,6 +200,12 @@ pub struct PlanInput {
     /// Named mig-parted layouts available to nodes (from the GPU Operator's default config).
     /// `None` when unknown: then only custom layouts and `all-disabled` are known.
     pub base_mig_configs: Option<BTreeMap<String, serde_yaml::Value>>,
+    /// Layouts of our own mig-parted ConfigMap as it is now (to keep layouts nodes still name,
+    /// and to recognise a node's pre-upgrade `custom-<policy>` layout by its content).
+    pub current_mig_configs: BTreeMap<String, serde_yaml::Value>,
+    /// Unix time in seconds, recorded on nodes whose device-plugin config label changes (the
+    /// planner reads no clock; the caller passes it).
+    pub now: i64,
     /// Whether the GPU Operator's ClusterPolicy exists.
     pub cluster_policy_found: bool,
     /// Set when another actor keeps reverting our ClusterPolicy settings (e.g. a GitOps tool):
@@ -201,6 +227,8 @@ impl PlanInput {
             gpu_pods: BTreeMap::new(),
             current_device_config: BTreeMap::new(),
             base_mig_configs: None,
+            current_mig_configs: BTreeMap::new(),
+            now: 0,
             cluster_policy_found: true,
             cluster_policy_contested: None,
             mig_stuck: BTreeSet::new(),
@@ -222,6 +250,8 @@ pub struct Plan {
     /// For every node: the managed labels we want to own, with their values. Nodes that need
     /// none of our labels map to an empty set.
     pub node_labels: BTreeMap<String, BTreeMap<String, String>>,
+    /// For every node in `node_labels`: the annotations we want to own ([`MANAGED_ANNOTATIONS`]).
+    pub node_annotations: BTreeMap<String, BTreeMap<String, String>>,
     /// Status of every policy, by name.
     pub statuses: BTreeMap<String, GpuSharingPolicyStatus>,
     /// ResourceClaimTemplates of DRA policies, by `namespace/name`.
@@ -238,6 +268,8 @@ struct Prepared<'a> {
     key: Option<String>,
     config_text: Option<String>,
     layout: Option<String>,
+    /// A custom layout: its mig-parted entries and their content hash.
+    custom: Option<(Vec<nvidia::MigConfigEntry>, String)>,
 }
 
 /// Deterministic precedence: priority (high first), then oldest, then name.
@@ -584,11 +616,15 @@ fn prepare<'a>(
     let (errs, warnings) = validate::validate(&name, &p.spec);
     let mut errors: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
     let mut layout = None;
+    let mut custom = None;
     if errors.is_empty()
         && let Some(mig) = &p.spec.mig
     {
         if mig.custom_layout.is_some() {
-            layout = Some(nvidia::custom_layout_name(&name));
+            let entries = nvidia::custom_layout_entries(mig);
+            let hash = nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));
+            layout = Some(nvidia::custom_layout_name(&name, &entries));
+            custom = Some((entries, hash));
         } else if let Some(l) = &mig.layout {
             let known = l == MIG_DISABLED_LAYOUT || base.is_some_and(|b| b.contains_key(l));
             if base.is_some() && !known {
@@ -617,6 +653,7 @@ fn prepare<'a>(
         key,
         config_text,
         layout,
+        custom,
     }
 }
 
@@ -625,13 +662,16 @@ fn busy_msg(pods: &[String]) -> String {
     format!("WaitingForIdleGPUs: pods using GPUs: {}", pods.join(", "))
 }
 
-/// Leaves a node exactly as it is (the labels we own keep their values, and the keys they name
-/// stay in the ConfigMap), and records why.
+/// What a node should carry of ours: labels and annotations.
+type NodeWrites = BTreeMap<String, (BTreeMap<String, String>, BTreeMap<String, String>)>;
+
+/// Leaves a node exactly as it is (the labels and annotations we own keep their values, and the
+/// keys they name stay in the ConfigMap), and records why.
 fn hold_node(
     n: &NodeFacts,
     state: &str,
     message: String,
-    node_labels: &mut BTreeMap<String, BTreeMap<String, String>>,
+    node_labels: &mut NodeWrites,
     used_keys: &mut BTreeSet<String>,
     details: &mut Vec<NodeDetail>,
 ) {
@@ -640,8 +680,13 @@ fn hold_node(
         .iter()
         .filter_map(|k| n.labels.get(k).map(|v| (k.clone(), v.to_string())))
         .collect();
+    let held_annotations: BTreeMap<String, String> = n
+        .owned_annotations
+        .iter()
+        .filter_map(|k| n.annotations.get(k).map(|v| (k.clone(), v.to_string())))
+        .collect();
     used_keys.extend(held.values().cloned());
-    node_labels.insert(n.name.clone(), held);
+    node_labels.insert(n.name.clone(), (held, held_annotations));
     details.push(NodeDetail {
         name: n.name.clone(),
         state: state.into(),
@@ -771,14 +816,32 @@ pub fn plan(input: &PlanInput) -> Plan {
         }
     }
 
-    let mut node_labels = BTreeMap::new();
+    // What each layout name means now, as a content hash: custom layouts from the policies, named
+    // ones from the GPU Operator's config, and what is left in our ConfigMap.
+    let custom_hashes: BTreeMap<String, String> = prepared
+        .iter()
+        .filter_map(|p| Some((p.layout.clone()?, p.custom.as_ref()?.1.clone())))
+        .collect();
+    let layout_hash = |name: &str| -> Option<String> {
+        if name == MIG_DISABLED_LAYOUT {
+            return None;
+        }
+        if let Some(h) = custom_hashes.get(name) {
+            return Some(h.clone());
+        }
+        base.and_then(|b| b.get(name))
+            .or_else(|| input.current_mig_configs.get(name))
+            .and_then(nvidia::layout_hash)
+    };
+    let mut stale_nodes: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+
+    let mut node_labels: NodeWrites = BTreeMap::new();
     let mut per_policy_nodes: BTreeMap<usize, Vec<NodeDetail>> = BTreeMap::new();
     let mut applied_count: BTreeMap<usize, i32> = BTreeMap::new();
     let mut cap: BTreeMap<usize, Capacity> = BTreeMap::new();
     let mut cap_unknown: BTreeSet<usize> = BTreeSet::new();
     let mut failed_nodes: BTreeMap<usize, Vec<String>> = BTreeMap::new();
     let mut used_keys: BTreeSet<String> = BTreeSet::new();
-    let mut used_layouts: BTreeSet<String> = BTreeSet::new();
 
     for n in &sorted_nodes {
         let cur = |k: &str| n.labels.get(k).map(str::to_string);
@@ -799,7 +862,7 @@ pub fn plan(input: &PlanInput) -> Plan {
                     MIG_DISABLED_LAYOUT.to_string(),
                 );
             }
-            node_labels.insert(n.name.clone(), l);
+            node_labels.insert(n.name.clone(), (l, BTreeMap::new()));
             continue;
         };
         let w = &prepared[wi];
@@ -846,7 +909,40 @@ pub fn plan(input: &PlanInput) -> Plan {
             .strategy
         {
             Strategy::Mig => {
-                let layout = w.layout.clone().expect("mig policies have a layout");
+                let mut layout = w.layout.clone().expect("mig policies have a layout");
+                // A node still on the pre-upgrade name of this custom layout keeps it while its
+                // content is the same: no MIG reconfiguration just for a new name.
+                if let Some((_, hash)) = &w.custom {
+                    let legacy = nvidia::legacy_custom_layout_name(&w.name);
+                    if cur_mig.as_deref() == Some(legacy.as_str())
+                        && input
+                            .current_mig_configs
+                            .get(&legacy)
+                            .and_then(nvidia::layout_hash)
+                            .as_ref()
+                            == Some(hash)
+                    {
+                        layout = legacy;
+                    }
+                }
+                // A named layout whose content changed since we labelled the node: the MIG
+                // manager never re-reads an unchanged label, so the node runs the old geometry.
+                let recorded = n
+                    .annotations
+                    .get(ANNOTATION_MIG_LAYOUT)
+                    .and_then(|v| v.rsplit_once('@'));
+                let now_hash = layout_hash(&layout);
+                let stale = w.custom.is_none()
+                    && mig_done(&layout)
+                    && recorded.is_some_and(|(l, h)| {
+                        l == layout && now_hash.as_deref().is_some_and(|now| now != h)
+                    });
+                let reapply = w
+                    .policy
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .is_some_and(|a| a.contains_key(ANNOTATION_REAPPLY_MIG));
                 let stuck =
                     input.mig_stuck.contains(&n.name) && mig_state.as_deref() == Some("pending");
                 let failed = cur_mig.as_deref() == Some(layout.as_str())
@@ -866,7 +962,63 @@ pub fn plan(input: &PlanInput) -> Plan {
                     );
                     continue;
                 }
-                if mig_done(&layout) {
+                if stale && !reapply {
+                    stale_nodes.entry(wi).or_default().push(n.name.clone());
+                    hold_node(
+                        n,
+                        "Stale",
+                        format!(
+                            "layout {layout} changed content since this node was configured ({} -> {}); the MIG manager does not re-read an unchanged label: annotate the policy with {ANNOTATION_REAPPLY_MIG}=true to re-apply it through {MIG_DISABLED_LAYOUT}",
+                            recorded.map(|r| r.1).unwrap_or_default(),
+                            now_hash.unwrap_or_default()
+                        ),
+                        &mut node_labels,
+                        &mut used_keys,
+                        details,
+                    );
+                    continue;
+                } else if stale && busy {
+                    hold_node(
+                        n,
+                        "Waiting",
+                        busy_msg(pods),
+                        &mut node_labels,
+                        &mut used_keys,
+                        details,
+                    );
+                    continue;
+                } else if stale && cur(LABEL_DEVICE_PLUGIN_CONFIG).is_some_and(|k| k != DEFAULT_KEY)
+                {
+                    (
+                        "Pending",
+                        format!("removing the sharing config before re-applying layout {layout}"),
+                        DEFAULT_KEY.to_string(),
+                        Some(layout),
+                    )
+                } else if stale {
+                    (
+                        "Pending",
+                        format!(
+                            "re-applying layout {layout} (its content changed) through {MIG_DISABLED_LAYOUT}"
+                        ),
+                        DEFAULT_KEY.to_string(),
+                        Some(MIG_DISABLED_LAYOUT.to_string()),
+                    )
+                } else if reapply
+                    && cur_mig.as_deref() == Some(MIG_DISABLED_LAYOUT)
+                    && mig_state.as_deref() == Some("pending")
+                {
+                    // A re-apply goes through a confirmed all-disabled: the MIG manager skips a
+                    // layout it believes applied, so flipping straight back would change nothing.
+                    (
+                        "Pending",
+                        format!(
+                            "waiting for {MIG_DISABLED_LAYOUT} to be confirmed before re-applying layout {layout}"
+                        ),
+                        DEFAULT_KEY.to_string(),
+                        Some(MIG_DISABLED_LAYOUT.to_string()),
+                    )
+                } else if mig_done(&layout) {
                     ("Applied", String::new(), key.clone(), Some(layout))
                 } else if cur_mig.as_deref() != Some(layout.as_str()) && busy {
                     // Idle GPUs are needed to change the layout: hold everything.
@@ -976,8 +1128,49 @@ pub fn plan(input: &PlanInput) -> Plan {
                 r == expected_replicas || w.spec.strategy == Strategy::Exclusive && r == 1
             }
         };
+        // Our annotations: when the device-plugin config label last changed (kept while it stays),
+        // and which MIG layout content the node was labelled with.
+        let mut annotations = BTreeMap::new();
+        if !labels_in_place {
+            annotations.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), input.now.to_string());
+        } else if let Some(v) = n.annotations.get(ANNOTATION_CONFIG_WRITTEN) {
+            annotations.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), v.to_string());
+        }
+        if let Some(m) = mig_label.as_deref().filter(|m| *m != MIG_DISABLED_LAYOUT) {
+            let kept = n
+                .annotations
+                .get(ANNOTATION_MIG_LAYOUT)
+                .filter(|v| v.rsplit_once('@').is_some_and(|(l, _)| l == m));
+            match kept {
+                Some(v) if cur_mig.as_deref() == Some(m) => {
+                    annotations.insert(ANNOTATION_MIG_LAYOUT.to_string(), v.to_string());
+                }
+                _ => {
+                    if let Some(h) = layout_hash(m) {
+                        annotations.insert(ANNOTATION_MIG_LAYOUT.to_string(), format!("{m}@{h}"));
+                    }
+                }
+            }
+        }
+        // GFD relabels after the device plugin loads a new config: a timestamp not newer than
+        // our label write means it has not reported the new config yet.
+        let written = annotations
+            .get(ANNOTATION_CONFIG_WRITTEN)
+            .and_then(|v| v.parse::<i64>().ok());
+        let gfd_fresh = match (written, label_i64(n, LABEL_GFD_TIMESTAMP)) {
+            (Some(w), Some(t)) => t > w,
+            _ => true,
+        };
         let (state, message) = if state == "Applied" && !labels_in_place {
             ("Pending", format!("labelling node with config {dp_key}"))
+        } else if state == "Applied" && !gfd_fresh {
+            (
+                "Pending",
+                format!(
+                    "waiting for GPU Feature Discovery to report config {dp_key} (nvidia.com/gfd.timestamp not newer than our label write at {})",
+                    written.unwrap_or_default()
+                ),
+            )
         } else if state == "Applied" && !gfd_replicas_ok {
             (
                 "Pending",
@@ -1019,10 +1212,9 @@ pub fn plan(input: &PlanInput) -> Plan {
         used_keys.insert(dp_key.clone());
         l.insert(LABEL_DEVICE_PLUGIN_CONFIG.to_string(), dp_key);
         if let Some(m) = mig_label {
-            used_layouts.insert(m.clone());
             l.insert(LABEL_MIG_CONFIG.to_string(), m);
         }
-        node_labels.insert(n.name.clone(), l);
+        node_labels.insert(n.name.clone(), (l, annotations));
         details.push(NodeDetail {
             name: n.name.clone(),
             state: state.into(),
@@ -1035,7 +1227,7 @@ pub fn plan(input: &PlanInput) -> Plan {
     // We keep owning "pending" only until the MIG manager overwrites it (its update takes the
     // field over), so we never remove or overwrite its report.
     for n in &sorted_nodes {
-        let Some(l) = node_labels.get_mut(&n.name) else {
+        let Some((l, _)) = node_labels.get_mut(&n.name) else {
             continue;
         };
         let Some(want) = l.get(LABEL_MIG_CONFIG).cloned() else {
@@ -1076,21 +1268,39 @@ pub fn plan(input: &PlanInput) -> Plan {
         }
     }
 
-    // mig-parted ConfigMap: only when a custom layout is in use.
+    // mig-parted ConfigMap: only when a custom layout is in use, or a node still names one of
+    // ours. A layout stays until no node's label names it (an edited layout gets a new name;
+    // the old one is what the MIG manager would read until the node's label changes).
     let mut custom = BTreeMap::new();
     for p in prepared.iter().filter(|p| p.errors.is_empty()) {
-        if let Some(mig) = &p.spec.mig
-            && mig.custom_layout.is_some()
-        {
-            custom.insert(
-                nvidia::custom_layout_name(&p.name),
-                nvidia::custom_layout_entries(mig),
-            );
+        if let (Some(layout), Some((entries, _))) = (&p.layout, &p.custom) {
+            custom.insert(layout.clone(), entries.clone());
         }
     }
-    let empty = BTreeMap::new();
-    let mig_config = (!custom.is_empty())
-        .then(|| nvidia::to_yaml(&nvidia::mig_parted_config(base.unwrap_or(&empty), &custom)));
+    let mut named = base.cloned().unwrap_or_default();
+    let mut carried = false;
+    for n in &sorted_nodes {
+        let wanted = node_labels
+            .get(&n.name)
+            .and_then(|(l, _)| l.get(LABEL_MIG_CONFIG).cloned());
+        for layout in [n.labels.get(LABEL_MIG_CONFIG).map(str::to_string), wanted]
+            .into_iter()
+            .flatten()
+        {
+            if layout == MIG_DISABLED_LAYOUT
+                || custom.contains_key(&layout)
+                || named.contains_key(&layout)
+            {
+                continue;
+            }
+            if let Some(v) = input.current_mig_configs.get(&layout) {
+                named.insert(layout, v.clone());
+                carried = true;
+            }
+        }
+    }
+    let mig_config = (!custom.is_empty() || carried)
+        .then(|| nvidia::to_yaml(&nvidia::mig_parted_config(&named, &custom)));
 
     // ClusterPolicy: point the device plugin at our ConfigMap; MIG settings when MIG is used.
     let any_policy = !prepared.is_empty();
@@ -1217,6 +1427,14 @@ pub fn plan(input: &PlanInput) -> Plan {
             ("NoNodes", "no node is governed by this policy".to_string())
         } else if ready {
             ("Converged", format!("all {won} nodes are configured"))
+        } else if let Some(stale) = stale_nodes.get(&i) {
+            (
+                "MigLayoutChanged",
+                format!(
+                    "{applied} of {won} nodes are configured; {} run an older version of their MIG layout",
+                    stale.len()
+                ),
+            )
         } else {
             (
                 "Progressing",
@@ -1297,6 +1515,23 @@ pub fn plan(input: &PlanInput) -> Plan {
                 true,
                 "ClusterPolicyContested",
                 format!("another controller keeps reverting the ClusterPolicy settings this policy needs ({what}); make it leave them alone, e.g. ignore those fields in your GitOps tool"),
+                generation,
+            ));
+        } else if let Some(stale) = stale_nodes.get(&i) {
+            let layout = p
+                .spec
+                .mig
+                .as_ref()
+                .and_then(|m| m.layout.as_deref())
+                .unwrap_or_default();
+            conditions.push(condition(
+                "Degraded",
+                true,
+                "MigLayoutChanged",
+                format!(
+                    "the content of MIG layout {layout} changed (e.g. a GPU Operator upgrade) since these nodes were configured, and the MIG manager only acts on a label change: {}; annotate this policy with {ANNOTATION_REAPPLY_MIG}=true to re-apply it through {MIG_DISABLED_LAYOUT}",
+                    stale.iter().take(10).cloned().collect::<Vec<_>>().join(", ")
+                ),
                 generation,
             ));
         } else if !failed.is_empty() {
@@ -1389,11 +1624,20 @@ pub fn plan(input: &PlanInput) -> Plan {
         );
     }
 
+    let mut node_annotations = BTreeMap::new();
+    let node_labels = node_labels
+        .into_iter()
+        .map(|(name, (labels, annotations))| {
+            node_annotations.insert(name.clone(), annotations);
+            (name, labels)
+        })
+        .collect();
     Plan {
         device_config,
         mig_config,
         cluster_policy_spec,
         node_labels,
+        node_annotations,
         statuses,
         claim_templates,
     }

@@ -164,13 +164,19 @@ fn time_slicing_two_profiles_match_nvidia_example() {
 fn custom_mig_split_matches_nvidia_example() {
     let p = policy(include_str!("../examples/mig-custom-split.yaml"));
     let mig = p.spec.mig.as_ref().unwrap();
-    let mut custom = BTreeMap::new();
-    custom.insert(
-        nvidia::custom_layout_name("a100-mig-split"),
-        nvidia::custom_layout_entries(mig),
+    let entries = nvidia::custom_layout_entries(mig);
+    let name = nvidia::custom_layout_name("a100-mig-split", &entries);
+    // Content-addressed: custom-<policy>-<8 hex of the layout's content>.
+    let hash = name.strip_prefix("custom-a100-mig-split-").unwrap();
+    assert!(
+        hash.len() == 8 && hash.chars().all(|c| c.is_ascii_hexdigit()),
+        "{name}"
     );
+    let mut custom = BTreeMap::new();
+    custom.insert(name.clone(), entries);
     let ours = nvidia::mig_parted_config(&BTreeMap::new(), &custom);
-    let mut want: serde_yaml::Value = serde_yaml::from_str(NVIDIA_CUSTOM_MIG).unwrap();
+    let mut want: serde_yaml::Value =
+        serde_yaml::from_str(&NVIDIA_CUSTOM_MIG.replace("custom-a100-mig-split", &name)).unwrap();
     // We always add all-disabled: nodes leave MIG through it.
     want["mig-configs"]["all-disabled"] =
         serde_yaml::from_str("[{devices: all, mig-enabled: false}]").unwrap();

@@ -103,11 +103,15 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
                 mig_strategy: MigStrategy::Mixed,
                 layout: None,
                 custom_layout: Some(vec![
+                    // The layout's content follows `replicas`, so histories edit custom layouts.
                     MigDeviceGroup {
                         devices: Some(vec![0, 1, 2, 3]),
                         mig_enabled: true,
-                        mig_devices: [("1g.10gb".to_string(), 3), ("2g.20gb".to_string(), 2)]
-                            .into(),
+                        mig_devices: [
+                            ("1g.10gb".to_string(), 1 + replicas % 3),
+                            ("2g.20gb".to_string(), 2),
+                        ]
+                        .into(),
                     },
                     MigDeviceGroup {
                         devices: Some(vec![4, 5, 6, 7]),
@@ -241,26 +245,56 @@ struct World {
     /// ConfigMap data as last applied (the controller writes it before labels).
     config: BTreeMap<String, String>,
     mig_layouts: BTreeSet<String>,
+    /// Our mig-parted ConfigMap's layouts as last applied.
+    mig_config: BTreeMap<String, serde_yaml::Value>,
+    /// The clock passed to the planner.
+    now: i64,
+    /// The GPU Operator's default mig-parted config (named layouts).
+    base: BTreeMap<String, serde_yaml::Value>,
 }
 
 impl World {
+    fn new(nodes: Vec<NodeFacts>, policies: Vec<GpuSharingPolicy>) -> Self {
+        World {
+            nodes,
+            policies,
+            config: BTreeMap::new(),
+            mig_layouts: base_layouts().keys().cloned().collect(),
+            mig_config: BTreeMap::new(),
+            now: 1_800_000_000,
+            base: base_layouts(),
+        }
+    }
+
     fn input(&self) -> PlanInput {
         let mut i = PlanInput::new(self.policies.clone(), self.nodes.clone());
         i.current_device_config = self.config.clone();
-        i.base_mig_configs = Some(base_layouts());
+        i.base_mig_configs = Some(self.base.clone());
+        i.current_mig_configs = self.mig_config.clone();
+        i.now = self.now;
         i
     }
 
     fn apply(&mut self, plan: &Plan) {
         self.config = plan.device_config.clone();
-        self.mig_layouts = base_layouts().keys().cloned().collect();
-        if let Some(text) = &plan.mig_config {
-            let v: serde_yaml::Value = serde_yaml::from_str(text).unwrap();
-            for k in v["mig-configs"].as_mapping().unwrap().keys() {
-                self.mig_layouts.insert(k.as_str().unwrap().to_string());
-            }
-        }
+        self.mig_layouts = self.base.keys().cloned().collect();
+        self.mig_config = plan
+            .mig_config
+            .as_deref()
+            .map(|t| gpu_sharing_operator::nvidia::parse_mig_configs(t).unwrap())
+            .unwrap_or_default();
+        self.mig_layouts.extend(self.mig_config.keys().cloned());
         for n in &mut self.nodes {
+            let want_a = &plan.node_annotations[&n.name];
+            for k in n.owned_annotations.clone() {
+                if !want_a.contains_key(&k) {
+                    n.annotations.remove(&k);
+                }
+            }
+            for (k, v) in want_a {
+                n.annotations.insert(k.clone(), v.clone());
+            }
+            n.owned_annotations = want_a.keys().cloned().collect();
             let want = &plan.node_labels[&n.name];
             for k in n.owned.clone() {
                 if !want.contains_key(&k) {
@@ -313,6 +347,15 @@ impl World {
 
     fn check_invariants(&self) {
         for n in &self.nodes {
+            if let Some(l) = n.labels.get(LABEL_MIG_CONFIG) {
+                assert!(
+                    self.mig_layouts.contains(l),
+                    "{}: label names MIG layout {l}, which no config the MIG manager reads has",
+                    n.name
+                );
+            }
+        }
+        for n in &self.nodes {
             let Some(key) = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) else {
                 continue;
             };
@@ -347,12 +390,7 @@ impl World {
 }
 
 fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
-    let mut w = World {
-        nodes: initial_nodes(),
-        policies: build(&policies),
-        config: BTreeMap::new(),
-        mig_layouts: BTreeSet::new(),
-    };
+    let mut w = World::new(initial_nodes(), build(&policies));
     // Start from MIG enabled on one node, as an admin left it.
     w.nodes[0].labels.insert(LABEL_MIG_CONFIG, "all-1g.10gb");
     w.nodes[0].labels.insert(LABEL_MIG_STATE, "success");
@@ -433,12 +471,10 @@ proptest! {
 
 #[test]
 fn mig_to_mps_goes_through_confirmed_all_disabled() {
-    let mut w = World {
-        nodes: vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
-        policies: vec![policy("mig", 3, 2, false, Some("a"), 0, 0)],
-        config: BTreeMap::new(),
-        mig_layouts: BTreeSet::new(),
-    };
+    let mut w = World::new(
+        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
+        vec![policy("mig", 3, 2, false, Some("a"), 0, 0)],
+    );
     // Converge on MIG.
     for _ in 0..3 {
         let p = plan::plan(&w.input());
@@ -724,4 +760,245 @@ fn node_labels_behave_like_a_sorted_map() {
     assert_eq!(format!("{l:?}"), r#"{"a": "5", "c": "4", "d": "6"}"#);
     let from_map: Labels = BTreeMap::from([("c".to_string(), "4".to_string())]).into();
     assert!(from_map.contains_key("c") && !from_map.contains_key("a"));
+}
+
+fn condition<'a>(p: &'a Plan, policy: &str, type_: &str) -> (&'a str, &'a str, &'a str) {
+    let c = p.statuses[policy]
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .unwrap();
+    (c.status.as_str(), c.reason.as_str(), c.message.as_str())
+}
+
+impl World {
+    /// Applies plans and lets the MIG manager finish, a few rounds.
+    fn converge(&mut self) -> Plan {
+        for _ in 0..6 {
+            let p = plan::plan(&self.input());
+            self.apply(&p);
+            self.check_invariants();
+            self.mig_manager();
+            self.check_invariants();
+        }
+        plan::plan(&self.input())
+    }
+}
+
+#[test]
+fn edited_custom_layout_gets_a_new_name_and_reaches_the_node() {
+    let mut w = World::new(
+        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
+        vec![policy("split", 4, 2, false, Some("a"), 0, 0)],
+    );
+    let p = w.converge();
+    let old = p.statuses["split"].mig_config.clone().unwrap();
+    assert!(old.starts_with("custom-split-") && old.len() == "custom-split-".len() + 8);
+    assert_eq!(&w.nodes[0].labels[LABEL_MIG_CONFIG], old.as_str());
+    assert_eq!(condition(&p, "split", "Ready").0, "True");
+
+    // Edit the layout (1g.10gb: 3 -> 1 per GPU of the first group).
+    w.policies = vec![policy("split", 4, 3, false, Some("a"), 0, 0)];
+    let p = plan::plan(&w.input());
+    let new = p.statuses["split"].mig_config.clone().unwrap();
+    assert_ne!(new, old, "new content, new name");
+    assert_eq!(p.node_labels["a100-0"][LABEL_MIG_CONFIG], new);
+    assert_eq!(p.node_labels["a100-0"][LABEL_MIG_STATE], "pending");
+    // Both layouts are in the config while the node's label still names the old one.
+    let layouts =
+        gpu_sharing_operator::nvidia::parse_mig_configs(p.mig_config.as_ref().unwrap()).unwrap();
+    assert!(layouts.contains_key(&old) && layouts.contains_key(&new));
+    w.apply(&p);
+    // Not Ready until the MIG manager confirms the new name.
+    let p = plan::plan(&w.input());
+    assert_eq!(condition(&p, "split", "Ready").0, "False");
+    assert_eq!(p.statuses["split"].applied_nodes, 0);
+    w.mig_manager();
+    let p = w.converge();
+    assert_eq!(condition(&p, "split", "Ready").0, "True");
+    let layouts =
+        gpu_sharing_operator::nvidia::parse_mig_configs(p.mig_config.as_ref().unwrap()).unwrap();
+    assert!(
+        !layouts.contains_key(&old),
+        "the old layout goes once no node names it"
+    );
+}
+
+#[test]
+fn a_node_on_the_pre_upgrade_custom_name_keeps_it_only_while_the_content_is_the_same() {
+    let pol = policy("split", 4, 2, false, Some("a"), 0, 0);
+    let entries =
+        gpu_sharing_operator::nvidia::custom_layout_entries(pol.spec.mig.as_ref().unwrap());
+    let same = serde_yaml::to_value(&entries).unwrap();
+    let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
+    // What the previous version left: custom-<policy>, confirmed, and its device-plugin key.
+    let key = plan::plan(&PlanInput::new(vec![pol.clone()], vec![])).statuses["split"]
+        .device_config_key
+        .clone()
+        .unwrap();
+    n.labels.insert(LABEL_MIG_CONFIG, "custom-split");
+    n.labels.insert(LABEL_MIG_STATE, "success");
+    n.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG, key.as_str());
+    n.labels.insert("gpusharing.io/policy", "split");
+    n.owned = [
+        LABEL_MIG_CONFIG,
+        LABEL_DEVICE_PLUGIN_CONFIG,
+        "gpusharing.io/policy",
+    ]
+    .map(String::from)
+    .into();
+    let mut w = World::new(vec![n], vec![pol]);
+    w.mig_config.insert("custom-split".into(), same);
+    w.mig_layouts.insert("custom-split".into());
+    let p = plan::plan(&w.input());
+    assert_eq!(
+        p.node_labels["a100-0"][LABEL_MIG_CONFIG], "custom-split",
+        "same content: no MIG reconfiguration for a new name"
+    );
+    assert!(!p.node_labels["a100-0"].contains_key(LABEL_MIG_STATE));
+    assert_eq!(p.statuses["split"].applied_nodes, 1);
+    let layouts =
+        gpu_sharing_operator::nvidia::parse_mig_configs(p.mig_config.as_ref().unwrap()).unwrap();
+    assert!(
+        layouts.contains_key("custom-split"),
+        "kept while a node names it"
+    );
+
+    // Different content under the old name: a normal, visible layout change to the new name.
+    w.mig_config.insert(
+        "custom-split".into(),
+        serde_yaml::from_str("[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]")
+            .unwrap(),
+    );
+    let p = plan::plan(&w.input());
+    let new = p.statuses["split"].mig_config.clone().unwrap();
+    assert_eq!(p.node_labels["a100-0"][LABEL_MIG_CONFIG], new);
+    assert_eq!(p.node_labels["a100-0"][LABEL_MIG_STATE], "pending");
+    assert_eq!(p.statuses["split"].applied_nodes, 0);
+}
+
+#[test]
+fn a_named_layout_whose_content_changed_is_reported_and_reapplied_on_request() {
+    let mut w = World::new(
+        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
+        vec![policy("mig", 3, 2, false, Some("a"), 0, 0)],
+    );
+    let p = w.converge();
+    assert_eq!(condition(&p, "mig", "Ready").0, "True");
+    let recorded = w.nodes[0].annotations[plan::ANNOTATION_MIG_LAYOUT].to_string();
+    assert!(recorded.starts_with("all-1g.10gb@"), "{recorded}");
+
+    // A GPU Operator upgrade changes what all-1g.10gb means.
+    w.base.insert(
+        "all-1g.10gb".into(),
+        serde_yaml::from_str("[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 6}}]")
+            .unwrap(),
+    );
+    let p = plan::plan(&w.input());
+    let (status, reason, message) = condition(&p, "mig", "Degraded");
+    assert_eq!((status, reason), ("True", "MigLayoutChanged"));
+    assert!(
+        message.contains("a100-0") && message.contains("all-1g.10gb"),
+        "{message}"
+    );
+    assert!(message.contains(plan::ANNOTATION_REAPPLY_MIG), "{message}");
+    assert_eq!(condition(&p, "mig", "Ready").0, "False");
+    let held = p.node_labels["a100-0"].clone();
+    w.apply(&p);
+    assert_eq!(
+        plan::plan(&w.input()).node_labels["a100-0"],
+        held,
+        "nothing moves unasked"
+    );
+
+    // The admin asks for a re-apply: sharing off, all-disabled confirmed, then the layout again.
+    w.policies[0]
+        .metadata
+        .annotations
+        .get_or_insert_default()
+        .insert(plan::ANNOTATION_REAPPLY_MIG.into(), "true".into());
+    let mut seen_disabled = false;
+    for _ in 0..8 {
+        let p = plan::plan(&w.input());
+        w.apply(&p);
+        w.check_invariants();
+        if w.nodes[0].labels.get(LABEL_MIG_CONFIG) == Some(MIG_DISABLED_LAYOUT) {
+            seen_disabled = true;
+            // Not back to the layout before all-disabled is confirmed.
+            assert_eq!(
+                plan::plan(&w.input()).node_labels["a100-0"][LABEL_MIG_CONFIG],
+                MIG_DISABLED_LAYOUT
+            );
+        }
+        w.mig_manager();
+    }
+    assert!(seen_disabled, "re-applied through all-disabled");
+    let p = plan::plan(&w.input());
+    assert_eq!(condition(&p, "mig", "Ready").0, "True");
+    assert_eq!(condition(&p, "mig", "Degraded").0, "False");
+    assert_ne!(
+        w.nodes[0].annotations[plan::ANNOTATION_MIG_LAYOUT],
+        *recorded
+    );
+}
+
+#[test]
+fn a_device_plugin_config_counts_only_once_gfd_reported_after_our_write() {
+    let mut n = node("h200-0", "NVIDIA-H200", false, Some("a"));
+    n.labels.insert(plan::LABEL_GFD_TIMESTAMP, "1799999000");
+    let mut w = World::new(vec![n], vec![policy("mps", 2, 4, false, Some("a"), 0, 0)]);
+    let p = plan::plan(&w.input());
+    assert_eq!(
+        p.node_annotations["h200-0"][plan::ANNOTATION_CONFIG_WRITTEN],
+        w.now.to_string()
+    );
+    w.apply(&p);
+    let p = plan::plan(&w.input());
+    assert_eq!(
+        p.statuses["mps"].applied_nodes, 0,
+        "GFD has not relabelled yet"
+    );
+    assert!(
+        p.statuses["mps"].node_details[0]
+            .message
+            .contains("gfd.timestamp")
+    );
+    // GFD relabels in the same second as our write: not proof it saw the new config.
+    w.nodes[0]
+        .labels
+        .insert(plan::LABEL_GFD_TIMESTAMP, w.now.to_string());
+    assert_eq!(plan::plan(&w.input()).statuses["mps"].applied_nodes, 0);
+    w.nodes[0]
+        .labels
+        .insert(plan::LABEL_GFD_TIMESTAMP, (w.now + 1).to_string());
+    w.now += 60;
+    let p = plan::plan(&w.input());
+    assert_eq!(p.statuses["mps"].applied_nodes, 1);
+    assert_eq!(condition(&p, "mps", "Ready").0, "True");
+    // The write time stays as long as the label does (no write at rest).
+    assert_eq!(p.node_annotations, plan::plan(&w.input()).node_annotations);
+    assert_eq!(
+        p.node_annotations["h200-0"][plan::ANNOTATION_CONFIG_WRITTEN],
+        (w.now - 60).to_string()
+    );
+}
+
+#[test]
+fn nodes_labelled_before_the_write_time_existed_need_no_write() {
+    let pol = policy("mps", 2, 4, false, Some("a"), 0, 0);
+    let key = plan::plan(&PlanInput::new(vec![pol.clone()], vec![])).statuses["mps"]
+        .device_config_key
+        .clone()
+        .unwrap();
+    let mut n = node("h200-0", "NVIDIA-H200", false, Some("a"));
+    n.labels.insert(plan::LABEL_GFD_TIMESTAMP, "1700000000");
+    n.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG, key.as_str());
+    n.labels.insert("gpusharing.io/policy", "mps");
+    n.owned = [LABEL_DEVICE_PLUGIN_CONFIG, "gpusharing.io/policy"]
+        .map(String::from)
+        .into();
+    let w = World::new(vec![n], vec![pol]);
+    let p = plan::plan(&w.input());
+    assert!(p.node_annotations["h200-0"].is_empty());
+    assert_eq!(p.statuses["mps"].applied_nodes, 1);
 }

@@ -741,11 +741,13 @@ async fn run_baseline(
             .map(|n| NodeFacts {
                 name: n.name_any(),
                 labels: n.labels().clone().into(),
-                owned: Default::default(),
+                ..Default::default()
             })
             .collect();
         facts.sort_by(|a, b| a.name.cmp(&b.name));
-        let first = plan::plan(&PlanInput::new(policies.clone(), facts.clone()));
+        let mut first_input = PlanInput::new(policies.clone(), facts.clone());
+        first_input.now = k8s_openapi::jiff::Timestamp::now().as_second();
+        let first = plan::plan(&first_input);
         // Statuses as they are once the labels are in place.
         for f in &mut facts {
             if let Some(want) = first.node_labels.get(&f.name) {
@@ -756,11 +758,15 @@ async fn run_baseline(
         let mut input = PlanInput::new(policies.clone(), facts);
         input.current_device_config = first.device_config.clone();
         let done = plan::plan(&input);
-        let label_patches: Vec<(String, BTreeMap<String, String>)> = first
+        // The same node metadata the operator writes: our labels and annotations.
+        let label_patches: Vec<(String, serde_json::Value)> = first
             .node_labels
             .iter()
             .filter(|(_, l)| !l.is_empty())
-            .map(|(k, v)| (k.clone(), v.clone()))
+            .map(|(k, v)| {
+                let a = first.node_annotations.get(k).cloned().unwrap_or_default();
+                (k.clone(), json!({"labels": v, "annotations": a}))
+            })
             .collect();
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
         let statuses: Vec<(String, serde_json::Value)> = done
@@ -797,7 +803,9 @@ async fn run_baseline(
                 let api = nodes_api.clone();
                 let pp = pp.clone();
                 async move {
-                    let obj = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}});
+                    let mut meta = labels;
+                    meta["name"] = json!(name);
+                    let obj = json!({"apiVersion": "v1", "kind": "Node", "metadata": meta});
                     api.patch(&name, &pp, &Patch::Apply(&obj)).await?;
                     Ok::<_, anyhow::Error>(())
                 }

@@ -1,0 +1,654 @@
+//! End-to-end audit of edits: every kind of policy edit must reach the nodes. Each test converges
+//! a policy, edits it, and waits until the policy reports Ready for the new generation; it then
+//! checks what the node actually runs (allocatable and GPU Feature Discovery labels written by
+//! the node simulator, which plays NVIDIA's device plugin, GFD and MIG manager), not only the
+//! labels the operator wrote.
+
+mod common;
+mod support;
+
+use std::collections::BTreeMap;
+
+use gpu_sharing_operator::crd::GpuSharingPolicy;
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use support::*;
+
+const L4_0: &str = "l4-node-0";
+const L4_1: &str = "l4-node-1";
+const H200: &str = "h200-node-0";
+const A100: &str = "a100-node-0";
+
+fn ts_policy(name: &str, profile: &str, replicas: i32) -> String {
+    format!(
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: {profile}}}}}\n  strategy: timeSlicing\n  timeSlicing: {{replicas: {replicas}}}\n"
+    )
+}
+
+fn mps_policy(name: &str, profile: &str, replicas: i32) -> String {
+    format!(
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: {profile}}}}}\n  strategy: mps\n  mps: {{replicas: {replicas}}}\n"
+    )
+}
+
+fn mig_policy(name: &str, profile: &str, layout: &str) -> String {
+    format!(
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: {profile}}}}}\n  strategy: mig\n  mig: {{migStrategy: single, layout: {layout}}}\n"
+    )
+}
+
+/// The policy's status once it reports Ready for its current generation.
+async fn converged(c: &Client, name: &str) -> Option<Value> {
+    let p = Api::<GpuSharingPolicy>::all(c.clone())
+        .get(name)
+        .await
+        .ok()?;
+    let generation = p.metadata.generation?;
+    let s = serde_json::to_value(p.status?).ok()?;
+    let ready = condition(&s, "Ready")?;
+    (s["observedGeneration"] == generation
+        && ready["status"] == "True"
+        && ready["observedGeneration"] == generation)
+        .then_some(s)
+}
+
+/// What the node runs: its allocatable NVIDIA resources.
+async fn allocatable(c: &Client, node: &str) -> BTreeMap<String, String> {
+    let n = Api::<Node>::all(c.clone()).get(node).await.unwrap();
+    n.status
+        .and_then(|s| s.allocatable)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("nvidia.com/"))
+        .map(|(k, v)| (k, v.0))
+        .collect()
+}
+
+/// Waits until the policy is Ready for its generation and the node runs `want` (allocatable
+/// NVIDIA resources, non-zero ones; resources not named must be 0 or absent) with the given GFD
+/// labels.
+async fn node_runs(
+    c: &Client,
+    policy: &str,
+    node: &str,
+    want: &[(&str, &str)],
+    gfd: &[(&str, &str)],
+) {
+    let what = format!("{policy} Ready with {node} running {want:?} {gfd:?}");
+    until(&what, LONG, || async {
+        converged(c, policy).await?;
+        let alloc = allocatable(c, node).await;
+        let nonzero: BTreeMap<&str, &str> = alloc
+            .iter()
+            .filter(|(_, v)| v.as_str() != "0")
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let want: BTreeMap<&str, &str> = want.iter().copied().collect();
+        let l = labels(c, node).await;
+        let labels_ok = gfd
+            .iter()
+            .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v));
+        (nonzero == want && labels_ok).then_some(())
+    })
+    .await;
+}
+
+async fn edit(c: &Client, name: &str, patch: Value) {
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn time_slicing_replicas_edit_reaches_the_node() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, L4_0, "gpusharing.io/profile", Some("ts")).await;
+    common::apply_yaml(&c, &ts_policy("ts", "ts", 4))
+        .await
+        .unwrap();
+    node_runs(
+        &c,
+        "ts",
+        L4_0,
+        &[("nvidia.com/gpu", "16")],
+        &[("nvidia.com/gpu.replicas", "4")],
+    )
+    .await;
+    let key = converged(&c, "ts").await.unwrap()["deviceConfigKey"].clone();
+
+    edit(&c, "ts", json!({"spec": {"timeSlicing": {"replicas": 8}}})).await;
+    node_runs(
+        &c,
+        "ts",
+        L4_0,
+        &[("nvidia.com/gpu", "32")],
+        &[("nvidia.com/gpu.replicas", "8")],
+    )
+    .await;
+    let s = converged(&c, "ts").await.unwrap();
+    assert_ne!(s["deviceConfigKey"], key, "new content, new key");
+    assert_eq!(s["capacity"]["schedulableReplicas"], 32);
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn mps_replicas_edit_reaches_the_node() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, H200, "gpusharing.io/profile", Some("mps")).await;
+    common::apply_yaml(&c, &mps_policy("mps", "mps", 4))
+        .await
+        .unwrap();
+    node_runs(
+        &c,
+        "mps",
+        H200,
+        &[("nvidia.com/gpu", "32")],
+        &[("nvidia.com/gpu.sharing-strategy", "mps")],
+    )
+    .await;
+
+    edit(&c, "mps", json!({"spec": {"mps": {"replicas": 2}}})).await;
+    node_runs(
+        &c,
+        "mps",
+        H200,
+        &[("nvidia.com/gpu", "16")],
+        &[
+            ("nvidia.com/gpu.replicas", "2"),
+            ("nvidia.com/gpu.sharing-strategy", "mps"),
+        ],
+    )
+    .await;
+    let s = converged(&c, "mps").await.unwrap();
+    assert_eq!(s["capacity"]["memoryPerClientMib"], 143771 / 2);
+    assert_eq!(s["capacity"]["threadsPerClientPercent"], 50);
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn named_layout_edit_reaches_the_node() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, A100, "gpusharing.io/profile", Some("mig")).await;
+    common::apply_yaml(&c, &mig_policy("mig", "mig", "all-1g.10gb"))
+        .await
+        .unwrap();
+    node_runs(
+        &c,
+        "mig",
+        A100,
+        &[("nvidia.com/gpu", "56")],
+        &[("nvidia.com/mig.config", "all-1g.10gb")],
+    )
+    .await;
+
+    edit(
+        &c,
+        "mig",
+        json!({"spec": {"mig": {"layout": "all-2g.20gb"}}}),
+    )
+    .await;
+    node_runs(
+        &c,
+        "mig",
+        A100,
+        &[("nvidia.com/gpu", "24")],
+        &[
+            ("nvidia.com/mig.config", "all-2g.20gb"),
+            ("nvidia.com/mig.config.state", "success"),
+        ],
+    )
+    .await;
+    op.stop().await;
+}
+
+/// The case of the bug report: an edited custom layout kept its name, so the MIG manager never
+/// saw it, while the policy said Ready.
+#[tokio::test]
+async fn custom_layout_edit_reaches_the_node() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, A100, "gpusharing.io/profile", Some("mig-split")).await;
+    common::apply_yaml(&c, include_str!("../examples/mig-custom-split.yaml"))
+        .await
+        .unwrap();
+    node_runs(
+        &c,
+        "a100-mig-split",
+        A100,
+        &[
+            ("nvidia.com/gpu", "4"),
+            ("nvidia.com/mig-1g.10gb", "12"),
+            ("nvidia.com/mig-2g.20gb", "8"),
+        ],
+        &[],
+    )
+    .await;
+    let before = converged(&c, "a100-mig-split").await.unwrap()["migConfig"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(before.starts_with("custom-a100-mig-split-"), "{before}");
+    assert_eq!(labels(&c, A100).await["nvidia.com/mig.config"], before);
+
+    edit(
+        &c,
+        "a100-mig-split",
+        json!({"spec": {"mig": {"customLayout": [
+            {"devices": [0, 1, 2, 3], "migEnabled": true, "migDevices": {"1g.10gb": 7}},
+            {"devices": [4, 5, 6, 7], "migEnabled": false}
+        ]}}}),
+    )
+    .await;
+    node_runs(
+        &c,
+        "a100-mig-split",
+        A100,
+        &[("nvidia.com/gpu", "4"), ("nvidia.com/mig-1g.10gb", "28")],
+        &[("nvidia.com/mig.config.state", "success")],
+    )
+    .await;
+    let after = converged(&c, "a100-mig-split").await.unwrap()["migConfig"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(after, before, "an edited layout gets a new name");
+    assert_eq!(labels(&c, A100).await["nvidia.com/mig.config"], after);
+    // The old layout leaves our mig-parted ConfigMap once no node names it.
+    until("old layout removed", LONG, || async {
+        let data = configmap_data(&c, "gpu-sharing-mig-parted-config").await?;
+        let text = &data["config.yaml"];
+        (!text.contains(&before) && text.contains(&after)).then_some(())
+    })
+    .await;
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn mig_time_slicing_replicas_edit_reaches_the_node() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    // all-1g.10gb (7 instances per GPU, single strategy: advertised as nvidia.com/gpu), x2.
+    label_node(&c, A100, "gpusharing.io/profile", Some("mig-shared")).await;
+    common::apply_yaml(&c, include_str!("../examples/mig-1g10gb-time-sliced.yaml"))
+        .await
+        .unwrap();
+    let name = "a100-mig-shared";
+    node_runs(
+        &c,
+        name,
+        A100,
+        &[("nvidia.com/gpu", "112")],
+        &[("nvidia.com/gpu.replicas", "2")],
+    )
+    .await;
+
+    edit(
+        &c,
+        name,
+        json!({"spec": {"mig": {"timeSlicing": {"replicas": 3}}}}),
+    )
+    .await;
+    node_runs(
+        &c,
+        name,
+        A100,
+        &[("nvidia.com/gpu", "168")],
+        &[("nvidia.com/gpu.replicas", "3")],
+    )
+    .await;
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn strategy_edit_mig_to_mps_reaches_the_node() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, A100, "gpusharing.io/profile", Some("p")).await;
+    common::apply_yaml(&c, &mig_policy("p", "p", "all-1g.10gb"))
+        .await
+        .unwrap();
+    node_runs(&c, "p", A100, &[("nvidia.com/gpu", "56")], &[]).await;
+
+    edit(
+        &c,
+        "p",
+        json!({"spec": {"strategy": "mps", "mig": null, "mps": {"replicas": 4}}}),
+    )
+    .await;
+    node_runs(
+        &c,
+        "p",
+        A100,
+        &[("nvidia.com/gpu", "32")],
+        &[
+            ("nvidia.com/mig.config", "all-disabled"),
+            ("nvidia.com/gpu.sharing-strategy", "mps"),
+        ],
+    )
+    .await;
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn strategy_edit_mps_to_time_slicing_reaches_the_node() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, H200, "gpusharing.io/profile", Some("p")).await;
+    common::apply_yaml(&c, &mps_policy("p", "p", 4))
+        .await
+        .unwrap();
+    node_runs(
+        &c,
+        "p",
+        H200,
+        &[("nvidia.com/gpu", "32")],
+        &[("nvidia.com/gpu.sharing-strategy", "mps")],
+    )
+    .await;
+
+    edit(
+        &c,
+        "p",
+        json!({"spec": {"strategy": "timeSlicing", "mps": null, "timeSlicing": {"replicas": 3}}}),
+    )
+    .await;
+    node_runs(
+        &c,
+        "p",
+        H200,
+        &[("nvidia.com/gpu", "24")],
+        &[
+            ("nvidia.com/gpu.sharing-strategy", "time-slicing"),
+            ("nvidia.com/gpu.replicas", "3"),
+        ],
+    )
+    .await;
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn selector_edit_moves_nodes_between_policies() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, L4_0, "gpusharing.io/profile", Some("a")).await;
+    label_node(&c, L4_1, "gpusharing.io/profile", Some("b")).await;
+    common::apply_yaml(&c, &ts_policy("x", "a", 4))
+        .await
+        .unwrap();
+    common::apply_yaml(&c, &ts_policy("y", "b", 2))
+        .await
+        .unwrap();
+    node_runs(&c, "x", L4_0, &[("nvidia.com/gpu", "16")], &[]).await;
+    node_runs(&c, "y", L4_1, &[("nvidia.com/gpu", "8")], &[]).await;
+
+    // Swap the selectors: each node moves to the other policy.
+    edit(
+        &c,
+        "x",
+        json!({"spec": {"nodeSelector": {"matchLabels": {"gpusharing.io/profile": "b"}}}}),
+    )
+    .await;
+    edit(
+        &c,
+        "y",
+        json!({"spec": {"nodeSelector": {"matchLabels": {"gpusharing.io/profile": "a"}}}}),
+    )
+    .await;
+    node_runs(
+        &c,
+        "x",
+        L4_1,
+        &[("nvidia.com/gpu", "16")],
+        &[("gpusharing.io/policy", "x")],
+    )
+    .await;
+    node_runs(
+        &c,
+        "y",
+        L4_0,
+        &[("nvidia.com/gpu", "8")],
+        &[("gpusharing.io/policy", "y")],
+    )
+    .await;
+    for p in ["x", "y"] {
+        let s = converged(&c, p).await.unwrap();
+        assert_eq!(
+            (s["matchedNodes"].as_i64(), s["appliedNodes"].as_i64()),
+            (Some(1), Some(1))
+        );
+    }
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn priority_edit_changes_the_winner_on_the_node() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, L4_0, "gpusharing.io/profile", Some("shared")).await;
+    common::apply_yaml(&c, &ts_policy("first", "shared", 4))
+        .await
+        .unwrap();
+    node_runs(&c, "first", L4_0, &[("nvidia.com/gpu", "16")], &[]).await;
+    common::apply_yaml(&c, &ts_policy("second", "shared", 2))
+        .await
+        .unwrap();
+    // The older policy wins at equal priority.
+    until("second Conflicted", LONG, || async {
+        let s = policy_status(&c, "second").await?;
+        (condition(&s, "Conflicted")?["status"] == "True").then_some(())
+    })
+    .await;
+    assert_eq!(allocatable(&c, L4_0).await["nvidia.com/gpu"], "16");
+
+    edit(&c, "second", json!({"spec": {"priority": 10}})).await;
+    node_runs(
+        &c,
+        "second",
+        L4_0,
+        &[("nvidia.com/gpu", "8")],
+        &[("gpusharing.io/policy", "second")],
+    )
+    .await;
+    until("first Conflicted, naming the winner", LONG, || async {
+        let s = policy_status(&c, "first").await?;
+        let cond = condition(&s, "Conflicted")?;
+        (cond["status"] == "True" && cond["message"].as_str()?.contains("second")).then_some(())
+    })
+    .await;
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn dra_settings_edit_reaches_the_templates() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let team = "gpu-test6";
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": team}})).unwrap();
+    Api::<Namespace>::all(c.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, H200, "gpusharing.io/profile", Some("dra")).await;
+    common::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
+        .await
+        .unwrap();
+    until("dra-mps Ready", LONG, || converged(&c, "dra-mps")).await;
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(c.clone(), team);
+    assert!(templates.get_opt("single-gpu").await.unwrap().is_some());
+
+    // New limits under a new template name: the new template appears, the old one goes.
+    edit(
+        &c,
+        "dra-mps",
+        json!({"spec": {"dra": {"templateName": "half-gpu", "mps": {"defaultPinnedDeviceMemoryLimit": "20Gi"}}}}),
+    )
+    .await;
+    let s = until("dra-mps Ready again", LONG, || converged(&c, "dra-mps")).await;
+    assert_eq!(s["templates"], json!(["gpu-test6/half-gpu"]));
+    let t = until("new template", LONG, || async {
+        templates.get_opt("half-gpu").await.ok()?
+    })
+    .await;
+    let t = serde_json::to_value(t).unwrap();
+    assert_eq!(
+        t["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]["sharing"]["mpsConfig"]["defaultPinnedDeviceMemoryLimit"],
+        "20Gi"
+    );
+    until("old template removed", LONG, || async {
+        templates
+            .get_opt("single-gpu")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    // The node stays on the DRA policy with the device plugin sharing nothing.
+    assert_eq!(
+        labels(&c, H200).await["nvidia.com/device-plugin.config"],
+        "default"
+    );
+    assert_eq!(allocatable(&c, H200).await["nvidia.com/gpu"], "8");
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn deleting_a_policy_returns_its_nodes_to_exclusive() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, L4_0, "gpusharing.io/profile", Some("ts")).await;
+    common::apply_yaml(&c, &ts_policy("ts", "ts", 4))
+        .await
+        .unwrap();
+    node_runs(&c, "ts", L4_0, &[("nvidia.com/gpu", "16")], &[]).await;
+    let key = converged(&c, "ts").await.unwrap()["deviceConfigKey"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .delete("ts", &DeleteParams::default())
+        .await
+        .unwrap();
+    until("node back to exclusive", LONG, || async {
+        let l = labels(&c, L4_0).await;
+        let alloc = allocatable(&c, L4_0).await;
+        (!l.contains_key("nvidia.com/device-plugin.config")
+            && !l.contains_key("gpusharing.io/policy")
+            && l.get("nvidia.com/gpu.replicas").map(String::as_str) == Some("1")
+            && alloc.get("nvidia.com/gpu").map(String::as_str) == Some("4"))
+        .then_some(())
+    })
+    .await;
+    until("config key removed", LONG, || async {
+        let data = configmap_data(&c, DP_CM).await?;
+        (!data.contains_key(&key)).then_some(())
+    })
+    .await;
+    let n = Api::<Node>::all(c.clone()).get(L4_0).await.unwrap();
+    assert!(
+        !n.annotations()
+            .keys()
+            .any(|k| k.starts_with("gpusharing.io/")),
+        "our annotations go with the policy: {:?}",
+        n.annotations()
+    );
+    op.stop().await;
+}
+
+fn default_mig_config(per_gpu: i32) -> Value {
+    let text = format!(
+        "version: v1\nmig-configs:\n  all-disabled:\n  - devices: all\n    mig-enabled: false\n  all-1g.10gb:\n  - devices: all\n    mig-enabled: true\n    mig-devices:\n      1g.10gb: {per_gpu}\n"
+    );
+    json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "default-mig-parted-config", "namespace": NS},
+        "data": {"config.yaml": text}})
+}
+
+/// A GPU Operator upgrade changes what a named layout means: the node keeps the old geometry
+/// (the MIG manager only acts on a label change), so the policy must say so, and re-apply when
+/// the admin asks.
+#[tokio::test]
+async fn a_named_layout_changed_by_the_gpu_operator_is_reported_and_reapplied_on_request() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let cms: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(c.clone(), NS);
+    let pp = PatchParams::apply("gpu-operator").force();
+    cms.patch(
+        "default-mig-parted-config",
+        &pp,
+        &Patch::Apply(default_mig_config(7)),
+    )
+    .await
+    .unwrap();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, A100, "gpusharing.io/profile", Some("mig")).await;
+    common::apply_yaml(&c, &mig_policy("mig", "mig", "all-1g.10gb"))
+        .await
+        .unwrap();
+    node_runs(&c, "mig", A100, &[("nvidia.com/gpu", "56")], &[]).await;
+
+    // The upgrade: all-1g.10gb now means 6 instances per GPU.
+    cms.patch(
+        "default-mig-parted-config",
+        &pp,
+        &Patch::Apply(default_mig_config(6)),
+    )
+    .await
+    .unwrap();
+    let s = until("Degraded MigLayoutChanged", LONG, || async {
+        let s = policy_status(&c, "mig").await?;
+        (condition(&s, "Degraded")?["reason"] == "MigLayoutChanged").then_some(s)
+    })
+    .await;
+    let msg = condition(&s, "Degraded").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(msg.contains(A100) && msg.contains("all-1g.10gb"), "{msg}");
+    assert_eq!(condition(&s, "Ready").unwrap()["status"], "False");
+    // Nothing moves on its own.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert_eq!(allocatable(&c, A100).await["nvidia.com/gpu"], "56");
+
+    // The documented re-apply: through all-disabled, then the layout's new content.
+    let api = Api::<GpuSharingPolicy>::all(c.clone());
+    api.patch(
+        "mig",
+        &PatchParams::default(),
+        &Patch::Merge(
+            json!({"metadata": {"annotations": {"gpusharing.io/reapply-mig-layout": "true"}}}),
+        ),
+    )
+    .await
+    .unwrap();
+    node_runs(
+        &c,
+        "mig",
+        A100,
+        &[("nvidia.com/gpu", "48")],
+        &[("nvidia.com/mig.config", "all-1g.10gb")],
+    )
+    .await;
+    let s = converged(&c, "mig").await.unwrap();
+    assert_eq!(condition(&s, "Degraded").unwrap()["status"], "False");
+    op.stop().await;
+}
