@@ -25,12 +25,8 @@ pub struct LeaderConfig {
     pub renew: Duration,
 }
 
-fn now() -> MicroTime {
-    MicroTime(Timestamp::now())
-}
-
-fn expired(l: &Lease, lease_duration: Duration) -> bool {
-    let Some(spec) = &l.spec else { return true };
+/// Whether a lease has not been renewed within its duration at `at` (ours when it does not say).
+fn expired(spec: &LeaseSpec, lease_duration: Duration, at: Timestamp) -> bool {
     let Some(renewed) = spec.renew_time.as_ref().or(spec.acquire_time.as_ref()) else {
         return true;
     };
@@ -41,57 +37,104 @@ fn expired(l: &Lease, lease_duration: Duration) -> bool {
     renewed
         .0
         .saturating_add(dur)
-        .is_ok_and(|deadline| deadline < Timestamp::now())
+        .is_ok_and(|deadline| deadline < at)
+}
+
+/// What a candidate does with the lease as it finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    /// No lease yet: create it, holding it.
+    Create,
+    /// We hold it: renew.
+    Renew,
+    /// Free, released or expired: take it over from `previous` (empty if released).
+    TakeOver { previous: String },
+    /// Someone else holds an unexpired lease.
+    Wait,
+}
+
+fn step(lease: Option<&LeaseSpec>, cfg: &LeaderConfig, at: Timestamp) -> Step {
+    let Some(spec) = lease else {
+        return Step::Create;
+    };
+    let holder = spec.holder_identity.clone().unwrap_or_default();
+    if holder == cfg.identity {
+        Step::Renew
+    } else if holder.is_empty() || expired(spec, cfg.lease_duration, at) {
+        Step::TakeOver { previous: holder }
+    } else {
+        Step::Wait
+    }
+}
+
+/// The lease spec after a create, renewal or takeover by `cfg.identity` at `at`.
+fn held(current: Option<LeaseSpec>, step: &Step, cfg: &LeaderConfig, at: Timestamp) -> LeaseSpec {
+    let mut spec = current.unwrap_or_default();
+    let t = Some(MicroTime(at));
+    match step {
+        Step::Create => {
+            spec.acquire_time = t.clone();
+            spec.lease_transitions = Some(0);
+        }
+        Step::TakeOver { .. } => {
+            spec.acquire_time = t.clone();
+            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+        }
+        Step::Renew | Step::Wait => {}
+    }
+    spec.holder_identity = Some(cfg.identity.clone());
+    spec.renew_time = t;
+    spec.lease_duration_seconds = Some(cfg.lease_duration.as_secs().max(1) as i32);
+    spec
+}
+
+/// A leader that has not renewed for this long stops writing: 80% of the lease, so it is gone
+/// before a standby may take over (at 100%).
+fn step_down_after(lease_duration: Duration) -> Duration {
+    lease_duration.mul_f32(0.8)
+}
+
+/// The lease spec once its holder gives it up: no holder, so a standby takes it at once.
+fn released(mut spec: LeaseSpec) -> LeaseSpec {
+    spec.holder_identity = None;
+    spec.renew_time = None;
+    spec.acquire_time = None;
+    spec
 }
 
 /// One attempt to take or renew the lease. `Ok(true)`: we hold it now.
 async fn try_hold(api: &Api<Lease>, cfg: &LeaderConfig) -> Result<bool, kube::Error> {
-    let secs = cfg.lease_duration.as_secs().max(1) as i32;
-    match api.get_opt(&cfg.name).await? {
-        None => {
+    let current = api.get_opt(&cfg.name).await?;
+    let at = Timestamp::now();
+    // A Lease without a spec is free.
+    let empty = LeaseSpec::default();
+    let spec = current.as_ref().map(|l| l.spec.as_ref().unwrap_or(&empty));
+    let step = step(spec, cfg, at);
+    if let Step::TakeOver { previous } = &step {
+        info!(previous = %previous, "taking over the leader lease");
+    }
+    let result = match (step, current) {
+        (Step::Wait, _) => return Ok(false),
+        (step @ Step::Create, _) | (step, None) => {
             let lease = Lease {
                 metadata: ObjectMeta {
                     name: Some(cfg.name.clone()),
                     ..Default::default()
                 },
-                spec: Some(LeaseSpec {
-                    holder_identity: Some(cfg.identity.clone()),
-                    lease_duration_seconds: Some(secs),
-                    acquire_time: Some(now()),
-                    renew_time: Some(now()),
-                    lease_transitions: Some(0),
-                    ..Default::default()
-                }),
+                spec: Some(held(None, &step, cfg, at)),
             };
-            match api.create(&PostParams::default(), &lease).await {
-                Ok(_) => Ok(true),
-                Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
-                Err(e) => Err(e),
-            }
+            api.create(&PostParams::default(), &lease).await
         }
-        Some(mut lease) => {
-            let spec = lease.spec.get_or_insert_with(Default::default);
-            let holder = spec.holder_identity.clone().unwrap_or_default();
-            let mine = holder == cfg.identity;
-            if !mine && !holder.is_empty() && !expired(&lease, cfg.lease_duration) {
-                return Ok(false);
-            }
-            let spec = lease.spec.get_or_insert_with(Default::default);
-            if !mine {
-                spec.holder_identity = Some(cfg.identity.clone());
-                spec.acquire_time = Some(now());
-                spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
-                info!(previous = %holder, "taking over the leader lease");
-            }
-            spec.renew_time = Some(now());
-            spec.lease_duration_seconds = Some(secs);
+        (step, Some(mut lease)) => {
+            lease.spec = Some(held(lease.spec.take(), &step, cfg, at));
             // replace() sends our resourceVersion: a concurrent writer makes this fail with 409.
-            match api.replace(&cfg.name, &PostParams::default(), &lease).await {
-                Ok(_) => Ok(true),
-                Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
-                Err(e) => Err(e),
-            }
+            api.replace(&cfg.name, &PostParams::default(), &lease).await
         }
+    };
+    match result {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -117,7 +160,7 @@ pub async fn lead(
     tokio::spawn(async move {
         let mut last_ok = tokio::time::Instant::now();
         // Give up a little before the lease could expire for the others.
-        let deadline = cfg.lease_duration.mul_f32(0.8);
+        let deadline = step_down_after(cfg.lease_duration);
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(cfg.renew) => {}
@@ -155,14 +198,105 @@ async fn release(api: &Api<Lease>, cfg: &LeaderConfig) {
             .and_then(|s| s.holder_identity.as_deref())
             == Some(cfg.identity.as_str())
     {
-        if let Some(spec) = lease.spec.as_mut() {
-            spec.holder_identity = None;
-            spec.renew_time = None;
-            spec.acquire_time = None;
-        }
+        lease.spec = lease.spec.take().map(released);
         match api.replace(&cfg.name, &PostParams::default(), &lease).await {
             Ok(_) => info!("released the leader lease"),
             Err(e) => warn!(error = %e, "could not release the leader lease"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(identity: &str) -> LeaderConfig {
+        LeaderConfig {
+            namespace: "ns".into(),
+            name: "lease".into(),
+            identity: identity.into(),
+            lease_duration: Duration::from_secs(15),
+            renew: Duration::from_secs(2),
+        }
+    }
+
+    fn at(s: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + s).unwrap()
+    }
+
+    #[test]
+    fn a_missing_lease_is_created_and_held() {
+        let a = cfg("a");
+        assert_eq!(step(None, &a, at(0)), Step::Create);
+        let spec = held(None, &Step::Create, &a, at(0));
+        assert_eq!(spec.holder_identity.as_deref(), Some("a"));
+        assert_eq!(spec.lease_duration_seconds, Some(15));
+        assert_eq!(spec.lease_transitions, Some(0));
+        assert_eq!(spec.acquire_time, spec.renew_time);
+    }
+
+    #[test]
+    fn a_holder_renews_and_others_wait_until_expiry() {
+        let (a, b) = (cfg("a"), cfg("b"));
+        let spec = held(None, &Step::Create, &a, at(0));
+        assert_eq!(step(Some(&spec), &a, at(5)), Step::Renew);
+        let renewed = held(Some(spec.clone()), &Step::Renew, &a, at(5));
+        assert_eq!(
+            renewed.acquire_time, spec.acquire_time,
+            "renewal keeps acquireTime"
+        );
+        assert_eq!(renewed.renew_time, Some(MicroTime(at(5))));
+        // Within the lease (15 s after the last renewal, inclusive): the standby waits.
+        assert_eq!(step(Some(&renewed), &b, at(20)), Step::Wait);
+        // Past it: the standby takes over, counting a transition.
+        assert_eq!(
+            step(Some(&renewed), &b, at(21)),
+            Step::TakeOver {
+                previous: "a".into()
+            }
+        );
+        let taken = held(
+            Some(renewed),
+            &Step::TakeOver {
+                previous: "a".into(),
+            },
+            &b,
+            at(21),
+        );
+        assert_eq!(taken.holder_identity.as_deref(), Some("b"));
+        assert_eq!(taken.lease_transitions, Some(1));
+        assert_eq!(taken.acquire_time, Some(MicroTime(at(21))));
+    }
+
+    #[test]
+    fn expiry_follows_the_duration_the_lease_states() {
+        let a = cfg("a");
+        let mut spec = held(None, &Step::Create, &a, at(0));
+        spec.lease_duration_seconds = Some(60);
+        assert!(!expired(&spec, a.lease_duration, at(59)));
+        assert!(expired(&spec, a.lease_duration, at(61)));
+        // A lease that was never renewed nor acquired is free.
+        assert!(expired(&LeaseSpec::default(), a.lease_duration, at(0)));
+    }
+
+    #[test]
+    fn a_leader_steps_down_before_a_standby_may_take_over() {
+        let d = Duration::from_secs(15);
+        assert_eq!(step_down_after(d), Duration::from_secs(12));
+        assert!(step_down_after(d) < d);
+    }
+
+    #[test]
+    fn a_released_lease_is_taken_at_once() {
+        let (a, b) = (cfg("a"), cfg("b"));
+        let spec = released(held(None, &Step::Create, &a, at(0)));
+        assert_eq!(spec.holder_identity, None);
+        // Well within what would have been a's lease.
+        assert_eq!(
+            step(Some(&spec), &b, at(1)),
+            Step::TakeOver {
+                previous: String::new()
+            }
+        );
     }
 }
