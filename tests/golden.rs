@@ -591,3 +591,43 @@ fn dra_defaults_follow_replicas_and_gates_are_enforced() {
         serde_json::json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}})
     );
 }
+
+/// Upgrades must not relabel nodes: the content-addressed names of every example are pinned.
+/// A change here means every node of that policy gets a new label (device plugin restart, or a
+/// MIG reconfiguration) when users upgrade the operator.
+#[test]
+fn example_keys_and_layout_names_are_stable() {
+    let pinned: BTreeMap<&str, (Option<&str>, Option<&str>)> = [
+        ("exclusive", (Some("exclusive-5fce4e99"), None)),
+        (
+            "a100-mig-shared",
+            (Some("a100-mig-shared-d34d8b84"), Some("all-1g.10gb")),
+        ),
+        (
+            "a100-mig-split",
+            (
+                Some("a100-mig-split-f2bcc930"),
+                Some("custom-a100-mig-split-5a63f5d5"),
+            ),
+        ),
+        ("h200-mps", (Some("h200-mps-fbf9fc0a"), None)),
+        ("l4-time-slicing", (Some("l4-time-slicing-680dc74b"), None)),
+        ("l4-heavy", (Some("l4-heavy-91b3d250"), None)),
+        ("dra-mps", (None, None)),
+    ]
+    .into();
+    let mut seen = BTreeMap::new();
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/examples")).unwrap() {
+        let path = entry.unwrap().path();
+        let policies = gpu_sharing_operator::render::load_policies(&path).unwrap();
+        let p = plan::plan(&PlanInput::new(policies, vec![]));
+        for (name, s) in p.statuses {
+            seen.insert(name, (s.device_config_key, s.mig_config));
+        }
+    }
+    let seen: BTreeMap<&str, (Option<&str>, Option<&str>)> = seen
+        .iter()
+        .map(|(k, (a, b))| (k.as_str(), (a.as_deref(), b.as_deref())))
+        .collect();
+    assert_eq!(seen, pinned);
+}
