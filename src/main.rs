@@ -4,8 +4,10 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use kube::CustomResourceExt;
 
-use gpu_sharing_operator::crd::GpuSharingPolicy;
-use gpu_sharing_operator::{controller, nvidia, render};
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+use gpu_sharing_operator::nvidia;
+use gpu_sharing_operator::offline::render;
+use gpu_sharing_operator::runtime::controller;
 
 /// Declare how NVIDIA GPUs are shared; make the cluster match.
 #[derive(Parser)]
@@ -97,10 +99,10 @@ struct RunArgs {
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     use std::sync::atomic::Ordering;
     let client = kube::Client::try_default().await?;
-    let metrics = std::sync::Arc::new(gpu_sharing_operator::metrics::Metrics::default());
+    let metrics = std::sync::Arc::new(gpu_sharing_operator::telemetry::metrics::Metrics::default());
     if !args.metrics_addr.is_empty() {
         let listener = tokio::net::TcpListener::bind(&args.metrics_addr).await?;
-        tokio::spawn(gpu_sharing_operator::metrics::serve(
+        tokio::spawn(gpu_sharing_operator::telemetry::metrics::serve(
             listener,
             metrics.clone(),
         ));
@@ -128,7 +130,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let identity = std::env::var("POD_NAME")
         .or_else(|_| std::env::var("HOSTNAME"))
         .unwrap_or_else(|_| "gpu-sharing-operator".into());
-    let lead_cfg = gpu_sharing_operator::leader::LeaderConfig {
+    let lead_cfg = gpu_sharing_operator::runtime::leader::LeaderConfig {
         namespace: args.lease_namespace,
         name: "gpu-sharing-operator".into(),
         identity: format!("{identity}-{}", std::process::id()),
@@ -137,7 +139,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     tokio::pin!(signal);
     let (mut leading, release) = tokio::select! {
-        l = gpu_sharing_operator::leader::lead(client.clone(), lead_cfg) => l,
+        l = gpu_sharing_operator::runtime::leader::lead(client.clone(), lead_cfg) => l,
         _ = &mut signal => return Ok(()),
     };
     metrics.leader.store(true, Ordering::Relaxed);
@@ -198,7 +200,7 @@ fn main() -> ExitCode {
             }
         }
         Command::Crd { markdown: true } => {
-            print!("{}", gpu_sharing_operator::docs::crd_reference());
+            print!("{}", gpu_sharing_operator::offline::docs::crd_reference());
             ExitCode::SUCCESS
         }
         Command::Crd { markdown: false } => {

@@ -8,8 +8,9 @@ mod support;
 
 use std::time::Duration;
 
-use gpu_sharing_operator::controller::{self, FINALIZER};
-use gpu_sharing_operator::crd::GpuSharingPolicy;
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+use gpu_sharing_operator::api::names::FINALIZER;
+use gpu_sharing_operator::runtime::controller;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};

@@ -5,7 +5,7 @@
 mod common;
 mod support;
 
-use gpu_sharing_operator::crd::GpuSharingPolicy;
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};

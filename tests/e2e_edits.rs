@@ -9,7 +9,7 @@ mod support;
 
 use std::collections::BTreeMap;
 
-use gpu_sharing_operator::crd::GpuSharingPolicy;
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};

@@ -71,7 +71,7 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
     let (stop, stopped) = tokio::sync::oneshot::channel();
     let history = record_node_history(c.clone(), NODE, stopped);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    Api::<gpu_sharing_operator::crd::GpuSharingPolicy>::all(c.clone())
+    Api::<gpu_sharing_operator::api::crd::GpuSharingPolicy>::all(c.clone())
         .delete("mig-inference", &DeleteParams::default())
         .await
         .unwrap();
@@ -214,7 +214,7 @@ async fn mig_manager_that_never_reports_is_degraded_after_the_timeout() {
     // No MIG manager at all: the state we set to pending is never resolved.
     drop(sim);
     let c = cluster.client.clone();
-    let config = gpu_sharing_operator::controller::Config {
+    let config = gpu_sharing_operator::runtime::controller::Config {
         namespace: Some(NS.into()),
         mig_timeout: Duration::from_secs(3),
         ..Default::default()

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::process::Command;
 
-use gpu_sharing_operator::crd::{GpuSharingPolicy, GpuSharingPolicySpec};
+use gpu_sharing_operator::api::crd::{GpuSharingPolicy, GpuSharingPolicySpec};
 use gpu_sharing_operator::nvidia;
 use gpu_sharing_operator::plan::{self, NodeFacts, PlanInput};
 use pretty_assertions::assert_eq;
@@ -482,7 +482,7 @@ fn readme_crd_reference_is_current() {
         .find("<!-- crd-reference:end -->")
         .expect("end marker");
     assert!(
-        readme[start..end] == gpu_sharing_operator::docs::crd_reference(),
+        readme[start..end] == gpu_sharing_operator::offline::docs::crd_reference(),
         "README CRD reference is stale: regenerate it with `gpu-sharing-operator crd --markdown`"
     );
 }
@@ -521,8 +521,12 @@ fn dra_mps_matches_nvidia_example() {
     let p = policy(include_str!("../examples/dra-mps.yaml"));
     let (errs, _) = gpu_sharing_operator::validate::validate("dra-mps", &p.spec);
     assert!(errs.is_empty(), "{errs:?}");
-    let mut ours =
-        gpu_sharing_operator::dra::claim_template("dra-mps", "gpu-test6", &p.spec, Some(81920));
+    let mut ours = gpu_sharing_operator::nvidia::dra::claim_template(
+        "dra-mps",
+        "gpu-test6",
+        &p.spec,
+        Some(81920),
+    );
     let want: serde_json::Value = serde_yaml::from_str(NVIDIA_DRA_MPS).unwrap();
     assert_eq!(
         ours["metadata"]["labels"]["gpusharing.io/policy"],
@@ -538,7 +542,7 @@ fn dra_defaults_follow_replicas_and_gates_are_enforced() {
     p.spec.mps.as_mut().unwrap().replicas = 4;
     p.spec.dra.as_mut().unwrap().mps = None;
     // H200: 143771 MiB / 4 = 35942 MiB, 100 / 4 = 25%.
-    let cfg = gpu_sharing_operator::dra::gpu_config(&p.spec, Some(143771)).unwrap();
+    let cfg = gpu_sharing_operator::nvidia::dra::gpu_config(&p.spec, Some(143771)).unwrap();
     assert_eq!(
         cfg["sharing"]["mpsConfig"]["defaultActiveThreadPercentage"],
         25
@@ -547,7 +551,7 @@ fn dra_defaults_follow_replicas_and_gates_are_enforced() {
         cfg["sharing"]["mpsConfig"]["defaultPinnedDeviceMemoryLimit"],
         "35942Mi"
     );
-    let check = |spec: &gpu_sharing_operator::crd::GpuSharingPolicySpec| {
+    let check = |spec: &gpu_sharing_operator::api::crd::GpuSharingPolicySpec| {
         gpu_sharing_operator::validate::validate("p", spec)
             .0
             .iter()
@@ -585,7 +589,7 @@ fn dra_defaults_follow_replicas_and_gates_are_enforced() {
     )
     .unwrap();
     assert_eq!(check(&ts), "");
-    let cfg = gpu_sharing_operator::dra::gpu_config(&ts, None).unwrap();
+    let cfg = gpu_sharing_operator::nvidia::dra::gpu_config(&ts, None).unwrap();
     assert_eq!(
         cfg["sharing"],
         serde_json::json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}})
@@ -619,7 +623,7 @@ fn example_keys_and_layout_names_are_stable() {
     let mut seen = BTreeMap::new();
     for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/examples")).unwrap() {
         let path = entry.unwrap().path();
-        let policies = gpu_sharing_operator::render::load_policies(&path).unwrap();
+        let policies = gpu_sharing_operator::offline::render::load_policies(&path).unwrap();
         let p = plan::plan(&PlanInput::new(policies, vec![]));
         for (name, s) in p.statuses {
             seen.insert(name, (s.device_config_key, s.mig_config));

@@ -10,15 +10,15 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpu_sharing_operator::crd::{
+use gpu_sharing_operator::api::crd::{
     GpuSharingPolicy, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Mps,
     Strategy as Sharing, TimeSlicing,
 };
-use gpu_sharing_operator::nvidia::{DEFAULT_KEY, DevicePluginConfig, MIG_DISABLED_LAYOUT};
-use gpu_sharing_operator::plan::{
-    self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE, Labels, NodeFacts, Plan,
-    PlanInput,
+use gpu_sharing_operator::api::names::{
+    self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE,
 };
+use gpu_sharing_operator::nvidia::{DEFAULT_KEY, DevicePluginConfig, MIG_DISABLED_LAYOUT};
+use gpu_sharing_operator::plan::{self, Labels, NodeFacts, Plan, PlanInput};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
 use proptest::prelude::*;
 
@@ -885,7 +885,7 @@ fn a_named_layout_whose_content_changed_is_reported_and_reapplied_on_request() {
     );
     let p = w.converge();
     assert_eq!(condition(&p, "mig", "Ready").0, "True");
-    let recorded = w.nodes[0].annotations[plan::ANNOTATION_MIG_LAYOUT].to_string();
+    let recorded = w.nodes[0].annotations[names::ANNOTATION_MIG_LAYOUT].to_string();
     assert!(recorded.starts_with("all-1g.10gb@"), "{recorded}");
 
     // A GPU Operator upgrade changes what all-1g.10gb means.
@@ -901,7 +901,7 @@ fn a_named_layout_whose_content_changed_is_reported_and_reapplied_on_request() {
         message.contains("a100-0") && message.contains("all-1g.10gb"),
         "{message}"
     );
-    assert!(message.contains(plan::ANNOTATION_REAPPLY_MIG), "{message}");
+    assert!(message.contains(names::ANNOTATION_REAPPLY_MIG), "{message}");
     assert_eq!(condition(&p, "mig", "Ready").0, "False");
     let held = p.node_labels["a100-0"].clone();
     w.apply(&p);
@@ -916,7 +916,7 @@ fn a_named_layout_whose_content_changed_is_reported_and_reapplied_on_request() {
         .metadata
         .annotations
         .get_or_insert_default()
-        .insert(plan::ANNOTATION_REAPPLY_MIG.into(), "true".into());
+        .insert(names::ANNOTATION_REAPPLY_MIG.into(), "true".into());
     let mut seen_disabled = false;
     for _ in 0..8 {
         let p = plan::plan(&w.input());
@@ -937,7 +937,7 @@ fn a_named_layout_whose_content_changed_is_reported_and_reapplied_on_request() {
     assert_eq!(condition(&p, "mig", "Ready").0, "True");
     assert_eq!(condition(&p, "mig", "Degraded").0, "False");
     assert_ne!(
-        w.nodes[0].annotations[plan::ANNOTATION_MIG_LAYOUT],
+        w.nodes[0].annotations[names::ANNOTATION_MIG_LAYOUT],
         *recorded
     );
 }
@@ -945,11 +945,11 @@ fn a_named_layout_whose_content_changed_is_reported_and_reapplied_on_request() {
 #[test]
 fn a_device_plugin_config_counts_only_once_gfd_reported_after_our_write() {
     let mut n = node("h200-0", "NVIDIA-H200", false, Some("a"));
-    n.labels.insert(plan::LABEL_GFD_TIMESTAMP, "1799999000");
+    n.labels.insert(names::LABEL_GFD_TIMESTAMP, "1799999000");
     let mut w = World::new(vec![n], vec![policy("mps", 2, 4, false, Some("a"), 0, 0)]);
     let p = plan::plan(&w.input());
     assert_eq!(
-        p.node_annotations["h200-0"][plan::ANNOTATION_CONFIG_WRITTEN],
+        p.node_annotations["h200-0"][names::ANNOTATION_CONFIG_WRITTEN],
         w.now.to_string()
     );
     w.apply(&p);
@@ -966,11 +966,11 @@ fn a_device_plugin_config_counts_only_once_gfd_reported_after_our_write() {
     // GFD relabels in the same second as our write: not proof it saw the new config.
     w.nodes[0]
         .labels
-        .insert(plan::LABEL_GFD_TIMESTAMP, w.now.to_string());
+        .insert(names::LABEL_GFD_TIMESTAMP, w.now.to_string());
     assert_eq!(plan::plan(&w.input()).statuses["mps"].applied_nodes, 0);
     w.nodes[0]
         .labels
-        .insert(plan::LABEL_GFD_TIMESTAMP, (w.now + 1).to_string());
+        .insert(names::LABEL_GFD_TIMESTAMP, (w.now + 1).to_string());
     w.now += 60;
     let p = plan::plan(&w.input());
     assert_eq!(p.statuses["mps"].applied_nodes, 1);
@@ -978,7 +978,7 @@ fn a_device_plugin_config_counts_only_once_gfd_reported_after_our_write() {
     // The write time stays as long as the label does (no write at rest).
     assert_eq!(p.node_annotations, plan::plan(&w.input()).node_annotations);
     assert_eq!(
-        p.node_annotations["h200-0"][plan::ANNOTATION_CONFIG_WRITTEN],
+        p.node_annotations["h200-0"][names::ANNOTATION_CONFIG_WRITTEN],
         (w.now - 60).to_string()
     );
 }
@@ -991,7 +991,7 @@ fn nodes_labelled_before_the_write_time_existed_need_no_write() {
         .clone()
         .unwrap();
     let mut n = node("h200-0", "NVIDIA-H200", false, Some("a"));
-    n.labels.insert(plan::LABEL_GFD_TIMESTAMP, "1700000000");
+    n.labels.insert(names::LABEL_GFD_TIMESTAMP, "1700000000");
     n.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG, key.as_str());
     n.labels.insert("gpusharing.io/policy", "mps");
     n.owned = [LABEL_DEVICE_PLUGIN_CONFIG, "gpusharing.io/policy"]

@@ -42,12 +42,10 @@ use serde_json::json;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command};
 
-use gpu_sharing_operator::controller::{MANAGER, cluster_policy_resource};
-use gpu_sharing_operator::crd::GpuSharingPolicy;
-use gpu_sharing_operator::plan::{
-    self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_POLICY, NodeFacts, PlanInput,
-};
-use gpu_sharing_operator::{nvidia, render};
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+use gpu_sharing_operator::api::names::{self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_POLICY, MANAGER};
+use gpu_sharing_operator::plan::{self, NodeFacts, PlanInput};
+use gpu_sharing_operator::runtime::controller::cluster_policy_resource;
 
 const NAMESPACE: &str = "gpu-operator";
 const GROUP_LABEL: &str = "bench.gpusharing.io/group";
@@ -782,7 +780,7 @@ async fn run_baseline(
                 (name.clone(), v)
             })
             .collect();
-        let cm = render::configmap(nvidia::DEVICE_PLUGIN_CONFIGMAP, NAMESPACE, "device-plugin", &first.device_config);
+        let cm = plan::configmap(names::DEVICE_PLUGIN_CONFIGMAP, NAMESPACE, "device-plugin", &first.device_config);
         let cp_obj = json!({
             "apiVersion": "nvidia.com/v1",
             "kind": "ClusterPolicy",
@@ -795,7 +793,7 @@ async fn run_baseline(
         let pp = PatchParams::apply(MANAGER).force();
         let start = Instant::now();
         let cms: Api<ConfigMap> = Api::namespaced(client.clone(), NAMESPACE);
-        cms.patch(nvidia::DEVICE_PLUGIN_CONFIGMAP, &pp, &Patch::Apply(&cm)).await?;
+        cms.patch(names::DEVICE_PLUGIN_CONFIGMAP, &pp, &Patch::Apply(&cm)).await?;
         let cps: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
         cps.patch("cluster-policy", &pp, &Patch::Apply(&cp_obj)).await?;
         stream::iter(label_patches)

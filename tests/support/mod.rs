@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::common::{self, TestCluster};
-use gpu_sharing_operator::controller;
-use gpu_sharing_operator::crd::GpuSharingPolicy;
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+use gpu_sharing_operator::runtime::controller;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::{Client, CustomResourceExt, ResourceExt};

@@ -16,7 +16,8 @@ use kube::api::PartialObjectMeta;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use crate::plan::{Labels, MANAGED_ANNOTATIONS, NodeFacts};
+use crate::api::names::MANAGED_ANNOTATIONS;
+use crate::plan::{Labels, NodeFacts};
 
 /// Labels a field manager owns through server-side apply, read from a node's managedFields.
 pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<String> {

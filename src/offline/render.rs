@@ -13,15 +13,10 @@ use std::path::{Path, PathBuf};
 use kube::ResourceExt;
 use serde_json::json;
 
-use crate::crd::GpuSharingPolicy;
+use crate::api::crd::GpuSharingPolicy;
 use crate::nvidia::MIG_PARTED_KEY;
-use crate::plan::{self, NodeFacts, Plan, PlanInput};
+use crate::plan::{self, NodeFacts, Plan, PlanInput, configmap};
 use crate::validate;
-
-/// Label on the ConfigMaps we own.
-pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "gpu-sharing-operator");
-/// Label that says which config a ConfigMap holds.
-pub const CONFIG_LABEL: &str = "gpusharing.io/config";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RenderError {
@@ -250,25 +245,6 @@ pub fn load_nodes(path: &Path) -> Result<Vec<NodeFacts>, RenderError> {
         });
     }
     Ok(nodes)
-}
-
-/// The ConfigMap objects and the ClusterPolicy patch of a plan, as JSON values.
-pub fn configmap(
-    name: &str,
-    namespace: &str,
-    kind: &str,
-    data: &BTreeMap<String, String>,
-) -> serde_json::Value {
-    json!({
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {MANAGED_BY.0: MANAGED_BY.1, CONFIG_LABEL: kind},
-        },
-        "data": data,
-    })
 }
 
 /// All documents of the render output.

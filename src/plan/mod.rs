@@ -10,52 +10,14 @@ use std::sync::Arc;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde_json::json;
 
-use crate::crd::{
+use crate::api::crd::{
     Backend, Capacity, Condition, GpuSharingPolicy, GpuSharingPolicySpec, GpuSharingPolicyStatus,
     Mig, MigStrategy, NodeDetail, Strategy,
 };
+use crate::api::names::*;
+use crate::nvidia::mig::{self, MigProfile};
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
-use crate::validate::{self, MigProfile};
-
-/// Node label that selects the device-plugin config key.
-pub const LABEL_DEVICE_PLUGIN_CONFIG: &str = "nvidia.com/device-plugin.config";
-/// Node label that selects the MIG layout.
-pub const LABEL_MIG_CONFIG: &str = "nvidia.com/mig.config";
-/// Node label where the MIG manager reports progress.
-pub const LABEL_MIG_STATE: &str = "nvidia.com/mig.config.state";
-/// Node label naming the policy that governs the node (informational, ours).
-pub const LABEL_POLICY: &str = "gpusharing.io/policy";
-pub const LABEL_GPU_COUNT: &str = "nvidia.com/gpu.count";
-pub const LABEL_GPU_MEMORY: &str = "nvidia.com/gpu.memory";
-pub const LABEL_GPU_PRODUCT: &str = "nvidia.com/gpu.product";
-pub const LABEL_GPU_REPLICAS: &str = "nvidia.com/gpu.replicas";
-pub const LABEL_MIG_CAPABLE: &str = "nvidia.com/mig.capable";
-pub const LABEL_CC_MAJOR: &str = "nvidia.com/gpu.compute.major";
-pub const LABEL_CC_MINOR: &str = "nvidia.com/gpu.compute.minor";
-
-/// Node label GPU Feature Discovery sets to the unix time (seconds) of its last labelling.
-pub const LABEL_GFD_TIMESTAMP: &str = "nvidia.com/gfd.timestamp";
-
-/// Node annotation (ours): unix time (seconds) at which we last changed the node's
-/// `nvidia.com/device-plugin.config`. GFD's timestamp newer than it confirms the new config.
-pub const ANNOTATION_CONFIG_WRITTEN: &str = "gpusharing.io/device-plugin-config-written";
-/// Node annotation (ours): `<layout>@<content hash>`, the MIG layout we labelled the node with
-/// and what that name meant then. A named layout whose content changes later (a GPU Operator
-/// upgrade) is detected by comparing it with what the name means now.
-pub const ANNOTATION_MIG_LAYOUT: &str = "gpusharing.io/mig-layout-content";
-/// The annotations this operator may own on a node.
-pub const MANAGED_ANNOTATIONS: [&str; 2] = [ANNOTATION_CONFIG_WRITTEN, ANNOTATION_MIG_LAYOUT];
-/// Policy annotation: while present, nodes whose named MIG layout changed content since they
-/// were configured are re-applied through `all-disabled`.
-pub const ANNOTATION_REAPPLY_MIG: &str = "gpusharing.io/reapply-mig-layout";
-
-/// The labels this operator may own on a node.
-pub const MANAGED_LABELS: [&str; 4] = [
-    LABEL_DEVICE_PLUGIN_CONFIG,
-    LABEL_MIG_CONFIG,
-    LABEL_MIG_STATE,
-    LABEL_POLICY,
-];
+use crate::validate;
 
 /// Most per-node entries kept in a policy's status.
 pub const MAX_NODE_DETAILS: usize = 50;
@@ -232,8 +194,8 @@ impl PlanInput {
             cluster_policy_found: true,
             cluster_policy_contested: None,
             mig_stuck: BTreeSet::new(),
-            device_configmap_name: nvidia::DEVICE_PLUGIN_CONFIGMAP.into(),
-            mig_configmap_name: nvidia::MIG_PARTED_CONFIGMAP.into(),
+            device_configmap_name: DEVICE_PLUGIN_CONFIGMAP.into(),
+            mig_configmap_name: MIG_PARTED_CONFIGMAP.into(),
         }
     }
 }
@@ -256,6 +218,25 @@ pub struct Plan {
     pub statuses: BTreeMap<String, GpuSharingPolicyStatus>,
     /// ResourceClaimTemplates of DRA policies, by `namespace/name`.
     pub claim_templates: BTreeMap<String, serde_json::Value>,
+}
+
+/// One of the ConfigMaps we own, as the object we apply.
+pub fn configmap(
+    name: &str,
+    namespace: &str,
+    kind: &str,
+    data: &BTreeMap<String, String>,
+) -> serde_json::Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {MANAGED_BY.0: MANAGED_BY.1, CONFIG_LABEL: kind},
+        },
+        "data": data,
+    })
 }
 
 /// A policy after validation, with what it renders to.
@@ -286,23 +267,6 @@ fn precedence(p: &GpuSharingPolicy) -> (i32, bool, String, String) {
         p.metadata.name.clone().unwrap_or_default(),
     )
 }
-
-/// Labels that change as a result of what this operator does (directly, or through GPU Feature
-/// Discovery reacting to the new config). A selector over them would make a node flap in and out
-/// of its own policy, so they are refused in `nodeSelector`.
-pub const UNSTABLE_LABELS: [&str; 8] = [
-    LABEL_DEVICE_PLUGIN_CONFIG,
-    LABEL_MIG_CONFIG,
-    LABEL_MIG_STATE,
-    LABEL_POLICY,
-    LABEL_GPU_REPLICAS,
-    "nvidia.com/gpu.sharing-strategy",
-    "nvidia.com/mps.capable",
-    "nvidia.com/mig.strategy",
-];
-
-/// GFD appends `-SHARED` to the product when a GPU is shared without renaming.
-pub const SHARED_SUFFIX: &str = "-SHARED";
 
 /// The labels selectors are matched against: the product without GFD's `-SHARED` suffix (and
 /// without a `-MIG-...` suffix of the mixed strategy), so a policy selecting
@@ -370,7 +334,7 @@ fn mig_instances(
         for g in groups.iter().filter(|g| g.mig_enabled) {
             let n = g.devices.as_ref().map_or(gpus, |d| d.len() as i64);
             for (p, c) in &g.mig_devices {
-                out.push((validate::parse_mig_profile(p)?, n * *c as i64));
+                out.push((mig::parse_mig_profile(p)?, n * *c as i64));
             }
         }
         return Some(out);
@@ -393,10 +357,7 @@ fn mig_instances(
     }
     let devs = first.get("mig-devices")?.as_mapping()?;
     for (p, c) in devs {
-        out.push((
-            validate::parse_mig_profile(p.as_str()?)?,
-            gpus * c.as_i64()?,
-        ));
+        out.push((mig::parse_mig_profile(p.as_str()?)?, gpus * c.as_i64()?));
     }
     Some(out)
 }
@@ -435,11 +396,11 @@ fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<Strin
             let minor = label_i64(node, LABEL_CC_MINOR).unwrap_or(0);
             if let Some(major) = major
                 && (major, minor) < (7, 5)
-                && replicas > validate::MPS_MAX_REPLICAS_OLD_GPUS
+                && replicas > mig::MPS_MAX_REPLICAS_OLD_GPUS
             {
                 return Some(format!(
                     "{product} has compute capability {major}.{minor}: MPS allows at most {} clients below 7.5, policy asks {replicas}",
-                    validate::MPS_MAX_REPLICAS_OLD_GPUS
+                    mig::MPS_MAX_REPLICAS_OLD_GPUS
                 ));
             }
             None
@@ -482,7 +443,7 @@ fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<Strin
             }
             if let Some(mem) = label_i64(node, LABEL_GPU_MEMORY) {
                 for p in nvidia::layout_profiles(mig).unwrap_or_default() {
-                    if let Some(prof) = validate::parse_mig_profile(&p)
+                    if let Some(prof) = mig::parse_mig_profile(&p)
                         && !profile_fits_memory(&prof, mem)
                     {
                         return Some(format!(
@@ -515,7 +476,7 @@ fn condition(
 }
 
 fn replicas_of(spec: &GpuSharingPolicySpec) -> i32 {
-    let ts_replicas = |ts: &crate::crd::TimeSlicing| {
+    let ts_replicas = |ts: &crate::api::crd::TimeSlicing| {
         ts.replicas
             .unwrap_or_else(|| ts.resources.iter().map(|r| r.replicas).max().unwrap_or(1))
     };
@@ -557,7 +518,7 @@ fn node_capacity(
         }
         Strategy::Mps => {
             let r = spec.mps.as_ref().map_or(1, |m| m.replicas) as i64;
-            let (threads, memory) = crate::dra::mps_limits(spec, mem);
+            let (threads, memory) = crate::nvidia::dra::mps_limits(spec, mem);
             (gpus, Some(gpus * r), memory, Some(threads), true)
         }
         Strategy::Mig => {
@@ -591,8 +552,8 @@ fn node_capacity(
                 total += n * r;
                 let m = p.memory_gb as i64 * 1024;
                 min_mem = Some(min_mem.map_or(m, |x| x.min(m)));
-                let t = (p.compute.unwrap_or(p.slices) as i64 * 100)
-                    / validate::MAX_COMPUTE_SLICES as i64;
+                let t =
+                    (p.compute.unwrap_or(p.slices) as i64 * 100) / mig::MAX_COMPUTE_SLICES as i64;
                 min_threads = Some(min_threads.map_or(t, |x| x.min(t)));
             }
             let isolated = ts.is_none();
@@ -708,7 +669,7 @@ pub fn plan(input: &PlanInput) -> Plan {
     let mut template_owner: BTreeMap<String, String> = BTreeMap::new();
     for p in prepared.iter_mut().filter(|p| p.errors.is_empty()) {
         let Some(dra) = &p.spec.dra else { continue };
-        let name = crate::dra::template_name(&p.name, p.spec);
+        let name = crate::nvidia::dra::template_name(&p.name, p.spec);
         for ns in &dra.namespaces {
             let id = format!("{ns}/{name}");
             if let Some(first) = template_owner.get(&id) {
@@ -1347,8 +1308,11 @@ pub fn plan(input: &PlanInput) -> Plan {
             .filter_map(|n| label_i64(n, LABEL_GPU_MEMORY))
             .min();
         for ns in &dra.namespaces {
-            let t = crate::dra::claim_template(&p.name, ns, p.spec, min_mem);
-            let id = format!("{ns}/{}", crate::dra::template_name(&p.name, p.spec));
+            let t = crate::nvidia::dra::claim_template(&p.name, ns, p.spec, min_mem);
+            let id = format!(
+                "{ns}/{}",
+                crate::nvidia::dra::template_name(&p.name, p.spec)
+            );
             templates_of.entry(i).or_default().push(id.clone());
             claim_templates.insert(id, t);
         }

@@ -4,7 +4,7 @@
 use kube::CustomResourceExt;
 use serde_json::Value;
 
-use crate::crd::GpuSharingPolicy;
+use crate::api::crd::GpuSharingPolicy;
 
 fn constraints(s: &Value) -> String {
     let mut c = Vec::new();

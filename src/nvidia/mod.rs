@@ -12,12 +12,11 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::crd::{GpuSharingPolicySpec, Mig, MigStrategy, Strategy, TimeSlicing};
+use crate::api::crd::{GpuSharingPolicySpec, Mig, MigStrategy, Strategy, TimeSlicing};
 
-/// Default name of the device-plugin ConfigMap the operator owns.
-pub const DEVICE_PLUGIN_CONFIGMAP: &str = "gpu-sharing-device-plugin-config";
-/// Default name of the mig-parted ConfigMap the operator owns.
-pub const MIG_PARTED_CONFIGMAP: &str = "gpu-sharing-mig-parted-config";
+pub mod dra;
+pub mod mig;
+
 /// The key of the mig-parted ConfigMap the MIG manager reads.
 pub const MIG_PARTED_KEY: &str = "config.yaml";
 /// The device-plugin ConfigMap key that means "no sharing"; the ClusterPolicy default.
@@ -161,7 +160,7 @@ pub fn layout_profiles(mig: &Mig) -> Option<Vec<String>> {
     } else {
         rest.to_string()
     };
-    if crate::validate::is_mig_profile(&profile) {
+    if mig::is_mig_profile(&profile) {
         Some(vec![profile])
     } else {
         None

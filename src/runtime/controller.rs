@@ -22,13 +22,11 @@ use serde_json::json;
 use tokio::sync::Notify;
 use tracing::{debug, info, warn};
 
-use crate::crd::{Condition, GpuSharingPolicy, GpuSharingPolicyStatus};
-use crate::nodecache::NodeCache;
+use crate::api::crd::{Condition, GpuSharingPolicy, GpuSharingPolicyStatus};
+use crate::api::names::*;
 use crate::nvidia::{self, MIG_PARTED_KEY};
-use crate::plan::{
-    self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_POLICY, MANAGED_LABELS, NodeFacts, Plan, PlanInput,
-};
-use crate::render::{self, CONFIG_LABEL, MANAGED_BY};
+use crate::plan::{self, NodeFacts, Plan, PlanInput};
+use crate::runtime::nodecache::NodeCache;
 
 /// Drift repairs of the ClusterPolicy within this window that make it "contested".
 const CONTEST_WINDOW: Duration = Duration::from_secs(600);
@@ -41,13 +39,6 @@ const COALESCE_MAX: Duration = Duration::from_secs(1);
 
 /// Nodes per list page when the node watch (re)lists.
 const NODE_LIST_PAGE: u32 = 100;
-
-/// Our server-side apply field manager.
-pub const MANAGER: &str = "gpu-sharing-operator";
-/// Finalizer on policies: their node labels and config keys are removed before they go.
-pub const FINALIZER: &str = "gpusharing.io/cleanup";
-/// The GPU Operator's ConfigMap with the standard named MIG layouts.
-pub const DEFAULT_MIG_CONFIGMAP: &str = "default-mig-parted-config";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -71,7 +62,7 @@ pub struct Config {
     /// Full resync period (drift is also caught by the watches).
     pub resync: Duration,
     /// Where to count what happens (served on /metrics by the binary).
-    pub metrics: Arc<crate::metrics::Metrics>,
+    pub metrics: Arc<crate::telemetry::metrics::Metrics>,
     /// How long `nvidia.com/mig.config.state=pending` may last before the node is reported
     /// Degraded and left alone.
     pub mig_timeout: Duration,
@@ -81,8 +72,8 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             namespace: None,
-            device_configmap: nvidia::DEVICE_PLUGIN_CONFIGMAP.into(),
-            mig_configmap: nvidia::MIG_PARTED_CONFIGMAP.into(),
+            device_configmap: DEVICE_PLUGIN_CONFIGMAP.into(),
+            mig_configmap: MIG_PARTED_CONFIGMAP.into(),
             resync: Duration::from_secs(300),
             metrics: Arc::default(),
             mig_timeout: Duration::from_secs(600),
@@ -508,12 +499,12 @@ impl Context {
         let mut stuck = BTreeSet::new();
         let mut seen = BTreeSet::new();
         for n in nodes {
-            if n.labels.get(plan::LABEL_MIG_STATE) != Some("pending") {
+            if n.labels.get(LABEL_MIG_STATE) != Some("pending") {
                 continue;
             }
             let layout = n
                 .labels
-                .get(plan::LABEL_MIG_CONFIG)
+                .get(LABEL_MIG_CONFIG)
                 .map(str::to_string)
                 .unwrap_or_default();
             seen.insert(n.name.clone());
@@ -623,7 +614,7 @@ async fn apply_configmap(
     if same {
         return Ok(false);
     }
-    let obj = render::configmap(name, &ctx.namespace, kind, data);
+    let obj = plan::configmap(name, &ctx.namespace, kind, data);
     let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
     api.patch(
         name,

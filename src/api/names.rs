@@ -1,0 +1,77 @@
+//! Every name the operator writes or reads on other objects: node labels and annotations, the
+//! field manager, the finalizer, the labels and names of the ConfigMaps it owns. One place, so
+//! that what is written in one module and read in another cannot drift apart.
+
+/// Node label that selects the device-plugin config key.
+pub const LABEL_DEVICE_PLUGIN_CONFIG: &str = "nvidia.com/device-plugin.config";
+/// Node label that selects the MIG layout.
+pub const LABEL_MIG_CONFIG: &str = "nvidia.com/mig.config";
+/// Node label where the MIG manager reports progress.
+pub const LABEL_MIG_STATE: &str = "nvidia.com/mig.config.state";
+/// Node label naming the policy that governs the node (informational, ours).
+pub const LABEL_POLICY: &str = "gpusharing.io/policy";
+pub const LABEL_GPU_COUNT: &str = "nvidia.com/gpu.count";
+pub const LABEL_GPU_MEMORY: &str = "nvidia.com/gpu.memory";
+pub const LABEL_GPU_PRODUCT: &str = "nvidia.com/gpu.product";
+pub const LABEL_GPU_REPLICAS: &str = "nvidia.com/gpu.replicas";
+pub const LABEL_MIG_CAPABLE: &str = "nvidia.com/mig.capable";
+pub const LABEL_CC_MAJOR: &str = "nvidia.com/gpu.compute.major";
+pub const LABEL_CC_MINOR: &str = "nvidia.com/gpu.compute.minor";
+
+/// Node label GPU Feature Discovery sets to the unix time (seconds) of its last labelling.
+pub const LABEL_GFD_TIMESTAMP: &str = "nvidia.com/gfd.timestamp";
+
+/// Node annotation (ours): unix time (seconds) at which we last changed the node's
+/// `nvidia.com/device-plugin.config`. GFD's timestamp newer than it confirms the new config.
+pub const ANNOTATION_CONFIG_WRITTEN: &str = "gpusharing.io/device-plugin-config-written";
+/// Node annotation (ours): `<layout>@<content hash>`, the MIG layout we labelled the node with
+/// and what that name meant then. A named layout whose content changes later (a GPU Operator
+/// upgrade) is detected by comparing it with what the name means now.
+pub const ANNOTATION_MIG_LAYOUT: &str = "gpusharing.io/mig-layout-content";
+/// The annotations this operator may own on a node.
+pub const MANAGED_ANNOTATIONS: [&str; 2] = [ANNOTATION_CONFIG_WRITTEN, ANNOTATION_MIG_LAYOUT];
+/// Policy annotation: while present, nodes whose named MIG layout changed content since they
+/// were configured are re-applied through `all-disabled`.
+pub const ANNOTATION_REAPPLY_MIG: &str = "gpusharing.io/reapply-mig-layout";
+
+/// The labels this operator may own on a node.
+pub const MANAGED_LABELS: [&str; 4] = [
+    LABEL_DEVICE_PLUGIN_CONFIG,
+    LABEL_MIG_CONFIG,
+    LABEL_MIG_STATE,
+    LABEL_POLICY,
+];
+
+/// Labels that change as a result of what this operator does (directly, or through GPU Feature
+/// Discovery reacting to the new config). A selector over them would make a node flap in and out
+/// of its own policy, so they are refused in `nodeSelector`.
+pub const UNSTABLE_LABELS: [&str; 8] = [
+    LABEL_DEVICE_PLUGIN_CONFIG,
+    LABEL_MIG_CONFIG,
+    LABEL_MIG_STATE,
+    LABEL_POLICY,
+    LABEL_GPU_REPLICAS,
+    "nvidia.com/gpu.sharing-strategy",
+    "nvidia.com/mps.capable",
+    "nvidia.com/mig.strategy",
+];
+
+/// GFD appends `-SHARED` to the product when a GPU is shared without renaming.
+pub const SHARED_SUFFIX: &str = "-SHARED";
+
+/// Our server-side apply field manager.
+pub const MANAGER: &str = "gpu-sharing-operator";
+/// Finalizer on policies: their node labels and config keys are removed before they go.
+pub const FINALIZER: &str = "gpusharing.io/cleanup";
+/// The GPU Operator's ConfigMap with the standard named MIG layouts.
+pub const DEFAULT_MIG_CONFIGMAP: &str = "default-mig-parted-config";
+
+/// Label on the ConfigMaps we own.
+pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "gpu-sharing-operator");
+/// Label that says which config a ConfigMap holds.
+pub const CONFIG_LABEL: &str = "gpusharing.io/config";
+
+/// Default name of the device-plugin ConfigMap the operator owns.
+pub const DEVICE_PLUGIN_CONFIGMAP: &str = "gpu-sharing-device-plugin-config";
+/// Default name of the mig-parted ConfigMap the operator owns.
+pub const MIG_PARTED_CONFIGMAP: &str = "gpu-sharing-mig-parted-config";

@@ -1,0 +1,4 @@
+//! What works without a cluster: `render` and the CRD reference.
+
+pub mod docs;
+pub mod render;

@@ -1,0 +1,3 @@
+//! Metrics and the health endpoints.
+
+pub mod metrics;

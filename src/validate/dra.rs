@@ -1,0 +1,156 @@
+//! Validation of the DRA backend's settings: everything NVIDIA's DRA driver (v0.5.0) would
+//! refuse (its validating webhook is off by default, so a bad GpuConfig would surface only when
+//! a pod starts) is refused here instead.
+
+use crate::api::crd::{Backend, GpuSharingPolicySpec, Strategy};
+use crate::nvidia::dra::quantity_bytes;
+
+use super::FieldError;
+
+fn err(path: impl Into<String>, message: impl Into<String>) -> FieldError {
+    FieldError {
+        path: path.into(),
+        message: message.into(),
+    }
+}
+
+fn is_device_ref(k: &str) -> bool {
+    (!k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+        || (k.starts_with("GPU-") && k.len() > 4)
+}
+
+/// Checks a DRA policy against what the driver accepts. Node-independent.
+pub fn validate(
+    spec: &GpuSharingPolicySpec,
+    errs: &mut Vec<FieldError>,
+    warnings: &mut Vec<String>,
+) {
+    let Some(dra) = &spec.dra else {
+        if spec.backend == Backend::Dra {
+            errs.push(err("spec.dra", "required when backend is dra"));
+        }
+        return;
+    };
+    if spec.backend != Backend::Dra {
+        errs.push(err("spec.dra", "must not be set unless backend is dra"));
+        return;
+    }
+    if spec.strategy == Strategy::Mig {
+        errs.push(err(
+            "spec.strategy",
+            "backend dra supports exclusive, timeSlicing and mps; MIG sharing goes through the device plugin",
+        ));
+    }
+    if dra.namespaces.is_empty() {
+        errs.push(err("spec.dra.namespaces", "list at least one namespace"));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, n) in dra.namespaces.iter().enumerate() {
+        let ok = !n.is_empty()
+            && n.len() <= 63
+            && n.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !n.starts_with('-')
+            && !n.ends_with('-');
+        if !ok {
+            errs.push(err(
+                format!("spec.dra.namespaces[{i}]"),
+                format!("{n:?} is not a namespace name"),
+            ));
+        }
+        if !seen.insert(n) {
+            errs.push(err(
+                format!("spec.dra.namespaces[{i}]"),
+                format!("{n:?} is listed twice"),
+            ));
+        }
+    }
+    let gates = &dra.driver_feature_gates;
+    match spec.strategy {
+        Strategy::TimeSlicing if !gates.time_slicing_settings => errs.push(err(
+            "spec.dra.driverFeatureGates.TimeSlicingSettings",
+            "the DRA driver rejects strategy TimeSlicing unless its TimeSlicingSettings feature gate is enabled (alpha, off by default)",
+        )),
+        Strategy::Mps => {
+            if !gates.mps_support {
+                errs.push(err(
+                    "spec.dra.driverFeatureGates.MPSSupport",
+                    "the DRA driver rejects strategy MPS unless its MPSSupport feature gate is enabled (alpha, off by default)",
+                ));
+            }
+            if gates.mps_support && gates.dynamic_mig {
+                errs.push(err(
+                    "spec.dra.driverFeatureGates",
+                    "MPSSupport cannot be enabled together with DynamicMIG in the DRA driver",
+                ));
+            }
+            if gates.consumable_shares {
+                errs.push(err(
+                    "spec.dra.driverFeatureGates.ConsumableShares",
+                    "MPS claims cannot be prepared while ConsumableShares is enabled in a non-disabled mode",
+                ));
+            }
+        }
+        _ => {}
+    }
+    if let Some(m) = &dra.mps {
+        if spec.strategy != Strategy::Mps {
+            errs.push(err("spec.dra.mps", "only with strategy mps"));
+        }
+        if let Some(t) = m.default_active_thread_percentage
+            && !(0..=100).contains(&t)
+        {
+            errs.push(err(
+                "spec.dra.mps.defaultActiveThreadPercentage",
+                format!("must be 0..100, got {t}"),
+            ));
+        }
+        let check_q = |path: String, q: &str, errs: &mut Vec<FieldError>| match quantity_bytes(q) {
+            None => errs.push(err(
+                path,
+                format!("{q:?} is not a memory quantity such as 10Gi"),
+            )),
+            Some(b) if b < 1 << 20 => errs.push(err(
+                path,
+                format!("{q} is below the driver's minimum of 1Mi"),
+            )),
+            _ => {}
+        };
+        if let Some(q) = &m.default_pinned_device_memory_limit {
+            check_q(
+                "spec.dra.mps.defaultPinnedDeviceMemoryLimit".into(),
+                q,
+                errs,
+            );
+        }
+        for (k, q) in &m.per_device_pinned_memory_limits {
+            if !is_device_ref(k) {
+                errs.push(err(
+                    format!("spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]"),
+                    "the template's claim holds exactly one GPU: the only device index is \"0\" (or use that GPU's UUID)",
+                ));
+            } else if k.starts_with("GPU-") {
+                warnings.push(format!(
+                    "spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]: a GPU UUID key makes claims from this template fail on every other GPU"
+                ));
+            }
+            check_q(
+                format!("spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]"),
+                q,
+                errs,
+            );
+        }
+    }
+    if let Some(ts) = &spec.time_slicing
+        && (ts.rename_by_default || ts.fail_requests_greater_than_one || !ts.resources.is_empty())
+    {
+        warnings.push(
+            "spec.timeSlicing renameByDefault, failRequestsGreaterThanOne and resources are device-plugin settings; the DRA driver ignores them".into(),
+        );
+    }
+    if spec.mps.as_ref().is_some_and(|m| m.rename_by_default) {
+        warnings.push(
+            "spec.mps.renameByDefault is a device-plugin setting; the DRA driver ignores it".into(),
+        );
+    }
+}
