@@ -12,6 +12,8 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::state::{ConditionStatus, ConditionType, NodeState, Reason};
+
 /// API group of our resources.
 pub const GROUP: &str = "gpusharing.io";
 
@@ -412,11 +414,9 @@ pub struct GpuSharingPolicyStatus {
 #[serde(rename_all = "camelCase")]
 pub struct Condition {
     #[serde(rename = "type")]
-    pub type_: String,
-    /// `True`, `False` or `Unknown`.
-    pub status: String,
-    /// CamelCase reason.
-    pub reason: String,
+    pub type_: ConditionType,
+    pub status: ConditionStatus,
+    pub reason: Reason,
     pub message: String,
     /// When the status last changed. Absent only in offline `render` output.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -451,8 +451,7 @@ pub struct Capacity {
 #[serde(rename_all = "camelCase")]
 pub struct NodeDetail {
     pub name: String,
-    /// `Applied`, `Pending`, `Conflicted`, `Rejected`, `Failed`, `Waiting`.
-    pub state: String,
+    pub state: NodeState,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
 }

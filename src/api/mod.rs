@@ -3,3 +3,4 @@
 
 pub mod crd;
 pub mod names;
+pub mod state;

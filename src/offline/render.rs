@@ -16,7 +16,17 @@ use serde_json::json;
 use crate::api::crd::GpuSharingPolicy;
 use crate::nvidia::MIG_PARTED_KEY;
 use crate::plan::{self, NodeFacts, Plan, PlanInput, configmap};
-use crate::validate;
+use crate::validate::{self, FieldError};
+
+fn policy_error(name: &str, path: impl Into<String>, message: impl Into<String>) -> RenderError {
+    RenderError::Policy {
+        name: name.to_string(),
+        error: FieldError {
+            path: path.into(),
+            message: message.into(),
+        },
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RenderError {
@@ -30,8 +40,12 @@ pub enum RenderError {
         path: PathBuf,
         source: serde_yaml::Error,
     },
-    #[error("policy {name:?}: {message}")]
-    Policy { name: String, message: String },
+    /// A policy field that is wrong, as validation (or the planner) found it.
+    #[error("policy {name:?}: {error}")]
+    Policy { name: String, error: FieldError },
+    /// What the CRD's CEL rules (evaluated locally) reject.
+    #[error("policy {name:?}: CEL validation: {message}")]
+    Cel { name: String, message: String },
     #[error("{path}: {message}")]
     Input { path: PathBuf, message: String },
 }
@@ -143,22 +157,18 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
             .and_then(|a| a.as_str())
             .unwrap_or_default();
         if api_version != "gpusharing.io/v1alpha1" {
-            errors.push(RenderError::Policy {
-                name,
-                message: format!(
-                    "apiVersion: expected gpusharing.io/v1alpha1, got {api_version:?}"
-                ),
-            });
+            errors.push(policy_error(
+                &name,
+                "apiVersion",
+                format!("expected gpusharing.io/v1alpha1, got {api_version:?}"),
+            ));
             continue;
         }
         let p: GpuSharingPolicy = match serde_path_to_error::deserialize(d.clone()) {
             Ok(p) => p,
             Err(e) => {
                 let path = e.path().to_string();
-                errors.push(RenderError::Policy {
-                    name,
-                    message: format!("{path}: {}", e.into_inner()),
-                });
+                errors.push(policy_error(&name, path, e.into_inner().to_string()));
                 continue;
             }
         };
@@ -166,28 +176,28 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
             .iter()
             .any(|q: &GpuSharingPolicy| q.metadata.name.as_deref() == Some(name.as_str()))
         {
-            errors.push(RenderError::Policy {
-                name: name.clone(),
-                message: "metadata.name: defined more than once (a later definition would silently replace the first)".into(),
-            });
+            errors.push(policy_error(
+                &name,
+                "metadata.name",
+                "defined more than once (a later definition would silently replace the first)",
+            ));
             continue;
         }
         let typed = serde_json::to_value(&p).expect("serializable");
         let mut unknown = Vec::new();
         unknown_fields(&d, &typed, "", &mut unknown);
         for u in unknown.iter().filter(|u| u.starts_with("spec")) {
-            errors.push(RenderError::Policy {
-                name: name.clone(),
-                message: format!(
-                    "{u}: unknown field (NVIDIA's parsers silently ignore unknown keys; we do not)"
-                ),
-            });
+            errors.push(policy_error(
+                &name,
+                u.as_str(),
+                "unknown field (NVIDIA's parsers silently ignore unknown keys; we do not)",
+            ));
         }
         let (errs, _) = validate::validate(&name, &p.spec);
-        for e in errs {
+        for error in errs {
             errors.push(RenderError::Policy {
                 name: name.clone(),
-                message: e.to_string(),
+                error,
             });
         }
         // The CRD's CEL rules, evaluated locally: what the API server would reject.
@@ -197,9 +207,9 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
                 .iter()
                 .all(|k| !k.contains(&format!("policy {name:?}")))
             {
-                errors.push(RenderError::Policy {
+                errors.push(RenderError::Cel {
                     name: name.clone(),
-                    message: format!("CEL validation: {e}"),
+                    message: e.to_string(),
                 });
             }
         }
@@ -308,19 +318,16 @@ pub fn render_text(
     let mut input = PlanInput::new(policies, nodes.unwrap_or_default());
     input.base_mig_configs = base_mig_configs;
     let plan = plan::plan(&input);
+    // Invalid policies (for example a named layout the given mig-parted config lacks), with the
+    // field errors the planner found.
     let invalid: Vec<RenderError> = plan
-        .statuses
+        .invalid
         .iter()
-        .flat_map(|(name, s)| {
-            s.conditions
-                .iter()
-                .filter(|c| c.type_ == "Accepted" && c.reason == "InvalidSpec")
-                .flat_map(|c| c.message.split("; ").map(String::from).collect::<Vec<_>>())
-                .map(|m| RenderError::Policy {
-                    name: name.clone(),
-                    message: m,
-                })
-                .collect::<Vec<_>>()
+        .flat_map(|(name, errs)| {
+            errs.iter().map(|e| RenderError::Policy {
+                name: name.clone(),
+                error: e.clone(),
+            })
         })
         .collect();
     if !invalid.is_empty() {

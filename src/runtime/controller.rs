@@ -1031,7 +1031,7 @@ async fn write_status(
                 ctx.event(
                     p,
                     t,
-                    &c.reason,
+                    c.reason.as_str(),
                     format!("{}={}: {}", c.type_, c.status, c.message),
                 )
                 .await;

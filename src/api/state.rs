@@ -1,0 +1,139 @@
+//! The typed states and reasons a policy's status reports. They serialize as the same strings as
+//! before and the CRD schema lists them; `Unknown` absorbs values written by another version of
+//! the operator, so reading an older or newer status never fails.
+
+use std::fmt;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Defines a string enum: serde names are the variant names, `Unknown` catches anything else.
+macro_rules! string_enum {
+    ($(#[$meta:meta])* $name:ident { $($variant:ident),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema)]
+        pub enum $name {
+            $($variant,)+
+            #[serde(other)]
+            Unknown,
+        }
+
+        impl $name {
+            pub fn as_str(&self) -> &'static str {
+                match self {
+                    $(Self::$variant => stringify!($variant),)+
+                    Self::Unknown => "Unknown",
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl PartialEq<&str> for $name {
+            fn eq(&self, other: &&str) -> bool {
+                self.as_str() == *other
+            }
+        }
+
+        impl PartialEq<str> for $name {
+            fn eq(&self, other: &str) -> bool {
+                self.as_str() == other
+            }
+        }
+    };
+}
+
+string_enum!(
+    /// What the operator is doing with one node it matched.
+    NodeState {
+        // Runs what the policy says, as NVIDIA's components report it.
+        Applied,
+        // Being reconfigured.
+        Pending,
+        // A MIG change waits for pods using the GPUs to finish.
+        Waiting,
+        // The policy is not accepted, or cannot run on this node: the node is left as it was.
+        Rejected,
+        // The MIG manager failed (or stayed pending past the timeout): left untouched.
+        Failed,
+        // Its named MIG layout changed content since the node was configured.
+        Stale,
+        // Another policy governs the node.
+        Conflicted,
+    }
+);
+
+string_enum!(
+    /// `True`, `False` (or `Unknown`), as Kubernetes conditions say it.
+    ConditionStatus { True, False }
+);
+
+impl From<bool> for ConditionStatus {
+    fn from(b: bool) -> Self {
+        if b { Self::True } else { Self::False }
+    }
+}
+
+string_enum!(
+    /// The conditions of a policy.
+    ConditionType {
+        Accepted,
+        Ready,
+        Progressing,
+        Conflicted,
+        Degraded,
+    }
+);
+
+string_enum!(
+    /// Why a condition has its status (every reason is documented in the README).
+    Reason {
+        // Accepted
+        Valid,
+        InvalidSpec,
+        IncompatibleNodes,
+        ClusterWideConflict,
+        // Ready
+        Converged,
+        NoNodes,
+        Progressing,
+        NotAccepted,
+        MigLayoutChanged,
+        // Progressing
+        Reconfiguring,
+        WaitingForIdleGPUs,
+        Idle,
+        // Conflicted
+        OverlappingPolicy,
+        NoOverlap,
+        // Degraded
+        MigConfigFailed,
+        ClusterPolicyMissing,
+        ClusterPolicyContested,
+        Healthy,
+    }
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_serialize_as_their_names_and_unknown_values_are_absorbed() {
+        assert_eq!(serde_json::to_value(NodeState::Applied).unwrap(), "Applied");
+        assert_eq!(
+            serde_json::from_value::<Reason>("SomethingNew".into()).unwrap(),
+            Reason::Unknown
+        );
+        assert_eq!(
+            serde_json::from_value::<ConditionStatus>("True".into()).unwrap(),
+            ConditionStatus::True
+        );
+        assert!(Reason::WaitingForIdleGPUs == "WaitingForIdleGPUs");
+        assert_eq!(ConditionStatus::from(false).as_str(), "False");
+    }
+}

@@ -1,0 +1,208 @@
+//! Capacity: what a policy's applied nodes offer (GPUs, schedulable replicas, memory and threads
+//! per client, memory isolation), from node labels and the policy's settings.
+
+use std::collections::BTreeMap;
+
+use crate::api::crd::{Capacity, GpuSharingPolicySpec, Mig, MigStrategy, Strategy};
+use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY};
+use crate::nvidia::mig::{self, MigProfile};
+use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
+
+use super::NodeFacts;
+
+pub fn label_i64(n: &NodeFacts, key: &str) -> Option<i64> {
+    n.labels.get(key).and_then(|v| v.parse().ok())
+}
+
+/// MIG-instance counts per GPU of a node under a MIG policy, when known.
+fn mig_instances(
+    mig: &Mig,
+    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+    gpus: i64,
+) -> Option<Vec<(MigProfile, i64)>> {
+    let mut out = Vec::new();
+    if let Some(groups) = &mig.custom_layout {
+        for g in groups.iter().filter(|g| g.mig_enabled) {
+            let n = g.devices.as_ref().map_or(gpus, |d| d.len() as i64);
+            for (p, c) in &g.mig_devices {
+                out.push((mig::parse_mig_profile(p)?, n * *c as i64));
+            }
+        }
+        return Some(out);
+    }
+    // Named layout: only when it is a single "devices: all" entry we can read.
+    let layout = mig.layout.as_deref()?;
+    if layout == MIG_DISABLED_LAYOUT {
+        return Some(out);
+    }
+    // Entries per GPU model (device-filter): usable when they all create the same devices on all
+    // GPUs, as the `all-<profile>` layouts do.
+    let entries = base?.get(layout)?.as_sequence()?;
+    let first = entries.first()?;
+    let same = entries.iter().all(|e| {
+        e.get("mig-devices") == first.get("mig-devices")
+            && e.get("devices").and_then(|d| d.as_str()) == Some("all")
+    });
+    if !same {
+        return None;
+    }
+    let devs = first.get("mig-devices")?.as_mapping()?;
+    for (p, c) in devs {
+        out.push((mig::parse_mig_profile(p.as_str()?)?, gpus * c.as_i64()?));
+    }
+    Some(out)
+}
+
+/// Whether a MIG profile fits a GPU with `memory_mib`: its memory must be 1/8, 1/4, 1/2 or all
+/// of the GPU's (within 6%), which is how NVIDIA sizes MIG memory slices on every MIG GPU.
+pub fn profile_fits_memory(p: &MigProfile, memory_mib: i64) -> bool {
+    let total_gb = memory_mib as f64 / 1024.0;
+    [0.125, 0.25, 0.5, 1.0].iter().any(|f| {
+        let expect = total_gb * f;
+        (p.memory_gb as f64 - expect).abs() <= expect * 0.06 + 0.5
+    })
+}
+
+pub fn replicas_of(spec: &GpuSharingPolicySpec) -> i32 {
+    let ts_replicas = |ts: &crate::api::crd::TimeSlicing| {
+        ts.replicas
+            .unwrap_or_else(|| ts.resources.iter().map(|r| r.replicas).max().unwrap_or(1))
+    };
+    match spec.strategy {
+        Strategy::Exclusive => 1,
+        Strategy::TimeSlicing => spec.time_slicing.as_ref().map_or(1, ts_replicas),
+        Strategy::Mps => spec.mps.as_ref().map_or(1, |m| m.replicas),
+        Strategy::Mig => spec
+            .mig
+            .as_ref()
+            .and_then(|m| m.time_slicing.as_ref())
+            .map_or(1, ts_replicas),
+    }
+}
+
+/// What one applied node contributes to its policy's capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeCapacity {
+    pub physical_gpus: i64,
+    /// Replicas the node advertises; `None` when the MIG layout's instance count is unknown.
+    pub schedulable: Option<i64>,
+    pub memory_per_client_mib: Option<i64>,
+    pub threads_per_client_percent: Option<i64>,
+    pub memory_isolation: bool,
+}
+
+/// Shorthand for the table below.
+fn cap(
+    physical_gpus: i64,
+    schedulable: Option<i64>,
+    memory_per_client_mib: Option<i64>,
+    threads_per_client_percent: Option<i64>,
+    memory_isolation: bool,
+) -> NodeCapacity {
+    NodeCapacity {
+        physical_gpus,
+        schedulable,
+        memory_per_client_mib,
+        threads_per_client_percent,
+        memory_isolation,
+    }
+}
+
+/// One node's capacity under a policy.
+pub fn node_capacity(
+    spec: &GpuSharingPolicySpec,
+    node: &NodeFacts,
+    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+) -> NodeCapacity {
+    let gpus = label_i64(node, LABEL_GPU_COUNT).unwrap_or(0);
+    let mem = label_i64(node, LABEL_GPU_MEMORY);
+    match spec.strategy {
+        Strategy::Exclusive => cap(gpus, Some(gpus), mem, Some(100), true),
+        Strategy::TimeSlicing => {
+            let ts = spec.time_slicing.as_ref();
+            let r = ts
+                .and_then(|t| {
+                    t.replicas.or_else(|| {
+                        t.resources
+                            .iter()
+                            .find(|r| nvidia::qualify_resource(&r.name) == nvidia::GPU_RESOURCE)
+                            .map(|r| r.replicas)
+                    })
+                })
+                .unwrap_or(1) as i64;
+            cap(gpus, Some(gpus * r), mem, None, false)
+        }
+        Strategy::Mps => {
+            let r = spec.mps.as_ref().map_or(1, |m| m.replicas) as i64;
+            let (threads, memory) = crate::nvidia::dra::mps_limits(spec, mem);
+            cap(gpus, Some(gpus * r), memory, Some(threads), true)
+        }
+        Strategy::Mig => {
+            let Some(mig) = spec.mig.as_ref() else {
+                return cap(gpus, None, None, None, true);
+            };
+            let Some(instances) = mig_instances(mig, base, gpus) else {
+                return cap(gpus, None, None, None, true);
+            };
+            let ts = mig.time_slicing.as_ref();
+            let mut total = 0;
+            let mut min_mem: Option<i64> = None;
+            let mut min_threads: Option<i64> = None;
+            for (p, n) in &instances {
+                let res = match mig.mig_strategy {
+                    MigStrategy::Single => nvidia::GPU_RESOURCE.to_string(),
+                    MigStrategy::Mixed => nvidia::mig_resource(&profile_name(p)),
+                };
+                let r = ts
+                    .map(|t| {
+                        if t.resources.is_empty() {
+                            t.replicas.unwrap_or(1)
+                        } else {
+                            t.resources
+                                .iter()
+                                .find(|x| nvidia::qualify_resource(&x.name) == res)
+                                .map_or(1, |x| x.replicas)
+                        }
+                    })
+                    .unwrap_or(1) as i64;
+                total += n * r;
+                let m = p.memory_gb as i64 * 1024;
+                min_mem = Some(min_mem.map_or(m, |x| x.min(m)));
+                let t =
+                    (p.compute.unwrap_or(p.slices) as i64 * 100) / mig::MAX_COMPUTE_SLICES as i64;
+                min_threads = Some(min_threads.map_or(t, |x| x.min(t)));
+            }
+            let isolated = ts.is_none();
+            cap(gpus, Some(total), min_mem, min_threads, isolated)
+        }
+    }
+}
+
+/// Adds a node's capacity to its policy's total: GPUs and replicas add up; memory and threads per
+/// client are the smallest of any node (what a client can count on); isolation holds only if it
+/// holds on every node. Returns false when the node's replicas are unknown.
+pub fn add_capacity(total: &mut Capacity, n: &NodeCapacity) -> bool {
+    total.physical_gpus += n.physical_gpus;
+    if let Some(m) = n.memory_per_client_mib {
+        total.memory_per_client_mib = Some(total.memory_per_client_mib.map_or(m, |x| x.min(m)));
+    }
+    if let Some(t) = n.threads_per_client_percent {
+        total.threads_per_client_percent =
+            Some(total.threads_per_client_percent.map_or(t, |x| x.min(t)));
+    }
+    total.memory_isolation &= n.memory_isolation;
+    match n.schedulable {
+        Some(s) => {
+            total.schedulable_replicas += s;
+            true
+        }
+        None => false,
+    }
+}
+
+fn profile_name(p: &MigProfile) -> String {
+    match p.compute {
+        Some(c) => format!("{c}c.{}g.{}gb", p.slices, p.memory_gb),
+        None => format!("{}g.{}gb", p.slices, p.memory_gb),
+    }
+}

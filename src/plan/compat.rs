@@ -1,0 +1,96 @@
+//! Whether a policy can run on a node at all (hardware limits the policy's spec cannot know).
+
+use std::collections::BTreeSet;
+
+use crate::api::crd::{GpuSharingPolicySpec, Strategy};
+use crate::api::names::*;
+use crate::nvidia::{self, mig};
+
+use super::NodeFacts;
+use super::capacity::{label_i64, profile_fits_memory};
+
+/// Node-specific reasons a policy cannot be applied to a node.
+pub fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<String> {
+    let product = node
+        .labels
+        .get(LABEL_GPU_PRODUCT)
+        .map(|p| p.trim_end_matches(SHARED_SUFFIX).to_string())
+        .unwrap_or_else(|| "unknown GPU".into());
+    let multi_user = spec
+        .dra
+        .as_ref()
+        .and_then(|d| d.mps.as_ref())
+        .is_some_and(|m| m.multi_user);
+    if multi_user && label_i64(node, LABEL_CC_MAJOR).is_some_and(|m| m < 7) {
+        return Some(format!(
+            "{product}: MPS multiUser needs a Volta or newer GPU (compute capability 7.0+)"
+        ));
+    }
+    match spec.strategy {
+        Strategy::Mps => {
+            let replicas = spec.mps.as_ref()?.replicas;
+            let major = label_i64(node, LABEL_CC_MAJOR);
+            let minor = label_i64(node, LABEL_CC_MINOR).unwrap_or(0);
+            if let Some(major) = major
+                && (major, minor) < (7, 5)
+                && replicas > mig::MPS_MAX_REPLICAS_OLD_GPUS
+            {
+                return Some(format!(
+                    "{product} has compute capability {major}.{minor}: MPS allows at most {} clients below 7.5, policy asks {replicas}",
+                    mig::MPS_MAX_REPLICAS_OLD_GPUS
+                ));
+            }
+            None
+        }
+        Strategy::Mig => {
+            let mig = spec.mig.as_ref()?;
+            if node.labels.get(LABEL_MIG_CAPABLE) != Some("true") {
+                return Some(format!(
+                    "{product} does not support MIG (nvidia.com/mig.capable is not true)"
+                ));
+            }
+            let gpus = label_i64(node, LABEL_GPU_COUNT);
+            if let (Some(groups), Some(gpus)) = (&mig.custom_layout, gpus) {
+                let mut covered = BTreeSet::new();
+                for g in groups {
+                    match &g.devices {
+                        None => covered.extend(0..gpus as i32),
+                        Some(d) => {
+                            for i in d {
+                                if *i as i64 >= gpus {
+                                    return Some(format!(
+                                        "GPU index {i} does not exist: the node has {gpus} GPUs"
+                                    ));
+                                }
+                                covered.insert(*i);
+                            }
+                        }
+                    }
+                }
+                let missing: Vec<String> = (0..gpus as i32)
+                    .filter(|i| !covered.contains(i))
+                    .map(|i| i.to_string())
+                    .collect();
+                if !missing.is_empty() {
+                    return Some(format!(
+                        "GPUs {} are in no device group of customLayout (mig-parted requires every GPU to be covered)",
+                        missing.join(",")
+                    ));
+                }
+            }
+            if let Some(mem) = label_i64(node, LABEL_GPU_MEMORY) {
+                for p in nvidia::layout_profiles(mig).unwrap_or_default() {
+                    if let Some(prof) = mig::parse_mig_profile(&p)
+                        && !profile_fits_memory(&prof, mem)
+                    {
+                        return Some(format!(
+                            "MIG profile {p} does not exist on {product} ({mem} MiB per GPU): its memory must be 1/8, 1/4, 1/2 or all of the GPU's"
+                        ));
+                    }
+                }
+            }
+            None
+        }
+        _ => None,
+    }
+}

@@ -1,0 +1,687 @@
+//! The per-node transition: from a node's facts, the policy that governs it (if any) and the
+//! environment, a [`Decision`] (release the node, hold it as it is, or write labels), then the
+//! labels and annotations we want to own on it.
+//!
+//! The rules it enforces, whatever the order of events:
+//! - MIG and sharing are never on a node at once: MIG goes to `all-disabled` and is confirmed by
+//!   the MIG manager before a sharing config is applied; sharing is switched off before a MIG
+//!   layout changes.
+//! - A MIG layout change needs idle GPUs (unless the policy opts out), and marks
+//!   `mig.config.state=pending` with the label, so an old `success` never confirms a new layout.
+//! - A node the MIG manager failed on (or that stayed pending past the timeout) is left alone.
+//! - A node counts as `Applied` only when NVIDIA's components confirm what the spec says.
+
+use std::collections::BTreeMap;
+
+use crate::api::crd::{Backend, Strategy};
+use crate::api::names::*;
+use crate::api::state::NodeState;
+use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
+
+use super::NodeFacts;
+use super::capacity::{label_i64, replicas_of};
+use super::compat::node_rejection;
+use super::policies::Prepared;
+
+/// What the transition knows besides the node and its policy.
+pub struct Env<'a> {
+    /// Pods using GPUs on this node.
+    pub gpu_pods: &'a [String],
+    /// The node's MIG state has said `pending` for longer than the MIG timeout.
+    pub mig_stuck: bool,
+    /// Unix seconds, recorded when the device-plugin config label changes.
+    pub now: i64,
+    /// Our mig-parted ConfigMap's layouts as they are now.
+    pub current_mig_configs: &'a BTreeMap<String, serde_yaml::Value>,
+    /// What a layout name means now, as a content hash (`None`: unknown, or `all-disabled`).
+    pub layout_hash: &'a dyn Fn(&str) -> Option<String>,
+}
+
+/// What to do with a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// No policy governs it: give back what we own (a MIG layout we set goes to `all-disabled`).
+    Release,
+    /// Leave every label and annotation we own exactly as it is.
+    Hold { state: NodeState, message: String },
+    /// Own these labels (besides the policy label).
+    Write {
+        state: NodeState,
+        message: String,
+        device_config: String,
+        mig_layout: Option<String>,
+    },
+}
+
+fn hold(state: NodeState, message: impl Into<String>) -> Decision {
+    Decision::Hold {
+        state,
+        message: message.into(),
+    }
+}
+
+fn write(state: NodeState, message: impl Into<String>, dp: &str, mig: Option<String>) -> Decision {
+    Decision::Write {
+        state,
+        message: message.into(),
+        device_config: dp.to_string(),
+        mig_layout: mig,
+    }
+}
+
+/// Why a MIG change waits on this node.
+fn busy_msg(pods: &[String]) -> String {
+    format!("WaitingForIdleGPUs: pods using GPUs: {}", pods.join(", "))
+}
+
+/// The node's current MIG situation.
+struct Mig<'n> {
+    layout: Option<&'n str>,
+    state: Option<&'n str>,
+}
+
+impl<'n> Mig<'n> {
+    fn of(n: &'n NodeFacts) -> Self {
+        Mig {
+            layout: n.labels.get(LABEL_MIG_CONFIG),
+            state: n.labels.get(LABEL_MIG_STATE),
+        }
+    }
+
+    /// `layout` is on the node and the MIG manager confirmed it.
+    fn done(&self, layout: &str) -> bool {
+        self.layout == Some(layout) && self.state == Some("success")
+    }
+
+    /// The MIG manager failed on the current layout, or it stayed pending past the timeout.
+    fn failed(&self, env: &Env) -> bool {
+        self.state == Some("failed") || env.mig_stuck && self.state == Some("pending")
+    }
+}
+
+/// The transition of one node (see the module documentation).
+pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
+    let Some(w) = policy else {
+        return Decision::Release;
+    };
+    if !w.accepted() {
+        return hold(
+            NodeState::Rejected,
+            "policy not accepted; node left as it was",
+        );
+    }
+    if let Some(reason) = node_rejection(w.spec, n) {
+        return hold(NodeState::Rejected, reason);
+    }
+    let busy = !env.gpu_pods.is_empty()
+        && !w
+            .spec
+            .mig
+            .as_ref()
+            .is_some_and(|m| m.proceed_with_busy_gpus);
+    match w.spec.strategy {
+        Strategy::Mig => decide_mig(n, w, env, busy),
+        _ => decide_sharing(n, w, env, busy),
+    }
+}
+
+/// The layout this node should run: the policy's, or the pre-upgrade `custom-<policy>` name the
+/// node still carries while its content is the same (no reconfiguration for a new name).
+fn target_layout(n: &NodeFacts, w: &Prepared, env: &Env) -> String {
+    let layout = w.layout.clone().expect("mig policies have a layout");
+    if let Some((_, hash)) = &w.custom {
+        let legacy = nvidia::legacy_custom_layout_name(&w.name);
+        let same = env
+            .current_mig_configs
+            .get(&legacy)
+            .and_then(nvidia::layout_hash)
+            .as_ref()
+            == Some(hash);
+        if n.labels.get(LABEL_MIG_CONFIG) == Some(legacy.as_str()) && same {
+            return legacy;
+        }
+    }
+    layout
+}
+
+/// A named layout whose content changed since we labelled the node: `(then, now)` hashes.
+fn stale_layout(n: &NodeFacts, w: &Prepared, env: &Env, layout: &str) -> Option<(String, String)> {
+    if w.custom.is_some() || !Mig::of(n).done(layout) {
+        return None;
+    }
+    let (l, then) = n.annotations.get(ANNOTATION_MIG_LAYOUT)?.rsplit_once('@')?;
+    let now = (env.layout_hash)(layout)?;
+    (l == layout && now != then).then(|| (then.to_string(), now))
+}
+
+fn decide_mig(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
+    let key = w.key.as_deref().expect("accepted policies have a key");
+    let layout = target_layout(n, w, env);
+    let mig = Mig::of(n);
+    let dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG);
+    let sharing_on = dp.is_some_and(|k| k != DEFAULT_KEY);
+    if mig.layout == Some(layout.as_str()) && mig.failed(env) {
+        return hold(
+            NodeState::Failed,
+            format!(
+                "MIG manager reported failed (or stayed pending past the timeout) for layout {layout}; node left untouched"
+            ),
+        );
+    }
+    if let Some((then, now)) = stale_layout(n, w, env, &layout) {
+        return if !w.reapply_requested() {
+            hold(
+                NodeState::Stale,
+                format!(
+                    "layout {layout} changed content since this node was configured ({then} -> {now}); the MIG manager does not re-read an unchanged label: annotate the policy with {ANNOTATION_REAPPLY_MIG}=true to re-apply it through {MIG_DISABLED_LAYOUT}"
+                ),
+            )
+        } else if busy {
+            hold(NodeState::Waiting, busy_msg(env.gpu_pods))
+        } else if sharing_on {
+            let msg = format!("removing the sharing config before re-applying layout {layout}");
+            write(NodeState::Pending, msg, DEFAULT_KEY, Some(layout))
+        } else {
+            let msg = format!(
+                "re-applying layout {layout} (its content changed) through {MIG_DISABLED_LAYOUT}"
+            );
+            write(
+                NodeState::Pending,
+                msg,
+                DEFAULT_KEY,
+                Some(MIG_DISABLED_LAYOUT.into()),
+            )
+        };
+    }
+    if w.reapply_requested()
+        && mig.layout == Some(MIG_DISABLED_LAYOUT)
+        && mig.state == Some("pending")
+    {
+        // A re-apply goes through a confirmed all-disabled: the MIG manager skips a layout it
+        // believes applied, so flipping straight back would change nothing.
+        let msg = format!(
+            "waiting for {MIG_DISABLED_LAYOUT} to be confirmed before re-applying layout {layout}"
+        );
+        return write(
+            NodeState::Pending,
+            msg,
+            DEFAULT_KEY,
+            Some(MIG_DISABLED_LAYOUT.into()),
+        );
+    }
+    if mig.done(&layout) {
+        write(NodeState::Applied, "", key, Some(layout))
+    } else if mig.layout != Some(layout.as_str()) && busy {
+        // Idle GPUs are needed to change the layout: hold everything.
+        hold(NodeState::Waiting, busy_msg(env.gpu_pods))
+    } else if dp.is_some_and(|k| k != DEFAULT_KEY && k != key) {
+        // First take the sharing config off; the layout changes on a later step.
+        let held = n
+            .owned
+            .contains(LABEL_MIG_CONFIG)
+            .then(|| mig.layout.map(str::to_string))
+            .flatten();
+        let msg = "removing the sharing config before changing the MIG layout";
+        write(NodeState::Pending, msg, DEFAULT_KEY, held)
+    } else {
+        // Sharing stays off while the layout changes.
+        let msg = format!("waiting for MIG layout {layout}");
+        write(NodeState::Pending, msg, DEFAULT_KEY, Some(layout))
+    }
+}
+
+/// Sharing (or exclusive) on a node: MIG must be off, and confirmed, before the new
+/// device-plugin config is applied.
+fn decide_sharing(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
+    let key = w.key.as_deref().expect("accepted policies have a key");
+    let mig = Mig::of(n);
+    let mig_capable = n.labels.get(LABEL_MIG_CAPABLE) == Some("true");
+    let confirmed_off = match mig.layout {
+        None => true,
+        Some(MIG_DISABLED_LAYOUT) => matches!(mig.state, None | Some("success")),
+        Some(_) => false,
+    };
+    let keep_mig_label = n
+        .owned
+        .contains(LABEL_MIG_CONFIG)
+        .then(|| MIG_DISABLED_LAYOUT.to_string());
+    if !mig_capable && mig.layout.is_none() || confirmed_off {
+        write(NodeState::Applied, "", key, keep_mig_label)
+    } else if mig.layout == Some(MIG_DISABLED_LAYOUT) && mig.failed(env) {
+        hold(
+            NodeState::Failed,
+            "MIG manager failed to disable MIG (or stayed pending past the timeout); node left untouched",
+        )
+    } else if mig.layout != Some(MIG_DISABLED_LAYOUT) && busy {
+        hold(NodeState::Waiting, busy_msg(env.gpu_pods))
+    } else {
+        let msg = "waiting for MIG to be disabled and confirmed before sharing is enabled";
+        write(
+            NodeState::Pending,
+            msg,
+            DEFAULT_KEY,
+            Some(MIG_DISABLED_LAYOUT.into()),
+        )
+    }
+}
+
+/// What we want to own on a node: labels, annotations, and the state reported for it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Outcome {
+    pub state: Option<NodeState>,
+    pub message: String,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// Turns a decision into the labels and annotations we want to own, and downgrades `Applied` to
+/// `Pending` until NVIDIA's components confirm it.
+pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision) -> Outcome {
+    let mut out = match (d, policy) {
+        (Decision::Release, _) | (Decision::Write { .. }, None) => released(n),
+        (Decision::Hold { state, message }, _) => held(n, state, message),
+        (
+            Decision::Write {
+                state,
+                message,
+                device_config,
+                mig_layout,
+            },
+            Some(w),
+        ) => written(n, w, env, state, message, device_config, mig_layout),
+    };
+    mark_mig_pending(n, &mut out.labels);
+    out
+}
+
+fn released(n: &NodeFacts) -> Outcome {
+    let mut labels = BTreeMap::new();
+    if n.owned.contains(LABEL_MIG_CONFIG) {
+        labels.insert(LABEL_MIG_CONFIG.into(), MIG_DISABLED_LAYOUT.into());
+    }
+    Outcome {
+        labels,
+        ..Default::default()
+    }
+}
+
+fn held(n: &NodeFacts, state: NodeState, message: String) -> Outcome {
+    let keep = |owned: &std::collections::BTreeSet<String>, have: &super::Labels| {
+        owned
+            .iter()
+            .filter_map(|k| have.get(k).map(|v| (k.clone(), v.to_string())))
+            .collect()
+    };
+    Outcome {
+        state: Some(state),
+        message,
+        labels: keep(&n.owned, &n.labels),
+        annotations: keep(&n.owned_annotations, &n.annotations),
+    }
+}
+
+fn written(
+    n: &NodeFacts,
+    w: &Prepared,
+    env: &Env,
+    state: NodeState,
+    message: String,
+    dp: String,
+    mig: Option<String>,
+) -> Outcome {
+    let annotations = annotations(n, env, &dp, mig.as_deref());
+    let (state, message) = if state == NodeState::Applied {
+        match unconfirmed(n, w, &dp, &annotations) {
+            Some(why) => (NodeState::Pending, why),
+            None => (state, message),
+        }
+    } else {
+        (state, message)
+    };
+    let mut labels = BTreeMap::new();
+    labels.insert(LABEL_POLICY.to_string(), w.name.clone());
+    labels.insert(LABEL_DEVICE_PLUGIN_CONFIG.to_string(), dp);
+    if let Some(m) = mig {
+        labels.insert(LABEL_MIG_CONFIG.to_string(), m);
+    }
+    Outcome {
+        state: Some(state),
+        message,
+        labels,
+        annotations,
+    }
+}
+
+/// Our annotations: when the device-plugin config label last changed (kept while it stays), and
+/// which MIG layout content the node was labelled with.
+fn annotations(n: &NodeFacts, env: &Env, dp: &str, mig: Option<&str>) -> BTreeMap<String, String> {
+    let mut a = BTreeMap::new();
+    if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(dp) {
+        a.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), env.now.to_string());
+    } else if let Some(v) = n.annotations.get(ANNOTATION_CONFIG_WRITTEN) {
+        a.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), v.to_string());
+    }
+    if let Some(m) = mig.filter(|m| *m != MIG_DISABLED_LAYOUT) {
+        let kept = n
+            .annotations
+            .get(ANNOTATION_MIG_LAYOUT)
+            .filter(|v| v.rsplit_once('@').is_some_and(|(l, _)| l == m));
+        match kept {
+            Some(v) if n.labels.get(LABEL_MIG_CONFIG) == Some(m) => {
+                a.insert(ANNOTATION_MIG_LAYOUT.to_string(), v.to_string());
+            }
+            _ => {
+                if let Some(h) = (env.layout_hash)(m) {
+                    a.insert(ANNOTATION_MIG_LAYOUT.to_string(), format!("{m}@{h}"));
+                }
+            }
+        }
+    }
+    a
+}
+
+/// Why a node whose labels say `Applied` is not confirmed yet, if it is not: the labels must
+/// be in place; GFD, when it stamps the node, must have relabelled after our config change; and
+/// GFD's replicas, when reported, must match.
+fn unconfirmed(
+    n: &NodeFacts,
+    w: &Prepared,
+    dp: &str,
+    annotations: &BTreeMap<String, String>,
+) -> Option<String> {
+    if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(dp) {
+        return Some(format!("labelling node with config {dp}"));
+    }
+    let written = annotations
+        .get(ANNOTATION_CONFIG_WRITTEN)
+        .and_then(|v| v.parse::<i64>().ok());
+    if let (Some(w), Some(t)) = (written, label_i64(n, LABEL_GFD_TIMESTAMP))
+        && t <= w
+    {
+        return Some(format!(
+            "waiting for GPU Feature Discovery to report config {dp} (nvidia.com/gfd.timestamp not newer than our label write at {w})"
+        ));
+    }
+    let expected = if w.spec.backend == Backend::Dra {
+        1
+    } else {
+        replicas_of(w.spec) as i64
+    };
+    let mig_time_sliced = w
+        .spec
+        .mig
+        .as_ref()
+        .is_some_and(|m| m.time_slicing.is_some());
+    let ok = match (w.spec.strategy, label_i64(n, LABEL_GPU_REPLICAS)) {
+        // Without time-slicing GFD reports 0 or 1 for MIG: nothing to compare.
+        (Strategy::Mig, _) if !mig_time_sliced => true,
+        (_, None) => true,
+        (_, Some(r)) => r == expected || w.spec.strategy == Strategy::Exclusive && r == 1,
+    };
+    (!ok).then(|| {
+        format!(
+            "GPU Feature Discovery reports nvidia.com/gpu.replicas={}, expected {expected}",
+            n.labels.get(LABEL_GPU_REPLICAS).unwrap_or_default()
+        )
+    })
+}
+
+/// A MIG layout change also sets `nvidia.com/mig.config.state=pending` in the same write: until
+/// the MIG manager reports, the old `success` must not be read as confirming the new layout. We
+/// keep owning `pending` only until the MIG manager overwrites it (its update takes the field
+/// over), so we never remove or overwrite its report.
+fn mark_mig_pending(n: &NodeFacts, labels: &mut BTreeMap<String, String>) {
+    let Some(want) = labels.get(LABEL_MIG_CONFIG) else {
+        return;
+    };
+    let ours_pending =
+        n.owned.contains(LABEL_MIG_STATE) && n.labels.get(LABEL_MIG_STATE) == Some("pending");
+    if n.labels.get(LABEL_MIG_CONFIG) != Some(want.as_str()) || ours_pending {
+        labels.insert(LABEL_MIG_STATE.to_string(), "pending".to_string());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::crd::GpuSharingPolicy;
+    use crate::plan::policies::prepare_all;
+
+    fn policy(name: &str, spec: &str) -> GpuSharingPolicy {
+        let text = format!(
+            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{}}\n{spec}"
+        );
+        serde_yaml::from_str(&text).unwrap()
+    }
+
+    fn base() -> BTreeMap<String, serde_yaml::Value> {
+        let mut m = BTreeMap::new();
+        m.insert(
+            "all-1g.10gb".to_string(),
+            serde_yaml::from_str("[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]")
+                .unwrap(),
+        );
+        m
+    }
+
+    const MPS: &str = "  strategy: mps\n  mps: {replicas: 4}\n";
+    const MPS_20: &str = "  strategy: mps\n  mps: {replicas: 20}\n";
+    const MIG: &str = "  strategy: mig\n  mig: {migStrategy: single, layout: all-1g.10gb}\n";
+    const MIG_BUSY_OK: &str = "  strategy: mig\n  mig: {migStrategy: single, layout: all-1g.10gb, proceedWithBusyGpus: true}\n";
+    const DRA: &str = "  strategy: mps\n  mps: {replicas: 2}\n  backend: dra\n  dra: {namespaces: [team], driverFeatureGates: {MPSSupport: true}}\n";
+    const INVALID: &str = "  strategy: mps\n  mps: {replicas: 1}\n";
+
+    /// A100 80GB node (MIG-capable) with extra labels; every managed label present is ours.
+    fn node(extra: &[(&str, &str)]) -> NodeFacts {
+        let mut labels: super::super::Labels = [
+            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"),
+            ("nvidia.com/gpu.count", "8"),
+            ("nvidia.com/gpu.memory", "81920"),
+            ("nvidia.com/mig.capable", "true"),
+            ("nvidia.com/gpu.compute.major", "8"),
+        ]
+        .into_iter()
+        .collect();
+        labels.extend(extra.iter().copied());
+        let owned = MANAGED_LABELS
+            .iter()
+            .filter(|k| labels.contains_key(k))
+            .map(|k| k.to_string())
+            .collect();
+        NodeFacts {
+            name: "n".into(),
+            labels,
+            owned,
+            ..Default::default()
+        }
+    }
+
+    /// What a row expects of the decision: the state, and for writes the device-plugin key
+    /// ("KEY" for the policy's own) and MIG layout. (`Applied` is the decision's; confirmation by
+    /// NVIDIA's components is tested below.)
+    #[derive(Debug, PartialEq)]
+    enum Want {
+        Release,
+        Hold(NodeState),
+        Write(NodeState, &'static str, Option<&'static str>),
+    }
+
+    /// What a case is called, the policy's spec, the node's extra labels, the pods using its GPUs,
+    /// whether its MIG state is stuck, and what is expected.
+    type Row<'a> = (
+        &'a str,
+        Option<&'a str>,
+        Vec<(&'a str, &'a str)>,
+        &'a [&'a str],
+        bool,
+        Want,
+    );
+
+    #[test]
+    fn transitions() {
+        use NodeState::*;
+        let none: &[&str] = &[];
+        let busy = &["team/job"][..];
+        #[rustfmt::skip]
+        let rows: Vec<Row> = vec![
+            ("no policy: release", None, vec![], none, false, Want::Release),
+            ("invalid policy: hold", Some(INVALID), vec![], none, false, Want::Hold(Rejected)),
+            ("MPS above 16 clients below CC 7.5: rejected",
+                Some(MPS_20), vec![("nvidia.com/gpu.compute.major", "7")], none, false, Want::Hold(Rejected)),
+            ("MIG on a GPU without MIG: rejected",
+                Some(MIG), vec![("nvidia.com/mig.capable", "false")], none, false, Want::Hold(Rejected)),
+            ("sharing, MIG never set: applied", Some(MPS), vec![("nvidia.com/mig.capable", "false")], none, false,
+                Want::Write(Applied, "KEY", None)),
+            ("sharing, MIG on: disable it first, no sharing meanwhile",
+                Some(MPS), vec![("nvidia.com/mig.config", "all-1g.10gb"), ("nvidia.com/mig.config.state", "success")],
+                none, false, Want::Write(Pending, "default", Some("all-disabled"))),
+            ("sharing, all-disabled not confirmed yet: wait",
+                Some(MPS), vec![("nvidia.com/mig.config", "all-disabled"), ("nvidia.com/mig.config.state", "pending")],
+                none, false, Want::Write(Pending, "default", Some("all-disabled"))),
+            ("sharing, all-disabled confirmed: sharing on",
+                Some(MPS), vec![("nvidia.com/mig.config", "all-disabled"), ("nvidia.com/mig.config.state", "success")],
+                none, false, Want::Write(Applied, "KEY", Some("all-disabled"))),
+            ("sharing, disabling MIG failed: left alone",
+                Some(MPS), vec![("nvidia.com/mig.config", "all-disabled"), ("nvidia.com/mig.config.state", "failed")],
+                none, false, Want::Hold(Failed)),
+            ("sharing, disabling MIG pending past the timeout: left alone",
+                Some(MPS), vec![("nvidia.com/mig.config", "all-disabled"), ("nvidia.com/mig.config.state", "pending")],
+                none, true, Want::Hold(Failed)),
+            ("sharing, MIG on and GPUs busy: wait for idle",
+                Some(MPS), vec![("nvidia.com/mig.config", "all-1g.10gb"), ("nvidia.com/mig.config.state", "success")],
+                busy, false, Want::Hold(Waiting)),
+            ("MIG, sharing config on: take it off first, layout unchanged",
+                Some(MIG), vec![("nvidia.com/device-plugin.config", "other-12345678"), ("nvidia.com/mig.config", "all-disabled"),
+                ("nvidia.com/mig.config.state", "success")], none, false, Want::Write(Pending, "default", Some("all-disabled"))),
+            ("MIG, sharing off: change the layout",
+                Some(MIG), vec![("nvidia.com/device-plugin.config", "default"), ("nvidia.com/mig.config", "all-disabled"),
+                ("nvidia.com/mig.config.state", "success")], none, false, Want::Write(Pending, "default", Some("all-1g.10gb"))),
+            ("MIG, layout confirmed: its config on",
+                Some(MIG), vec![("nvidia.com/mig.config", "all-1g.10gb"), ("nvidia.com/mig.config.state", "success")],
+                none, false, Want::Write(Applied, "KEY", Some("all-1g.10gb"))),
+            ("MIG, layout failed: left alone",
+                Some(MIG), vec![("nvidia.com/mig.config", "all-1g.10gb"), ("nvidia.com/mig.config.state", "failed")],
+                none, false, Want::Hold(Failed)),
+            ("MIG, layout pending past the timeout: left alone",
+                Some(MIG), vec![("nvidia.com/mig.config", "all-1g.10gb"), ("nvidia.com/mig.config.state", "pending")],
+                none, true, Want::Hold(Failed)),
+            ("MIG, layout change with busy GPUs: wait",
+                Some(MIG), vec![("nvidia.com/mig.config", "all-disabled"), ("nvidia.com/mig.config.state", "success")],
+                busy, false, Want::Hold(Waiting)),
+            ("MIG, busy GPUs but the policy proceeds",
+                Some(MIG_BUSY_OK), vec![("nvidia.com/mig.config", "all-disabled"), ("nvidia.com/mig.config.state", "success")],
+                busy, false, Want::Write(Pending, "default", Some("all-1g.10gb"))),
+            ("DRA: the device plugin shares nothing",
+                Some(DRA), vec![("nvidia.com/mig.capable", "false")], none, false, Want::Write(Applied, "default", None)),
+        ];
+        let hash = |l: &str| (l != MIG_DISABLED_LAYOUT).then(|| "h".to_string());
+        let current = BTreeMap::new();
+        for (what, spec, labels, pods, stuck, want) in rows {
+            let policies: Vec<GpuSharingPolicy> =
+                spec.map(|s| policy("p", s)).into_iter().collect();
+            let base = base();
+            let prepared = prepare_all(&policies, Some(&base));
+            let n = node(&labels);
+            let env = Env {
+                gpu_pods: &pods.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                mig_stuck: stuck,
+                now: 100,
+                current_mig_configs: &current,
+                layout_hash: &hash,
+            };
+            let p = prepared.first();
+            let key = p.and_then(|p| p.key.clone()).unwrap_or_default();
+            let got = match decide(&n, p, &env) {
+                Decision::Release => Want::Release,
+                Decision::Hold { state, .. } => Want::Hold(state),
+                Decision::Write {
+                    state,
+                    device_config,
+                    mig_layout,
+                    ..
+                } => {
+                    let dp = match device_config.as_str() {
+                        DEFAULT_KEY => DEFAULT_KEY,
+                        k if k == key => "KEY",
+                        _ => device_config.leak(),
+                    };
+                    Want::Write(state, dp, mig_layout.map(|m| &*m.leak()))
+                }
+            };
+            assert_eq!(got, want, "{what}");
+        }
+    }
+
+    #[test]
+    fn outcomes_keep_what_a_hold_owns_and_release_gives_back() {
+        let hash = |_: &str| None;
+        let current = BTreeMap::new();
+        let env = Env {
+            gpu_pods: &[],
+            mig_stuck: false,
+            now: 100,
+            current_mig_configs: &current,
+            layout_hash: &hash,
+        };
+        let mut n = node(&[
+            ("nvidia.com/mig.config", "all-1g.10gb"),
+            ("nvidia.com/mig.config.state", "success"),
+            ("nvidia.com/device-plugin.config", "p-12345678"),
+        ]);
+        n.annotations.insert(ANNOTATION_CONFIG_WRITTEN, "42");
+        n.owned_annotations.insert(ANNOTATION_CONFIG_WRITTEN.into());
+        let held = outcome(&n, None, &env, hold(NodeState::Failed, "x"));
+        assert_eq!(held.labels.len(), 3);
+        assert_eq!(held.annotations[ANNOTATION_CONFIG_WRITTEN], "42");
+        let released = outcome(&n, None, &env, Decision::Release);
+        // Our MIG layout goes back to all-disabled, marked pending; nothing else stays ours.
+        assert_eq!(
+            released.labels,
+            [
+                (
+                    LABEL_MIG_CONFIG.to_string(),
+                    MIG_DISABLED_LAYOUT.to_string()
+                ),
+                (LABEL_MIG_STATE.to_string(), "pending".to_string())
+            ]
+            .into()
+        );
+        assert!(released.annotations.is_empty());
+    }
+
+    #[test]
+    fn applied_waits_for_gfd_after_our_write() {
+        let hash = |_: &str| None;
+        let current = BTreeMap::new();
+        let env = Env {
+            gpu_pods: &[],
+            mig_stuck: false,
+            now: 100,
+            current_mig_configs: &current,
+            layout_hash: &hash,
+        };
+        let policies = vec![policy("p", MPS)];
+        let prepared = prepare_all(&policies, None);
+        let key = prepared[0].key.clone().unwrap();
+        let mut n = node(&[
+            ("nvidia.com/mig.capable", "false"),
+            ("nvidia.com/device-plugin.config", &key),
+            ("nvidia.com/gfd.timestamp", "90"),
+        ]);
+        n.annotations.insert(ANNOTATION_CONFIG_WRITTEN, "95");
+        let state = |n: &NodeFacts| {
+            let d = decide(n, Some(&prepared[0]), &env);
+            outcome(n, Some(&prepared[0]), &env, d).state.unwrap()
+        };
+        assert_eq!(
+            state(&n),
+            NodeState::Pending,
+            "GFD labelled before our write"
+        );
+        n.labels.insert("nvidia.com/gfd.timestamp", "96");
+        n.labels.insert("nvidia.com/gpu.replicas", "2");
+        assert_eq!(state(&n), NodeState::Pending, "GFD reports other replicas");
+        n.labels.insert("nvidia.com/gpu.replicas", "4");
+        assert_eq!(state(&n), NodeState::Applied);
+    }
+}

@@ -1,0 +1,137 @@
+//! The objects a plan writes besides node metadata: our two ConfigMaps, our part of the GPU
+//! Operator's ClusterPolicy, and the DRA policies' ResourceClaimTemplates.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::json;
+
+use crate::api::crd::MigStrategy;
+use crate::api::names::*;
+use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
+
+use super::capacity::label_i64;
+use super::policies::Prepared;
+use super::{NodeFacts, PlanInput};
+
+/// Data of the device-plugin ConfigMap: `default` (no sharing), every valid policy's key, and
+/// the keys nodes still name (their label, or a label we hold), kept from the current data.
+pub fn device_config(
+    prepared: &[Prepared],
+    input: &PlanInput,
+    used_keys: &BTreeSet<String>,
+) -> BTreeMap<String, String> {
+    let mut data = BTreeMap::new();
+    data.insert(
+        DEFAULT_KEY.to_string(),
+        nvidia::to_yaml(&nvidia::exclusive_config("none")),
+    );
+    for p in prepared {
+        if let (Some(k), Some(t)) = (&p.key, &p.config_text) {
+            data.insert(k.to_string(), t.clone());
+        }
+    }
+    let named = input
+        .nodes
+        .iter()
+        .filter_map(|n| n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG));
+    for k in named.chain(used_keys.iter().map(String::as_str)) {
+        if !data.contains_key(k)
+            && let Some(t) = input.current_device_config.get(k)
+        {
+            data.insert(k.to_string(), t.clone());
+        }
+    }
+    data
+}
+
+/// `config.yaml` of the mig-parted ConfigMap: only when a custom layout is in use, or a node
+/// still names one of ours. A layout stays until no node's label names it (an edited layout gets
+/// a new name; the old one is what the MIG manager would read until the node's label changes).
+pub fn mig_config(
+    prepared: &[Prepared],
+    input: &PlanInput,
+    nodes: &[&NodeFacts],
+    wanted: &BTreeMap<String, BTreeMap<String, String>>,
+) -> Option<String> {
+    let mut custom = BTreeMap::new();
+    for p in prepared.iter().filter(|p| p.errors.is_empty()) {
+        if let (Some(layout), Some((entries, _))) = (&p.layout, &p.custom) {
+            custom.insert(layout.clone(), entries.clone());
+        }
+    }
+    let mut named = input.base_mig_configs.clone().unwrap_or_default();
+    let mut carried = false;
+    for n in nodes {
+        let want = wanted
+            .get(&n.name)
+            .and_then(|l| l.get(LABEL_MIG_CONFIG).cloned());
+        for layout in [n.labels.get(LABEL_MIG_CONFIG).map(str::to_string), want]
+            .into_iter()
+            .flatten()
+        {
+            if layout == MIG_DISABLED_LAYOUT
+                || custom.contains_key(&layout)
+                || named.contains_key(&layout)
+            {
+                continue;
+            }
+            if let Some(v) = input.current_mig_configs.get(&layout) {
+                named.insert(layout, v.clone());
+                carried = true;
+            }
+        }
+    }
+    (!custom.is_empty() || carried)
+        .then(|| nvidia::to_yaml(&nvidia::mig_parted_config(&named, &custom)))
+}
+
+/// Our part of the ClusterPolicy `spec`: the device plugin reads our ConfigMap (once any policy
+/// exists), the MIG manager reads ours while it exists, and the cluster-wide MIG strategy.
+pub fn cluster_policy_spec(
+    input: &PlanInput,
+    any_policy: bool,
+    mig_config: bool,
+    cluster_mig: Option<MigStrategy>,
+) -> serde_json::Value {
+    let mut spec = serde_json::Map::new();
+    if any_policy {
+        spec.insert(
+            "devicePlugin".into(),
+            json!({"config": {"name": input.device_configmap_name, "default": DEFAULT_KEY}}),
+        );
+    }
+    if mig_config {
+        spec.insert(
+            "migManager".into(),
+            json!({"config": {"name": input.mig_configmap_name}}),
+        );
+    }
+    if let Some(cm) = cluster_mig {
+        spec.insert("mig".into(), json!({"strategy": cm.as_str()}));
+    }
+    serde_json::Value::Object(spec)
+}
+
+/// ResourceClaimTemplates of an accepted DRA policy, as `namespace/name` and object, in the
+/// order of its namespaces. Memory defaults come
+/// from the smallest GPU among the nodes it governs and accepts (a rejected node must not shape
+/// the limits).
+pub fn claim_templates(
+    p: &Prepared,
+    accepted_nodes: &[&NodeFacts],
+) -> Vec<(String, serde_json::Value)> {
+    let mut out = Vec::new();
+    let Some(dra) = p.spec.dra.as_ref().filter(|_| p.accepted()) else {
+        return out;
+    };
+    let min_mem = accepted_nodes
+        .iter()
+        .filter_map(|n| label_i64(n, LABEL_GPU_MEMORY))
+        .min();
+    let name = nvidia::dra::template_name(&p.name, p.spec);
+    for ns in &dra.namespaces {
+        let t = nvidia::dra::claim_template(&p.name, ns, p.spec, min_mem);
+        out.push((format!("{ns}/{name}"), t));
+    }
+    out
+}

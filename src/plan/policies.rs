@@ -1,0 +1,250 @@
+//! Policies before nodes: validation, what each renders to, precedence, which policy governs
+//! which node, and the cluster-wide MIG strategy.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::api::crd::{Backend, GpuSharingPolicy, GpuSharingPolicySpec, MigStrategy, Strategy};
+use crate::api::names::ANNOTATION_REAPPLY_MIG;
+use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT, MigConfigEntry};
+use crate::validate::{self, FieldError};
+
+use super::NodeFacts;
+use super::labels::{selection_labels, selector_matches};
+
+/// A policy after validation, with what it renders to.
+pub struct Prepared<'a> {
+    pub name: String,
+    pub policy: &'a GpuSharingPolicy,
+    pub spec: &'a GpuSharingPolicySpec,
+    pub errors: Vec<FieldError>,
+    pub warnings: Vec<String>,
+    /// Device-plugin config key (`<policy>-<hash>`, or `default` for DRA); `None` if invalid.
+    pub key: Option<String>,
+    /// The config text behind `key`.
+    pub config_text: Option<String>,
+    /// The MIG layout name its nodes get.
+    pub layout: Option<String>,
+    /// A custom layout: its mig-parted entries and their content hash.
+    pub custom: Option<(Vec<MigConfigEntry>, String)>,
+    /// Why the policy is refused cluster-wide (it conflicts with the cluster's MIG strategy).
+    pub blocked: Option<String>,
+    /// The same conflict for a policy that governs no node yet: a warning only.
+    pub latent: Option<String>,
+}
+
+impl Prepared<'_> {
+    /// Valid and not refused cluster-wide: its nodes may be changed.
+    pub fn accepted(&self) -> bool {
+        self.errors.is_empty() && self.blocked.is_none()
+    }
+
+    /// The admin asked to re-apply named layouts whose content changed.
+    pub fn reapply_requested(&self) -> bool {
+        self.policy
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(ANNOTATION_REAPPLY_MIG))
+    }
+}
+
+fn field_error(path: &str, message: String) -> FieldError {
+    FieldError {
+        path: path.into(),
+        message,
+    }
+}
+
+/// Deterministic precedence: priority (high first), then oldest, then name.
+fn precedence(p: &GpuSharingPolicy) -> (i32, bool, String, String) {
+    let ts = p
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| t.0.to_string());
+    (
+        -p.spec.priority,
+        ts.is_none(),
+        ts.unwrap_or_default(),
+        p.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+fn prepare<'a>(
+    p: &'a GpuSharingPolicy,
+    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+) -> Prepared<'a> {
+    let name = p.metadata.name.clone().unwrap_or_default();
+    let (mut errors, warnings) = validate::validate(&name, &p.spec);
+    let mut layout = None;
+    let mut custom = None;
+    if errors.is_empty()
+        && let Some(mig) = &p.spec.mig
+    {
+        if mig.custom_layout.is_some() {
+            let entries = nvidia::custom_layout_entries(mig);
+            let hash = nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));
+            layout = Some(nvidia::custom_layout_name(&name, &entries));
+            custom = Some((entries, hash));
+        } else if let Some(l) = &mig.layout {
+            let known = l == MIG_DISABLED_LAYOUT || base.is_some_and(|b| b.contains_key(l));
+            if base.is_some() && !known {
+                errors.push(field_error(
+                    "spec.mig.layout",
+                    format!("{l:?} is not a layout of the mig-parted configuration (the MIG manager would fail with: selected mig-config not present)"),
+                ));
+            }
+            layout = Some(l.clone());
+        }
+    }
+    let (key, config_text) = if errors.is_empty() && p.spec.backend == Backend::Dra {
+        // The DRA driver shares the GPUs; the device plugin, if it runs, must not.
+        (Some(DEFAULT_KEY.to_string()), None)
+    } else if errors.is_empty() {
+        let text = nvidia::to_yaml(&nvidia::device_plugin_config(&p.spec));
+        (Some(nvidia::content_key(&name, &text)), Some(text))
+    } else {
+        (None, None)
+    };
+    Prepared {
+        name,
+        policy: p,
+        spec: &p.spec,
+        errors,
+        warnings,
+        key,
+        config_text,
+        layout,
+        custom,
+        blocked: None,
+        latent: None,
+    }
+}
+
+/// Every policy not being deleted, validated and in precedence order, with the errors that
+/// depend on other policies (two DRA policies rendering one template) or on the GPU Operator's
+/// config (named layouts next to a custom one need its default config).
+pub fn prepare_all<'a>(
+    policies: &'a [GpuSharingPolicy],
+    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+) -> Vec<Prepared<'a>> {
+    let mut sorted: Vec<&GpuSharingPolicy> = policies
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect();
+    sorted.sort_by_key(|p| precedence(p));
+    let mut prepared: Vec<Prepared> = sorted.iter().map(|p| prepare(p, base)).collect();
+    let mut template_owner: BTreeMap<String, String> = BTreeMap::new();
+    for p in prepared.iter_mut().filter(|p| p.errors.is_empty()) {
+        let Some(dra) = &p.spec.dra else { continue };
+        let name = nvidia::dra::template_name(&p.name, p.spec);
+        for ns in &dra.namespaces {
+            let id = format!("{ns}/{name}");
+            if let Some(first) = template_owner.get(&id) {
+                p.errors.push(field_error(
+                    "spec.dra",
+                    format!("ResourceClaimTemplate {id} is already rendered by policy {first}"),
+                ));
+            } else {
+                template_owner.insert(id, p.name.clone());
+            }
+        }
+        if !p.errors.is_empty() {
+            p.key = None;
+        }
+    }
+    // A custom layout points the MIG manager at our ConfigMap; named layouts must then be in it,
+    // which needs the GPU Operator's default config.
+    let any_custom = prepared
+        .iter()
+        .any(|p| p.errors.is_empty() && p.custom.is_some());
+    if any_custom && base.is_none() {
+        for p in prepared.iter_mut().filter(|p| p.errors.is_empty()) {
+            if let Some(l) = p.spec.mig.as_ref().and_then(|m| m.layout.as_ref())
+                && l != MIG_DISABLED_LAYOUT
+            {
+                p.errors.push(field_error(
+                    "spec.mig.layout",
+                    format!("{l:?} cannot be served: a custom layout replaces the MIG manager's config with ours, and the GPU Operator's default-mig-parted-config (whose named layouts we would carry over) was not found"),
+                ));
+                p.key = None;
+                p.config_text = None;
+            }
+        }
+    }
+    prepared
+}
+
+/// Which policies select which nodes, and which one governs each node.
+#[derive(Default)]
+pub struct Assignment<'n> {
+    /// Policy name -> the nodes it selects, in name order.
+    pub matched: BTreeMap<String, Vec<&'n str>>,
+    /// Node name -> index (in precedence order) of the policy that governs it.
+    pub winner: BTreeMap<&'n str, usize>,
+}
+
+/// Matches every node against every policy; the first in precedence order wins a node.
+pub fn assign<'n>(prepared: &[Prepared], nodes: &[&'n NodeFacts]) -> Assignment<'n> {
+    let mut a = Assignment::default();
+    for n in nodes {
+        let sel_labels = selection_labels(&n.labels);
+        for (i, p) in prepared.iter().enumerate() {
+            if selector_matches(&p.spec.node_selector, &sel_labels) {
+                a.matched
+                    .entry(p.name.clone())
+                    .or_default()
+                    .push(n.name.as_str());
+                a.winner.entry(n.name.as_str()).or_insert(i);
+            }
+        }
+    }
+    a
+}
+
+/// The cluster-wide MIG strategy: that of the highest-precedence valid MIG policy governing a
+/// node, else of the highest-precedence valid MIG policy. Policies that disagree with it (or
+/// MPS while it is `mixed`) are marked: `blocked` if they govern nodes, `latent` otherwise.
+/// Without any node (e.g. `render` without `--nodes`) every policy counts as governing, so
+/// conflicts are still reported.
+pub fn cluster_mig_strategy(
+    prepared: &mut [Prepared],
+    winner: &BTreeMap<&str, usize>,
+) -> Option<MigStrategy> {
+    let mut governing: BTreeSet<usize> = winner.values().copied().collect();
+    if governing.is_empty() {
+        governing = (0..prepared.len()).collect();
+    }
+    let valid_mig = |p: &Prepared| p.errors.is_empty() && p.spec.mig.is_some();
+    let owner = (0..prepared.len())
+        .find(|i| valid_mig(&prepared[*i]) && governing.contains(i))
+        .or_else(|| (0..prepared.len()).find(|i| valid_mig(&prepared[*i])))?;
+    let cm = prepared[owner].spec.mig.as_ref()?.mig_strategy;
+    let owner = prepared[owner].name.clone();
+    for (i, p) in prepared.iter_mut().enumerate() {
+        if !p.errors.is_empty() {
+            continue;
+        }
+        let mut conflict = None;
+        if let Some(m) = &p.spec.mig
+            && m.mig_strategy != cm
+        {
+            conflict = Some(format!(
+                "migStrategy {} conflicts with {} of policy {owner}: the GPU Operator's mig.strategy is cluster-wide",
+                m.mig_strategy.as_str(),
+                cm.as_str()
+            ));
+        }
+        if p.spec.strategy == Strategy::Mps && cm == MigStrategy::Mixed {
+            conflict = Some(format!(
+                "MPS does not work with the cluster-wide MIG strategy mixed set by policy {owner}"
+            ));
+        }
+        if governing.contains(&i) {
+            p.blocked = conflict;
+        } else {
+            p.latent = conflict;
+        }
+    }
+    Some(cm)
+}

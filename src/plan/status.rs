@@ -1,0 +1,289 @@
+//! A policy's status from what the per-node transitions found: conditions with typed reasons,
+//! node counts, capacity and bounded per-node details.
+
+use crate::api::crd::{Backend, Capacity, Condition, GpuSharingPolicyStatus, NodeDetail, Strategy};
+use crate::api::names::ANNOTATION_REAPPLY_MIG;
+use crate::api::state::{ConditionType, NodeState, Reason};
+use crate::nvidia::MIG_DISABLED_LAYOUT;
+
+use super::capacity::replicas_of;
+use super::policies::Prepared;
+
+/// Most per-node entries kept in a policy's status.
+pub const MAX_NODE_DETAILS: usize = 50;
+
+/// What the nodes a policy governs came to, gathered while planning them.
+#[derive(Debug, Default)]
+pub struct Tally {
+    /// One entry per governed node (conflicts are added by [`status`]).
+    pub details: Vec<NodeDetail>,
+    pub applied: i32,
+    /// Summed over applied nodes; `None` until one is applied.
+    pub capacity: Option<Capacity>,
+    /// Some applied node's replicas are unknown (a MIG layout we cannot read).
+    pub capacity_unknown: bool,
+}
+
+impl Tally {
+    fn in_state(&self, s: NodeState) -> Vec<&NodeDetail> {
+        self.details.iter().filter(|d| d.state == s).collect()
+    }
+}
+
+/// Cluster facts every status reports on.
+pub struct Cluster<'a> {
+    pub cluster_policy_found: bool,
+    pub cluster_policy_contested: Option<&'a str>,
+}
+
+/// What the status needs of the policy's place among the others.
+pub struct Placement<'a> {
+    /// Nodes the selector matches, in name order.
+    pub matched: &'a [&'a str],
+    /// Matched nodes another policy governs, as `<node> (won by <policy>)`.
+    pub conflicting: Vec<String>,
+    /// `namespace/name` of its ResourceClaimTemplates.
+    pub templates: Vec<String>,
+}
+
+pub fn condition(
+    type_: ConditionType,
+    status: bool,
+    reason: Reason,
+    message: String,
+    generation: Option<i64>,
+) -> Condition {
+    Condition {
+        type_,
+        status: status.into(),
+        reason,
+        message,
+        last_transition_time: None,
+        observed_generation: generation,
+    }
+}
+
+/// Up to `n` details as `<node>: <message>`, joined by "; ".
+fn listed(details: &[&NodeDetail], n: usize) -> String {
+    let shown: Vec<String> = details
+        .iter()
+        .take(n)
+        .map(|d| format!("{}: {}", d.name, d.message))
+        .collect();
+    shown.join("; ")
+}
+
+fn accepted(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
+    let rejected = t.in_state(NodeState::Rejected);
+    if !p.errors.is_empty() {
+        let msgs: Vec<String> = p.errors.iter().map(|e| e.to_string()).collect();
+        (false, Reason::InvalidSpec, msgs.join("; "))
+    } else if let Some(reason) = &p.blocked {
+        (false, Reason::ClusterWideConflict, reason.clone())
+    } else if !rejected.is_empty() {
+        let msg = format!(
+            "{} of {} nodes cannot run this policy and were left untouched: {}",
+            rejected.len(),
+            t.details.len(),
+            listed(&rejected, 5)
+        );
+        (false, Reason::IncompatibleNodes, msg)
+    } else {
+        let msg = "spec is valid for every matched node".to_string();
+        (true, Reason::Valid, msg)
+    }
+}
+
+fn ready(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
+    let won = t.details.len() as i32;
+    let stale = t.in_state(NodeState::Stale).len();
+    let all = t.applied == won && t.in_state(NodeState::Rejected).is_empty();
+    if !p.accepted() {
+        (
+            false,
+            Reason::NotAccepted,
+            "the policy is not accepted".into(),
+        )
+    } else if won == 0 {
+        let msg = "no node is governed by this policy".to_string();
+        (true, Reason::NoNodes, msg)
+    } else if all {
+        (
+            true,
+            Reason::Converged,
+            format!("all {won} nodes are configured"),
+        )
+    } else if stale > 0 {
+        let msg = format!(
+            "{} of {won} nodes are configured; {stale} run an older version of their MIG layout",
+            t.applied
+        );
+        (false, Reason::MigLayoutChanged, msg)
+    } else {
+        let msg = format!("{} of {won} nodes are configured", t.applied);
+        (false, Reason::Progressing, msg)
+    }
+}
+
+fn progressing(t: &Tally) -> (bool, Reason, String) {
+    let waiting = t.in_state(NodeState::Waiting);
+    let pending = t.in_state(NodeState::Pending).len();
+    if !waiting.is_empty() {
+        (true, Reason::WaitingForIdleGPUs, listed(&waiting, 5))
+    } else if pending > 0 {
+        let msg = format!("{pending} nodes are being reconfigured");
+        (true, Reason::Reconfiguring, msg)
+    } else {
+        (false, Reason::Idle, "nothing in progress".into())
+    }
+}
+
+fn conflicted(conflicting: &[String]) -> (bool, Reason, String) {
+    if conflicting.is_empty() {
+        let msg = "no other policy selects these nodes".to_string();
+        (false, Reason::NoOverlap, msg)
+    } else {
+        let shown: Vec<String> = conflicting.iter().take(10).cloned().collect();
+        let msg = format!(
+            "{} matched nodes are governed by another policy: {}",
+            conflicting.len(),
+            shown.join(", ")
+        );
+        (true, Reason::OverlappingPolicy, msg)
+    }
+}
+
+fn degraded(p: &Prepared, t: &Tally, c: &Cluster) -> (bool, Reason, String) {
+    let names = |s: NodeState, n: usize| -> String {
+        let v: Vec<&str> = t
+            .in_state(s)
+            .iter()
+            .take(n)
+            .map(|d| d.name.as_str())
+            .collect();
+        v.join(", ")
+    };
+    let contested = c
+        .cluster_policy_contested
+        .filter(|_| p.spec.backend != Backend::Dra);
+    if !c.cluster_policy_found {
+        (true, Reason::ClusterPolicyMissing, "the GPU Operator ClusterPolicy was not found: nodes are labelled but no device plugin reads the config".into())
+    } else if let Some(what) = contested {
+        (
+            true,
+            Reason::ClusterPolicyContested,
+            format!(
+                "another controller keeps reverting the ClusterPolicy settings this policy needs ({what}); make it leave them alone, e.g. ignore those fields in your GitOps tool"
+            ),
+        )
+    } else if !t.in_state(NodeState::Stale).is_empty() {
+        let layout = p
+            .spec
+            .mig
+            .as_ref()
+            .and_then(|m| m.layout.as_deref())
+            .unwrap_or_default();
+        (
+            true,
+            Reason::MigLayoutChanged,
+            format!(
+                "the content of MIG layout {layout} changed (e.g. a GPU Operator upgrade) since these nodes were configured, and the MIG manager only acts on a label change: {}; annotate this policy with {ANNOTATION_REAPPLY_MIG}=true to re-apply it through {MIG_DISABLED_LAYOUT}",
+                names(NodeState::Stale, 10)
+            ),
+        )
+    } else if !t.in_state(NodeState::Failed).is_empty() {
+        (
+            true,
+            Reason::MigConfigFailed,
+            format!(
+                "nvidia.com/mig.config.state failed, or pending past the MIG timeout, on: {}",
+                names(NodeState::Failed, usize::MAX)
+            ),
+        )
+    } else {
+        (false, Reason::Healthy, "no failures".into())
+    }
+}
+
+fn warnings(p: &Prepared, t: &Tally) -> Vec<String> {
+    let mut w = p.warnings.clone();
+    if let Some(l) = &p.latent {
+        w.push(format!(
+            "this policy governs no node yet; once it does: {l}"
+        ));
+    }
+    if t.capacity_unknown {
+        w.push(
+            "schedulable replicas exclude nodes whose MIG layout's instance count is unknown"
+                .into(),
+        );
+    }
+    let time_sliced = p.spec.strategy == Strategy::TimeSlicing
+        || p.spec
+            .mig
+            .as_ref()
+            .is_some_and(|m| m.time_slicing.is_some());
+    if time_sliced {
+        w.push("time-slicing gives no memory or fault isolation between replicas".into());
+    }
+    w
+}
+
+/// The status of one policy.
+pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuSharingPolicyStatus {
+    let generation = p.policy.metadata.generation;
+    let cond = |type_, (ok, reason, msg): (bool, Reason, String)| {
+        condition(type_, ok, reason, msg, generation)
+    };
+    let conditions = vec![
+        cond(ConditionType::Accepted, accepted(p, &t)),
+        cond(ConditionType::Ready, ready(p, &t)),
+        cond(ConditionType::Progressing, progressing(&t)),
+        cond(ConditionType::Conflicted, conflicted(&place.conflicting)),
+        cond(ConditionType::Degraded, degraded(p, &t, c)),
+    ];
+    let warnings = warnings(p, &t);
+    let capacity = p.errors.is_empty().then(|| {
+        t.capacity.clone().unwrap_or(Capacity {
+            memory_isolation: p.spec.strategy != Strategy::TimeSlicing,
+            ..Default::default()
+        })
+    });
+    let mut details = t.details;
+    for c in &place.conflicting {
+        let node = c.split(' ').next().unwrap_or_default();
+        details.push(NodeDetail {
+            name: node.into(),
+            state: NodeState::Conflicted,
+            message: c.clone(),
+        });
+    }
+    // Non-ready first, then by name; bounded.
+    details.sort_by(|a, b| {
+        ((a.state == NodeState::Applied), &a.name).cmp(&((b.state == NodeState::Applied), &b.name))
+    });
+    details.truncate(MAX_NODE_DETAILS);
+    GpuSharingPolicyStatus {
+        observed_generation: generation,
+        conditions,
+        replicas: Some(replicas_of(p.spec)),
+        nodes: Some(format!("{}/{}", t.applied, place.matched.len())),
+        matched_nodes: place.matched.len() as i32,
+        applied_nodes: t.applied,
+        conflicting_nodes: place.conflicting.len() as i32,
+        device_config_key: if p.spec.backend == Backend::Dra {
+            None
+        } else {
+            p.key.clone()
+        },
+        templates: place.templates,
+        mig_config: if p.errors.is_empty() {
+            p.layout.clone()
+        } else {
+            None
+        },
+        capacity,
+        node_details: details,
+        warnings,
+    }
+}
