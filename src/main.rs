@@ -97,7 +97,6 @@ struct RunArgs {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    use std::sync::atomic::Ordering;
     let client = kube::Client::try_default().await?;
     let metrics = std::sync::Arc::new(gpu_sharing_operator::telemetry::metrics::Metrics::default());
     if !args.metrics_addr.is_empty() {
@@ -123,7 +122,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     if !args.leader_elect {
-        metrics.leader.store(true, Ordering::Relaxed);
+        metrics.set_leader(true);
         controller::run(client, config, signal).await?;
         return Ok(());
     }
@@ -137,12 +136,13 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         lease_duration: std::time::Duration::from_secs(args.lease_duration_seconds),
         renew: std::time::Duration::from_secs(args.lease_renew_seconds),
     };
+    lead_cfg.check().map_err(anyhow::Error::msg)?;
     tokio::pin!(signal);
     let (mut leading, release) = tokio::select! {
         l = gpu_sharing_operator::runtime::leader::lead(client.clone(), lead_cfg) => l,
         _ = &mut signal => return Ok(()),
     };
-    metrics.leader.store(true, Ordering::Relaxed);
+    metrics.set_leader(true);
     let mut lost = false;
     let stop = async {
         tokio::select! {
@@ -151,7 +151,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     controller::run(client, config, stop).await?;
-    metrics.leader.store(false, Ordering::Relaxed);
+    metrics.set_leader(false);
     if lost {
         anyhow::bail!("lost leadership; exiting so that this replica restarts as a standby");
     }
@@ -163,11 +163,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 
 fn read_mig_base(
     path: &PathBuf,
-) -> Result<std::collections::BTreeMap<String, serde_yaml::Value>, String> {
+) -> Result<std::collections::BTreeMap<String, serde_json::Value>, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let v: serde_yaml::Value =
-        serde_yaml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let v: serde_json::Value = gpu_sharing_operator::api::yaml::from_str(&text)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     // A ConfigMap: take data["config.yaml"]; otherwise the config itself.
     let inner = match v
         .get("data")
@@ -206,7 +206,7 @@ fn main() -> ExitCode {
         Command::Crd { markdown: false } => {
             print!(
                 "{}",
-                serde_yaml::to_string(&GpuSharingPolicy::crd()).expect("CRD serializes")
+                serde_saphyr::to_string(&GpuSharingPolicy::crd()).expect("CRD serializes")
             );
             ExitCode::SUCCESS
         }

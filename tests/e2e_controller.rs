@@ -30,7 +30,7 @@ async fn mps_on_h200_end_to_end() {
     // The ConfigMap key holds NVIDIA's MPS config.
     let key = status["deviceConfigKey"].as_str().unwrap().to_string();
     let data = configmap_data(&c, DP_CM).await.unwrap();
-    let cfg: serde_yaml::Value = serde_yaml::from_str(&data[&key]).unwrap();
+    let cfg: serde_json::Value = gpu_sharing_operator::api::yaml::from_str(&data[&key]).unwrap();
     assert_eq!(
         cfg["sharing"]["mps"]["resources"][0]["name"],
         "nvidia.com/gpu"
@@ -212,7 +212,7 @@ async fn invalid_policies_rejected_or_reported_without_touching_nodes() {
     let c = cluster.client.clone();
     let api: Api<GpuSharingPolicy> = Api::all(c.clone());
     // Admission (schema + CEL) rejects what it can, with the field and message.
-    let bad: GpuSharingPolicy = serde_yaml::from_str(
+    let bad: GpuSharingPolicy = gpu_sharing_operator::api::yaml::from_str(
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: bad}\nspec: {nodeSelector: {}, strategy: mps, mps: {replicas: 4}, mig: {migStrategy: single, layout: all-1g.10gb}}",
     )
     .unwrap();
@@ -225,7 +225,7 @@ async fn invalid_policies_rejected_or_reported_without_touching_nodes() {
         err.contains("spec.mig must be set when, and only when, strategy is mig"),
         "{err}"
     );
-    let bad: GpuSharingPolicy = serde_yaml::from_str(
+    let bad: GpuSharingPolicy = gpu_sharing_operator::api::yaml::from_str(
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: bad}\nspec: {nodeSelector: {}, strategy: timeSlicing, timeSlicing: {replicas: 1}}",
     )
     .unwrap();
@@ -340,7 +340,7 @@ async fn policy_crd_round_trip() {
         include_str!("../examples/mig-custom-split.yaml"),
         include_str!("../examples/mig-1g10gb-time-sliced.yaml"),
     ] {
-        let sent: GpuSharingPolicy = serde_yaml::from_str(f).unwrap();
+        let sent: GpuSharingPolicy = gpu_sharing_operator::api::yaml::from_str(f).unwrap();
         api.create(&PostParams::default(), &sent).await.unwrap();
         let back = api.get(&sent.name_any()).await.unwrap();
         assert_eq!(

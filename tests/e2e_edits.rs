@@ -103,112 +103,113 @@ async fn edit(c: &Client, name: &str, patch: Value) {
         .unwrap();
 }
 
-#[tokio::test]
-async fn time_slicing_replicas_edit_reaches_the_node() {
+/// What a node runs: its non-zero allocatable NVIDIA resources, and GFD labels it carries.
+struct Runs<'a> {
+    allocatable: &'a [(&'a str, &'a str)],
+    labels: &'a [(&'a str, &'a str)],
+}
+
+/// One edit of one policy on one node.
+struct EditCase<'a> {
+    node: &'a str,
+    /// Value of the node's `gpusharing.io/profile` label (what the policy selects).
+    profile: &'a str,
+    policy_yaml: &'a str,
+    policy: &'a str,
+    before: Runs<'a>,
+    patch: Value,
+    after: Runs<'a>,
+}
+
+/// Applies the policy, waits until the node runs `before`, edits the policy, waits until the
+/// node runs `after` with the policy Ready for the new generation. Returns both statuses.
+async fn edit_reaches_the_node(case: EditCase<'_>) -> (Value, Value) {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
-    label_node(&c, L4_0, "gpusharing.io/profile", Some("ts")).await;
-    common::apply_yaml(&c, &ts_policy("ts", "ts", 4))
-        .await
-        .unwrap();
-    node_runs(
-        &c,
-        "ts",
-        L4_0,
-        &[("nvidia.com/gpu", "16")],
-        &[("nvidia.com/gpu.replicas", "4")],
-    )
-    .await;
-    let key = converged(&c, "ts").await.unwrap()["deviceConfigKey"].clone();
-
-    edit(&c, "ts", json!({"spec": {"timeSlicing": {"replicas": 8}}})).await;
-    node_runs(
-        &c,
-        "ts",
-        L4_0,
-        &[("nvidia.com/gpu", "32")],
-        &[("nvidia.com/gpu.replicas", "8")],
-    )
-    .await;
-    let s = converged(&c, "ts").await.unwrap();
-    assert_ne!(s["deviceConfigKey"], key, "new content, new key");
-    assert_eq!(s["capacity"]["schedulableReplicas"], 32);
+    label_node(&c, case.node, "gpusharing.io/profile", Some(case.profile)).await;
+    common::apply_yaml(&c, case.policy_yaml).await.unwrap();
+    let (b, a) = (&case.before, &case.after);
+    node_runs(&c, case.policy, case.node, b.allocatable, b.labels).await;
+    let before = converged(&c, case.policy).await.unwrap();
+    edit(&c, case.policy, case.patch).await;
+    node_runs(&c, case.policy, case.node, a.allocatable, a.labels).await;
+    let after = converged(&c, case.policy).await.unwrap();
     op.stop().await;
+    (before, after)
+}
+
+#[tokio::test]
+async fn time_slicing_replicas_edit_reaches_the_node() {
+    let (before, after) = edit_reaches_the_node(EditCase {
+        node: L4_0,
+        profile: "ts",
+        policy_yaml: &ts_policy("ts", "ts", 4),
+        policy: "ts",
+        before: Runs {
+            allocatable: &[("nvidia.com/gpu", "16")],
+            labels: &[("nvidia.com/gpu.replicas", "4")],
+        },
+        patch: json!({"spec": {"timeSlicing": {"replicas": 8}}}),
+        after: Runs {
+            allocatable: &[("nvidia.com/gpu", "32")],
+            labels: &[("nvidia.com/gpu.replicas", "8")],
+        },
+    })
+    .await;
+    assert_ne!(
+        after["deviceConfigKey"], before["deviceConfigKey"],
+        "new content, new key"
+    );
+    assert_eq!(after["capacity"]["schedulableReplicas"], 32);
 }
 
 #[tokio::test]
 async fn mps_replicas_edit_reaches_the_node() {
-    let (_g, cluster, _sim) = setup().await;
-    let c = cluster.client.clone();
-    let op = Operator::start(c.clone(), Some(NS));
-    label_node(&c, H200, "gpusharing.io/profile", Some("mps")).await;
-    common::apply_yaml(&c, &mps_policy("mps", "mps", 4))
-        .await
-        .unwrap();
-    node_runs(
-        &c,
-        "mps",
-        H200,
-        &[("nvidia.com/gpu", "32")],
-        &[("nvidia.com/gpu.sharing-strategy", "mps")],
-    )
+    let (_, after) = edit_reaches_the_node(EditCase {
+        node: H200,
+        profile: "mps",
+        policy_yaml: &mps_policy("mps", "mps", 4),
+        policy: "mps",
+        before: Runs {
+            allocatable: &[("nvidia.com/gpu", "32")],
+            labels: &[("nvidia.com/gpu.sharing-strategy", "mps")],
+        },
+        patch: json!({"spec": {"mps": {"replicas": 2}}}),
+        after: Runs {
+            allocatable: &[("nvidia.com/gpu", "16")],
+            labels: &[
+                ("nvidia.com/gpu.replicas", "2"),
+                ("nvidia.com/gpu.sharing-strategy", "mps"),
+            ],
+        },
+    })
     .await;
-
-    edit(&c, "mps", json!({"spec": {"mps": {"replicas": 2}}})).await;
-    node_runs(
-        &c,
-        "mps",
-        H200,
-        &[("nvidia.com/gpu", "16")],
-        &[
-            ("nvidia.com/gpu.replicas", "2"),
-            ("nvidia.com/gpu.sharing-strategy", "mps"),
-        ],
-    )
-    .await;
-    let s = converged(&c, "mps").await.unwrap();
-    assert_eq!(s["capacity"]["memoryPerClientMib"], 143771 / 2);
-    assert_eq!(s["capacity"]["threadsPerClientPercent"], 50);
-    op.stop().await;
+    assert_eq!(after["capacity"]["memoryPerClientMib"], 143771 / 2);
+    assert_eq!(after["capacity"]["threadsPerClientPercent"], 50);
 }
 
 #[tokio::test]
 async fn named_layout_edit_reaches_the_node() {
-    let (_g, cluster, _sim) = setup().await;
-    let c = cluster.client.clone();
-    let op = Operator::start(c.clone(), Some(NS));
-    label_node(&c, A100, "gpusharing.io/profile", Some("mig")).await;
-    common::apply_yaml(&c, &mig_policy("mig", "mig", "all-1g.10gb"))
-        .await
-        .unwrap();
-    node_runs(
-        &c,
-        "mig",
-        A100,
-        &[("nvidia.com/gpu", "56")],
-        &[("nvidia.com/mig.config", "all-1g.10gb")],
-    )
+    edit_reaches_the_node(EditCase {
+        node: A100,
+        profile: "mig",
+        policy_yaml: &mig_policy("mig", "mig", "all-1g.10gb"),
+        policy: "mig",
+        before: Runs {
+            allocatable: &[("nvidia.com/gpu", "56")],
+            labels: &[("nvidia.com/mig.config", "all-1g.10gb")],
+        },
+        patch: json!({"spec": {"mig": {"layout": "all-2g.20gb"}}}),
+        after: Runs {
+            allocatable: &[("nvidia.com/gpu", "24")],
+            labels: &[
+                ("nvidia.com/mig.config", "all-2g.20gb"),
+                ("nvidia.com/mig.config.state", "success"),
+            ],
+        },
+    })
     .await;
-
-    edit(
-        &c,
-        "mig",
-        json!({"spec": {"mig": {"layout": "all-2g.20gb"}}}),
-    )
-    .await;
-    node_runs(
-        &c,
-        "mig",
-        A100,
-        &[("nvidia.com/gpu", "24")],
-        &[
-            ("nvidia.com/mig.config", "all-2g.20gb"),
-            ("nvidia.com/mig.config.state", "success"),
-        ],
-    )
-    .await;
-    op.stop().await;
 }
 
 /// The case of the bug report: an edited custom layout kept its name, so the MIG manager never
@@ -276,108 +277,69 @@ async fn custom_layout_edit_reaches_the_node() {
 
 #[tokio::test]
 async fn mig_time_slicing_replicas_edit_reaches_the_node() {
-    let (_g, cluster, _sim) = setup().await;
-    let c = cluster.client.clone();
-    let op = Operator::start(c.clone(), Some(NS));
     // all-1g.10gb (7 instances per GPU, single strategy: advertised as nvidia.com/gpu), x2.
-    label_node(&c, A100, "gpusharing.io/profile", Some("mig-shared")).await;
-    common::apply_yaml(&c, include_str!("../examples/mig-1g10gb-time-sliced.yaml"))
-        .await
-        .unwrap();
-    let name = "a100-mig-shared";
-    node_runs(
-        &c,
-        name,
-        A100,
-        &[("nvidia.com/gpu", "112")],
-        &[("nvidia.com/gpu.replicas", "2")],
-    )
+    edit_reaches_the_node(EditCase {
+        node: A100,
+        profile: "mig-shared",
+        policy_yaml: include_str!("../examples/mig-1g10gb-time-sliced.yaml"),
+        policy: "a100-mig-shared",
+        before: Runs {
+            allocatable: &[("nvidia.com/gpu", "112")],
+            labels: &[("nvidia.com/gpu.replicas", "2")],
+        },
+        patch: json!({"spec": {"mig": {"timeSlicing": {"replicas": 3}}}}),
+        after: Runs {
+            allocatable: &[("nvidia.com/gpu", "168")],
+            labels: &[("nvidia.com/gpu.replicas", "3")],
+        },
+    })
     .await;
-
-    edit(
-        &c,
-        name,
-        json!({"spec": {"mig": {"timeSlicing": {"replicas": 3}}}}),
-    )
-    .await;
-    node_runs(
-        &c,
-        name,
-        A100,
-        &[("nvidia.com/gpu", "168")],
-        &[("nvidia.com/gpu.replicas", "3")],
-    )
-    .await;
-    op.stop().await;
 }
 
 #[tokio::test]
 async fn strategy_edit_mig_to_mps_reaches_the_node() {
-    let (_g, cluster, _sim) = setup().await;
-    let c = cluster.client.clone();
-    let op = Operator::start(c.clone(), Some(NS));
-    label_node(&c, A100, "gpusharing.io/profile", Some("p")).await;
-    common::apply_yaml(&c, &mig_policy("p", "p", "all-1g.10gb"))
-        .await
-        .unwrap();
-    node_runs(&c, "p", A100, &[("nvidia.com/gpu", "56")], &[]).await;
-
-    edit(
-        &c,
-        "p",
-        json!({"spec": {"strategy": "mps", "mig": null, "mps": {"replicas": 4}}}),
-    )
+    edit_reaches_the_node(EditCase {
+        node: A100,
+        profile: "p",
+        policy_yaml: &mig_policy("p", "p", "all-1g.10gb"),
+        policy: "p",
+        before: Runs {
+            allocatable: &[("nvidia.com/gpu", "56")],
+            labels: &[],
+        },
+        patch: json!({"spec": {"strategy": "mps", "mig": null, "mps": {"replicas": 4}}}),
+        after: Runs {
+            allocatable: &[("nvidia.com/gpu", "32")],
+            labels: &[
+                ("nvidia.com/mig.config", "all-disabled"),
+                ("nvidia.com/gpu.sharing-strategy", "mps"),
+            ],
+        },
+    })
     .await;
-    node_runs(
-        &c,
-        "p",
-        A100,
-        &[("nvidia.com/gpu", "32")],
-        &[
-            ("nvidia.com/mig.config", "all-disabled"),
-            ("nvidia.com/gpu.sharing-strategy", "mps"),
-        ],
-    )
-    .await;
-    op.stop().await;
 }
 
 #[tokio::test]
 async fn strategy_edit_mps_to_time_slicing_reaches_the_node() {
-    let (_g, cluster, _sim) = setup().await;
-    let c = cluster.client.clone();
-    let op = Operator::start(c.clone(), Some(NS));
-    label_node(&c, H200, "gpusharing.io/profile", Some("p")).await;
-    common::apply_yaml(&c, &mps_policy("p", "p", 4))
-        .await
-        .unwrap();
-    node_runs(
-        &c,
-        "p",
-        H200,
-        &[("nvidia.com/gpu", "32")],
-        &[("nvidia.com/gpu.sharing-strategy", "mps")],
-    )
+    edit_reaches_the_node(EditCase {
+        node: H200,
+        profile: "p",
+        policy_yaml: &mps_policy("p", "p", 4),
+        policy: "p",
+        before: Runs {
+            allocatable: &[("nvidia.com/gpu", "32")],
+            labels: &[("nvidia.com/gpu.sharing-strategy", "mps")],
+        },
+        patch: json!({"spec": {"strategy": "timeSlicing", "mps": null, "timeSlicing": {"replicas": 3}}}),
+        after: Runs {
+            allocatable: &[("nvidia.com/gpu", "24")],
+            labels: &[
+                ("nvidia.com/gpu.sharing-strategy", "time-slicing"),
+                ("nvidia.com/gpu.replicas", "3"),
+            ],
+        },
+    })
     .await;
-
-    edit(
-        &c,
-        "p",
-        json!({"spec": {"strategy": "timeSlicing", "mps": null, "timeSlicing": {"replicas": 3}}}),
-    )
-    .await;
-    node_runs(
-        &c,
-        "p",
-        H200,
-        &[("nvidia.com/gpu", "24")],
-        &[
-            ("nvidia.com/gpu.sharing-strategy", "time-slicing"),
-            ("nvidia.com/gpu.replicas", "3"),
-        ],
-    )
-    .await;
-    op.stop().await;
 }
 
 #[tokio::test]

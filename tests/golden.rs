@@ -60,11 +60,12 @@ struct NormResource {
 }
 
 fn normalize(yaml: &str) -> Normalized {
-    serde_yaml::from_str(yaml).unwrap_or_else(|e| panic!("cannot parse {yaml}: {e}"))
+    gpu_sharing_operator::api::yaml::from_str(yaml)
+        .unwrap_or_else(|e| panic!("cannot parse {yaml}: {e}"))
 }
 
 fn policy(yaml: &str) -> GpuSharingPolicy {
-    serde_yaml::from_str(yaml).expect("valid policy YAML")
+    gpu_sharing_operator::api::yaml::from_str(yaml).expect("valid policy YAML")
 }
 
 fn rendered(p: &GpuSharingPolicy) -> String {
@@ -149,9 +150,7 @@ fn mps_replicas_4_matches_nvidia_example() {
 #[test]
 fn time_slicing_two_profiles_match_nvidia_example() {
     let text = include_str!("../examples/time-slicing-l4.yaml");
-    let docs: Vec<GpuSharingPolicy> = serde_yaml::Deserializer::from_str(text)
-        .map(|d| GpuSharingPolicy::deserialize(d).unwrap())
-        .collect();
+    let docs: Vec<GpuSharingPolicy> = gpu_sharing_operator::api::yaml::documents(text).unwrap();
     assert_eq!(docs.len(), 2);
     assert_eq!(normalize(&rendered(&docs[0])), normalize(NVIDIA_TS_ANY));
     assert_eq!(
@@ -175,11 +174,13 @@ fn custom_mig_split_matches_nvidia_example() {
     let mut custom = BTreeMap::new();
     custom.insert(name.clone(), entries);
     let ours = nvidia::mig_parted_config(&BTreeMap::new(), &custom);
-    let mut want: serde_yaml::Value =
-        serde_yaml::from_str(&NVIDIA_CUSTOM_MIG.replace("custom-a100-mig-split", &name)).unwrap();
+    let mut want: serde_json::Value = gpu_sharing_operator::api::yaml::from_str(
+        &NVIDIA_CUSTOM_MIG.replace("custom-a100-mig-split", &name),
+    )
+    .unwrap();
     // We always add all-disabled: nodes leave MIG through it.
     want["mig-configs"]["all-disabled"] =
-        serde_yaml::from_str("[{devices: all, mig-enabled: false}]").unwrap();
+        gpu_sharing_operator::api::yaml::from_str("[{devices: all, mig-enabled: false}]").unwrap();
     assert_eq!(ours, want);
     // The device plugin side: mixed strategy, no sharing.
     let dp = normalize(&rendered(&p));
@@ -290,9 +291,8 @@ fn render_works_on_every_example() {
             String::from_utf8_lossy(&out.stderr)
         );
         let text = String::from_utf8(out.stdout).unwrap();
-        let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
-            .map(|d| serde_yaml::Value::deserialize(d).unwrap())
-            .collect();
+        let docs: Vec<serde_json::Value> =
+            gpu_sharing_operator::api::yaml::documents(&text).unwrap();
         assert_eq!(docs[0]["kind"], "ConfigMap");
         assert_eq!(docs[0]["metadata"]["namespace"], "gpu-operator");
         let policies = docs
@@ -306,7 +306,7 @@ fn render_works_on_every_example() {
                 assert!(docs[0]["data"][key].is_string(), "{key} missing");
             } else {
                 let templates = d["status"]["templates"]
-                    .as_sequence()
+                    .as_array()
                     .expect("a DRA policy lists its templates");
                 for t in templates {
                     let (ns, name) = t.as_str().unwrap().split_once('/').unwrap();
@@ -357,9 +357,7 @@ metadata:
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8(out.stdout).unwrap();
-    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
-        .map(|d| serde_yaml::Value::deserialize(d).unwrap())
-        .collect();
+    let docs: Vec<serde_json::Value> = gpu_sharing_operator::api::yaml::documents(&text).unwrap();
     let node = docs
         .iter()
         .find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "h200-node-0")
@@ -373,7 +371,7 @@ metadata:
         .find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "cpu-node")
         .unwrap();
     assert_eq!(
-        cpu["metadata"]["labels"].as_mapping().map(|m| m.len()),
+        cpu["metadata"]["labels"].as_object().map(|m| m.len()),
         Some(0)
     );
 }
@@ -527,7 +525,8 @@ fn dra_mps_matches_nvidia_example() {
         &p.spec,
         Some(81920),
     );
-    let want: serde_json::Value = serde_yaml::from_str(NVIDIA_DRA_MPS).unwrap();
+    let want: serde_json::Value =
+        gpu_sharing_operator::api::yaml::from_str(NVIDIA_DRA_MPS).unwrap();
     assert_eq!(
         ours["metadata"]["labels"]["gpusharing.io/policy"],
         "dra-mps"
@@ -584,7 +583,7 @@ fn dra_defaults_follow_replicas_and_gates_are_enforced() {
         .consumable_shares = true;
     assert!(check(&shares).contains("ConsumableShares"));
     // Time-slicing always carries its interval (an empty config crashes older drivers).
-    let ts: GpuSharingPolicySpec = serde_yaml::from_str(
+    let ts: GpuSharingPolicySpec = gpu_sharing_operator::api::yaml::from_str(
         "nodeSelector: {}\nstrategy: timeSlicing\ntimeSlicing: {replicas: 2}\nbackend: dra\ndra: {namespaces: [a], driverFeatureGates: {TimeSlicingSettings: true}}",
     )
     .unwrap();

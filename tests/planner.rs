@@ -225,16 +225,18 @@ fn initial_nodes() -> Vec<NodeFacts> {
     ]
 }
 
-fn base_layouts() -> BTreeMap<String, serde_yaml::Value> {
+fn base_layouts() -> BTreeMap<String, serde_json::Value> {
     let mut m = BTreeMap::new();
     m.insert(
         "all-1g.10gb".to_string(),
-        serde_yaml::from_str("[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]")
-            .unwrap(),
+        gpu_sharing_operator::api::yaml::from_str(
+            "[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]",
+        )
+        .unwrap(),
     );
     m.insert(
         MIG_DISABLED_LAYOUT.to_string(),
-        serde_yaml::from_str("[{devices: all, mig-enabled: false}]").unwrap(),
+        gpu_sharing_operator::api::yaml::from_str("[{devices: all, mig-enabled: false}]").unwrap(),
     );
     m
 }
@@ -246,11 +248,11 @@ struct World {
     config: BTreeMap<String, String>,
     mig_layouts: BTreeSet<String>,
     /// Our mig-parted ConfigMap's layouts as last applied.
-    mig_config: BTreeMap<String, serde_yaml::Value>,
+    mig_config: BTreeMap<String, serde_json::Value>,
     /// The clock passed to the planner.
     now: i64,
     /// The GPU Operator's default mig-parted config (named layouts).
-    base: BTreeMap<String, serde_yaml::Value>,
+    base: BTreeMap<String, serde_json::Value>,
 }
 
 impl World {
@@ -363,7 +365,7 @@ impl World {
                 .config
                 .get(key)
                 .unwrap_or_else(|| panic!("{}: label names missing key {key}", n.name));
-            let cfg: DevicePluginConfig = serde_yaml::from_str(text).unwrap();
+            let cfg: DevicePluginConfig = gpu_sharing_operator::api::yaml::from_str(text).unwrap();
             let sharing = cfg.sharing.as_ref();
             let mps = sharing.is_some_and(|s| s.mps.is_some());
             let full_gpu_ts = sharing
@@ -829,7 +831,7 @@ fn a_node_on_the_pre_upgrade_custom_name_keeps_it_only_while_the_content_is_the_
     let pol = policy("split", 4, 2, false, Some("a"), 0, 0);
     let entries =
         gpu_sharing_operator::nvidia::custom_layout_entries(pol.spec.mig.as_ref().unwrap());
-    let same = serde_yaml::to_value(&entries).unwrap();
+    let same = serde_json::to_value(&entries).unwrap();
     let mut n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
     // What the previous version left: custom-<policy>, confirmed, and its device-plugin key.
     let key = plan::plan(&PlanInput::new(vec![pol.clone()], vec![])).statuses["split"]
@@ -867,8 +869,10 @@ fn a_node_on_the_pre_upgrade_custom_name_keeps_it_only_while_the_content_is_the_
     // Different content under the old name: a normal, visible layout change to the new name.
     w.mig_config.insert(
         "custom-split".into(),
-        serde_yaml::from_str("[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]")
-            .unwrap(),
+        gpu_sharing_operator::api::yaml::from_str(
+            "[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]",
+        )
+        .unwrap(),
     );
     let p = plan::plan(&w.input());
     let new = p.statuses["split"].mig_config.clone().unwrap();
@@ -891,8 +895,10 @@ fn a_named_layout_whose_content_changed_is_reported_and_reapplied_on_request() {
     // A GPU Operator upgrade changes what all-1g.10gb means.
     w.base.insert(
         "all-1g.10gb".into(),
-        serde_yaml::from_str("[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 6}}]")
-            .unwrap(),
+        gpu_sharing_operator::api::yaml::from_str(
+            "[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 6}}]",
+        )
+        .unwrap(),
     );
     let p = plan::plan(&w.input());
     let (status, reason, message) = condition(&p, "mig", "Degraded");

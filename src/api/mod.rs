@@ -4,3 +4,4 @@
 pub mod crd;
 pub mod names;
 pub mod state;
+pub mod yaml;

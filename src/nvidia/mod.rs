@@ -15,6 +15,7 @@ use sha2::{Digest, Sha256};
 use crate::api::crd::{GpuSharingPolicySpec, Mig, MigStrategy, Strategy, TimeSlicing};
 
 pub mod dra;
+pub mod emit;
 pub mod mig;
 
 /// The key of the mig-parted ConfigMap the MIG manager reads.
@@ -278,9 +279,15 @@ pub fn exclusive_config(mig_strategy: &str) -> DevicePluginConfig {
     }
 }
 
-/// YAML text of a config, as written into the ConfigMap.
+/// YAML text of anything we write that no key is computed from (the mig-parted config).
 pub fn to_yaml<T: Serialize>(v: &T) -> String {
-    serde_yaml::to_string(v).expect("our config types always serialize")
+    serde_saphyr::to_string(v).expect("our config types always serialize")
+}
+
+/// YAML text of a device-plugin config, as written into the ConfigMap and hashed into its key:
+/// frozen (see [`emit`]), so upgrading the operator never changes a key.
+pub fn device_plugin_yaml(c: &DevicePluginConfig) -> String {
+    emit::device_plugin_yaml(c)
 }
 
 /// Content-addressed ConfigMap key: `<policy>-<first 8 hex of sha256(content)>`. New content
@@ -290,6 +297,14 @@ pub fn content_key(policy: &str, content: &str) -> String {
     let digest = Sha256::digest(content.as_bytes());
     let hex: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
     format!("{policy}-{hex}")
+}
+
+/// Whether a device-plugin ConfigMap key is one of this policy's (`<policy>-<8 hex>`): the
+/// parsing side of [`content_key`].
+pub fn is_key_of(policy: &str, key: &str) -> bool {
+    key.strip_prefix(policy)
+        .and_then(|r| r.strip_prefix('-'))
+        .is_some_and(|h| h.len() == 8 && h.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// The name custom layouts had before they were content-addressed (`custom-<policy>`). A node
@@ -357,8 +372,8 @@ pub fn content_hash(v: &serde_json::Value) -> String {
 }
 
 /// Content hash of a mig-parted layout (its list of entries) as read from a ConfigMap.
-pub fn layout_hash(entries: &serde_yaml::Value) -> Option<String> {
-    serde_json::to_value(entries).ok().map(|v| content_hash(&v))
+pub fn layout_hash(entries: &serde_json::Value) -> Option<String> {
+    Some(content_hash(entries))
 }
 
 /// mig-parted entries of a custom layout.
@@ -394,39 +409,47 @@ pub fn disabled_layout() -> Vec<MigConfigEntry> {
 /// The mig-parted config: the named layouts we were given (from the GPU Operator's default
 /// config, so named layouts keep working), `all-disabled`, and our custom layouts.
 pub fn mig_parted_config(
-    base: &BTreeMap<String, serde_yaml::Value>,
+    base: &BTreeMap<String, serde_json::Value>,
     custom: &BTreeMap<String, Vec<MigConfigEntry>>,
-) -> serde_yaml::Value {
-    let mut configs = serde_yaml::Mapping::new();
+) -> serde_json::Value {
+    let mut configs = serde_json::Map::new();
     for (k, v) in base {
-        configs.insert(serde_yaml::Value::String(k.clone()), v.clone());
+        configs.insert(k.clone(), v.clone());
     }
     configs.insert(
-        serde_yaml::Value::String(MIG_DISABLED_LAYOUT.into()),
-        serde_yaml::to_value(disabled_layout()).expect("serializable"),
+        MIG_DISABLED_LAYOUT.into(),
+        serde_json::to_value(disabled_layout()).expect("serializable"),
     );
     for (k, v) in custom {
-        configs.insert(
-            serde_yaml::Value::String(k.clone()),
-            serde_yaml::to_value(v).expect("serializable"),
-        );
+        configs.insert(k.clone(), serde_json::to_value(v).expect("serializable"));
     }
-    let mut root = serde_yaml::Mapping::new();
-    root.insert("version".into(), "v1".into());
-    root.insert("mig-configs".into(), serde_yaml::Value::Mapping(configs));
-    serde_yaml::Value::Mapping(root)
+    serde_json::json!({"version": "v1", "mig-configs": configs})
 }
 
 /// Reads the `mig-configs` of a mig-parted config text (for example the GPU Operator's
 /// `default-mig-parted-config`), keeping every layout as it is.
 pub fn parse_mig_configs(
     text: &str,
-) -> Result<BTreeMap<String, serde_yaml::Value>, serde_yaml::Error> {
+) -> Result<BTreeMap<String, serde_json::Value>, serde_saphyr::Error> {
     #[derive(Deserialize)]
     struct Doc {
         #[serde(rename = "mig-configs", default)]
-        mig_configs: BTreeMap<String, serde_yaml::Value>,
+        mig_configs: BTreeMap<String, serde_json::Value>,
     }
-    let d: Doc = serde_yaml::from_str(text)?;
+    let d: Doc = crate::api::yaml::from_str(text)?;
     Ok(d.mig_configs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_keys_are_parsed_back() {
+        let k = content_key("l4-heavy", "version: v1\n");
+        assert!(is_key_of("l4-heavy", &k), "{k}");
+        assert!(!is_key_of("l4", &k), "another policy's prefix");
+        assert!(!is_key_of("l4-heavy", "l4-heavy-default"));
+        assert!(!is_key_of("l4-heavy", "default"));
+    }
 }

@@ -38,7 +38,7 @@ pub enum RenderError {
     #[error("{path}: invalid YAML: {source}")]
     Yaml {
         path: PathBuf,
-        source: serde_yaml::Error,
+        source: Box<serde_saphyr::Error>,
     },
     /// A policy field that is wrong, as validation (or the planner) found it.
     #[error("policy {name:?}: {error}")]
@@ -68,46 +68,40 @@ fn yaml_files(path: &Path) -> Result<Vec<PathBuf>, RenderError> {
     }
 }
 
-fn documents(path: &Path) -> Result<Vec<serde_yaml::Value>, RenderError> {
+fn documents(path: &Path) -> Result<Vec<serde_json::Value>, RenderError> {
     let mut docs = Vec::new();
     for file in yaml_files(path)? {
         let text = std::fs::read_to_string(&file).map_err(|source| RenderError::Io {
             path: file.clone(),
             source,
         })?;
-        for d in serde_yaml::Deserializer::from_str(&text) {
-            let v = serde_yaml::Value::deserialize(d).map_err(|source| RenderError::Yaml {
+        let parsed: Vec<serde_json::Value> =
+            crate::api::yaml::documents(&text).map_err(|source| RenderError::Yaml {
                 path: file.clone(),
-                source,
+                source: Box::new(source),
             })?;
-            if v.is_null() {
-                continue;
-            }
+        for v in parsed.into_iter().filter(|v| !v.is_null()) {
             // Lists (kind: List, NodeList) are flattened.
-            if let Some(items) = v.get("items").and_then(|i| i.as_sequence()) {
-                docs.extend(items.iter().cloned());
-            } else {
-                docs.push(v);
+            match v.get("items").and_then(|i| i.as_array()) {
+                Some(items) => docs.extend(items.iter().cloned()),
+                None => docs.push(v),
             }
         }
     }
     Ok(docs)
 }
 
-use serde::Deserialize;
-
 /// Keys present in `input` that did not survive the typed round trip: fields we do not know.
 /// NVIDIA's parsers silently ignore unknown keys; we refuse them instead.
 fn unknown_fields(
-    input: &serde_yaml::Value,
+    input: &serde_json::Value,
     typed: &serde_json::Value,
     path: &str,
     out: &mut Vec<String>,
 ) {
     match (input, typed) {
-        (serde_yaml::Value::Mapping(m), serde_json::Value::Object(o)) => {
+        (serde_json::Value::Object(m), serde_json::Value::Object(o)) => {
             for (k, v) in m {
-                let Some(k) = k.as_str() else { continue };
                 let p = if path.is_empty() {
                     k.to_string()
                 } else {
@@ -117,8 +111,8 @@ fn unknown_fields(
                     Some(t) => unknown_fields(v, t, &p, out),
                     None => {
                         let empty = v.is_null()
-                            || v.as_sequence().is_some_and(|s| s.is_empty())
-                            || v.as_mapping().is_some_and(|s| s.is_empty())
+                            || v.as_array().is_some_and(|s| s.is_empty())
+                            || v.as_object().is_some_and(|s| s.is_empty())
                             || v.as_bool() == Some(false);
                         if !empty {
                             out.push(p);
@@ -127,7 +121,7 @@ fn unknown_fields(
                 }
             }
         }
-        (serde_yaml::Value::Sequence(a), serde_json::Value::Array(b)) => {
+        (serde_json::Value::Array(a), serde_json::Value::Array(b)) => {
             for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
                 unknown_fields(x, y, &format!("{path}[{i}]"), out);
             }
@@ -241,7 +235,7 @@ pub fn load_nodes(path: &Path) -> Result<Vec<NodeFacts>, RenderError> {
         let labels: BTreeMap<String, String> = d
             .get("metadata")
             .and_then(|m| m.get("labels"))
-            .map(|l| serde_yaml::from_value(l.clone()))
+            .map(|l| serde_json::from_value(l.clone()))
             .transpose()
             .map_err(|e| RenderError::Input {
                 path: path.to_path_buf(),
@@ -312,7 +306,7 @@ pub fn render_text(
     policies: Vec<GpuSharingPolicy>,
     nodes: Option<Vec<NodeFacts>>,
     namespace: &str,
-    base_mig_configs: Option<BTreeMap<String, serde_yaml::Value>>,
+    base_mig_configs: Option<BTreeMap<String, serde_json::Value>>,
 ) -> Result<String, Vec<RenderError>> {
     let with_nodes = nodes.is_some();
     let mut input = PlanInput::new(policies, nodes.unwrap_or_default());
@@ -337,7 +331,7 @@ pub fn render_text(
     let mut text = String::new();
     for d in docs {
         text.push_str("---\n");
-        text.push_str(&serde_yaml::to_string(&d).expect("serializable"));
+        text.push_str(&serde_saphyr::to_string(&d).expect("serializable"));
     }
     Ok(text)
 }

@@ -17,7 +17,7 @@ pub fn label_i64(n: &NodeFacts, key: &str) -> Option<i64> {
 /// MIG-instance counts per GPU of a node under a MIG policy, when known.
 fn mig_instances(
     mig: &Mig,
-    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
     gpus: i64,
 ) -> Option<Vec<(MigProfile, i64)>> {
     let mut out = Vec::new();
@@ -37,7 +37,7 @@ fn mig_instances(
     }
     // Entries per GPU model (device-filter): usable when they all create the same devices on all
     // GPUs, as the `all-<profile>` layouts do.
-    let entries = base?.get(layout)?.as_sequence()?;
+    let entries = base?.get(layout)?.as_array()?;
     let first = entries.first()?;
     let same = entries.iter().all(|e| {
         e.get("mig-devices") == first.get("mig-devices")
@@ -46,9 +46,9 @@ fn mig_instances(
     if !same {
         return None;
     }
-    let devs = first.get("mig-devices")?.as_mapping()?;
+    let devs = first.get("mig-devices")?.as_object()?;
     for (p, c) in devs {
-        out.push((mig::parse_mig_profile(p.as_str()?)?, gpus * c.as_i64()?));
+        out.push((mig::parse_mig_profile(p)?, gpus * c.as_i64()?));
     }
     Some(out)
 }
@@ -112,7 +112,7 @@ fn cap(
 pub fn node_capacity(
     spec: &GpuSharingPolicySpec,
     node: &NodeFacts,
-    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
 ) -> NodeCapacity {
     let gpus = label_i64(node, LABEL_GPU_COUNT).unwrap_or(0);
     let mem = label_i64(node, LABEL_GPU_MEMORY);

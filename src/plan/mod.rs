@@ -55,10 +55,10 @@ pub struct PlanInput {
     pub current_device_config: BTreeMap<String, String>,
     /// Named mig-parted layouts available to nodes (from the GPU Operator's default config).
     /// `None` when unknown: then only custom layouts and `all-disabled` are known.
-    pub base_mig_configs: Option<BTreeMap<String, serde_yaml::Value>>,
+    pub base_mig_configs: Option<BTreeMap<String, serde_json::Value>>,
     /// Layouts of our own mig-parted ConfigMap as it is now (to keep layouts nodes still name,
     /// and to recognise a node's pre-upgrade `custom-<policy>` layout by its content).
-    pub current_mig_configs: BTreeMap<String, serde_yaml::Value>,
+    pub current_mig_configs: BTreeMap<String, serde_json::Value>,
     /// Unix time in seconds, recorded on nodes whose device-plugin config label changes (the
     /// planner reads no clock; the caller passes it).
     pub now: i64,

@@ -32,7 +32,7 @@ pub struct Env<'a> {
     /// Unix seconds, recorded when the device-plugin config label changes.
     pub now: i64,
     /// Our mig-parted ConfigMap's layouts as they are now.
-    pub current_mig_configs: &'a BTreeMap<String, serde_yaml::Value>,
+    pub current_mig_configs: &'a BTreeMap<String, serde_json::Value>,
     /// What a layout name means now, as a content hash (`None`: unknown, or `all-disabled`).
     pub layout_hash: &'a dyn Fn(&str) -> Option<String>,
 }
@@ -451,15 +451,17 @@ mod tests {
         let text = format!(
             "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{}}\n{spec}"
         );
-        serde_yaml::from_str(&text).unwrap()
+        crate::api::yaml::from_str(&text).unwrap()
     }
 
-    fn base() -> BTreeMap<String, serde_yaml::Value> {
+    fn base() -> BTreeMap<String, serde_json::Value> {
         let mut m = BTreeMap::new();
         m.insert(
             "all-1g.10gb".to_string(),
-            serde_yaml::from_str("[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]")
-                .unwrap(),
+            crate::api::yaml::from_str(
+                "[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]",
+            )
+            .unwrap(),
         );
         m
     }

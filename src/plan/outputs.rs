@@ -23,7 +23,7 @@ pub fn device_config(
     let mut data = BTreeMap::new();
     data.insert(
         DEFAULT_KEY.to_string(),
-        nvidia::to_yaml(&nvidia::exclusive_config("none")),
+        nvidia::device_plugin_yaml(&nvidia::exclusive_config("none")),
     );
     for p in prepared {
         if let (Some(k), Some(t)) = (&p.key, &p.config_text) {

@@ -72,7 +72,7 @@ fn precedence(p: &GpuSharingPolicy) -> (i32, bool, String, String) {
 
 fn prepare<'a>(
     p: &'a GpuSharingPolicy,
-    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
 ) -> Prepared<'a> {
     let name = p.metadata.name.clone().unwrap_or_default();
     let (mut errors, warnings) = validate::validate(&name, &p.spec);
@@ -101,7 +101,7 @@ fn prepare<'a>(
         // The DRA driver shares the GPUs; the device plugin, if it runs, must not.
         (Some(DEFAULT_KEY.to_string()), None)
     } else if errors.is_empty() {
-        let text = nvidia::to_yaml(&nvidia::device_plugin_config(&p.spec));
+        let text = nvidia::device_plugin_yaml(&nvidia::device_plugin_config(&p.spec));
         (Some(nvidia::content_key(&name, &text)), Some(text))
     } else {
         (None, None)
@@ -126,7 +126,7 @@ fn prepare<'a>(
 /// config (named layouts next to a custom one need its default config).
 pub fn prepare_all<'a>(
     policies: &'a [GpuSharingPolicy],
-    base: Option<&BTreeMap<String, serde_yaml::Value>>,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
 ) -> Vec<Prepared<'a>> {
     let mut sorted: Vec<&GpuSharingPolicy> = policies
         .iter()

@@ -25,6 +25,22 @@ pub struct LeaderConfig {
     pub renew: Duration,
 }
 
+impl LeaderConfig {
+    /// A leader must get at least one renewal in before it steps down (at 80% of the lease).
+    pub fn check(&self) -> Result<(), String> {
+        if self.lease_duration < Duration::from_secs(2) {
+            return Err("--lease-duration-seconds must be at least 2".into());
+        }
+        if self.renew.is_zero() || self.renew >= step_down_after(self.lease_duration) {
+            return Err(format!(
+                "--lease-renew-seconds must be between 1 and 80% of --lease-duration-seconds ({:?}): a leader steps down when it has not renewed by then",
+                step_down_after(self.lease_duration)
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Whether a lease has not been renewed within its duration at `at` (ours when it does not say).
 fn expired(spec: &LeaseSpec, lease_duration: Duration, at: Timestamp) -> bool {
     let Some(renewed) = spec.renew_time.as_ref().or(spec.acquire_time.as_ref()) else {
@@ -284,6 +300,19 @@ mod tests {
         let d = Duration::from_secs(15);
         assert_eq!(step_down_after(d), Duration::from_secs(12));
         assert!(step_down_after(d) < d);
+    }
+
+    #[test]
+    fn lease_timings_leave_room_for_a_renewal() {
+        let mut c = cfg("a");
+        assert!(c.check().is_ok());
+        c.lease_duration = Duration::from_secs(3);
+        c.renew = Duration::from_secs(1);
+        assert!(c.check().is_ok(), "the failover test's timings");
+        c.renew = Duration::from_secs(3);
+        assert!(c.check().unwrap_err().contains("80%"));
+        c.lease_duration = Duration::from_secs(1);
+        assert!(c.check().is_err());
     }
 
     #[test]

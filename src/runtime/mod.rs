@@ -1,6 +1,11 @@
 //! Talking to the cluster: watches and caches, the plan input, the appliers that write the
-//! difference, finalizers, events and leader election.
+//! difference, finalizers and statuses, events and leader election.
 
+pub mod apply;
 pub mod controller;
+pub mod finalize;
+pub mod input;
 pub mod leader;
+pub mod managed;
 pub mod nodecache;
+pub mod watches;

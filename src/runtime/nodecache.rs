@@ -18,41 +18,16 @@ use tokio::sync::watch;
 
 use crate::api::names::MANAGED_ANNOTATIONS;
 use crate::plan::{Labels, NodeFacts};
+use crate::runtime::managed::owned_keys;
 
 /// Labels a field manager owns through server-side apply, read from a node's managedFields.
 pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<String> {
-    owned_metadata_keys(entries, manager, "f:labels")
+    owned_keys(entries, manager, &["f:metadata", "f:labels"])
 }
 
 /// Annotations a field manager owns through server-side apply.
 pub fn owned_annotations(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<String> {
-    owned_metadata_keys(entries, manager, "f:annotations")
-}
-
-fn owned_metadata_keys(
-    entries: &[ManagedFieldsEntry],
-    manager: &str,
-    field: &str,
-) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    for e in entries.iter().filter(|e| {
-        e.manager.as_deref() == Some(manager) && e.operation.as_deref() == Some("Apply")
-    }) {
-        if let Some(labels) = e
-            .fields_v1
-            .as_ref()
-            .and_then(|f| f.0.get("f:metadata"))
-            .and_then(|m| m.get(field))
-            .and_then(|l| l.as_object())
-        {
-            for k in labels.keys() {
-                if let Some(name) = k.strip_prefix("f:") {
-                    out.insert(name.to_string());
-                }
-            }
-        }
-    }
-    out
+    owned_keys(entries, manager, &["f:metadata", "f:annotations"])
 }
 
 /// Shared copies of label strings.

@@ -1,246 +1,264 @@
-//! Prometheus metrics (text format) and the `/metrics`, `/healthz`, `/readyz` endpoints.
+//! Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` endpoints.
 //!
-//! A tiny HTTP/1.1 responder on a tokio listener: three GET paths need no web framework.
+//! Metrics use `prometheus-client`, the Prometheus project's Rust client (as kube-rs's
+//! controller-rs does), exposed in the OpenMetrics text format; the endpoints are served by
+//! `axum` on the hyper stack kube already depends on.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
-use tracing::{debug, info};
+use tracing::{info, warn};
 
 /// Upper bounds of the reconcile duration histogram, in seconds.
 const BUCKETS: [f64; 9] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StrategyLabel {
+    strategy: String,
+}
+
 /// The operator's metrics.
-#[derive(Default)]
 pub struct Metrics {
-    pub reconciles: AtomicU64,
-    pub reconcile_errors: AtomicU64,
-    /// Microseconds, summed.
-    duration_sum_us: AtomicU64,
-    buckets: [AtomicU64; BUCKETS.len()],
-    /// API writes by kind of object.
-    writes: Mutex<BTreeMap<String, u64>>,
-    /// Nodes per strategy (from the last plan), and policies reporting Conflicted.
-    nodes_per_strategy: Mutex<BTreeMap<String, u64>>,
-    pub conflicted_policies: AtomicU64,
-    /// Nodes in the node cache, and distinct label strings it holds (its memory grows with
-    /// both).
-    pub cached_nodes: AtomicU64,
-    pub cached_label_strings: AtomicU64,
-    /// Whether this replica leads (always true without leader election).
-    pub leader: AtomicBool,
+    registry: Registry,
+    reconciles: Counter,
+    reconcile_errors: Counter,
+    duration: Histogram,
+    writes: Family<KindLabel, Counter>,
+    nodes: Family<StrategyLabel, Gauge>,
+    conflicted_policies: Gauge,
+    cached_nodes: Gauge,
+    cached_label_strings: Gauge,
+    leader: Gauge,
     /// Whether the caches are synced and a first pass ran.
-    pub ready: AtomicBool,
+    ready: AtomicBool,
 }
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Metrics")
-            .field("reconciles", &self.reconciles)
+            .field("reconciles", &self.reconciles.get())
             .finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let reconciles = Counter::default();
+        let reconcile_errors = Counter::default();
+        let duration = Histogram::new(BUCKETS);
+        let writes = Family::<KindLabel, Counter>::default();
+        let nodes = Family::<StrategyLabel, Gauge>::default();
+        let (conflicted_policies, cached_nodes, cached_label_strings, leader) = Default::default();
+        registry.register(
+            "gpu_sharing_reconciles",
+            "Cluster-wide reconcile passes",
+            reconciles.clone(),
+        );
+        registry.register(
+            "gpu_sharing_reconcile_errors",
+            "Reconcile passes that failed (retried with backoff)",
+            reconcile_errors.clone(),
+        );
+        registry.register(
+            "gpu_sharing_reconcile_duration_seconds",
+            "Duration of reconcile passes",
+            duration.clone(),
+        );
+        registry.register(
+            "gpu_sharing_api_writes",
+            "Writes to the API server, by kind of object",
+            writes.clone(),
+        );
+        registry.register(
+            "gpu_sharing_nodes",
+            "Nodes governed by a policy, by strategy",
+            nodes.clone(),
+        );
+        let gauges: [(&str, &str, &Gauge); 4] = [
+            (
+                "gpu_sharing_conflicted_policies",
+                "Policies that lose nodes to another policy",
+                &conflicted_policies,
+            ),
+            (
+                "gpu_sharing_cached_nodes",
+                "Nodes in the operator's node cache",
+                &cached_nodes,
+            ),
+            (
+                "gpu_sharing_cached_label_strings",
+                "Distinct label keys and values the node cache holds (shared between nodes)",
+                &cached_label_strings,
+            ),
+            (
+                "gpu_sharing_leader",
+                "Whether this replica is the leader",
+                &leader,
+            ),
+        ];
+        for (name, help, g) in gauges {
+            registry.register(name, help, g.clone());
+        }
+        Metrics {
+            registry,
+            reconciles,
+            reconcile_errors,
+            duration,
+            writes,
+            nodes,
+            conflicted_policies,
+            cached_nodes,
+            cached_label_strings,
+            leader,
+            ready: AtomicBool::new(false),
+        }
     }
 }
 
 impl Metrics {
     pub fn observe_reconcile(&self, took: Duration, ok: bool) {
-        self.reconciles.fetch_add(1, Ordering::Relaxed);
+        self.reconciles.inc();
         if !ok {
-            self.reconcile_errors.fetch_add(1, Ordering::Relaxed);
+            self.reconcile_errors.inc();
         }
-        self.duration_sum_us
-            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
-        let secs = took.as_secs_f64();
-        for (i, b) in BUCKETS.iter().enumerate() {
-            if secs <= *b {
-                self.buckets[i].fetch_add(1, Ordering::Relaxed);
-            }
+        self.duration.observe(took.as_secs_f64());
+    }
+
+    /// Counts writes of one kind of object (fed from each pass's write report).
+    pub fn count_writes(&self, kind: &str, n: u64) {
+        self.writes
+            .get_or_create(&KindLabel { kind: kind.into() })
+            .inc_by(n);
+    }
+
+    /// Nodes per strategy, as the last plan has them (strategies gone from it drop out).
+    pub fn set_nodes_per_strategy(&self, counts: impl IntoIterator<Item = (String, u64)>) {
+        self.nodes.clear();
+        for (strategy, n) in counts {
+            self.nodes
+                .get_or_create(&StrategyLabel { strategy })
+                .set(n as i64);
         }
     }
 
-    pub fn count_write(&self, kind: &str) {
-        *self
-            .writes
-            .lock()
-            .expect("metrics lock")
-            .entry(kind.to_string())
-            .or_default() += 1;
+    pub fn set_conflicted_policies(&self, n: u64) {
+        self.conflicted_policies.set(n as i64);
     }
 
-    pub fn writes_total(&self) -> u64 {
-        self.writes.lock().expect("metrics lock").values().sum()
+    pub fn set_node_cache(&self, nodes: u64, label_strings: u64) {
+        self.cached_nodes.set(nodes as i64);
+        self.cached_label_strings.set(label_strings as i64);
     }
 
-    pub fn set_nodes_per_strategy(&self, counts: BTreeMap<String, u64>) {
-        *self.nodes_per_strategy.lock().expect("metrics lock") = counts;
+    pub fn set_leader(&self, leading: bool) {
+        self.leader.set(i64::from(leading));
     }
 
-    /// Prometheus text exposition format.
+    pub fn set_ready(&self) {
+        self.ready.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// The OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut s = String::new();
-        let reconciles = self.reconciles.load(Ordering::Relaxed);
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        family(
-            &mut s,
-            "gpu_sharing_reconciles_total",
-            "counter",
-            "Cluster-wide reconcile passes.",
-        );
-        sample(&mut s, "gpu_sharing_reconciles_total", "", reconciles);
-        family(
-            &mut s,
-            "gpu_sharing_reconcile_errors_total",
-            "counter",
-            "Reconcile passes that failed (retried with backoff).",
-        );
-        sample(
-            &mut s,
-            "gpu_sharing_reconcile_errors_total",
-            "",
-            load(&self.reconcile_errors),
-        );
-        let hist = "gpu_sharing_reconcile_duration_seconds";
-        family(&mut s, hist, "histogram", "Duration of reconcile passes.");
-        for (b, count) in BUCKETS.iter().zip(&self.buckets) {
-            sample(
-                &mut s,
-                &format!("{hist}_bucket"),
-                &format!("le=\"{b}\""),
-                load(count),
-            );
-        }
-        sample(&mut s, &format!("{hist}_bucket"), "le=\"+Inf\"", reconciles);
-        let sum = load(&self.duration_sum_us) as f64 / 1e6;
-        sample(&mut s, &format!("{hist}_sum"), "", sum);
-        sample(&mut s, &format!("{hist}_count"), "", reconciles);
-        family(
-            &mut s,
-            "gpu_sharing_api_writes_total",
-            "counter",
-            "Writes to the API server, by kind of object.",
-        );
-        for (kind, n) in self.writes.lock().expect("metrics lock").iter() {
-            sample(
-                &mut s,
-                "gpu_sharing_api_writes_total",
-                &format!("kind=\"{kind}\""),
-                n,
-            );
-        }
-        family(
-            &mut s,
-            "gpu_sharing_nodes",
-            "gauge",
-            "Nodes governed by a policy, by strategy.",
-        );
-        for (strategy, n) in self.nodes_per_strategy.lock().expect("metrics lock").iter() {
-            sample(
-                &mut s,
-                "gpu_sharing_nodes",
-                &format!("strategy=\"{strategy}\""),
-                n,
-            );
-        }
-        for (name, help, v) in [
-            (
-                "gpu_sharing_conflicted_policies",
-                "Policies that lose nodes to another policy.",
-                load(&self.conflicted_policies),
-            ),
-            (
-                "gpu_sharing_cached_nodes",
-                "Nodes in the operator's node cache.",
-                load(&self.cached_nodes),
-            ),
-            (
-                "gpu_sharing_cached_label_strings",
-                "Distinct label keys and values the node cache holds (shared between nodes).",
-                load(&self.cached_label_strings),
-            ),
-            (
-                "gpu_sharing_leader",
-                "Whether this replica is the leader.",
-                u64::from(self.leader.load(Ordering::Relaxed)),
-            ),
-        ] {
-            family(&mut s, name, "gauge", help);
-            sample(&mut s, name, "", v);
-        }
+        encode(&mut s, &self.registry).expect("writing to a String cannot fail");
         s
     }
 }
 
-/// The `# HELP` and `# TYPE` lines of a metric family.
-fn family(s: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(s, "# HELP {name} {help}");
-    let _ = writeln!(s, "# TYPE {name} {kind}");
-}
-
-/// One sample line, with labels (`k="v",...`) when not empty.
-fn sample(s: &mut String, name: &str, labels: &str, value: impl std::fmt::Display) {
-    if labels.is_empty() {
-        let _ = writeln!(s, "{name} {value}");
-    } else {
-        let _ = writeln!(s, "{name}{{{labels}}} {value}");
-    }
-}
-
-fn response(status: &str, content_type: &str, body: &str) -> String {
-    format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
+async fn exposition(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        m.render(),
     )
 }
 
-/// Serves `/metrics`, `/healthz` (the process is alive) and `/readyz` (caches synced and a
-/// first pass done; a standby replica is ready too, so rollouts are not blocked).
+async fn readyz(State(m): State<Arc<Metrics>>) -> (StatusCode, &'static str) {
+    if m.is_ready() {
+        (StatusCode::OK, "ok\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "caches not synced\n")
+    }
+}
+
+/// The endpoints: `/metrics`, `/healthz` (the process is alive) and `/readyz` (caches synced
+/// and a first pass done; a standby replica is ready too, so rollouts are not blocked).
+pub fn router(metrics: Arc<Metrics>) -> Router {
+    Router::new()
+        .route("/metrics", get(exposition))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(metrics)
+}
+
+/// Serves [`router`] on the listener until the process ends.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
     info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "serving /metrics, /healthz, /readyz");
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            // Read the request head (it may arrive in several segments): closing the socket
-            // with unread bytes would make the kernel reset the connection.
-            let mut buf = Vec::with_capacity(1024);
-            let mut chunk = [0u8; 1024];
-            let n = loop {
-                let r = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut chunk)).await;
-                match r {
-                    Ok(Ok(0)) => break buf.len(),
-                    Ok(Ok(k)) => {
-                        buf.extend_from_slice(&chunk[..k]);
-                        if buf.windows(4).any(|w| w == b"\r\n\r\n") || buf.len() > 8192 {
-                            break buf.len();
-                        }
-                    }
-                    _ => return,
-                }
-            };
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let path = req.split_whitespace().nth(1).unwrap_or("/");
-            let resp = match path {
-                "/metrics" => response("200 OK", "text/plain; version=0.0.4", &metrics.render()),
-                "/healthz" => response("200 OK", "text/plain", "ok\n"),
-                "/readyz" if metrics.ready.load(Ordering::Relaxed) => {
-                    response("200 OK", "text/plain", "ok\n")
-                }
-                "/readyz" => response(
-                    "503 Service Unavailable",
-                    "text/plain",
-                    "caches not synced\n",
-                ),
-                _ => response("404 Not Found", "text/plain", "not found\n"),
-            };
-            if let Err(e) = sock.write_all(resp.as_bytes()).await {
-                debug!(error = %e, "metrics client went away");
-            }
-        });
+    if let Err(e) = axum::serve(listener, router(metrics)).await {
+        warn!(error = %e, "metrics endpoint stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_names_every_metric_the_alerts_and_dashboards_use() {
+        let m = Metrics::default();
+        m.observe_reconcile(Duration::from_millis(20), true);
+        m.observe_reconcile(Duration::from_millis(20), false);
+        m.count_writes("Node", 3);
+        m.set_nodes_per_strategy([("mps".to_string(), 2)]);
+        m.set_nodes_per_strategy([("timeSlicing".to_string(), 1)]);
+        m.set_leader(true);
+        m.set_node_cache(5, 40);
+        let text = m.render();
+        for want in [
+            "gpu_sharing_reconciles_total 2",
+            "gpu_sharing_reconcile_errors_total 1",
+            "gpu_sharing_reconcile_duration_seconds_bucket{le=\"0.025\"} 2",
+            "gpu_sharing_reconcile_duration_seconds_count 2",
+            "gpu_sharing_api_writes_total{kind=\"Node\"} 3",
+            "gpu_sharing_nodes{strategy=\"timeSlicing\"} 1",
+            "gpu_sharing_leader 1",
+            "gpu_sharing_cached_nodes 5",
+            "gpu_sharing_cached_label_strings 40",
+            "gpu_sharing_conflicted_policies 0",
+            "# EOF",
+        ] {
+            assert!(text.contains(want), "missing {want:?} in\n{text}");
+        }
+        assert!(
+            !text.contains("strategy=\"mps\""),
+            "stale strategies drop out:\n{text}"
+        );
     }
 }

@@ -41,11 +41,32 @@ pub fn validate(
             "backend dra supports exclusive, timeSlicing and mps; MIG sharing goes through the device plugin",
         ));
     }
-    if dra.namespaces.is_empty() {
+    check_namespaces(&dra.namespaces, errs);
+    check_gates(spec, &dra.driver_feature_gates, errs);
+    if let Some(m) = &dra.mps {
+        check_mps(spec, m, errs, warnings);
+    }
+    if let Some(ts) = &spec.time_slicing
+        && (ts.rename_by_default || ts.fail_requests_greater_than_one || !ts.resources.is_empty())
+    {
+        warnings.push(
+            "spec.timeSlicing renameByDefault, failRequestsGreaterThanOne and resources are device-plugin settings; the DRA driver ignores them".into(),
+        );
+    }
+    if spec.mps.as_ref().is_some_and(|m| m.rename_by_default) {
+        warnings.push(
+            "spec.mps.renameByDefault is a device-plugin setting; the DRA driver ignores it".into(),
+        );
+    }
+}
+
+/// Namespaces the templates go to: valid names, each once.
+fn check_namespaces(namespaces: &[String], errs: &mut Vec<FieldError>) {
+    if namespaces.is_empty() {
         errs.push(err("spec.dra.namespaces", "list at least one namespace"));
     }
     let mut seen = std::collections::BTreeSet::new();
-    for (i, n) in dra.namespaces.iter().enumerate() {
+    for (i, n) in namespaces.iter().enumerate() {
         let ok = !n.is_empty()
             && n.len() <= 63
             && n.bytes()
@@ -65,7 +86,14 @@ pub fn validate(
             ));
         }
     }
-    let gates = &dra.driver_feature_gates;
+}
+
+/// What the driver's feature gates allow for the strategy.
+fn check_gates(
+    spec: &GpuSharingPolicySpec,
+    gates: &crate::api::crd::DraFeatureGates,
+    errs: &mut Vec<FieldError>,
+) {
     match spec.strategy {
         Strategy::TimeSlicing if !gates.time_slicing_settings => errs.push(err(
             "spec.dra.driverFeatureGates.TimeSlicingSettings",
@@ -93,64 +121,60 @@ pub fn validate(
         }
         _ => {}
     }
-    if let Some(m) = &dra.mps {
-        if spec.strategy != Strategy::Mps {
-            errs.push(err("spec.dra.mps", "only with strategy mps"));
-        }
-        if let Some(t) = m.default_active_thread_percentage
-            && !(0..=100).contains(&t)
-        {
-            errs.push(err(
-                "spec.dra.mps.defaultActiveThreadPercentage",
-                format!("must be 0..100, got {t}"),
-            ));
-        }
-        let check_q = |path: String, q: &str, errs: &mut Vec<FieldError>| match quantity_bytes(q) {
-            None => errs.push(err(
-                path,
-                format!("{q:?} is not a memory quantity such as 10Gi"),
-            )),
-            Some(b) if b < 1 << 20 => errs.push(err(
-                path,
-                format!("{q} is below the driver's minimum of 1Mi"),
-            )),
-            _ => {}
-        };
-        if let Some(q) = &m.default_pinned_device_memory_limit {
-            check_q(
-                "spec.dra.mps.defaultPinnedDeviceMemoryLimit".into(),
-                q,
-                errs,
-            );
-        }
-        for (k, q) in &m.per_device_pinned_memory_limits {
-            if !is_device_ref(k) {
-                errs.push(err(
-                    format!("spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]"),
-                    "the template's claim holds exactly one GPU: the only device index is \"0\" (or use that GPU's UUID)",
-                ));
-            } else if k.starts_with("GPU-") {
-                warnings.push(format!(
-                    "spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]: a GPU UUID key makes claims from this template fail on every other GPU"
-                ));
-            }
-            check_q(
-                format!("spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]"),
-                q,
-                errs,
-            );
-        }
+}
+
+/// The MPS limits: thread share 0..100, memory quantities of at least 1Mi, device keys the
+/// template's one-GPU claim can have.
+fn check_mps(
+    spec: &GpuSharingPolicySpec,
+    m: &crate::api::crd::DraMps,
+    errs: &mut Vec<FieldError>,
+    warnings: &mut Vec<String>,
+) {
+    if spec.strategy != Strategy::Mps {
+        errs.push(err("spec.dra.mps", "only with strategy mps"));
     }
-    if let Some(ts) = &spec.time_slicing
-        && (ts.rename_by_default || ts.fail_requests_greater_than_one || !ts.resources.is_empty())
+    if let Some(t) = m.default_active_thread_percentage
+        && !(0..=100).contains(&t)
     {
-        warnings.push(
-            "spec.timeSlicing renameByDefault, failRequestsGreaterThanOne and resources are device-plugin settings; the DRA driver ignores them".into(),
+        errs.push(err(
+            "spec.dra.mps.defaultActiveThreadPercentage",
+            format!("must be 0..100, got {t}"),
+        ));
+    }
+    let check_q = |path: String, q: &str, errs: &mut Vec<FieldError>| match quantity_bytes(q) {
+        None => errs.push(err(
+            path,
+            format!("{q:?} is not a memory quantity such as 10Gi"),
+        )),
+        Some(b) if b < 1 << 20 => errs.push(err(
+            path,
+            format!("{q} is below the driver's minimum of 1Mi"),
+        )),
+        _ => {}
+    };
+    if let Some(q) = &m.default_pinned_device_memory_limit {
+        check_q(
+            "spec.dra.mps.defaultPinnedDeviceMemoryLimit".into(),
+            q,
+            errs,
         );
     }
-    if spec.mps.as_ref().is_some_and(|m| m.rename_by_default) {
-        warnings.push(
-            "spec.mps.renameByDefault is a device-plugin setting; the DRA driver ignores it".into(),
+    for (k, q) in &m.per_device_pinned_memory_limits {
+        if !is_device_ref(k) {
+            errs.push(err(
+                format!("spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]"),
+                "the template's claim holds exactly one GPU: the only device index is \"0\" (or use that GPU's UUID)",
+            ));
+        } else if k.starts_with("GPU-") {
+            warnings.push(format!(
+                "spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]: a GPU UUID key makes claims from this template fail on every other GPU"
+            ));
+        }
+        check_q(
+            format!("spec.dra.mps.perDevicePinnedMemoryLimits[{k:?}]"),
+            q,
+            errs,
         );
     }
 }

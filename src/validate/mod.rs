@@ -203,159 +203,187 @@ fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) 
         ));
     }
     if let Some(groups) = &mig.custom_layout {
-        if groups.is_empty() {
-            errs.push(err(
-                "spec.mig.customLayout",
-                "needs at least one device group",
-            ));
-        }
-        let mut used: BTreeSet<i32> = BTreeSet::new();
-        let all_groups = groups.iter().filter(|g| g.devices.is_none()).count();
-        if all_groups > 0 && groups.len() > 1 {
-            errs.push(err(
-                "spec.mig.customLayout",
-                "a group without devices covers all GPUs, so it must be the only group",
-            ));
-        }
-        for (i, g) in groups.iter().enumerate() {
-            let gp = format!("spec.mig.customLayout[{i}]");
-            if let Some(devs) = &g.devices {
-                if devs.is_empty() {
-                    errs.push(err(
-                        format!("{gp}.devices"),
-                        "list at least one GPU index, or omit devices for all GPUs",
-                    ));
-                }
-                for d in devs {
-                    if !(0..=15).contains(d) {
-                        errs.push(err(
-                            format!("{gp}.devices"),
-                            format!("GPU index {d} is out of range 0..15"),
-                        ));
-                    } else if !used.insert(*d) {
-                        errs.push(err(
-                            format!("{gp}.devices"),
-                            format!("GPU {d} appears in more than one group"),
-                        ));
-                    }
-                }
-            }
-            if g.mig_enabled && g.mig_devices.is_empty() {
-                errs.push(err(
-                    format!("{gp}.migDevices"),
-                    "required when migEnabled is true (mig-parted: missing required field 'mig-devices' when 'mig-enabled' is true)",
-                ));
-            }
-            if !g.mig_enabled && !g.mig_devices.is_empty() {
-                errs.push(err(
-                    format!("{gp}.migDevices"),
-                    "must be empty when migEnabled is false (mig-parted: MIG devices included when 'mig-enabled' is false)",
-                ));
-            }
-            let mut slices = 0;
-            for (p, c) in &g.mig_devices {
-                match parse_mig_profile(p) {
-                    None => errs.push(err(
-                        format!("{gp}.migDevices[{p:?}]"),
-                        "not a MIG profile name (expected [Nc.]Ng.NNgb[+me|+me.all|+gfx|-me], e.g. 1g.10gb)",
-                    )),
-                    Some(prof) => slices += prof.slices as i32 * c,
-                }
-                if !(1..=7).contains(c) {
-                    errs.push(err(
-                        format!("{gp}.migDevices[{p:?}]"),
-                        format!("count {c} is out of range 1..7 (mig-parted rejects a count of 0)"),
-                    ));
-                }
-            }
-            if slices > MAX_COMPUTE_SLICES {
-                errs.push(err(
-                    format!("{gp}.migDevices"),
-                    format!("the profiles need {slices} GPU slices per GPU, more than the {MAX_COMPUTE_SLICES} a GPU has"),
-                ));
-            }
-        }
+        check_custom_layout(groups, errs);
     }
     if mig.mig_strategy == MigStrategy::Single {
-        // The device plugin's single strategy needs every GPU in MIG mode with one profile.
-        if let Some(groups) = &mig.custom_layout {
-            let profiles: BTreeSet<&String> =
-                groups.iter().flat_map(|g| g.mig_devices.keys()).collect();
-            if groups.iter().any(|g| !g.mig_enabled) {
+        check_single_strategy(mig, errs);
+    }
+    if let Some(ts) = &mig.time_slicing {
+        check_mig_time_slicing(mig, ts, errs, warnings);
+    }
+}
+
+/// A custom layout's device groups: disjoint, covering GPUs 0..15, profiles that fit a GPU.
+fn check_custom_layout(groups: &[crate::api::crd::MigDeviceGroup], errs: &mut Vec<FieldError>) {
+    if groups.is_empty() {
+        errs.push(err(
+            "spec.mig.customLayout",
+            "needs at least one device group",
+        ));
+    }
+    let mut used: BTreeSet<i32> = BTreeSet::new();
+    let all_groups = groups.iter().filter(|g| g.devices.is_none()).count();
+    if all_groups > 0 && groups.len() > 1 {
+        errs.push(err(
+            "spec.mig.customLayout",
+            "a group without devices covers all GPUs, so it must be the only group",
+        ));
+    }
+    for (i, g) in groups.iter().enumerate() {
+        check_group(i, g, &mut used, errs);
+    }
+}
+
+/// One device group of a custom layout (`used`: GPUs already in earlier groups).
+fn check_group(
+    i: usize,
+    g: &crate::api::crd::MigDeviceGroup,
+    used: &mut BTreeSet<i32>,
+    errs: &mut Vec<FieldError>,
+) {
+    let gp = format!("spec.mig.customLayout[{i}]");
+    if let Some(devs) = &g.devices {
+        if devs.is_empty() {
+            errs.push(err(
+                format!("{gp}.devices"),
+                "list at least one GPU index, or omit devices for all GPUs",
+            ));
+        }
+        for d in devs {
+            if !(0..=15).contains(d) {
                 errs.push(err(
-                    "spec.mig.customLayout",
-                    "migStrategy single needs MIG enabled on every GPU (device plugin: all devices on the node must be configured with the same migEnabled value); use mixed",
+                    format!("{gp}.devices"),
+                    format!("GPU index {d} is out of range 0..15"),
                 ));
-            } else if profiles.len() > 1 {
+            } else if !used.insert(*d) {
                 errs.push(err(
-                    "spec.mig.customLayout",
-                    "migStrategy single allows one MIG profile per node (device plugin: more than one MIG device type present on node); use mixed",
+                    format!("{gp}.devices"),
+                    format!("GPU {d} appears in more than one group"),
                 ));
             }
-        } else if let Some(l) = &mig.layout
-            && l != "all-disabled"
-            && nvidia::layout_profiles(mig).is_none_or(|p| p.len() > 1)
-        {
+        }
+    }
+    if g.mig_enabled && g.mig_devices.is_empty() {
+        errs.push(err(
+            format!("{gp}.migDevices"),
+            "required when migEnabled is true (mig-parted: missing required field 'mig-devices' when 'mig-enabled' is true)",
+        ));
+    }
+    if !g.mig_enabled && !g.mig_devices.is_empty() {
+        errs.push(err(
+            format!("{gp}.migDevices"),
+            "must be empty when migEnabled is false (mig-parted: MIG devices included when 'mig-enabled' is false)",
+        ));
+    }
+    let mut slices = 0;
+    for (p, c) in &g.mig_devices {
+        match parse_mig_profile(p) {
+            None => errs.push(err(
+                format!("{gp}.migDevices[{p:?}]"),
+                "not a MIG profile name (expected [Nc.]Ng.NNgb[+me|+me.all|+gfx|-me], e.g. 1g.10gb)",
+            )),
+            Some(prof) => slices += prof.slices as i32 * c,
+        }
+        if !(1..=7).contains(c) {
             errs.push(err(
-                "spec.mig.layout",
-                format!("migStrategy single allows one MIG profile per node, and layout {l:?} may create several; use mixed"),
+                format!("{gp}.migDevices[{p:?}]"),
+                format!("count {c} is out of range 1..7 (mig-parted rejects a count of 0)"),
             ));
         }
     }
-    if let Some(ts) = &mig.time_slicing {
-        check_time_slicing(ts, "spec.mig.timeSlicing", errs, warnings);
-        if mig.mig_strategy == MigStrategy::Mixed
-            && let Some(profiles) = nvidia::layout_profiles(mig)
-        {
-            let offered: BTreeSet<String> =
-                profiles.iter().map(|p| nvidia::mig_resource(p)).collect();
-            for (i, r) in ts.resources.iter().enumerate() {
-                let q = nvidia::qualify_resource(&r.name);
-                if q != GPU_RESOURCE && !offered.contains(&q) {
-                    errs.push(err(
-                        format!("spec.mig.timeSlicing.resources[{i}].name"),
-                        format!(
-                            "{} is not created by this layout (it offers {}): time-slicing it would do nothing",
-                            r.name,
-                            offered.iter().cloned().collect::<Vec<_>>().join(", ")
-                        ),
-                    ));
-                }
-            }
-            if ts.resources.is_empty()
-                && profiles
-                    .iter()
-                    .any(|p| parse_mig_profile(p).is_some_and(|x| x.compute.is_some()))
-            {
+    if slices > MAX_COMPUTE_SLICES {
+        errs.push(err(
+            format!("{gp}.migDevices"),
+            format!("the profiles need {slices} GPU slices per GPU, more than the {MAX_COMPUTE_SLICES} a GPU has"),
+        ));
+    }
+}
+
+/// The device plugin's single strategy needs every GPU in MIG mode with one profile.
+fn check_single_strategy(mig: &Mig, errs: &mut Vec<FieldError>) {
+    if let Some(groups) = &mig.custom_layout {
+        let profiles: BTreeSet<&String> =
+            groups.iter().flat_map(|g| g.mig_devices.keys()).collect();
+        if groups.iter().any(|g| !g.mig_enabled) {
+            errs.push(err(
+                "spec.mig.customLayout",
+                "migStrategy single needs MIG enabled on every GPU (device plugin: all devices on the node must be configured with the same migEnabled value); use mixed",
+            ));
+        } else if profiles.len() > 1 {
+            errs.push(err(
+                "spec.mig.customLayout",
+                "migStrategy single allows one MIG profile per node (device plugin: more than one MIG device type present on node); use mixed",
+            ));
+        }
+    } else if let Some(l) = &mig.layout
+        && l != "all-disabled"
+        && nvidia::layout_profiles(mig).is_none_or(|p| p.len() > 1)
+    {
+        errs.push(err(
+            "spec.mig.layout",
+            format!("migStrategy single allows one MIG profile per node, and layout {l:?} may create several; use mixed"),
+        ));
+    }
+}
+
+/// Time-slicing of MIG devices: resources this layout really offers, under the strategy's names.
+fn check_mig_time_slicing(
+    mig: &Mig,
+    ts: &TimeSlicing,
+    errs: &mut Vec<FieldError>,
+    warnings: &mut Vec<String>,
+) {
+    check_time_slicing(ts, "spec.mig.timeSlicing", errs, warnings);
+    if mig.mig_strategy == MigStrategy::Mixed
+        && let Some(profiles) = nvidia::layout_profiles(mig)
+    {
+        let offered: BTreeSet<String> = profiles.iter().map(|p| nvidia::mig_resource(p)).collect();
+        for (i, r) in ts.resources.iter().enumerate() {
+            let q = nvidia::qualify_resource(&r.name);
+            if q != GPU_RESOURCE && !offered.contains(&q) {
                 errs.push(err(
-                    "spec.mig.timeSlicing",
-                    "compute-instance profiles (Nc.Ng.NNgb) are not advertised as resources by the device plugin: name the resources to time-slice",
+                    format!("spec.mig.timeSlicing.resources[{i}].name"),
+                    format!(
+                        "{} is not created by this layout (it offers {}): time-slicing it would do nothing",
+                        r.name,
+                        offered.iter().cloned().collect::<Vec<_>>().join(", ")
+                    ),
                 ));
             }
         }
-        match mig.mig_strategy {
-            MigStrategy::Single => {
-                for (i, r) in ts.resources.iter().enumerate() {
-                    if nvidia::qualify_resource(&r.name) != GPU_RESOURCE {
-                        errs.push(err(
-                            format!("spec.mig.timeSlicing.resources[{i}].name"),
-                            format!("with migStrategy single MIG devices are advertised as {GPU_RESOURCE}, not {}", r.name),
-                        ));
-                    }
+        if ts.resources.is_empty()
+            && profiles
+                .iter()
+                .any(|p| parse_mig_profile(p).is_some_and(|x| x.compute.is_some()))
+        {
+            errs.push(err(
+                "spec.mig.timeSlicing",
+                "compute-instance profiles (Nc.Ng.NNgb) are not advertised as resources by the device plugin: name the resources to time-slice",
+            ));
+        }
+    }
+    match mig.mig_strategy {
+        MigStrategy::Single => {
+            for (i, r) in ts.resources.iter().enumerate() {
+                if nvidia::qualify_resource(&r.name) != GPU_RESOURCE {
+                    errs.push(err(
+                        format!("spec.mig.timeSlicing.resources[{i}].name"),
+                        format!("with migStrategy single MIG devices are advertised as {GPU_RESOURCE}, not {}", r.name),
+                    ));
                 }
             }
-            MigStrategy::Mixed => {
-                if ts.resources.is_empty() {
-                    match nvidia::layout_profiles(mig) {
-                        Some(p) if !p.is_empty() => {}
-                        _ => errs.push(err(
-                            "spec.mig.timeSlicing.resources",
-                            format!(
-                                "required with migStrategy mixed for layout {:?}: its MIG profiles depend on the GPU model, so name the nvidia.com/mig-<profile> resources to time-slice",
-                                mig.layout.as_deref().unwrap_or("")
-                            ),
-                        )),
-                    }
+        }
+        MigStrategy::Mixed => {
+            if ts.resources.is_empty() {
+                match nvidia::layout_profiles(mig) {
+                    Some(p) if !p.is_empty() => {}
+                    _ => errs.push(err(
+                        "spec.mig.timeSlicing.resources",
+                        format!(
+                            "required with migStrategy mixed for layout {:?}: its MIG profiles depend on the GPU model, so name the nvidia.com/mig-<profile> resources to time-slice",
+                            mig.layout.as_deref().unwrap_or("")
+                        ),
+                    )),
                 }
             }
         }

@@ -425,10 +425,8 @@ pub async fn wait_crd_established(
 
 /// Splits multi-document YAML into JSON values, skipping empty documents.
 pub fn parse_yaml_documents(yaml: &str) -> anyhow::Result<Vec<serde_json::Value>> {
-    use serde::Deserialize;
     let mut out = Vec::new();
-    for doc in serde_yaml::Deserializer::from_str(yaml) {
-        let v = serde_json::Value::deserialize(doc)?;
+    for v in gpu_sharing_operator::api::yaml::documents::<serde_json::Value>(yaml)? {
         match &v {
             serde_json::Value::Null => continue,
             serde_json::Value::Object(m) if m.is_empty() => continue,
@@ -464,9 +462,22 @@ pub async fn apply_yaml_in(
             .ok_or_else(|| anyhow!("object without apiVersion/kind"))?;
         let gvk = GroupVersionKind::try_from(&types)?;
         let name = obj.name_any();
-        let (ar, caps) = discovery::pinned_kind(client, &gvk)
-            .await
-            .with_context(|| format!("discovering {}/{}", types.api_version, types.kind))?;
+        // A CRD can be Established a moment before its group is in discovery: retry briefly.
+        let mut tries = 0;
+        let (ar, caps) = loop {
+            match discovery::pinned_kind(client, &gvk).await {
+                Ok(found) => break found,
+                Err(_) if tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| {
+                        format!("discovering {}/{}", types.api_version, types.kind)
+                    });
+                }
+            }
+        };
         let api: Api<DynamicObject> = match caps.scope {
             Scope::Cluster => {
                 obj.metadata.namespace = None;

@@ -67,7 +67,7 @@ impl Drop for Operator {
 }
 
 pub async fn install_crd(client: &Client) {
-    let crd_yaml = serde_yaml::to_string(&GpuSharingPolicy::crd()).unwrap();
+    let crd_yaml = serde_saphyr::to_string(&GpuSharingPolicy::crd()).unwrap();
     common::apply_yaml(client, &crd_yaml)
         .await
         .expect("CRD applies");

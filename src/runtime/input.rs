@@ -1,0 +1,143 @@
+//! The planner's input, read from the caches (and a few facts only this process remembers:
+//! how long a node's MIG state has been pending, how often the ClusterPolicy was reverted).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::ResourceExt;
+use kube::api::DynamicObject;
+
+use crate::api::crd::GpuSharingPolicy;
+use crate::api::names::*;
+use crate::nvidia::{self, MIG_PARTED_KEY};
+use crate::plan::{NodeFacts, PlanInput};
+use crate::runtime::controller::Context;
+
+/// Drift repairs of the ClusterPolicy within this window that make it "contested".
+const CONTEST_WINDOW: Duration = Duration::from_secs(600);
+const CONTEST_REPAIRS: usize = 3;
+
+/// Whether a pod asks for NVIDIA GPU resources (full GPUs, shared replicas or MIG devices).
+fn uses_gpu(p: &Pod) -> bool {
+    p.spec.iter().flat_map(|s| &s.containers).any(|c| {
+        let r = c.resources.as_ref();
+        r.and_then(|r| r.limits.as_ref())
+            .into_iter()
+            .chain(r.and_then(|r| r.requests.as_ref()))
+            .flat_map(|m| m.keys())
+            .any(|k| k.starts_with("nvidia.com/gpu") || k.starts_with("nvidia.com/mig-"))
+    })
+}
+
+/// The mig-parted layouts of a ConfigMap's `config.yaml`.
+fn mig_configs(cms: &[Arc<ConfigMap>], name: &str) -> Option<BTreeMap<String, serde_json::Value>> {
+    cms.iter()
+        .find(|c| c.name_any() == name)
+        .and_then(|c| c.data.as_ref()?.get(MIG_PARTED_KEY).cloned())
+        .and_then(|t| nvidia::parse_mig_configs(&t).ok())
+}
+
+impl Context {
+    /// Pods that use GPUs, by node (`namespace/name`, sorted).
+    fn gpu_pods(&self) -> BTreeMap<String, Vec<String>> {
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for p in self.caches.pods.state() {
+            let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+                continue;
+            };
+            if uses_gpu(&p) {
+                let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+                out.entry(node).or_default().push(id);
+            }
+        }
+        for v in out.values_mut() {
+            v.sort();
+        }
+        out
+    }
+
+    pub(crate) fn plan_input(&self) -> PlanInput {
+        let policies: Vec<GpuSharingPolicy> = self
+            .caches
+            .policies
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        let cms = self.caches.configmaps.state();
+        let mut input = PlanInput::new(policies, vec![]);
+        input.nodes = self.caches.nodes.snapshot();
+        input.current_device_config = cms
+            .iter()
+            .find(|c| c.name_any() == self.config.device_configmap)
+            .and_then(|c| c.data.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        input.base_mig_configs = mig_configs(&cms, DEFAULT_MIG_CONFIGMAP);
+        input.current_mig_configs =
+            mig_configs(&cms, &self.config.mig_configmap).unwrap_or_default();
+        input.now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        input.gpu_pods = self.gpu_pods();
+        input.cluster_policy_found = self.active_cluster_policy().is_some();
+        input.cluster_policy_contested = self.contested();
+        input.mig_stuck = self.mig_stuck(&input.nodes);
+        input.device_configmap_name = self.config.device_configmap.clone();
+        input.mig_configmap_name = self.config.mig_configmap.clone();
+        input
+    }
+
+    /// The oldest ClusterPolicy: the GPU Operator ignores the others.
+    pub(crate) fn active_cluster_policy(&self) -> Option<Arc<DynamicObject>> {
+        let mut all = self.caches.cluster_policies.as_ref()?.state();
+        all.sort_by_key(|o| (o.metadata.creation_timestamp.clone(), o.name_any()));
+        all.into_iter().next()
+    }
+
+    /// Nodes pending for the same layout for longer than the MIG timeout.
+    fn mig_stuck(&self, nodes: &[Arc<NodeFacts>]) -> BTreeSet<String> {
+        let mut since = self.mig_pending_since.lock().expect("pending lock");
+        let mut stuck = BTreeSet::new();
+        let mut seen = BTreeSet::new();
+        for n in nodes {
+            if n.labels.get(LABEL_MIG_STATE) != Some("pending") {
+                continue;
+            }
+            let layout = n
+                .labels
+                .get(LABEL_MIG_CONFIG)
+                .unwrap_or_default()
+                .to_string();
+            seen.insert(n.name.clone());
+            let entry = since
+                .entry(n.name.clone())
+                .or_insert_with(|| (layout.clone(), Instant::now()));
+            if entry.0 != layout {
+                *entry = (layout, Instant::now());
+            }
+            if entry.1.elapsed() > self.config.mig_timeout {
+                stuck.insert(n.name.clone());
+            }
+        }
+        since.retain(|k, _| seen.contains(k));
+        stuck
+    }
+
+    /// Reverted by someone else at least 3 times in 10 minutes: a fight, not a one-off edit.
+    fn contested(&self) -> Option<String> {
+        let mut repairs = self.cluster_policy_repairs.lock().expect("repairs lock");
+        repairs.retain(|(t, _)| t.elapsed() < CONTEST_WINDOW);
+        (repairs.len() >= CONTEST_REPAIRS).then(|| {
+            format!(
+                "{} reverts in the last {} minutes, last: {}",
+                repairs.len(),
+                CONTEST_WINDOW.as_secs() / 60,
+                repairs.last().map(|(_, d)| d.as_str()).unwrap_or_default()
+            )
+        })
+    }
+}

@@ -1,0 +1,217 @@
+//! The watches the controller plans from: policies, nodes (as planner facts only), the GPU
+//! Operator namespace's ConfigMaps, pods that may hold GPUs, our ResourceClaimTemplates and the
+//! ClusterPolicy, each into a cache. Every event wakes the control loop.
+
+use std::sync::Arc;
+
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
+use kube::Client;
+use kube::api::{Api, DynamicObject, PartialObjectMeta};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::Notify;
+use tracing::warn;
+
+use crate::api::crd::GpuSharingPolicy;
+use crate::api::names::{MANAGED_BY, MANAGER};
+use crate::runtime::controller::cluster_policy_resource;
+use crate::runtime::nodecache::NodeCache;
+
+/// Nodes per list page when the node watch (re)lists.
+const NODE_LIST_PAGE: u32 = 100;
+
+/// The caches a pass reads.
+pub struct Caches {
+    pub policies: Store<GpuSharingPolicy>,
+    pub nodes: Arc<NodeCache>,
+    pub configmaps: Store<ConfigMap>,
+    pub pods: Store<Pod>,
+    /// `None` when the ClusterPolicy CRD is not served.
+    pub cluster_policies: Option<Store<DynamicObject>>,
+    /// Our ResourceClaimTemplates (DRA backend), when resource.k8s.io/v1 is served.
+    pub claim_templates: Option<Store<ResourceClaimTemplate>>,
+}
+
+impl Caches {
+    /// Waits until every cache has listed once.
+    pub async fn wait_until_ready(&self) {
+        self.policies.wait_until_ready().await.ok();
+        self.nodes.wait_until_ready().await;
+        self.configmaps.wait_until_ready().await.ok();
+        self.pods.wait_until_ready().await.ok();
+        if let Some(c) = &self.cluster_policies {
+            c.wait_until_ready().await.ok();
+        }
+        if let Some(c) = &self.claim_templates {
+            c.wait_until_ready().await.ok();
+        }
+    }
+}
+
+/// Pods stripped to what the idle-GPU check needs (node and resources).
+fn strip_pod(p: &mut Pod) {
+    p.metadata.managed_fields = None;
+    p.metadata.annotations = None;
+    p.metadata.labels = None;
+    p.metadata.owner_references = None;
+    p.status = None;
+    if let Some(spec) = p.spec.as_mut() {
+        spec.volumes = None;
+        spec.init_containers = None;
+        spec.affinity = None;
+        spec.tolerations = None;
+        for c in &mut spec.containers {
+            c.env = None;
+            c.command = None;
+            c.args = None;
+            c.volume_mounts = None;
+            c.ports = None;
+            c.liveness_probe = None;
+            c.readiness_probe = None;
+            c.startup_probe = None;
+        }
+    }
+}
+
+/// Starts every watch: returns the caches and the future that drives them (it notifies
+/// `notify` on every event and ends only if every stream ends).
+pub async fn start(
+    client: &Client,
+    namespace: &str,
+    notify: Arc<Notify>,
+) -> (Caches, impl std::future::Future<Output = ()> + use<>) {
+    let (policies, pw) = reflector::store();
+    let nodes = Arc::new(NodeCache::new(MANAGER));
+    let cp_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
+    let cluster_policy_served = cp_api.list(&Default::default()).await.is_ok();
+    let (configmaps, cw) = reflector::store();
+    let (pods, podw) = reflector::store();
+
+    let policy_stream = reflector::reflector(
+        pw,
+        watcher(
+            Api::<GpuSharingPolicy>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff(),
+    )
+    .boxed();
+    // Node cache: only what the planner reads, built from each event (see nodecache).
+    let node_stream = {
+        let nodes = nodes.clone();
+        watcher(
+            Api::<PartialObjectMeta<Node>>::all(client.clone()),
+            // Small list pages: a page of nodes with all their managedFields is decoded at
+            // once before it is reduced to facts.
+            watcher::Config::default().page_size(NODE_LIST_PAGE),
+        )
+        .default_backoff()
+        .map_ok(move |ev| nodes.apply(ev))
+        .boxed()
+    };
+    let cm_stream = reflector::reflector(
+        cw,
+        watcher(
+            Api::<ConfigMap>::namespaced(client.clone(), namespace),
+            watcher::Config::default(),
+        )
+        .default_backoff(),
+    )
+    .boxed();
+    // Pods that may hold GPUs (MIG changes wait for idle GPUs): only bound, unfinished pods,
+    // stripped to what the check needs.
+    let pod_stream = reflector::reflector(
+        podw,
+        watcher(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default()
+                .fields("spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"),
+        )
+        .default_backoff()
+        .modify(strip_pod),
+    )
+    .boxed();
+    let mut streams = vec![
+        pod_stream.map_ok(|_| ()).boxed(),
+        policy_stream.map_ok(|_| ()).boxed(),
+        node_stream.map_ok(|_| ()).boxed(),
+        cm_stream.map_ok(|_| ()).boxed(),
+    ];
+    let claim_templates = claim_template_watch(client, &mut streams).await;
+    let cluster_policies = if cluster_policy_served {
+        Some(cluster_policy_watch(cp_api, &mut streams))
+    } else {
+        warn!(
+            "the ClusterPolicy CRD (nvidia.com/v1) is not served: nodes are labelled, but no device plugin reads the config"
+        );
+        None
+    };
+    let events = {
+        let notify = notify.clone();
+        stream::select_all(streams).for_each(move |r| {
+            if let Err(e) = r {
+                warn!(error = %e, "watch error");
+            }
+            notify.notify_one();
+            futures::future::ready(())
+        })
+    };
+    let caches = Caches {
+        policies,
+        nodes,
+        configmaps,
+        pods,
+        cluster_policies,
+        claim_templates,
+    };
+    (caches, events)
+}
+
+type Streams = Vec<futures::stream::BoxStream<'static, Result<(), watcher::Error>>>;
+
+/// Our ResourceClaimTemplates, in any namespace (resource.k8s.io/v1, Kubernetes 1.34+).
+async fn claim_template_watch(
+    client: &Client,
+    streams: &mut Streams,
+) -> Option<Store<ResourceClaimTemplate>> {
+    let rct_api: Api<ResourceClaimTemplate> = Api::all(client.clone());
+    let managed = format!("{}={}", MANAGED_BY.0, MANAGED_BY.1);
+    if rct_api
+        .list(&kube::api::ListParams::default().labels(&managed).limit(1))
+        .await
+        .is_ok()
+    {
+        let (store, w) = reflector::store();
+        streams.push(
+            reflector::reflector(
+                w,
+                watcher(rct_api, watcher::Config::default().labels(&managed)).default_backoff(),
+            )
+            .map_ok(|_| ())
+            .boxed(),
+        );
+        Some(store)
+    } else {
+        warn!(
+            "resource.k8s.io/v1 ResourceClaimTemplates are not served: policies with backend dra cannot be applied"
+        );
+        None
+    }
+}
+
+/// The ClusterPolicies (the GPU Operator acts on the oldest).
+fn cluster_policy_watch(cp_api: Api<DynamicObject>, streams: &mut Streams) -> Store<DynamicObject> {
+    let cpw = reflector::store::Writer::new(cluster_policy_resource());
+    let cps = cpw.as_reader();
+    streams.push(
+        reflector::reflector(
+            cpw,
+            watcher(cp_api, watcher::Config::default()).default_backoff(),
+        )
+        .map_ok(|_| ())
+        .boxed(),
+    );
+    cps
+}
