@@ -288,7 +288,7 @@ impl World {
         self.mig_layouts.extend(self.mig_config.keys().cloned());
         for n in &mut self.nodes {
             let want_a = &plan.node_annotations[&n.name];
-            for k in n.owned_annotations.clone() {
+            for k in n.owned_annotations {
                 if !want_a.contains_key(&k) {
                     n.annotations.remove(&k);
                 }
@@ -298,7 +298,7 @@ impl World {
             }
             n.owned_annotations = want_a.keys().cloned().collect();
             let want = &plan.node_labels[&n.name];
-            for k in n.owned.clone() {
+            for k in n.owned {
                 if !want.contains_key(&k) {
                     n.labels.remove(&k);
                 }

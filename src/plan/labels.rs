@@ -171,3 +171,238 @@ pub fn selector_matches(sel: &LabelSelector, labels: &impl LabelLookup) -> bool 
     }
     true
 }
+
+/// Every key the operator may own on a node: its managed labels, then its annotations.
+fn managed_keys() -> &'static [String] {
+    static KEYS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
+        crate::api::names::MANAGED_LABELS
+            .iter()
+            .chain(crate::api::names::MANAGED_ANNOTATIONS.iter())
+            .map(|k| k.to_string())
+            .collect()
+    });
+    &KEYS
+}
+
+/// Which of the operator's managed label and annotation keys a field manager owns on a node: a
+/// bit per key, so the node cache spends one byte on it instead of a set of strings (thousands
+/// of nodes). Keys outside that set are never ours to own and are not recorded.
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct OwnedKeys(u8);
+
+impl OwnedKeys {
+    fn bit(key: &str) -> Option<u8> {
+        managed_keys().iter().position(|k| k == key).map(|i| 1 << i)
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        Self::bit(key).is_some_and(|b| self.0 & b != 0)
+    }
+
+    /// Records `key` (ignored unless it is a managed key); returns whether it was new.
+    pub fn insert(&mut self, key: impl AsRef<str>) -> bool {
+        let Some(b) = Self::bit(key.as_ref()) else {
+            return false;
+        };
+        let new = self.0 & b == 0;
+        self.0 |= b;
+        new
+    }
+
+    pub fn remove(&mut self, key: &str) -> bool {
+        let Some(b) = Self::bit(key) else {
+            return false;
+        };
+        let had = self.0 & b != 0;
+        self.0 &= !b;
+        had
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &'static String> + '_ {
+        managed_keys()
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.0 & (1 << i) != 0)
+            .map(|(_, k)| k)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.count_ones() as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0 == 0
+    }
+}
+
+impl std::fmt::Debug for OwnedKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.iter()).finish()
+    }
+}
+
+impl<S: AsRef<str>> FromIterator<S> for OwnedKeys {
+    fn from_iter<I: IntoIterator<Item = S>>(iter: I) -> Self {
+        let mut o = OwnedKeys::default();
+        for k in iter {
+            o.insert(k);
+        }
+        o
+    }
+}
+
+impl<S: AsRef<str>, const N: usize> From<[S; N]> for OwnedKeys {
+    fn from(keys: [S; N]) -> Self {
+        keys.into_iter().collect()
+    }
+}
+
+impl IntoIterator for OwnedKeys {
+    type Item = String;
+    type IntoIter = std::vec::IntoIter<String>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter().cloned().collect::<Vec<_>>().into_iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::names::*;
+
+    #[test]
+    fn owned_keys_behave_like_a_set_of_managed_keys() {
+        let mut o: OwnedKeys = [LABEL_MIG_CONFIG, ANNOTATION_CONFIG_WRITTEN].into();
+        assert!(o.contains(LABEL_MIG_CONFIG) && o.contains(ANNOTATION_CONFIG_WRITTEN));
+        assert!(!o.contains(LABEL_POLICY));
+        assert!(o.insert(LABEL_POLICY) && !o.insert(LABEL_POLICY));
+        assert!(
+            !o.insert("example.com/not-ours"),
+            "only managed keys are recorded"
+        );
+        assert_eq!(o.len(), 3);
+        assert!(o.remove(LABEL_MIG_CONFIG) && !o.contains(LABEL_MIG_CONFIG));
+        let keys: Vec<String> = o.into_iter().collect();
+        assert_eq!(keys, [LABEL_POLICY, ANNOTATION_CONFIG_WRITTEN]);
+        assert_eq!(std::mem::size_of::<OwnedKeys>(), 1);
+    }
+}
+
+/// A few key/value pairs (the labels or annotations a plan wants on one node): a sorted vector,
+/// which for a handful of entries costs a fraction of a `BTreeMap` node, across thousands of
+/// nodes a pass.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct SmallMap(Vec<(String, String)>);
+
+impl SmallMap {
+    pub fn insert(&mut self, key: String, value: String) {
+        match self.0.binary_search_by(|(k, _)| k.cmp(&key)) {
+            Ok(i) => self.0[i].1 = value,
+            Err(i) => self.0.insert(i, (key, value)),
+        }
+    }
+
+    pub fn get(&self, key: &str) -> Option<&String> {
+        self.0
+            .binary_search_by(|(k, _)| k.as_str().cmp(key))
+            .ok()
+            .map(|i| &self.0[i].1)
+    }
+
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.get(key).is_some()
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.0.iter().map(|(k, _)| k)
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &String> {
+        self.0.iter().map(|(_, v)| v)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &String)> {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for SmallMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl std::ops::Index<&str> for SmallMap {
+    type Output = String;
+    fn index(&self, key: &str) -> &String {
+        self.get(key).unwrap_or_else(|| panic!("no key {key:?}"))
+    }
+}
+
+impl<'a> IntoIterator for &'a SmallMap {
+    type Item = (&'a String, &'a String);
+    type IntoIter = std::iter::Map<
+        std::slice::Iter<'a, (String, String)>,
+        fn(&'a (String, String)) -> (&'a String, &'a String),
+    >;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+}
+
+impl IntoIterator for SmallMap {
+    type Item = (String, String);
+    type IntoIter = std::vec::IntoIter<(String, String)>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
+impl PartialEq<BTreeMap<String, String>> for SmallMap {
+    fn eq(&self, other: &BTreeMap<String, String>) -> bool {
+        self.len() == other.len() && self.iter().zip(other.iter()).all(|(a, b)| a == b)
+    }
+}
+
+impl FromIterator<(String, String)> for SmallMap {
+    fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Self {
+        let mut m = SmallMap::default();
+        for (k, v) in iter {
+            m.insert(k, v);
+        }
+        m
+    }
+}
+
+impl serde::Serialize for SmallMap {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.iter())
+    }
+}
+
+#[cfg(test)]
+mod small_map_tests {
+    use super::*;
+
+    #[test]
+    fn small_maps_behave_like_sorted_maps() {
+        let mut m: SmallMap = [("b".to_string(), "2".to_string())].into_iter().collect();
+        m.insert("a".into(), "1".into());
+        m.insert("b".into(), "3".into());
+        assert_eq!(m.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(m["b"], "3");
+        assert!(m.contains_key("a") && !m.contains_key("c"));
+        assert_eq!(
+            serde_json::to_value(&m).unwrap(),
+            serde_json::json!({"a": "1", "b": "3"})
+        );
+    }
+}

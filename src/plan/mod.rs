@@ -23,7 +23,9 @@ pub mod outputs;
 pub mod policies;
 pub mod status;
 
-pub use labels::{LabelLookup, Labels, SelectionLabels, selection_labels, selector_matches};
+pub use labels::{
+    LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, selection_labels, selector_matches,
+};
 pub use status::MAX_NODE_DETAILS;
 
 use node::{Decision, Env};
@@ -36,11 +38,11 @@ pub struct NodeFacts {
     pub name: String,
     pub labels: Labels,
     /// Managed labels whose value this operator's field manager owns (from managedFields).
-    pub owned: BTreeSet<String>,
+    pub owned: OwnedKeys,
     /// The node's annotations under our keys ([`MANAGED_ANNOTATIONS`]) only.
     pub annotations: Labels,
     /// Which of [`MANAGED_ANNOTATIONS`] this operator's field manager owns.
-    pub owned_annotations: BTreeSet<String>,
+    pub owned_annotations: OwnedKeys,
 }
 
 /// Everything the planner reads.
@@ -105,9 +107,9 @@ pub struct Plan {
     pub cluster_policy_spec: serde_json::Value,
     /// For every node: the managed labels we want to own, with their values. Nodes that need
     /// none of our labels map to an empty set.
-    pub node_labels: BTreeMap<String, BTreeMap<String, String>>,
+    pub node_labels: BTreeMap<String, SmallMap>,
     /// For every node in `node_labels`: the annotations we want to own ([`MANAGED_ANNOTATIONS`]).
-    pub node_annotations: BTreeMap<String, BTreeMap<String, String>>,
+    pub node_annotations: BTreeMap<String, SmallMap>,
     /// Status of every policy, by name.
     pub statuses: BTreeMap<String, GpuSharingPolicyStatus>,
     /// ResourceClaimTemplates of DRA policies, by `namespace/name`.
@@ -138,8 +140,8 @@ pub fn configmap(
 /// What planning the nodes produced.
 #[derive(Default)]
 struct NodePlans<'n> {
-    labels: BTreeMap<String, BTreeMap<String, String>>,
-    annotations: BTreeMap<String, BTreeMap<String, String>>,
+    labels: BTreeMap<String, SmallMap>,
+    annotations: BTreeMap<String, SmallMap>,
     /// Per policy (index in precedence order).
     tallies: BTreeMap<usize, Tally>,
     /// Per policy: the nodes it governs and does not reject.

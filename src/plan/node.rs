@@ -270,8 +270,8 @@ fn decide_sharing(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decisio
 pub struct Outcome {
     pub state: Option<NodeState>,
     pub message: String,
-    pub labels: BTreeMap<String, String>,
-    pub annotations: BTreeMap<String, String>,
+    pub labels: super::SmallMap,
+    pub annotations: super::SmallMap,
 }
 
 /// Turns a decision into the labels and annotations we want to own, and downgrades `Applied` to
@@ -295,7 +295,7 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
 }
 
 fn released(n: &NodeFacts) -> Outcome {
-    let mut labels = BTreeMap::new();
+    let mut labels = super::SmallMap::default();
     if n.owned.contains(LABEL_MIG_CONFIG) {
         labels.insert(LABEL_MIG_CONFIG.into(), MIG_DISABLED_LAYOUT.into());
     }
@@ -306,12 +306,15 @@ fn released(n: &NodeFacts) -> Outcome {
 }
 
 fn held(n: &NodeFacts, state: NodeState, message: String) -> Outcome {
-    let keep = |owned: &std::collections::BTreeSet<String>, have: &super::Labels| {
+    fn keep<T: FromIterator<(String, String)>>(
+        owned: &super::OwnedKeys,
+        have: &super::Labels,
+    ) -> T {
         owned
             .iter()
             .filter_map(|k| have.get(k).map(|v| (k.clone(), v.to_string())))
             .collect()
-    };
+    }
     Outcome {
         state: Some(state),
         message,
@@ -338,7 +341,7 @@ fn written(
     } else {
         (state, message)
     };
-    let mut labels = BTreeMap::new();
+    let mut labels = super::SmallMap::default();
     labels.insert(LABEL_POLICY.to_string(), w.name.clone());
     labels.insert(LABEL_DEVICE_PLUGIN_CONFIG.to_string(), dp);
     if let Some(m) = mig {
@@ -354,8 +357,8 @@ fn written(
 
 /// Our annotations: when the device-plugin config label last changed (kept while it stays), and
 /// which MIG layout content the node was labelled with.
-fn annotations(n: &NodeFacts, env: &Env, dp: &str, mig: Option<&str>) -> BTreeMap<String, String> {
-    let mut a = BTreeMap::new();
+fn annotations(n: &NodeFacts, env: &Env, dp: &str, mig: Option<&str>) -> super::SmallMap {
+    let mut a = super::SmallMap::default();
     if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(dp) {
         a.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), env.now.to_string());
     } else if let Some(v) = n.annotations.get(ANNOTATION_CONFIG_WRITTEN) {
@@ -387,7 +390,7 @@ fn unconfirmed(
     n: &NodeFacts,
     w: &Prepared,
     dp: &str,
-    annotations: &BTreeMap<String, String>,
+    annotations: &super::SmallMap,
 ) -> Option<String> {
     if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(dp) {
         return Some(format!("labelling node with config {dp}"));
@@ -430,7 +433,7 @@ fn unconfirmed(
 /// the MIG manager reports, the old `success` must not be read as confirming the new layout. We
 /// keep owning `pending` only until the MIG manager overwrites it (its update takes the field
 /// over), so we never remove or overwrite its report.
-fn mark_mig_pending(n: &NodeFacts, labels: &mut BTreeMap<String, String>) {
+fn mark_mig_pending(n: &NodeFacts, labels: &mut super::SmallMap) {
     let Some(want) = labels.get(LABEL_MIG_CONFIG) else {
         return;
     };
@@ -631,7 +634,7 @@ mod tests {
             ("nvidia.com/device-plugin.config", "p-12345678"),
         ]);
         n.annotations.insert(ANNOTATION_CONFIG_WRITTEN, "42");
-        n.owned_annotations.insert(ANNOTATION_CONFIG_WRITTEN.into());
+        n.owned_annotations.insert(ANNOTATION_CONFIG_WRITTEN);
         let held = outcome(&n, None, &env, hold(NodeState::Failed, "x"));
         assert_eq!(held.labels.len(), 3);
         assert_eq!(held.annotations[ANNOTATION_CONFIG_WRITTEN], "42");
@@ -646,7 +649,8 @@ mod tests {
                 ),
                 (LABEL_MIG_STATE.to_string(), "pending".to_string())
             ]
-            .into()
+            .into_iter()
+            .collect::<super::super::SmallMap>()
         );
         assert!(released.annotations.is_empty());
     }

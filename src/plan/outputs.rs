@@ -51,7 +51,7 @@ pub fn mig_config(
     prepared: &[Prepared],
     input: &PlanInput,
     nodes: &[&NodeFacts],
-    wanted: &BTreeMap<String, BTreeMap<String, String>>,
+    wanted: &BTreeMap<String, super::SmallMap>,
 ) -> Option<String> {
     let mut custom = BTreeMap::new();
     for p in prepared.iter().filter(|p| p.errors.is_empty()) {

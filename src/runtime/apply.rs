@@ -179,8 +179,8 @@ pub async fn delete_unused_mig_configmap(
 /// Whether the node's labels and annotations already are what we want to own.
 pub fn node_in_sync(
     node: &NodeFacts,
-    desired: &BTreeMap<String, String>,
-    desired_annotations: &BTreeMap<String, String>,
+    desired: &plan::SmallMap,
+    desired_annotations: &plan::SmallMap,
 ) -> bool {
     let owned: BTreeSet<&String> = node
         .owned
@@ -200,7 +200,7 @@ pub fn node_in_sync(
 
 /// Nodes whose labels or annotations differ from the plan.
 pub fn nodes_to_change(nodes: &[Arc<NodeFacts>], plan: &Plan) -> Vec<String> {
-    let none = BTreeMap::new();
+    let none = plan::SmallMap::default();
     nodes
         .iter()
         .filter(|node| {

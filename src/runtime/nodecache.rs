@@ -70,7 +70,7 @@ pub fn facts(node: PartialObjectMeta<Node>, manager: &str, strings: &mut Interne
         .iter()
         .flatten()
         .filter(|(k, _)| MANAGED_ANNOTATIONS.contains(&k.as_str()))
-        .map(|(k, v)| (strings.intern(k), Arc::<str>::from(v.as_str())))
+        .map(|(k, v)| (strings.intern(k), strings.intern(v)))
         .collect::<Vec<_>>();
     let labels = meta
         .labels
@@ -79,8 +79,8 @@ pub fn facts(node: PartialObjectMeta<Node>, manager: &str, strings: &mut Interne
         .map(|(k, v)| (strings.intern(k), strings.intern(v)))
         .collect::<Vec<_>>();
     NodeFacts {
-        owned: owned_labels(managed, manager),
-        owned_annotations: owned_annotations(managed, manager),
+        owned: owned_labels(managed, manager).into_iter().collect(),
+        owned_annotations: owned_annotations(managed, manager).into_iter().collect(),
         name: meta.name.unwrap_or_default(),
         labels: Labels::from_pairs(labels),
         annotations: Labels::from_pairs(annotations),
@@ -224,7 +224,7 @@ mod tests {
         assert_eq!(&f.labels["nvidia.com/gpu.product"], "NVIDIA-L4");
         assert_eq!(
             f.owned,
-            BTreeSet::from([
+            crate::plan::OwnedKeys::from([
                 "gpusharing.io/policy".to_string(),
                 "nvidia.com/device-plugin.config".to_string()
             ])
