@@ -94,15 +94,22 @@ async fn time_slicing_profiles_by_node_label_and_relabel_moves_nodes() {
         labels(&c, "l4-node-1").await["nvidia.com/device-plugin.config"],
         heavy_key
     );
-    // l4-time-slicing also selects l4-node-1 but loses it to the higher priority.
+    // l4-time-slicing also selects l4-node-1 but loses it to the higher priority: the
+    // documented per-node profile pattern, an override rather than a conflict.
     assert_eq!(ts["nodes"], "1/2");
-    assert_eq!(condition(&ts, "Conflicted").unwrap()["status"], "True");
+    assert_eq!(condition(&ts, "Conflicted").unwrap()["status"], "False");
+    assert_eq!(condition(&ts, "Overridden").unwrap()["status"], "True");
+    assert_eq!(
+        condition(&ts, "Overridden").unwrap()["reason"],
+        "HigherPriorityPolicy"
+    );
     assert!(
-        condition(&ts, "Conflicted").unwrap()["message"]
+        condition(&ts, "Overridden").unwrap()["message"]
             .as_str()
             .unwrap()
-            .contains("l4-node-1 (won by l4-heavy)")
+            .contains("l4-node-1 (overridden by l4-heavy)")
     );
+    assert_eq!(ts["overriddenNodes"], 1);
     let data = configmap_data(&c, DP_CM).await.unwrap();
     assert!(data[&heavy_key].contains("replicas: 8"));
     assert!(data[&ts_key].contains("replicas: 4"));

@@ -121,3 +121,48 @@ async fn dra_templates_follow_the_policy() {
     .await;
     op.stop().await;
 }
+
+/// A policy is Ready only when everything it owns exists: a template whose namespace is missing
+/// makes it `Ready=False` (`NamespaceMissing`), and the namespace's creation brings the template
+/// at once (a watch event, not the resync, which is set far beyond the wait here).
+#[tokio::test]
+async fn a_template_waits_for_its_namespace_and_follows_it_at_once() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start_with(
+        c.clone(),
+        gpu_sharing_operator::runtime::controller::Config {
+            namespace: Some(NS.into()),
+            resync: std::time::Duration::from_secs(600),
+            ..Default::default()
+        },
+    );
+    common::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
+        .await
+        .unwrap();
+    let s = until("dra-mps NamespaceMissing", LONG, || async {
+        let s = policy_status(&c, "dra-mps").await?;
+        (condition(&s, "Ready")?["reason"] == "NamespaceMissing").then_some(s)
+    })
+    .await;
+    let not_ready = condition(&s, "Ready").unwrap();
+    assert_eq!(not_ready["status"], "False");
+    assert!(not_ready["message"].as_str().unwrap().contains(TEAM), "{not_ready}");
+    assert!(template(&c).await.is_none());
+
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": TEAM}})).unwrap();
+    Api::<Namespace>::all(c.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+    until(
+        "template and Ready after the namespace appears",
+        std::time::Duration::from_secs(30),
+        || async {
+            template(&c).await?;
+            ready(&c, "dra-mps").await
+        },
+    )
+    .await;
+    op.stop().await;
+}

@@ -427,10 +427,14 @@ async fn priority_edit_changes_the_winner_on_the_node() {
         &[("gpusharing.io/policy", "second")],
     )
     .await;
-    until("first Conflicted, naming the winner", LONG, || async {
+    // Now a higher priority decides: an override, not a conflict.
+    until("first Overridden, naming the winner", LONG, || async {
         let s = policy_status(&c, "first").await?;
-        let cond = condition(&s, "Conflicted")?;
-        (cond["status"] == "True" && cond["message"].as_str()?.contains("second")).then_some(())
+        let cond = condition(&s, "Overridden")?;
+        (cond["status"] == "True"
+            && cond["message"].as_str()?.contains("second")
+            && condition(&s, "Conflicted")?["status"] == "False")
+            .then_some(())
     })
     .await;
     op.stop().await;

@@ -105,7 +105,7 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
 }
 
 #[tokio::test]
-async fn conflicting_policies_report_the_winner_and_emit_an_event() {
+async fn an_overridden_policy_reports_the_winner_and_emits_an_event() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
@@ -119,30 +119,33 @@ async fn conflicting_policies_report_the_winner_and_emit_an_event() {
     )
     .await
     .unwrap();
-    let s = until("mps-low Conflicted", LONG, || async {
+    // ts-high has the higher priority: an override of mps-low, not a conflict.
+    let s = until("mps-low Overridden", LONG, || async {
         let s = policy_status(&c, "mps-low").await?;
-        (condition(&s, "Conflicted")?["status"] == "True").then_some(s)
+        (condition(&s, "Overridden")?["status"] == "True").then_some(s)
     })
     .await;
-    let msg = condition(&s, "Conflicted").unwrap()["message"]
+    let msg = condition(&s, "Overridden").unwrap()["message"]
         .as_str()
         .unwrap()
         .to_string();
-    assert!(msg.contains("h200-node-0 (won by ts-high)"), "{msg}");
-    assert_eq!(s["conflictingNodes"], 1);
+    assert!(msg.contains("h200-node-0 (overridden by ts-high)"), "{msg}");
+    assert_eq!(s["overriddenNodes"], 1);
+    assert_eq!(s["conflictingNodes"], 0);
+    assert_eq!(condition(&s, "Conflicted").unwrap()["status"], "False");
     until("ts-high Ready", LONG, || ready(&c, "ts-high")).await;
     let l = labels(&c, "h200-node-0").await;
     assert_eq!(l["gpusharing.io/policy"], "ts-high");
     assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "time-slicing");
     // An event on the losing policy says so.
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(c.clone(), "default");
-    until("Conflicted event", LONG, || async {
+    until("Overridden event", LONG, || async {
         let list = events.list(&ListParams::default()).await.ok()?;
         list.items
             .iter()
             .find(|e| {
                 e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("mps-low")
-                    && e.reason.as_deref() == Some("OverlappingPolicy")
+                    && e.reason.as_deref() == Some("HigherPriorityPolicy")
             })
             .map(|_| ())
     })

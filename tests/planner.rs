@@ -543,6 +543,22 @@ fn overlapping_policies_priority_then_age_then_name() {
     assert_eq!(p.statuses["new"].conflicting_nodes, 1);
     let p = plan::plan(&PlanInput::new(vec![low_new, low_old, high], nodes));
     assert_eq!(p.node_labels["h200-0"]["gpusharing.io/policy"], "high");
+    // A higher priority is an intended override, not a conflict.
+    let cond = |name: &str, t: &str| {
+        let c = p.statuses[name]
+            .conditions
+            .iter()
+            .find(|c| c.type_ == t)
+            .unwrap();
+        (c.status.as_str(), c.reason.as_str(), c.message.clone())
+    };
+    let (status, reason, message) = cond("old", "Overridden");
+    assert_eq!((status, reason), ("True", "HigherPriorityPolicy"));
+    assert!(message.contains("h200-0 (overridden by high)"), "{message}");
+    assert_eq!(cond("old", "Conflicted").0, "False");
+    assert_eq!(p.statuses["old"].overridden_nodes, 1);
+    assert_eq!(p.statuses["old"].conflicting_nodes, 0);
+    assert_eq!(cond("high", "Overridden").0, "False");
 }
 
 #[test]

@@ -380,9 +380,13 @@ pub struct GpuSharingPolicyStatus {
     #[serde(default)]
     pub applied_nodes: i32,
 
-    /// Matched nodes another policy wins.
+    /// Matched nodes another policy of the same priority wins (by age or name): a conflict.
     #[serde(default)]
     pub conflicting_nodes: i32,
+
+    /// Matched nodes a policy of higher priority wins: an intended override, not a conflict.
+    #[serde(default)]
+    pub overridden_nodes: i32,
 
     /// Key of the device-plugin ConfigMap the nodes are labelled with.
     #[serde(default, skip_serializing_if = "Option::is_none")]

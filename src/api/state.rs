@@ -62,8 +62,10 @@ string_enum!(
         Failed,
         // Its named MIG layout changed content since the node was configured.
         Stale,
-        // Another policy governs the node.
+        // Another policy of the same priority governs the node (decided by age or name).
         Conflicted,
+        // A policy of higher priority governs the node: an intended override.
+        Overridden,
     }
 );
 
@@ -85,6 +87,7 @@ string_enum!(
         Ready,
         Progressing,
         Conflicted,
+        Overridden,
         Degraded,
     }
 );
@@ -103,6 +106,7 @@ string_enum!(
         Progressing,
         NotAccepted,
         MigLayoutChanged,
+        NamespaceMissing,
         // Progressing
         Reconfiguring,
         WaitingForIdleGPUs,
@@ -110,6 +114,9 @@ string_enum!(
         // Conflicted
         OverlappingPolicy,
         NoOverlap,
+        // Overridden
+        HigherPriorityPolicy,
+        NotOverridden,
         // Degraded
         MigConfigFailed,
         ClusterPolicyMissing,

@@ -61,6 +61,9 @@ pub struct PlanInput {
     /// Layouts of our own mig-parted ConfigMap as it is now (to keep layouts nodes still name,
     /// and to recognise a node's pre-upgrade `custom-<policy>` layout by its content).
     pub current_mig_configs: BTreeMap<String, serde_json::Value>,
+    /// Namespaces that exist, when known (`None`: assume every namespace a DRA policy lists
+    /// exists, as `render` without a cluster does).
+    pub namespaces: Option<BTreeSet<String>>,
     /// Unix time in seconds, recorded on nodes whose device-plugin config label changes (the
     /// planner reads no clock; the caller passes it).
     pub now: i64,
@@ -86,6 +89,7 @@ impl PlanInput {
             current_device_config: BTreeMap::new(),
             base_mig_configs: None,
             current_mig_configs: BTreeMap::new(),
+            namespaces: None,
             now: 0,
             cluster_policy_found: true,
             cluster_policy_contested: None,
@@ -260,16 +264,25 @@ pub fn plan(input: &PlanInput) -> Plan {
     let mut invalid = BTreeMap::new();
     for (i, p) in prepared.iter().enumerate() {
         let accepted = np.accepted.remove(&i).unwrap_or_default();
-        let templates = outputs::claim_templates(p, &accepted);
+        let (templates, missing_namespaces) =
+            outputs::claim_templates(p, &accepted, input.namespaces.as_ref());
         let matched: &[&str] = assignment.matched.get(&p.name).map_or(&[], Vec::as_slice);
-        let conflicting = matched
-            .iter()
-            .filter(|n| assignment.winner[*n] != i)
-            .map(|n| format!("{n} (won by {})", prepared[assignment.winner[n]].name))
-            .collect();
+        // A node another policy wins is overridden when that policy has the higher priority
+        // (intended), and a conflict when only age or name decided.
+        let (mut conflicting, mut overridden) = (Vec::new(), Vec::new());
+        for n in matched.iter().filter(|n| assignment.winner[*n] != i) {
+            let w = &prepared[assignment.winner[n]];
+            if w.spec.priority > p.spec.priority {
+                overridden.push(format!("{n} (overridden by {})", w.name));
+            } else {
+                conflicting.push(format!("{n} (won by {})", w.name));
+            }
+        }
         let place = Placement {
             matched,
             conflicting,
+            overridden,
+            missing_namespaces,
             templates: templates.iter().map(|(id, _)| id.clone()).collect(),
         };
         let tally = np.tallies.remove(&i).unwrap_or_default();

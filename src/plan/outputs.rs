@@ -113,16 +113,18 @@ pub fn cluster_policy_spec(
 }
 
 /// ResourceClaimTemplates of an accepted DRA policy, as `namespace/name` and object, in the
-/// order of its namespaces. Memory defaults come
+/// order of its namespaces; and the namespaces it lists that do not exist (when `existing` is
+/// known), whose templates wait for them. Memory defaults come
 /// from the smallest GPU among the nodes it governs and accepts (a rejected node must not shape
 /// the limits).
 pub fn claim_templates(
     p: &Prepared,
     accepted_nodes: &[&NodeFacts],
-) -> Vec<(String, serde_json::Value)> {
-    let mut out = Vec::new();
+    existing: Option<&BTreeSet<String>>,
+) -> (Vec<(String, serde_json::Value)>, Vec<String>) {
+    let (mut out, mut missing) = (Vec::new(), Vec::new());
     let Some(dra) = p.spec.dra.as_ref().filter(|_| p.accepted()) else {
-        return out;
+        return (out, missing);
     };
     let min_mem = accepted_nodes
         .iter()
@@ -130,8 +132,12 @@ pub fn claim_templates(
         .min();
     let name = nvidia::dra::template_name(&p.name, p.spec);
     for ns in &dra.namespaces {
+        if existing.is_some_and(|e| !e.contains(ns)) {
+            missing.push(ns.clone());
+            continue;
+        }
         let t = nvidia::dra::claim_template(&p.name, ns, p.spec, min_mem);
         out.push((format!("{ns}/{name}"), t));
     }
-    out
+    (out, missing)
 }

@@ -40,10 +40,14 @@ pub struct Cluster<'a> {
 pub struct Placement<'a> {
     /// Nodes the selector matches, in name order.
     pub matched: &'a [&'a str],
-    /// Matched nodes another policy governs, as `<node> (won by <policy>)`.
+    /// Matched nodes another policy of the same priority governs, as `<node> (won by <policy>)`.
     pub conflicting: Vec<String>,
+    /// Matched nodes a policy of higher priority governs, as `<node> (overridden by <policy>)`.
+    pub overridden: Vec<String>,
     /// `namespace/name` of its ResourceClaimTemplates.
     pub templates: Vec<String>,
+    /// Namespaces its DRA settings list that do not exist (their templates wait for them).
+    pub missing_namespaces: Vec<String>,
 }
 
 pub fn condition(
@@ -94,7 +98,7 @@ fn accepted(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
     }
 }
 
-fn ready(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
+fn ready(p: &Prepared, t: &Tally, missing_namespaces: &[String]) -> (bool, Reason, String) {
     let won = t.details.len() as i32;
     let stale = t.in_state(NodeState::Stale).len();
     let all = t.applied == won && t.in_state(NodeState::Rejected).is_empty();
@@ -104,6 +108,12 @@ fn ready(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
             Reason::NotAccepted,
             "the policy is not accepted".into(),
         )
+    } else if !missing_namespaces.is_empty() {
+        let msg = format!(
+            "namespaces {} do not exist: their ResourceClaimTemplates are created as soon as they do",
+            missing_namespaces.join(", ")
+        );
+        (false, Reason::NamespaceMissing, msg)
     } else if won == 0 {
         let msg = "no node is governed by this policy".to_string();
         (true, Reason::NoNodes, msg)
@@ -138,9 +148,13 @@ fn progressing(t: &Tally) -> (bool, Reason, String) {
     }
 }
 
-fn conflicted(conflicting: &[String]) -> (bool, Reason, String) {
-    if conflicting.is_empty() {
-        let msg = "no other policy selects these nodes".to_string();
+/// A conflict is what priority does not decide: an overlap with a policy of the same priority
+/// (won by age or name), or a clash with the cluster-wide MIG strategy.
+fn conflicted(p: &Prepared, conflicting: &[String]) -> (bool, Reason, String) {
+    if let (true, Some(why)) = (conflicting.is_empty(), &p.blocked) {
+        (true, Reason::ClusterWideConflict, why.clone())
+    } else if conflicting.is_empty() {
+        let msg = "no other policy of the same priority selects these nodes".to_string();
         (false, Reason::NoOverlap, msg)
     } else {
         let shown: Vec<String> = conflicting.iter().take(10).cloned().collect();
@@ -150,6 +164,22 @@ fn conflicted(conflicting: &[String]) -> (bool, Reason, String) {
             shown.join(", ")
         );
         (true, Reason::OverlappingPolicy, msg)
+    }
+}
+
+/// An override is intended: a policy of higher priority takes some of the nodes.
+fn overridden(overridden: &[String]) -> (bool, Reason, String) {
+    if overridden.is_empty() {
+        let msg = "no policy of higher priority selects these nodes".to_string();
+        (false, Reason::NotOverridden, msg)
+    } else {
+        let shown: Vec<String> = overridden.iter().take(10).cloned().collect();
+        let msg = format!(
+            "{} matched nodes are governed by a policy of higher priority: {}",
+            overridden.len(),
+            shown.join(", ")
+        );
+        (true, Reason::HigherPriorityPolicy, msg)
     }
 }
 
@@ -237,9 +267,13 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
     };
     let conditions = vec![
         cond(ConditionType::Accepted, accepted(p, &t)),
-        cond(ConditionType::Ready, ready(p, &t)),
+        cond(
+            ConditionType::Ready,
+            ready(p, &t, &place.missing_namespaces),
+        ),
         cond(ConditionType::Progressing, progressing(&t)),
-        cond(ConditionType::Conflicted, conflicted(&place.conflicting)),
+        cond(ConditionType::Conflicted, conflicted(p, &place.conflicting)),
+        cond(ConditionType::Overridden, overridden(&place.overridden)),
         cond(ConditionType::Degraded, degraded(p, &t, c)),
     ];
     let warnings = warnings(p, &t);
@@ -250,13 +284,19 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         })
     });
     let mut details = t.details;
-    for c in &place.conflicting {
-        let node = c.split(' ').next().unwrap_or_default();
-        details.push(NodeDetail {
-            name: node.into(),
-            state: NodeState::Conflicted,
-            message: c.clone(),
-        });
+    let others = [
+        (&place.conflicting, NodeState::Conflicted),
+        (&place.overridden, NodeState::Overridden),
+    ];
+    for (list, state) in others {
+        for c in list {
+            let node = c.split(' ').next().unwrap_or_default();
+            details.push(NodeDetail {
+                name: node.into(),
+                state,
+                message: c.clone(),
+            });
+        }
     }
     // Non-ready first, then by name; bounded.
     details.sort_by(|a, b| {
@@ -271,6 +311,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         matched_nodes: place.matched.len() as i32,
         applied_nodes: t.applied,
         conflicting_nodes: place.conflicting.len() as i32,
+        overridden_nodes: place.overridden.len() as i32,
         device_config_key: if p.spec.backend == Backend::Dra {
             None
         } else {

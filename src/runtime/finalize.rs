@@ -144,7 +144,7 @@ async fn condition_events(
                 (c.type_.as_str(), c.status.as_str()),
                 ("Accepted", "False") | ("Conflicted", "True") | ("Degraded", "True")
             );
-            if bad || c.type_ == "Ready" {
+            if bad || c.type_ == "Ready" || c.type_ == "Overridden" {
                 let t = if bad {
                     EventType::Warning
                 } else {

@@ -83,6 +83,11 @@ impl Context {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64);
         input.gpu_pods = self.gpu_pods();
+        input.namespaces = self
+            .caches
+            .namespaces
+            .as_ref()
+            .map(|s| s.state().iter().map(|n| n.name_any()).collect());
         input.cluster_policy_found = self.active_cluster_policy().is_some();
         input.cluster_policy_contested = self.contested();
         input.mig_stuck = self.mig_stuck(&input.nodes);

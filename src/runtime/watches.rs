@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use futures::{StreamExt, TryStreamExt, stream};
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 use kube::Client;
 use kube::api::{Api, DynamicObject, PartialObjectMeta};
@@ -32,6 +32,8 @@ pub struct Caches {
     pub cluster_policies: Option<Store<DynamicObject>>,
     /// Our ResourceClaimTemplates (DRA backend), when resource.k8s.io/v1 is served.
     pub claim_templates: Option<Store<ResourceClaimTemplate>>,
+    /// Namespaces (metadata), when we may list them: a DRA template waits for its namespace.
+    pub namespaces: Option<Store<PartialObjectMeta<Namespace>>>,
 }
 
 impl Caches {
@@ -45,6 +47,9 @@ impl Caches {
             c.wait_until_ready().await.ok();
         }
         if let Some(c) = &self.claim_templates {
+            c.wait_until_ready().await.ok();
+        }
+        if let Some(c) = &self.namespaces {
             c.wait_until_ready().await.ok();
         }
     }
@@ -140,6 +145,7 @@ pub async fn start(
         cm_stream.map_ok(|_| ()).boxed(),
     ];
     let claim_templates = claim_template_watch(client, &mut streams).await;
+    let namespaces = namespace_watch(client, &mut streams).await;
     let cluster_policies = if cluster_policy_served {
         Some(cluster_policy_watch(cp_api, &mut streams))
     } else {
@@ -165,8 +171,35 @@ pub async fn start(
         pods,
         cluster_policies,
         claim_templates,
+        namespaces,
     };
     (caches, events)
+}
+
+/// Namespaces, as metadata only (a template is created as soon as its namespace appears). An
+/// operator without the RBAC to list them assumes every namespace exists, as before.
+async fn namespace_watch(
+    client: &Client,
+    streams: &mut Streams,
+) -> Option<Store<PartialObjectMeta<Namespace>>> {
+    let api: Api<PartialObjectMeta<Namespace>> = Api::all(client.clone());
+    if let Err(e) = api
+        .list_metadata(&kube::api::ListParams::default().limit(1))
+        .await
+    {
+        warn!(error = %e, "cannot list namespaces: DRA policies are reported Ready without checking that their namespaces exist");
+        return None;
+    }
+    let (store, w) = reflector::store();
+    streams.push(
+        reflector::reflector(
+            w,
+            watcher(api, watcher::Config::default()).default_backoff(),
+        )
+        .map_ok(|_| ())
+        .boxed(),
+    );
+    Some(store)
 }
 
 type Streams = Vec<futures::stream::BoxStream<'static, Result<(), watcher::Error>>>;

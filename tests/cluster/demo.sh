@@ -83,6 +83,9 @@ PIDS+=($!)
 say "Admins pick profiles with node labels, then apply examples/"
 kubectl label node l4-node-1 gpusharing.io/profile=l4-heavy --overwrite
 kubectl label node a100-node-0 gpusharing.io/profile=mig-shared --overwrite
+# examples/dra-mps.yaml renders its ResourceClaimTemplate into this namespace (the policy is
+# not Ready until it exists).
+kubectl create namespace gpu-test6 --dry-run=client -o yaml | kubectl apply -f -
 kubectl apply -f "$REPO/examples/"
 
 say "Waiting for the policies to converge"
