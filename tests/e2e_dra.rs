@@ -147,7 +147,10 @@ async fn a_template_waits_for_its_namespace_and_follows_it_at_once() {
     .await;
     let not_ready = condition(&s, "Ready").unwrap();
     assert_eq!(not_ready["status"], "False");
-    assert!(not_ready["message"].as_str().unwrap().contains(TEAM), "{not_ready}");
+    assert!(
+        not_ready["message"].as_str().unwrap().contains(TEAM),
+        "{not_ready}"
+    );
     assert!(template(&c).await.is_none());
 
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": TEAM}})).unwrap();

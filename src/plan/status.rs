@@ -157,14 +157,19 @@ fn conflicted(p: &Prepared, conflicting: &[String]) -> (bool, Reason, String) {
         let msg = "no other policy of the same priority selects these nodes".to_string();
         (false, Reason::NoOverlap, msg)
     } else {
-        let shown: Vec<String> = conflicting.iter().take(10).cloned().collect();
-        let msg = format!(
-            "{} matched nodes are governed by another policy: {}",
-            conflicting.len(),
-            shown.join(", ")
-        );
+        let msg = governed(conflicting, "another policy");
         (true, Reason::OverlappingPolicy, msg)
     }
+}
+
+/// `N matched nodes are governed by <by>: <up to 10 of them>`.
+fn governed(nodes: &[String], by: &str) -> String {
+    let shown: Vec<&str> = nodes.iter().take(10).map(String::as_str).collect();
+    format!(
+        "{} matched nodes are governed by {by}: {}",
+        nodes.len(),
+        shown.join(", ")
+    )
 }
 
 /// An override is intended: a policy of higher priority takes some of the nodes.
@@ -173,12 +178,7 @@ fn overridden(overridden: &[String]) -> (bool, Reason, String) {
         let msg = "no policy of higher priority selects these nodes".to_string();
         (false, Reason::NotOverridden, msg)
     } else {
-        let shown: Vec<String> = overridden.iter().take(10).cloned().collect();
-        let msg = format!(
-            "{} matched nodes are governed by a policy of higher priority: {}",
-            overridden.len(),
-            shown.join(", ")
-        );
+        let msg = governed(overridden, "a policy of higher priority");
         (true, Reason::HigherPriorityPolicy, msg)
     }
 }
