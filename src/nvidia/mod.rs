@@ -371,11 +371,6 @@ pub fn content_hash(v: &serde_json::Value) -> String {
     digest.iter().take(4).map(|b| format!("{b:02x}")).collect()
 }
 
-/// Content hash of a mig-parted layout (its list of entries) as read from a ConfigMap.
-pub fn layout_hash(entries: &serde_json::Value) -> Option<String> {
-    Some(content_hash(entries))
-}
-
 /// mig-parted entries of a custom layout.
 pub fn custom_layout_entries(mig: &Mig) -> Vec<MigConfigEntry> {
     mig.custom_layout

@@ -176,7 +176,7 @@ fn layout_hashes<'a>(
             .as_ref()
             .and_then(|b| b.get(name))
             .or_else(|| input.current_mig_configs.get(name))
-            .and_then(nvidia::layout_hash)
+            .map(nvidia::content_hash)
     }
 }
 
@@ -200,7 +200,6 @@ fn plan_nodes<'n>(
                 .unwrap_or_default(),
             mig_stuck: input.mig_stuck.contains(&n.name),
             now: input.now,
-            current_mig_configs: &input.current_mig_configs,
             layout_hash: &hashes,
         };
         let decision = node::decide(n, policy, &env);

@@ -11,8 +11,6 @@
 //! - A node the MIG manager failed on (or that stayed pending past the timeout) is left alone.
 //! - A node counts as `Applied` only when NVIDIA's components confirm what the spec says.
 
-use std::collections::BTreeMap;
-
 use crate::api::crd::{Backend, Strategy};
 use crate::api::names::*;
 use crate::api::state::NodeState;
@@ -31,8 +29,6 @@ pub struct Env<'a> {
     pub mig_stuck: bool,
     /// Unix seconds, recorded when the device-plugin config label changes.
     pub now: i64,
-    /// Our mig-parted ConfigMap's layouts as they are now.
-    pub current_mig_configs: &'a BTreeMap<String, serde_json::Value>,
     /// What a layout name means now, as a content hash (`None`: unknown, or `all-disabled`).
     pub layout_hash: &'a dyn Fn(&str) -> Option<String>,
 }
@@ -131,12 +127,7 @@ fn target_layout(n: &NodeFacts, w: &Prepared, env: &Env) -> String {
     let layout = w.layout.clone().expect("mig policies have a layout");
     if let Some((_, hash)) = &w.custom {
         let legacy = nvidia::legacy_custom_layout_name(&w.name);
-        let same = env
-            .current_mig_configs
-            .get(&legacy)
-            .and_then(nvidia::layout_hash)
-            .as_ref()
-            == Some(hash);
+        let same = (env.layout_hash)(&legacy).as_ref() == Some(hash);
         if n.labels.get(LABEL_MIG_CONFIG) == Some(legacy.as_str()) && same {
             return legacy;
         }
@@ -446,6 +437,8 @@ fn mark_mig_pending(n: &NodeFacts, labels: &mut super::SmallMap) {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
     use crate::api::crd::GpuSharingPolicy;
     use crate::plan::policies::prepare_all;
@@ -580,7 +573,6 @@ mod tests {
                 Some(DRA), vec![("nvidia.com/mig.capable", "false")], none, false, Want::Write(Applied, "default", None)),
         ];
         let hash = |l: &str| (l != MIG_DISABLED_LAYOUT).then(|| "h".to_string());
-        let current = BTreeMap::new();
         for (what, spec, labels, pods, stuck, want) in rows {
             let policies: Vec<GpuSharingPolicy> =
                 spec.map(|s| policy("p", s)).into_iter().collect();
@@ -591,7 +583,6 @@ mod tests {
                 gpu_pods: &pods.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
                 mig_stuck: stuck,
                 now: 100,
-                current_mig_configs: &current,
                 layout_hash: &hash,
             };
             let p = prepared.first();
@@ -620,12 +611,10 @@ mod tests {
     #[test]
     fn outcomes_keep_what_a_hold_owns_and_release_gives_back() {
         let hash = |_: &str| None;
-        let current = BTreeMap::new();
         let env = Env {
             gpu_pods: &[],
             mig_stuck: false,
             now: 100,
-            current_mig_configs: &current,
             layout_hash: &hash,
         };
         let mut n = node(&[
@@ -658,12 +647,10 @@ mod tests {
     #[test]
     fn applied_waits_for_gfd_after_our_write() {
         let hash = |_: &str| None;
-        let current = BTreeMap::new();
         let env = Env {
             gpu_pods: &[],
             mig_stuck: false,
             now: 100,
-            current_mig_configs: &current,
             layout_hash: &hash,
         };
         let policies = vec![policy("p", MPS)];

@@ -83,12 +83,7 @@ async fn apply_configmap(
     why: &str,
     report: &mut WriteReport,
 ) -> Result<(), Error> {
-    let current = ctx
-        .caches
-        .configmaps
-        .state()
-        .into_iter()
-        .find(|c| c.name_any() == name);
+    let current = ctx.configmap(name);
     let same = current.as_ref().is_some_and(|c| {
         let cur: BTreeMap<String, String> =
             c.data.clone().unwrap_or_default().into_iter().collect();
@@ -118,13 +113,7 @@ pub async fn apply_configmaps(
     has_policies: bool,
     report: &mut WriteReport,
 ) -> Result<(), Error> {
-    let cm_exists = ctx
-        .caches
-        .configmaps
-        .state()
-        .iter()
-        .any(|c| c.name_any() == ctx.config.device_configmap);
-    if cm_exists || has_policies {
+    if has_policies || ctx.configmap(&ctx.config.device_configmap).is_some() {
         let name = &ctx.config.device_configmap;
         let why = "policies changed";
         apply_configmap(ctx, name, "device-plugin", &plan.device_config, why, report).await?;
@@ -156,12 +145,7 @@ pub async fn delete_unused_mig_configmap(
         return Ok(());
     }
     let name = &ctx.config.mig_configmap;
-    let exists = ctx
-        .caches
-        .configmaps
-        .state()
-        .iter()
-        .any(|c| c.name_any() == *name);
+    let exists = ctx.configmap(name).is_some();
     let referenced = ctx.active_cluster_policy().is_some_and(|cp| {
         lookup(&cp.data, ".spec.migManager.config.name").and_then(|v| v.as_str())
             == Some(name.as_str())

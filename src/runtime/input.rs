@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::ResourceExt;
 use kube::api::DynamicObject;
+use kube::runtime::reflector::ObjectRef;
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::*;
@@ -32,14 +33,18 @@ fn uses_gpu(p: &Pod) -> bool {
 }
 
 /// The mig-parted layouts of a ConfigMap's `config.yaml`.
-fn mig_configs(cms: &[Arc<ConfigMap>], name: &str) -> Option<BTreeMap<String, serde_json::Value>> {
-    cms.iter()
-        .find(|c| c.name_any() == name)
-        .and_then(|c| c.data.as_ref()?.get(MIG_PARTED_KEY).cloned())
+fn mig_configs(cm: Option<Arc<ConfigMap>>) -> Option<BTreeMap<String, serde_json::Value>> {
+    cm.and_then(|c| c.data.as_ref()?.get(MIG_PARTED_KEY).cloned())
         .and_then(|t| nvidia::parse_mig_configs(&t).ok())
 }
 
 impl Context {
+    /// A ConfigMap of the GPU Operator namespace, from the cache.
+    pub(crate) fn configmap(&self, name: &str) -> Option<Arc<ConfigMap>> {
+        let key = ObjectRef::new(name).within(&self.namespace);
+        self.caches.configmaps.get(&key)
+    }
+
     /// Pods that use GPUs, by node (`namespace/name`, sorted).
     fn gpu_pods(&self) -> BTreeMap<String, Vec<String>> {
         let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -66,19 +71,17 @@ impl Context {
             .iter()
             .map(|p| (**p).clone())
             .collect();
-        let cms = self.caches.configmaps.state();
         let mut input = PlanInput::new(policies, vec![]);
         input.nodes = self.caches.nodes.snapshot();
-        input.current_device_config = cms
-            .iter()
-            .find(|c| c.name_any() == self.config.device_configmap)
+        input.current_device_config = self
+            .configmap(&self.config.device_configmap)
             .and_then(|c| c.data.clone())
             .unwrap_or_default()
             .into_iter()
             .collect();
-        input.base_mig_configs = mig_configs(&cms, DEFAULT_MIG_CONFIGMAP);
+        input.base_mig_configs = mig_configs(self.configmap(DEFAULT_MIG_CONFIGMAP));
         input.current_mig_configs =
-            mig_configs(&cms, &self.config.mig_configmap).unwrap_or_default();
+            mig_configs(self.configmap(&self.config.mig_configmap)).unwrap_or_default();
         input.now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64);

@@ -24,16 +24,15 @@ fn subtrees<'a>(
 }
 
 /// The keys `manager` owns directly under `path` (label or annotation names, without `f:`).
-pub fn owned_keys(
-    entries: &[ManagedFieldsEntry],
-    manager: &str,
-    path: &[&str],
-) -> BTreeSet<String> {
+pub fn owned_keys<'a>(
+    entries: &'a [ManagedFieldsEntry],
+    manager: &'a str,
+    path: &'a [&'a str],
+) -> impl Iterator<Item = &'a str> + 'a {
     subtrees(entries, manager, path)
         .filter_map(|v| v.as_object())
         .flat_map(|m| m.keys())
-        .filter_map(|k| k.strip_prefix("f:").map(String::from))
-        .collect()
+        .filter_map(|k| k.strip_prefix("f:"))
 }
 
 /// The leaf paths `manager` owns under `f:<root>`, dotted (`spec.devicePlugin.config.name`).
@@ -99,14 +98,12 @@ mod tests {
                 serde_json::json!({"f:metadata": {"f:labels": {"f:y": {}}}}),
             ),
         ];
-        assert_eq!(
-            owned_keys(&entries, "us", &["f:metadata", "f:labels"]),
-            ["nvidia.com/mig.config".to_string()].into()
-        );
-        assert_eq!(
-            owned_keys(&entries, "us", &["f:metadata", "f:annotations"]),
-            ["a".to_string()].into()
-        );
+        let labels: BTreeSet<&str> =
+            owned_keys(&entries, "us", &["f:metadata", "f:labels"]).collect();
+        assert_eq!(labels, ["nvidia.com/mig.config"].into());
+        let annotations: BTreeSet<&str> =
+            owned_keys(&entries, "us", &["f:metadata", "f:annotations"]).collect();
+        assert_eq!(annotations, ["a"].into());
         assert_eq!(
             owned_leaf_paths(&entries, "us", "spec"),
             [

@@ -7,7 +7,7 @@
 //! dropped, and a pass takes `Arc`s. Label keys and values are interned: GFD, NFD and cloud
 //! providers put tens of labels on every node, nearly all with the same keys and few values.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::core::v1::Node;
@@ -17,17 +17,18 @@ use kube::runtime::watcher;
 use tokio::sync::watch;
 
 use crate::api::names::MANAGED_ANNOTATIONS;
-use crate::plan::{Labels, NodeFacts};
+use crate::plan::{Labels, NodeFacts, OwnedKeys};
 use crate::runtime::managed::owned_keys;
 
-/// Labels a field manager owns through server-side apply, read from a node's managedFields.
-pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<String> {
-    owned_keys(entries, manager, &["f:metadata", "f:labels"])
+/// Our managed labels a field manager owns through server-side apply, read from a node's
+/// managedFields (straight into bits: no set of strings per watch event).
+pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> OwnedKeys {
+    owned_keys(entries, manager, &["f:metadata", "f:labels"]).collect()
 }
 
-/// Annotations a field manager owns through server-side apply.
-pub fn owned_annotations(entries: &[ManagedFieldsEntry], manager: &str) -> BTreeSet<String> {
-    owned_keys(entries, manager, &["f:metadata", "f:annotations"])
+/// Our managed annotations a field manager owns through server-side apply.
+pub fn owned_annotations(entries: &[ManagedFieldsEntry], manager: &str) -> OwnedKeys {
+    owned_keys(entries, manager, &["f:metadata", "f:annotations"]).collect()
 }
 
 /// Shared copies of label strings.
@@ -79,8 +80,8 @@ pub fn facts(node: PartialObjectMeta<Node>, manager: &str, strings: &mut Interne
         .map(|(k, v)| (strings.intern(k), strings.intern(v)))
         .collect::<Vec<_>>();
     NodeFacts {
-        owned: owned_labels(managed, manager).into_iter().collect(),
-        owned_annotations: owned_annotations(managed, manager).into_iter().collect(),
+        owned: owned_labels(managed, manager),
+        owned_annotations: owned_annotations(managed, manager),
         name: meta.name.unwrap_or_default(),
         labels: Labels::from_pairs(labels),
         annotations: Labels::from_pairs(annotations),

@@ -87,22 +87,10 @@ pub async fn start(
     namespace: &str,
     notify: Arc<Notify>,
 ) -> (Caches, impl std::future::Future<Output = ()> + use<>) {
-    let (policies, pw) = reflector::store();
     let nodes = Arc::new(NodeCache::new(MANAGER));
     let cp_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
     let cluster_policy_served = cp_api.list(&Default::default()).await.is_ok();
-    let (configmaps, cw) = reflector::store();
     let (pods, podw) = reflector::store();
-
-    let policy_stream = reflector::reflector(
-        pw,
-        watcher(
-            Api::<GpuSharingPolicy>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff(),
-    )
-    .boxed();
     // Node cache: only what the planner reads, built from each event (see nodecache).
     let node_stream = {
         let nodes = nodes.clone();
@@ -116,15 +104,6 @@ pub async fn start(
         .map_ok(move |ev| nodes.apply(ev))
         .boxed()
     };
-    let cm_stream = reflector::reflector(
-        cw,
-        watcher(
-            Api::<ConfigMap>::namespaced(client.clone(), namespace),
-            watcher::Config::default(),
-        )
-        .default_backoff(),
-    )
-    .boxed();
     // Pods that may hold GPUs (MIG changes wait for idle GPUs): only bound, unfinished pods,
     // stripped to what the check needs.
     let pod_stream = reflector::reflector(
@@ -138,16 +117,28 @@ pub async fn start(
         .modify(strip_pod),
     )
     .boxed();
-    let mut streams = vec![
+    let mut streams: Streams = vec![
         pod_stream.map_ok(|_| ()).boxed(),
-        policy_stream.map_ok(|_| ()).boxed(),
         node_stream.map_ok(|_| ()).boxed(),
-        cm_stream.map_ok(|_| ()).boxed(),
     ];
+    let all = watcher::Config::default;
+    let policies = cache(Api::all(client.clone()), all(), (), &mut streams);
+    let configmaps = cache(
+        Api::namespaced(client.clone(), namespace),
+        all(),
+        (),
+        &mut streams,
+    );
     let claim_templates = claim_template_watch(client, &mut streams).await;
     let namespaces = namespace_watch(client, &mut streams).await;
     let cluster_policies = if cluster_policy_served {
-        Some(cluster_policy_watch(cp_api, &mut streams))
+        // The GPU Operator acts on the oldest ClusterPolicy.
+        Some(cache(
+            cp_api,
+            all(),
+            cluster_policy_resource(),
+            &mut streams,
+        ))
     } else {
         warn!(
             "the ClusterPolicy CRD (nvidia.com/v1) is not served: nodes are labelled, but no device plugin reads the config"
@@ -190,16 +181,7 @@ async fn namespace_watch(
         warn!(error = %e, "cannot list namespaces: DRA policies are reported Ready without checking that their namespaces exist");
         return None;
     }
-    let (store, w) = reflector::store();
-    streams.push(
-        reflector::reflector(
-            w,
-            watcher(api, watcher::Config::default()).default_backoff(),
-        )
-        .map_ok(|_| ())
-        .boxed(),
-    );
-    Some(store)
+    Some(cache(api, watcher::Config::default(), (), streams))
 }
 
 type Streams = Vec<futures::stream::BoxStream<'static, Result<(), watcher::Error>>>;
@@ -216,16 +198,8 @@ async fn claim_template_watch(
         .await
         .is_ok()
     {
-        let (store, w) = reflector::store();
-        streams.push(
-            reflector::reflector(
-                w,
-                watcher(rct_api, watcher::Config::default().labels(&managed)).default_backoff(),
-            )
-            .map_ok(|_| ())
-            .boxed(),
-        );
-        Some(store)
+        let cfg = watcher::Config::default().labels(&managed);
+        Some(cache(rct_api, cfg, (), streams))
     } else {
         warn!(
             "resource.k8s.io/v1 ResourceClaimTemplates are not served: policies with backend dra cannot be applied"
@@ -234,17 +208,29 @@ async fn claim_template_watch(
     }
 }
 
-/// The ClusterPolicies (the GPU Operator acts on the oldest).
-fn cluster_policy_watch(cp_api: Api<DynamicObject>, streams: &mut Streams) -> Store<DynamicObject> {
-    let cpw = reflector::store::Writer::new(cluster_policy_resource());
-    let cps = cpw.as_reader();
+/// A store of what `api` lists (as `cfg` selects), kept current by a watch added to `streams`.
+fn cache<K>(
+    api: Api<K>,
+    cfg: watcher::Config,
+    dyntype: K::DynamicType,
+    streams: &mut Streams,
+) -> Store<K>
+where
+    K: kube::Resource
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let writer = reflector::store::Writer::new(dyntype);
+    let store = writer.as_reader();
     streams.push(
-        reflector::reflector(
-            cpw,
-            watcher(cp_api, watcher::Config::default()).default_backoff(),
-        )
-        .map_ok(|_| ())
-        .boxed(),
+        reflector::reflector(writer, watcher(api, cfg).default_backoff())
+            .map_ok(|_| ())
+            .boxed(),
     );
-    cps
+    store
 }
