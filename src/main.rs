@@ -40,8 +40,13 @@ enum Command {
         namespace: String,
         /// The GPU Operator's mig-parted ConfigMap (or its config.yaml), whose named layouts
         /// are kept next to custom ones and checked against.
+        /// Without it, NVIDIA's default config embedded from the GPU Operator is used.
         #[arg(long)]
         mig_parted_config: Option<PathBuf>,
+        /// With --nodes: print the first planning pass only, not the converged result (what
+        /// the operator writes first; for debugging).
+        #[arg(long)]
+        single_pass: bool,
     },
 }
 
@@ -161,23 +166,22 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The named mig-parted layouts render checks against: the given file, or NVIDIA's default
+/// embedded in the binary (said on stderr).
 fn read_mig_base(
-    path: &PathBuf,
+    path: Option<&PathBuf>,
 ) -> Result<std::collections::BTreeMap<String, serde_json::Value>, String> {
+    let Some(path) = path else {
+        eprintln!(
+            "render: no --mig-parted-config given: using NVIDIA's default mig-parted config embedded from {}",
+            nvidia::DEFAULT_MIG_PARTED_SOURCE
+        );
+        return Ok(nvidia::default_mig_configs());
+    };
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let v: serde_json::Value = gpu_sharing_operator::api::yaml::from_str(&text)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    // A ConfigMap: take data["config.yaml"]; otherwise the config itself.
-    let inner = match v
-        .get("data")
-        .and_then(|d| d.get(nvidia::MIG_PARTED_KEY))
-        .and_then(|c| c.as_str())
-    {
-        Some(s) => s.to_string(),
-        None => text,
-    };
-    nvidia::parse_mig_configs(&inner).map_err(|e| format!("{}: mig-configs: {e}", path.display()))
+    nvidia::mig_configs_of_document(&text)
+        .map_err(|e| format!("{}: mig-configs: {e}", path.display()))
 }
 
 fn main() -> ExitCode {
@@ -215,6 +219,7 @@ fn main() -> ExitCode {
             nodes,
             namespace,
             mig_parted_config,
+            single_pass,
         } => {
             let policies = match render::load_policies(&file) {
                 Ok(p) => p,
@@ -232,16 +237,27 @@ fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
-            let base = match mig_parted_config.as_ref().map(read_mig_base).transpose() {
+            let base = match read_mig_base(mig_parted_config.as_ref()) {
                 Ok(b) => b,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(1);
                 }
             };
-            match render::render_text(policies, nodes, &namespace, base) {
-                Ok(text) => {
-                    print!("{text}");
+            let options = render::RenderOptions {
+                namespace,
+                base_mig_configs: base,
+                single_pass,
+            };
+            match render::render_text(policies, nodes, &options) {
+                Ok(r) => {
+                    if let Some(p) = r.passes {
+                        eprintln!(
+                            "render: converged after {p} planning passes ({} rounds of writes)",
+                            p - 1
+                        );
+                    }
+                    print!("{}", r.text);
                     ExitCode::SUCCESS
                 }
                 Err(errs) => {

@@ -634,3 +634,183 @@ fn example_keys_and_layout_names_are_stable() {
         .collect();
     assert_eq!(seen, pinned);
 }
+
+#[test]
+fn render_previews_the_examples_with_no_extra_flags() {
+    let out = bin()
+        .args(["render", "-f", "examples/"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // It says which mig-parted config it checked named layouts against.
+    assert!(
+        stderr.contains("embedded from GPU Operator")
+            && stderr.contains("v0.0.0-20250917190837-d73a0086a6ba"),
+        "{stderr}"
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let docs: Vec<serde_json::Value> = gpu_sharing_operator::api::yaml::documents(&text).unwrap();
+    let mig = docs
+        .iter()
+        .find(|d| {
+            d["kind"] == "ConfigMap" && d["metadata"]["name"] == "gpu-sharing-mig-parted-config"
+        })
+        .expect("the custom layout example needs our mig-parted ConfigMap");
+    let layouts = nvidia::parse_mig_configs(mig["data"]["config.yaml"].as_str().unwrap()).unwrap();
+    // NVIDIA's named layouts are kept next to the custom one.
+    let defaults = nvidia::default_mig_configs();
+    for name in ["all-disabled", "all-1g.10gb", "all-balanced"] {
+        assert_eq!(layouts.get(name), defaults.get(name), "{name}");
+    }
+    assert!(
+        layouts
+            .keys()
+            .any(|k| k.starts_with("custom-a100-mig-split-")),
+        "{layouts:?}"
+    );
+    assert_eq!(
+        docs.iter()
+            .filter(|d| d["kind"] == "GpuSharingPolicy")
+            .count(),
+        gpu_sharing_operator::offline::render::load_policies(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/examples"
+        )))
+        .unwrap()
+        .len()
+    );
+}
+
+const PREVIEW_NODES: &str = r#"
+apiVersion: v1
+kind: NodeList
+items:
+- apiVersion: v1
+  kind: Node
+  metadata:
+    name: h200-0
+    labels:
+      nvidia.com/gpu.product: NVIDIA-H200
+      nvidia.com/gpu.count: "8"
+      nvidia.com/gpu.memory: "143771"
+      nvidia.com/mig.capable: "false"
+      nvidia.com/gfd.timestamp: "1764750000"
+- apiVersion: v1
+  kind: Node
+  metadata:
+    name: a100-0
+    labels:
+      nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB
+      nvidia.com/gpu.count: "8"
+      nvidia.com/gpu.memory: "81920"
+      nvidia.com/mig.capable: "true"
+      nvidia.com/mig.config: all-disabled
+      nvidia.com/mig.config.state: success
+      gpusharing.io/profile: mig-shared
+"#;
+
+/// `render` of two examples on [`PREVIEW_NODES`]: (stdout documents, stderr).
+fn preview(extra: &[&str]) -> (Vec<serde_json::Value>, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = env!("CARGO_MANIFEST_DIR");
+    for f in ["mps-h200.yaml", "mig-1g10gb-time-sliced.yaml"] {
+        std::fs::copy(format!("{root}/examples/{f}"), dir.path().join(f)).unwrap();
+    }
+    let nodes = dir.path().join("nodes.yaml.txt");
+    std::fs::write(&nodes, PREVIEW_NODES).unwrap();
+    let out = bin()
+        .arg("render")
+        .arg("-f")
+        .arg(dir.path())
+        .arg("--nodes")
+        .arg(&nodes)
+        .args(extra)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{stderr}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let docs = gpu_sharing_operator::api::yaml::documents(&text).unwrap();
+    (docs, text, stderr)
+}
+
+fn status_of<'a>(docs: &'a [serde_json::Value], policy: &str) -> &'a serde_json::Value {
+    &docs
+        .iter()
+        .find(|d| d["kind"] == "GpuSharingPolicy" && d["metadata"]["name"] == policy)
+        .unwrap()["status"]
+}
+
+fn ready(status: &serde_json::Value) -> &str {
+    status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Ready")
+        .unwrap()["status"]
+        .as_str()
+        .unwrap()
+}
+
+#[test]
+fn render_with_nodes_shows_the_converged_capacity() {
+    let (docs, text, stderr) = preview(&[]);
+    // H200, MPS x4: 8 GPUs, 32 replicas, 143771/4 MiB and 25% of the threads per client.
+    let mps = status_of(&docs, "h200-mps");
+    assert_eq!(ready(mps), "True", "{mps}");
+    assert_eq!(mps["capacity"]["physicalGpus"], 8);
+    assert_eq!(mps["capacity"]["schedulableReplicas"], 32);
+    assert_eq!(mps["capacity"]["memoryPerClientMib"], 35942);
+    assert_eq!(mps["capacity"]["threadsPerClientPercent"], 25);
+    // A100 80GB, all-1g.10gb time-sliced x2: 8 GPUs x 7 instances x 2.
+    let mig = status_of(&docs, "a100-mig-shared");
+    assert_eq!(ready(mig), "True", "{mig}");
+    assert_eq!(mig["capacity"]["physicalGpus"], 8);
+    assert_eq!(mig["capacity"]["schedulableReplicas"], 112);
+    assert_eq!(mig["capacity"]["memoryIsolation"], false);
+    // The node ends on the layout, its MIG state is NVIDIA's to report (no longer ours).
+    let a100 = docs
+        .iter()
+        .find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "a100-0")
+        .unwrap();
+    assert_eq!(
+        a100["metadata"]["labels"]["nvidia.com/mig.config"],
+        "all-1g.10gb"
+    );
+    assert!(
+        a100["metadata"]["labels"]
+            .get("nvidia.com/mig.config.state")
+            .is_none()
+    );
+    // MIG takes longer than MPS: sharing off, layout confirmed, then the time-sliced config.
+    let passes: usize = text
+        .strip_prefix("# Converged after ")
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no pass count: {text}"));
+    assert!(passes >= 3, "{passes}");
+    assert!(
+        stderr.contains(&format!("converged after {passes} planning passes")),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn render_single_pass_shows_the_first_writes() {
+    let (docs, text, _) = preview(&["--single-pass"]);
+    assert!(!text.starts_with("# Converged"));
+    let mps = status_of(&docs, "h200-mps");
+    assert_eq!(ready(mps), "False", "{mps}");
+    assert_eq!(mps["appliedNodes"], 0);
+    let a100 = docs
+        .iter()
+        .find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "a100-0")
+        .unwrap();
+    // The first write: the layout and its pending state together.
+    assert_eq!(
+        a100["metadata"]["labels"]["nvidia.com/mig.config.state"],
+        "pending"
+    );
+}

@@ -287,27 +287,12 @@ impl World {
             .unwrap_or_default();
         self.mig_layouts.extend(self.mig_config.keys().cloned());
         for n in &mut self.nodes {
-            let want_a = &plan.node_annotations[&n.name];
-            for k in n.owned_annotations {
-                if !want_a.contains_key(&k) {
-                    n.annotations.remove(&k);
-                }
-            }
-            for (k, v) in want_a {
-                n.annotations.insert(k.clone(), v.clone());
-            }
-            n.owned_annotations = want_a.keys().cloned().collect();
-            let want = &plan.node_labels[&n.name];
-            for k in n.owned {
-                if !want.contains_key(&k) {
-                    n.labels.remove(&k);
-                }
-            }
             let old_mig = n.labels.get(LABEL_MIG_CONFIG).map(str::to_string);
-            for (k, v) in want {
-                n.labels.insert(k.clone(), v.clone());
-            }
-            n.owned = want.keys().cloned().collect();
+            gpu_sharing_operator::offline::converge::apply_to_node(
+                n,
+                &plan.node_labels[&n.name],
+                &plan.node_annotations[&n.name],
+            );
             assert!(
                 n.labels.get(LABEL_MIG_CONFIG) == old_mig.as_deref()
                     || n.labels.get(LABEL_MIG_STATE) == Some("pending"),

@@ -14,6 +14,8 @@ pub const LABEL_GPU_COUNT: &str = "nvidia.com/gpu.count";
 pub const LABEL_GPU_MEMORY: &str = "nvidia.com/gpu.memory";
 pub const LABEL_GPU_PRODUCT: &str = "nvidia.com/gpu.product";
 pub const LABEL_GPU_REPLICAS: &str = "nvidia.com/gpu.replicas";
+/// GFD: `none`, `time-slicing` or `mps`.
+pub const LABEL_GPU_SHARING_STRATEGY: &str = "nvidia.com/gpu.sharing-strategy";
 pub const LABEL_MIG_CAPABLE: &str = "nvidia.com/mig.capable";
 pub const LABEL_CC_MAJOR: &str = "nvidia.com/gpu.compute.major";
 pub const LABEL_CC_MINOR: &str = "nvidia.com/gpu.compute.minor";
@@ -51,7 +53,7 @@ pub const UNSTABLE_LABELS: [&str; 8] = [
     LABEL_MIG_STATE,
     LABEL_POLICY,
     LABEL_GPU_REPLICAS,
-    "nvidia.com/gpu.sharing-strategy",
+    LABEL_GPU_SHARING_STRATEGY,
     "nvidia.com/mps.capable",
     "nvidia.com/mig.strategy",
 ];

@@ -423,6 +423,36 @@ pub fn mig_parted_config(
 
 /// Reads the `mig-configs` of a mig-parted config text (for example the GPU Operator's
 /// `default-mig-parted-config`), keeping every layout as it is.
+/// NVIDIA's default mig-parted ConfigMap (`default-mig-parted-config`) as the GPU Operator ships
+/// it, embedded so that `render` can check named layouts without a cluster. Kept byte-identical
+/// to the Go module's copy by `tests/nvidia/conformance.sh` (see `assets/gpu-operator/README.md`).
+pub const DEFAULT_MIG_PARTED_CONFIGMAP: &str =
+    include_str!("../../assets/gpu-operator/default-mig-parted-config.yaml");
+/// Where [`DEFAULT_MIG_PARTED_CONFIGMAP`] comes from: the GPU Operator release line and the Go
+/// module version it was read from.
+pub const DEFAULT_MIG_PARTED_SOURCE: &str = "GPU Operator main after v25.3.4 (Go module github.com/NVIDIA/gpu-operator v0.0.0-20250917190837-d73a0086a6ba, assets/state-mig-manager/0400_configmap.yaml)";
+
+/// The named layouts of a mig-parted config given as a ConfigMap (its `config.yaml`) or as the
+/// config itself.
+pub fn mig_configs_of_document(
+    text: &str,
+) -> Result<BTreeMap<String, serde_json::Value>, serde_saphyr::Error> {
+    let v: serde_json::Value = crate::api::yaml::from_str(text)?;
+    match v
+        .get("data")
+        .and_then(|d| d.get(MIG_PARTED_KEY))
+        .and_then(|c| c.as_str())
+    {
+        Some(inner) => parse_mig_configs(inner),
+        None => parse_mig_configs(text),
+    }
+}
+
+/// The named layouts of NVIDIA's default mig-parted config ([`DEFAULT_MIG_PARTED_CONFIGMAP`]).
+pub fn default_mig_configs() -> BTreeMap<String, serde_json::Value> {
+    mig_configs_of_document(DEFAULT_MIG_PARTED_CONFIGMAP).expect("the embedded default parses")
+}
+
 pub fn parse_mig_configs(
     text: &str,
 ) -> Result<BTreeMap<String, serde_json::Value>, serde_saphyr::Error> {
@@ -438,6 +468,20 @@ pub fn parse_mig_configs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_embedded_default_mig_parted_config_has_nvidias_named_layouts() {
+        let m = default_mig_configs();
+        for name in [
+            MIG_DISABLED_LAYOUT,
+            "all-enabled",
+            "all-1g.10gb",
+            "all-balanced",
+        ] {
+            assert!(m.contains_key(name), "{name} missing");
+        }
+        assert_eq!(m["all-1g.10gb"][0]["mig-devices"]["1g.10gb"], 7);
+    }
 
     #[test]
     fn content_keys_are_parsed_back() {

@@ -300,22 +300,28 @@ pub fn documents_of(
     out
 }
 
-/// Renders to multi-document YAML text; policies the planner finds invalid (for example a named
-/// layout the given mig-parted config lacks) are errors, as in [`load_policies`].
-pub fn render_text(
-    policies: Vec<GpuSharingPolicy>,
-    nodes: Option<Vec<NodeFacts>>,
-    namespace: &str,
-    base_mig_configs: Option<BTreeMap<String, serde_json::Value>>,
-) -> Result<String, Vec<RenderError>> {
-    let with_nodes = nodes.is_some();
-    let mut input = PlanInput::new(policies, nodes.unwrap_or_default());
-    input.base_mig_configs = base_mig_configs;
-    let plan = plan::plan(&input);
-    // Invalid policies (for example a named layout the given mig-parted config lacks), with the
-    // field errors the planner found.
-    let invalid: Vec<RenderError> = plan
-        .invalid
+/// How to render.
+#[derive(Debug, Clone)]
+pub struct RenderOptions {
+    /// The GPU Operator's namespace (where our ConfigMaps go).
+    pub namespace: String,
+    /// Named mig-parted layouts (the GPU Operator's default config).
+    pub base_mig_configs: BTreeMap<String, serde_json::Value>,
+    /// With nodes: show the first pass only, not the converged result.
+    pub single_pass: bool,
+}
+
+/// What `render` prints: the YAML, and a summary for stderr.
+#[derive(Debug)]
+pub struct Rendered {
+    pub text: String,
+    /// Passes until convergence (with nodes and not `single_pass`).
+    pub passes: Option<usize>,
+}
+
+/// The field errors the planner found, as render errors.
+fn planner_errors(plan: &Plan) -> Vec<RenderError> {
+    plan.invalid
         .iter()
         .flat_map(|(name, errs)| {
             errs.iter().map(|e| RenderError::Policy {
@@ -323,15 +329,48 @@ pub fn render_text(
                 error: e.clone(),
             })
         })
-        .collect();
+        .collect()
+}
+
+/// Renders to multi-document YAML text; policies the planner finds invalid (for example a named
+/// layout the mig-parted config lacks) are errors, as in [`load_policies`]. With nodes the
+/// result is the converged state (see [`converge`](super::converge)) unless `single_pass`.
+pub fn render_text(
+    policies: Vec<GpuSharingPolicy>,
+    nodes: Option<Vec<NodeFacts>>,
+    options: &RenderOptions,
+) -> Result<Rendered, Vec<RenderError>> {
+    let with_nodes = nodes.is_some();
+    let mut input = PlanInput::new(policies, nodes.unwrap_or_default());
+    input.base_mig_configs = Some(options.base_mig_configs.clone());
+    let first = plan::plan(&input);
+    let invalid = planner_errors(&first);
     if !invalid.is_empty() {
         return Err(invalid);
     }
-    let docs = documents_of(&plan, &input, namespace, with_nodes);
+    let (plan, input, passes) = if with_nodes && !options.single_pass {
+        let c = super::converge::converge(input).map_err(|e| {
+            vec![RenderError::Input {
+                path: PathBuf::from("--nodes"),
+                message: e.to_string(),
+            }]
+        })?;
+        (c.plan, c.input, Some(c.passes))
+    } else {
+        (first, input, None)
+    };
     let mut text = String::new();
-    for d in docs {
+    if let Some(p) = passes {
+        text.push_str(&format!(
+            "# Converged after {p} planning passes ({} rounds of writes), NVIDIA's components \
+             assumed to succeed (MIG manager confirms, GPU Feature Discovery reports the new \
+             replicas).\n",
+            p - 1
+        ));
+    }
+    for d in documents_of(&plan, &input, &options.namespace, with_nodes) {
         text.push_str("---\n");
         text.push_str(&serde_saphyr::to_string(&d).expect("serializable"));
     }
-    Ok(text)
+    Ok(Rendered { text, passes })
 }

@@ -19,6 +19,7 @@ fn mig_instances(
     mig: &Mig,
     base: Option<&BTreeMap<String, serde_json::Value>>,
     gpus: i64,
+    memory_mib: Option<i64>,
 ) -> Option<Vec<(MigProfile, i64)>> {
     let mut out = Vec::new();
     if let Some(groups) = &mig.custom_layout {
@@ -35,22 +36,43 @@ fn mig_instances(
     if layout == MIG_DISABLED_LAYOUT {
         return Some(out);
     }
-    // Entries per GPU model (device-filter): usable when they all create the same devices on all
-    // GPUs, as the `all-<profile>` layouts do.
+    // Entries per GPU model (device-filter, by PCI device ID, which node labels do not carry):
+    // all the same (the `all-<profile>` layouts of one GPU family), or else the one that fits
+    // this node's GPUs (see `entry_fits`), the largest when several do.
     let entries = base?.get(layout)?.as_array()?;
-    let first = entries.first()?;
-    let same = entries.iter().all(|e| {
-        e.get("mig-devices") == first.get("mig-devices")
-            && e.get("devices").and_then(|d| d.as_str()) == Some("all")
-    });
-    if !same {
-        return None;
+    let per_gpu = |e: &serde_json::Value| -> Option<Vec<(MigProfile, i64)>> {
+        if e.get("devices").and_then(|d| d.as_str()) != Some("all") {
+            return None;
+        }
+        let devs = e.get("mig-devices")?.as_object()?;
+        devs.iter()
+            .map(|(p, c)| Some((mig::parse_mig_profile(p)?, c.as_i64()?)))
+            .collect()
+    };
+    let candidates: Vec<Vec<(MigProfile, i64)>> =
+        entries.iter().map(per_gpu).collect::<Option<_>>()?;
+    let chosen = if candidates.windows(2).all(|w| w[0] == w[1]) {
+        candidates.into_iter().next()?
+    } else {
+        let mem = memory_mib?;
+        candidates
+            .into_iter()
+            .filter(|c| entry_fits(c, mem))
+            .max_by_key(|c| c.iter().map(|(_, n)| n).sum::<i64>())?
+    };
+    Some(chosen.into_iter().map(|(p, n)| (p, gpus * n)).collect())
+}
+
+/// Whether one GPU's MIG devices fit a GPU with `memory_mib`: MIG cuts memory in 8 slices and
+/// compute in 7, and a profile takes as many memory slices as its memory needs.
+fn entry_fits(devices: &[(MigProfile, i64)], memory_mib: i64) -> bool {
+    let slice_gb = memory_mib as f64 / 1024.0 / 8.0;
+    let (mut memory, mut compute) = (0.0, 0i64);
+    for (p, n) in devices {
+        memory += (p.memory_gb as f64 / slice_gb).round().max(1.0) * *n as f64;
+        compute += p.slices as i64 * n;
     }
-    let devs = first.get("mig-devices")?.as_object()?;
-    for (p, c) in devs {
-        out.push((mig::parse_mig_profile(p)?, gpus * c.as_i64()?));
-    }
-    Some(out)
+    memory <= 8.0 && compute <= mig::MAX_COMPUTE_SLICES as i64
 }
 
 /// Whether a MIG profile fits a GPU with `memory_mib`: its memory must be 1/8, 1/4, 1/2 or all
@@ -141,7 +163,7 @@ pub fn node_capacity(
             let Some(mig) = spec.mig.as_ref() else {
                 return cap(gpus, None, None, None, true);
             };
-            let Some(instances) = mig_instances(mig, base, gpus) else {
+            let Some(instances) = mig_instances(mig, base, gpus, mem) else {
                 return cap(gpus, None, None, None, true);
             };
             let ts = mig.time_slicing.as_ref();
@@ -204,5 +226,39 @@ fn profile_name(p: &MigProfile) -> String {
     match p.compute {
         Some(c) => format!("{c}c.{}g.{}gb", p.slices, p.memory_gb),
         None => format!("{}g.{}gb", p.slices, p.memory_gb),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(layout: &str) -> Mig {
+        Mig {
+            mig_strategy: MigStrategy::Single,
+            layout: Some(layout.into()),
+            custom_layout: None,
+            time_slicing: None,
+            proceed_with_busy_gpus: false,
+        }
+    }
+
+    #[test]
+    fn a_named_layout_per_gpu_model_counts_what_fits_the_nodes_gpus() {
+        // NVIDIA's all-1g.10gb: 7 per GPU on 80 GB models, 4 on 40 GB ones (by PCI device ID).
+        let base = crate::nvidia::default_mig_configs();
+        let count = |mem| {
+            mig_instances(&named("all-1g.10gb"), Some(&base), 8, mem)
+                .map(|v| v.iter().map(|(_, n)| n).sum::<i64>())
+        };
+        assert_eq!(count(Some(81920)), Some(56));
+        assert_eq!(count(Some(40960)), Some(32));
+        // Without the GPU's memory the models cannot be told apart.
+        assert_eq!(count(None), None);
+        // One entry for every model: no memory needed.
+        assert_eq!(
+            mig_instances(&named("all-disabled"), Some(&base), 8, None),
+            Some(vec![])
+        );
     }
 }

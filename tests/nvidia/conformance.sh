@@ -17,6 +17,20 @@ TARGET=${CARGO_TARGET_DIR:-$REPO/target}
 (cd "$REPO" && cargo build --quiet --bin gpu-sharing-operator)
 OUT=$("$HERE/build.sh" path)
 
+# render embeds NVIDIA's default mig-parted config: it must be the copy of
+# the GPU Operator module the tests build against, and name that version.
+embedded=$REPO/assets/gpu-operator/default-mig-parted-config.yaml
+source=$(cat "$OUT/assets/.source" 2>/dev/null || echo none)
+if [[ $source == fallback || $source == none ]]; then
+	echo "conformance.sh: warning: GPU Operator module unavailable; embedded default not compared" >&2
+elif ! cmp -s "$embedded" "$OUT/assets/default-mig-parted-config.yaml"; then
+	echo "conformance.sh: $embedded differs from $source (assets/state-mig-manager/0400_configmap.yaml): copy it and update DEFAULT_MIG_PARTED_SOURCE" >&2
+	exit 1
+elif ! grep -qF "${source#*@}" "$REPO/src/nvidia/mod.rs"; then
+	echo "conformance.sh: DEFAULT_MIG_PARTED_SOURCE in src/nvidia/mod.rs does not name ${source#*@}" >&2
+	exit 1
+fi
+
 args=(--operator-bin "$TARGET/debug/gpu-sharing-operator" --examples "$REPO/examples")
 # The GPU Operator's default mig-parted config: render keeps its named
 # layouts next to custom ones, and the checks compare against it.

@@ -1,0 +1,182 @@
+//! The converged view of `render --nodes`: plan, apply the plan, let NVIDIA's components answer
+//! as if everything succeeded (the MIG manager confirms every layout, GPU Feature Discovery
+//! reports the device plugin's new replicas after our write), and plan again until nothing
+//! changes. The result is what the cluster looks like once the operator is done, with the
+//! capacity a user previews for; the number of passes is how many rounds of writes it took.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use crate::api::names::{
+    LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP, LABEL_GPU_REPLICAS,
+    LABEL_GPU_SHARING_STRATEGY, LABEL_MIG_STATE,
+};
+use crate::nvidia::{self, DevicePluginConfig};
+use crate::plan::{self, NodeFacts, Plan, PlanInput, SmallMap};
+
+/// More passes than any valid history needs (a MIG -> MPS change takes four).
+pub const MAX_PASSES: usize = 16;
+
+#[derive(Debug)]
+pub struct Converged {
+    /// The plan of the converged state (planning it again writes nothing).
+    pub plan: Plan,
+    /// The state the plan was made from: nodes with the labels we and NVIDIA's components wrote.
+    pub input: PlanInput,
+    /// Plans made, the last one included (1: the input was already converged).
+    pub passes: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("did not converge after {passes} passes; nodes still changing: {}", nodes.join(", "))]
+pub struct NotConverged {
+    pub passes: usize,
+    pub nodes: Vec<String>,
+}
+
+/// Applies what a plan asks of one node the way server-side apply does for our field manager:
+/// keys we owned and no longer want are removed, wanted keys are set and become ours. Returns
+/// whether the node changed.
+pub fn apply_to_node(n: &mut NodeFacts, labels: &SmallMap, annotations: &SmallMap) -> bool {
+    let before = (n.labels.clone(), n.annotations.clone());
+    for k in n.owned_annotations {
+        if !annotations.contains_key(&k) {
+            n.annotations.remove(&k);
+        }
+    }
+    for (k, v) in annotations {
+        n.annotations.insert(k.as_str(), v.as_str());
+    }
+    n.owned_annotations = annotations.keys().collect();
+    for k in n.owned {
+        if !labels.contains_key(&k) {
+            n.labels.remove(&k);
+        }
+    }
+    for (k, v) in labels {
+        n.labels.insert(k.as_str(), v.as_str());
+    }
+    n.owned = labels.keys().collect();
+    before != (n.labels.clone(), n.annotations.clone())
+}
+
+/// Applies a plan to the state it was made from: our ConfigMaps and the nodes. Returns the
+/// nodes that changed.
+pub fn apply(input: &mut PlanInput, plan: &Plan) -> BTreeSet<String> {
+    input.current_device_config = plan.device_config.clone();
+    input.current_mig_configs = plan
+        .mig_config
+        .as_deref()
+        .and_then(|t| nvidia::parse_mig_configs(t).ok())
+        .unwrap_or_default();
+    let empty = SmallMap::default();
+    let mut changed = BTreeSet::new();
+    for n in &mut input.nodes {
+        let labels = plan.node_labels.get(&n.name).unwrap_or(&empty);
+        let annotations = plan.node_annotations.get(&n.name).unwrap_or(&empty);
+        if apply_to_node(Arc::make_mut(n), labels, annotations) {
+            changed.insert(n.name.clone());
+        }
+    }
+    changed
+}
+
+/// What GPU Feature Discovery reports for a device-plugin config: the replicas of its shared
+/// resources (the largest, as for MIG profiles with different counts) and the strategy.
+fn gfd_report(config: Option<&DevicePluginConfig>) -> (i32, &'static str) {
+    let sharing = config.and_then(|c| c.sharing.as_ref());
+    let max = |r: &nvidia::ReplicatedResources| r.resources.iter().map(|x| x.replicas).max();
+    match sharing {
+        Some(s) if s.mps.is_some() => (s.mps.as_ref().and_then(max).unwrap_or(1), "mps"),
+        Some(s) if s.time_slicing.is_some() => (
+            s.time_slicing.as_ref().and_then(max).unwrap_or(1),
+            "time-slicing",
+        ),
+        _ => (1, "none"),
+    }
+}
+
+/// NVIDIA's components answer, all successfully: the MIG manager confirms a pending layout;
+/// GFD, after the device plugin restarted with a new config, reports its replicas and stamps
+/// the node later than our write. `now` is the time of that answer. Returns the nodes that
+/// changed.
+pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
+    let configs = &input.current_device_config;
+    let mut changed = BTreeSet::new();
+    for n in &mut input.nodes {
+        let mut labels = n.labels.clone();
+        if labels.get(LABEL_MIG_STATE) == Some("pending") {
+            labels.insert(LABEL_MIG_STATE, "success");
+            // The MIG manager's update takes the field over from us.
+            Arc::make_mut(n).owned.remove(LABEL_MIG_STATE);
+        }
+        let config = labels
+            .get(LABEL_DEVICE_PLUGIN_CONFIG)
+            .and_then(|k| configs.get(k))
+            .and_then(|text| crate::api::yaml::from_str::<DevicePluginConfig>(text).ok());
+        let (replicas, strategy) = gfd_report(config.as_ref());
+        let written = n
+            .annotations
+            .get(crate::api::names::ANNOTATION_CONFIG_WRITTEN)
+            .and_then(|v| v.parse::<i64>().ok());
+        let stamped = labels
+            .get(LABEL_GFD_TIMESTAMP)
+            .and_then(|v| v.parse::<i64>().ok());
+        let replicas = replicas.to_string();
+        let stale = labels.get(LABEL_GPU_REPLICAS) != Some(replicas.as_str())
+            || labels.get(LABEL_GPU_SHARING_STRATEGY) != Some(strategy)
+            || matches!((written, stamped), (Some(w), Some(t)) if t <= w)
+            || stamped.is_none();
+        if stale {
+            labels.insert(LABEL_GPU_REPLICAS, replicas);
+            labels.insert(LABEL_GPU_SHARING_STRATEGY, strategy);
+            labels.insert(LABEL_GFD_TIMESTAMP, now.to_string());
+        }
+        if labels != n.labels {
+            Arc::make_mut(n).labels = labels;
+            changed.insert(n.name.clone());
+        }
+    }
+    changed
+}
+
+/// Plans, applies and lets NVIDIA's components succeed until a plan changes nothing. Each pass
+/// takes two seconds of the input's clock: our write at `now`, NVIDIA's answer a second later.
+pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
+    // Start after every time the nodes already carry, so our writes are newer than GFD's
+    // earlier reports (and the result does not depend on the wall clock).
+    let latest = input
+        .nodes
+        .iter()
+        .flat_map(|n| {
+            let written = n
+                .annotations
+                .get(crate::api::names::ANNOTATION_CONFIG_WRITTEN);
+            [n.labels.get(LABEL_GFD_TIMESTAMP), written]
+        })
+        .flatten()
+        .filter_map(|v| v.parse::<i64>().ok())
+        .max()
+        .unwrap_or(0);
+    input.now = input.now.max(latest + 1);
+    let mut last = BTreeSet::new();
+    for passes in 1..=MAX_PASSES {
+        let plan = plan::plan(&input);
+        let mut changed = apply(&mut input, &plan);
+        let answer = input.now + 1;
+        changed.extend(nvidia_succeeds(&mut input, answer));
+        if changed.is_empty() {
+            return Ok(Converged {
+                plan,
+                input,
+                passes,
+            });
+        }
+        input.now += 2;
+        last = changed;
+    }
+    Err(NotConverged {
+        passes: MAX_PASSES,
+        nodes: last.into_iter().collect(),
+    })
+}
