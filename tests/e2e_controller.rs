@@ -66,7 +66,44 @@ async fn mps_on_h200_end_to_end() {
     let l = labels(&c, "h200-node-0").await;
     assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "mps");
     assert_eq!(l["nvidia.com/gpu.replicas"], "4");
+    // `kubectl get gsp -o wide`: the API server's Table, whose priority-1 columns kubectl shows
+    // only with -o wide.
+    let wide = get_wide(&c, "h200-mps").await;
+    assert_eq!(wide["Strategy"], (json!("mps"), 0));
+    assert_eq!(wide["Nodes"], (json!("1/1"), 0));
+    assert_eq!(wide["Ready"], (json!("True"), 0));
+    assert_eq!(wide["Schedulable"], (json!(32), 1));
+    assert_eq!(wide["MiB/Client"], (json!(35942), 1));
+    assert_eq!(wide["Progress"], (json!("Idle"), 1));
+    assert_eq!(wide["Config"], (json!(key), 1));
     op.stop().await;
+}
+
+/// One policy's row of the Table `kubectl get gsp` asks the API server for: column name ->
+/// (cell, column priority).
+async fn get_wide(
+    c: &kube::Client,
+    name: &str,
+) -> std::collections::BTreeMap<String, (serde_json::Value, i64)> {
+    let req = http::Request::get(format!(
+        "/apis/gpusharing.io/v1alpha1/gpusharingpolicies/{name}"
+    ))
+    .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+    .body(Vec::new())
+    .unwrap();
+    let table: serde_json::Value = c.request(req).await.unwrap();
+    let columns = table["columnDefinitions"].as_array().unwrap();
+    let cells = table["rows"][0]["cells"].as_array().unwrap();
+    columns
+        .iter()
+        .zip(cells)
+        .map(|(col, cell)| {
+            (
+                col["name"].as_str().unwrap().to_string(),
+                (cell.clone(), col["priority"].as_i64().unwrap_or(0)),
+            )
+        })
+        .collect()
 }
 
 #[tokio::test]

@@ -39,6 +39,11 @@ pub const MAX_POLICY_NAME: usize = 54;
     printcolumn(name = "Replicas", type_ = "integer", json_path = ".status.replicas"),
     printcolumn(name = "Nodes", type_ = "string", json_path = ".status.nodes", description = "applied/matched nodes"),
     printcolumn(name = "Ready", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
+    printcolumn(name = "Schedulable", type_ = "integer", json_path = ".status.capacity.schedulableReplicas", description = "nvidia.com/gpu (or MIG) devices the applied nodes advertise", priority = 1),
+    printcolumn(name = "MiB/Client", type_ = "integer", json_path = ".status.capacity.memoryPerClientMib", description = "memory a client can count on", priority = 1),
+    printcolumn(name = "Progress", type_ = "string", json_path = ".status.conditions[?(@.type==\"Progressing\")].reason", description = "rollout progress (reason of the Progressing condition)", priority = 1),
+    printcolumn(name = "Config", type_ = "string", json_path = ".status.deviceConfigKey", description = "device-plugin ConfigMap key", priority = 1),
+    printcolumn(name = "MIG", type_ = "string", json_path = ".status.migConfig", description = "MIG layout", priority = 1),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]

@@ -67,14 +67,17 @@ pub fn condition(
     }
 }
 
-/// Up to `n` details as `<node>: <message>`, joined by "; ".
+/// Up to `n` details as `<node>: <message>`, joined by "; ", and how many more there are.
 fn listed(details: &[&NodeDetail], n: usize) -> String {
     let shown: Vec<String> = details
         .iter()
         .take(n)
         .map(|d| format!("{}: {}", d.name, d.message))
         .collect();
-    shown.join("; ")
+    match details.len().saturating_sub(n) {
+        0 => shown.join("; "),
+        more => format!("{}; and {more} more", shown.join("; ")),
+    }
 }
 
 fn accepted(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
@@ -137,11 +140,15 @@ fn ready(p: &Prepared, t: &Tally, missing_namespaces: &[String]) -> (bool, Reaso
 
 fn progressing(t: &Tally) -> (bool, Reason, String) {
     let waiting = t.in_state(NodeState::Waiting);
-    let pending = t.in_state(NodeState::Pending).len();
+    let pending = t.in_state(NodeState::Pending);
     if !waiting.is_empty() {
         (true, Reason::WaitingForIdleGPUs, listed(&waiting, 5))
-    } else if pending > 0 {
-        let msg = format!("{pending} nodes are being reconfigured");
+    } else if !pending.is_empty() {
+        let msg = format!(
+            "{} nodes are being reconfigured: {}",
+            pending.len(),
+            listed(&pending, 5)
+        );
         (true, Reason::Reconfiguring, msg)
     } else {
         (false, Reason::Idle, "nothing in progress".into())
