@@ -22,6 +22,7 @@ pub mod api;
 pub mod nvidia;
 pub mod offline;
 pub mod plan;
+pub mod preview;
 pub mod runtime;
 pub mod telemetry;
 pub mod validate;

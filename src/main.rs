@@ -27,6 +27,9 @@ enum Command {
     },
     /// Run the controller (in-cluster config, or $KUBECONFIG / ~/.kube/config).
     Run(RunArgs),
+    /// Show what applying these policies would change in the cluster (kubeconfig or
+    /// in-cluster; read-only). Exit code 0: no change, 2: changes, 1: invalid input or error.
+    Plan(PlanArgs),
     /// Print, without a cluster, every object the operator would write for these policies.
     Render {
         /// A policy file or a directory of them (*.yaml, *.yml).
@@ -48,6 +51,31 @@ enum Command {
         #[arg(long)]
         single_pass: bool,
     },
+}
+
+#[derive(clap::Args)]
+struct PlanArgs {
+    /// The desired policies: a file or a directory of them (*.yaml, *.yml).
+    #[arg(short = 'f', long = "filename")]
+    file: PathBuf,
+    /// The files are the complete set: cluster policies they do not name are shown as removed
+    /// (like `kubectl diff --prune`). Without it, those policies stay as they are.
+    #[arg(long)]
+    prune: bool,
+    /// The GPU Operator's namespace; detected from the ClusterPolicy's status.namespace when
+    /// omitted.
+    #[arg(long, env = "GPU_OPERATOR_NAMESPACE")]
+    namespace: Option<String>,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    output: PlanOutput,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum PlanOutput {
+    Table,
+    Yaml,
+    Json,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -184,9 +212,70 @@ fn read_mig_base(
         .map_err(|e| format!("{}: mig-configs: {e}", path.display()))
 }
 
+/// `plan`: 0 no change, 2 changes, 1 invalid input or an error.
+async fn plan(args: PlanArgs) -> u8 {
+    use gpu_sharing_operator::preview::{self, diff};
+    let files = match render::load_policies(&args.file) {
+        Ok(p) => p,
+        Err(errs) => {
+            for e in errs {
+                eprintln!("error: {e}");
+            }
+            return 1;
+        }
+    };
+    let client = match kube::Client::try_default().await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: no cluster to compare with: {e}");
+            return 1;
+        }
+    };
+    let snap = match preview::snapshot(&client, args.namespace).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    let checked = files.iter().map(kube::ResourceExt::name_any).collect();
+    let desired = diff::desired(&snap.input.policies, files, args.prune);
+    let mut p = match diff::preview(
+        &snap.input,
+        snap.cluster_policy_spec.as_ref(),
+        desired,
+        &checked,
+    ) {
+        Ok(p) => p,
+        Err(e) => {
+            for line in e.to_string().lines() {
+                eprintln!("error: {line}");
+            }
+            return 1;
+        }
+    };
+    p.assumptions = snap.assumptions;
+    match args.output {
+        PlanOutput::Table => print!("{}", preview::print::text(&p)),
+        PlanOutput::Yaml => print!("{}", serde_saphyr::to_string(&p).expect("serializable")),
+        PlanOutput::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&p).expect("serializable")
+        ),
+    }
+    if p.changed { 2 } else { 0 }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Plan(args) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            ExitCode::from(rt.block_on(plan(args)))
+        }
         Command::Run(args) => {
             init_tracing(args.log_format);
             // One thread: the work is I/O-bound, and one allocator arena keeps memory small at

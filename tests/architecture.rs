@@ -1,6 +1,6 @@
 //! The module layout is a rule, not a habit: every module of `src/` may depend only on the
 //! modules below it, so that the flow reads one way (api <- nvidia <- validate <- plan <-
-//! runtime / offline; telemetry beside, depending on api only). This test reads the sources and
+//! runtime / offline <- preview; telemetry beside, depending on api only). This test reads the sources and
 //! fails on any `crate::` path that goes back up or sideways.
 
 use std::collections::BTreeMap;
@@ -19,6 +19,10 @@ fn allowed() -> BTreeMap<&'static str, &'static [&'static str]> {
             &["api", "nvidia", "validate", "plan", "telemetry"][..],
         ),
         ("offline", &["api", "nvidia", "validate", "plan"][..]),
+        (
+            "preview",
+            &["api", "nvidia", "validate", "plan", "runtime"][..],
+        ),
     ]
     .into()
 }

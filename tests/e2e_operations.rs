@@ -8,11 +8,9 @@ use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use support::*;
@@ -193,38 +191,6 @@ async fn leader_failover_and_metrics() {
     drop(procs);
 }
 
-/// A client authenticated as the operator's ServiceAccount (a bound token from the
-/// TokenRequest API), so RBAC applies exactly as in the cluster.
-async fn service_account_client(cluster: &common::TestCluster) -> Client {
-    let admin = cluster.client.clone();
-    let sas: Api<ServiceAccount> = Api::namespaced(admin, "gpu-sharing-system");
-    let tr = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: vec![],
-            expiration_seconds: Some(3600),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    let token = sas
-        .create_token_request("gpu-sharing-operator", &PostParams::default(), &tr)
-        .await
-        .expect("token request")
-        .status
-        .expect("token")
-        .token;
-    let kc = Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
-    let mut cfg = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-        .await
-        .unwrap();
-    cfg.auth_info.client_certificate_data = None;
-    cfg.auth_info.client_key_data = None;
-    cfg.auth_info.client_certificate = None;
-    cfg.auth_info.client_key = None;
-    cfg.auth_info.token = Some(token.into());
-    Client::try_from(cfg).unwrap()
-}
-
 fn forbidden<T: std::fmt::Debug>(r: Result<T, kube::Error>) -> bool {
     matches!(r, Err(kube::Error::Api(ref e)) if e.code == 403)
 }
@@ -241,7 +207,7 @@ async fn least_privilege_rbac_is_enough_and_no_more() {
     ] {
         common::apply_path(&admin, &root.join(f)).await.unwrap();
     }
-    let sa = service_account_client(&cluster).await;
+    let sa = service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
     let op = Operator::start(sa.clone(), Some(NS));
     common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
         .await

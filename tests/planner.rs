@@ -288,7 +288,7 @@ impl World {
         self.mig_layouts.extend(self.mig_config.keys().cloned());
         for n in &mut self.nodes {
             let old_mig = n.labels.get(LABEL_MIG_CONFIG).map(str::to_string);
-            gpu_sharing_operator::offline::converge::apply_to_node(
+            gpu_sharing_operator::plan::converge::apply_to_node(
                 n,
                 &plan.node_labels[&n.name],
                 &plan.node_annotations[&n.name],

@@ -334,7 +334,7 @@ fn planner_errors(plan: &Plan) -> Vec<RenderError> {
 
 /// Renders to multi-document YAML text; policies the planner finds invalid (for example a named
 /// layout the mig-parted config lacks) are errors, as in [`load_policies`]. With nodes the
-/// result is the converged state (see [`converge`](super::converge)) unless `single_pass`.
+/// result is the converged state (see [`converge`](crate::plan::converge)) unless `single_pass`.
 pub fn render_text(
     policies: Vec<GpuSharingPolicy>,
     nodes: Option<Vec<NodeFacts>>,
@@ -349,7 +349,7 @@ pub fn render_text(
         return Err(invalid);
     }
     let (plan, input, passes) = if with_nodes && !options.single_pass {
-        let c = super::converge::converge(input).map_err(|e| {
+        let c = crate::plan::converge::converge(input).map_err(|e| {
             vec![RenderError::Input {
                 path: PathBuf::from("--nodes"),
                 message: e.to_string(),

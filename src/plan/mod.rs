@@ -17,6 +17,7 @@ use crate::validate::FieldError;
 
 pub mod capacity;
 pub mod compat;
+pub mod converge;
 pub mod labels;
 pub mod node;
 pub mod outputs;

@@ -32,8 +32,26 @@ fn uses_gpu(p: &Pod) -> bool {
     })
 }
 
+/// Pods that use GPUs, by node (`namespace/name`, sorted): the idle-GPU wait before MIG changes.
+pub fn gpu_pods_by_node<'a>(pods: impl Iterator<Item = &'a Pod>) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for p in pods {
+        let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+            continue;
+        };
+        if uses_gpu(p) {
+            let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+            out.entry(node).or_default().push(id);
+        }
+    }
+    for v in out.values_mut() {
+        v.sort();
+    }
+    out
+}
+
 /// The mig-parted layouts of a ConfigMap's `config.yaml`.
-fn mig_configs(cm: Option<Arc<ConfigMap>>) -> Option<BTreeMap<String, serde_json::Value>> {
+pub fn mig_configs(cm: Option<Arc<ConfigMap>>) -> Option<BTreeMap<String, serde_json::Value>> {
     cm.and_then(|c| c.data.as_ref()?.get(MIG_PARTED_KEY).cloned())
         .and_then(|t| nvidia::parse_mig_configs(&t).ok())
 }
@@ -47,20 +65,7 @@ impl Context {
 
     /// Pods that use GPUs, by node (`namespace/name`, sorted).
     fn gpu_pods(&self) -> BTreeMap<String, Vec<String>> {
-        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for p in self.caches.pods.state() {
-            let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
-                continue;
-            };
-            if uses_gpu(&p) {
-                let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
-                out.entry(node).or_default().push(id);
-            }
-        }
-        for v in out.values_mut() {
-            v.sort();
-        }
-        out
+        gpu_pods_by_node(self.caches.pods.state().iter().map(|p| &**p))
     }
 
     pub(crate) fn plan_input(&self) -> PlanInput {

@@ -266,3 +266,52 @@ pub async fn ready_on(client: &Client, name: &str, n: i64) -> Option<serde_json:
     let s = ready(client, name).await?;
     (s["appliedNodes"] == n).then_some(s)
 }
+
+/// The test cluster's kubeconfig, authenticated as ServiceAccount `namespace/name` with a bound
+/// token from the TokenRequest API instead of the admin certificate: RBAC applies exactly as in
+/// a cluster.
+pub async fn service_account_kubeconfig(
+    cluster: &TestCluster,
+    namespace: &str,
+    name: &str,
+) -> kube::config::Kubeconfig {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let sas: Api<ServiceAccount> = Api::namespaced(cluster.client.clone(), namespace);
+    let tr = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: vec![],
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let token = sas
+        .create_token_request(name, &kube::api::PostParams::default(), &tr)
+        .await
+        .expect("token request")
+        .status
+        .expect("token")
+        .token;
+    let mut kc = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
+    for named in &mut kc.auth_infos {
+        let mut auth = kube::config::AuthInfo {
+            token: Some(token.clone().into()),
+            ..Default::default()
+        };
+        std::mem::swap(
+            named.auth_info.get_or_insert_with(Default::default),
+            &mut auth,
+        );
+    }
+    kc
+}
+
+/// A client for [`service_account_kubeconfig`].
+pub async fn service_account_client(cluster: &TestCluster, namespace: &str, name: &str) -> Client {
+    let kc = service_account_kubeconfig(cluster, namespace, name).await;
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    Client::try_from(cfg).unwrap()
+}

@@ -7,12 +7,12 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use super::{NodeFacts, Plan, PlanInput, SmallMap};
 use crate::api::names::{
     LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP, LABEL_GPU_REPLICAS,
     LABEL_GPU_SHARING_STRATEGY, LABEL_MIG_STATE,
 };
 use crate::nvidia::{self, DevicePluginConfig};
-use crate::plan::{self, NodeFacts, Plan, PlanInput, SmallMap};
 
 /// More passes than any valid history needs (a MIG -> MPS change takes four).
 pub const MAX_PASSES: usize = 16;
@@ -25,6 +25,8 @@ pub struct Converged {
     pub input: PlanInput,
     /// Plans made, the last one included (1: the input was already converged).
     pub passes: usize,
+    /// The nodes our writes changed in each pass that wrote (waves of node changes).
+    pub waves: Vec<BTreeSet<String>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -160,9 +162,13 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
         .unwrap_or(0);
     input.now = input.now.max(latest + 1);
     let mut last = BTreeSet::new();
+    let mut waves = Vec::new();
     for passes in 1..=MAX_PASSES {
-        let plan = plan::plan(&input);
+        let plan = super::plan(&input);
         let mut changed = apply(&mut input, &plan);
+        if !changed.is_empty() {
+            waves.push(changed.clone());
+        }
         let answer = input.now + 1;
         changed.extend(nvidia_succeeds(&mut input, answer));
         if changed.is_empty() {
@@ -170,6 +176,7 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
                 plan,
                 input,
                 passes,
+                waves,
             });
         }
         input.now += 2;

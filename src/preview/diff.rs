@@ -1,0 +1,507 @@
+//! The pure part of `plan`: the cluster as it is, the policies as the files want them -> what
+//! would change. The "after" side is the converged plan (NVIDIA's components assumed to
+//! succeed, as `render --nodes` shows it), so the preview is the end state, with the waves of
+//! node changes that lead there.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kube::ResourceExt;
+use serde::Serialize;
+
+use crate::api::crd::{Capacity, GpuSharingPolicy, GpuSharingPolicyStatus};
+use crate::api::names::{LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_POLICY};
+use crate::nvidia;
+use crate::plan::converge::{NotConverged, converge};
+use crate::plan::{self, NodeFacts, PlanInput};
+use crate::validate::FieldError;
+
+/// What happens to a policy object.
+#[derive(Serialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum PolicyChange {
+    Added,
+    Changed,
+    Removed,
+    Unchanged,
+}
+
+/// A policy's result on one side of the change.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicySide {
+    pub strategy: String,
+    /// `applied/matched` nodes.
+    pub nodes: String,
+    pub ready: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<Capacity>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyPreview {
+    pub name: String,
+    pub change: PolicyChange,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub before: Option<PolicySide>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub after: Option<PolicySide>,
+}
+
+/// How a node shares its GPUs: the governing policy and its strategy, the device-plugin config
+/// key and the MIG layout (from the node's labels).
+#[derive(Serialize, Debug, Clone, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeSharing {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mig_layout: Option<String>,
+}
+
+/// One value that changes (a label, a ClusterPolicy field); `None` is absent.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Change<T> {
+    pub key: String,
+    pub before: Option<T>,
+    pub after: Option<T>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodePreview {
+    pub name: String,
+    pub before: NodeSharing,
+    pub after: NodeSharing,
+    /// The first wave (1-based) in which the node changes.
+    pub wave: usize,
+    pub labels: Vec<Change<String>>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Default)]
+pub struct KeyChanges {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+}
+
+impl KeyChanges {
+    fn of<'a>(
+        before: impl IntoIterator<Item = &'a String>,
+        after: impl IntoIterator<Item = &'a String>,
+    ) -> Self {
+        let b: BTreeSet<&String> = before.into_iter().collect();
+        let a: BTreeSet<&String> = after.into_iter().collect();
+        KeyChanges {
+            added: a.difference(&b).map(|s| s.to_string()).collect(),
+            removed: b.difference(&a).map(|s| s.to_string()).collect(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty()
+    }
+}
+
+/// Everything `plan` reports.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Preview {
+    pub changed: bool,
+    pub policies: Vec<PolicyPreview>,
+    /// Nodes whose labels change, in name order.
+    pub nodes: Vec<NodePreview>,
+    /// Nodes changed per wave of writes, in order.
+    pub waves: Vec<Vec<String>>,
+    pub device_plugin_config_keys: KeyChanges,
+    pub mig_layouts: KeyChanges,
+    pub claim_templates: KeyChanges,
+    /// ClusterPolicy `spec` fields, dotted; `after: None` is a field the operator releases.
+    pub cluster_policy: Vec<Change<serde_json::Value>>,
+    /// Planning passes until convergence.
+    pub passes: usize,
+    /// What could not be read and was assumed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub assumptions: Vec<String>,
+}
+
+/// The labels `plan` compares: ours, except the MIG state that the MIG manager reports.
+const COMPARED: [&str; 3] = [LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_POLICY];
+
+fn sharing(n: &NodeFacts, policies: &[GpuSharingPolicy]) -> NodeSharing {
+    let policy = n.labels.get(LABEL_POLICY).map(String::from);
+    let strategy = policy.as_deref().and_then(|name| {
+        let p = policies.iter().find(|p| p.name_any() == name)?;
+        serde_json::to_value(p.spec.strategy)
+            .ok()?
+            .as_str()
+            .map(String::from)
+    });
+    NodeSharing {
+        policy,
+        strategy,
+        config: n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(String::from),
+        mig_layout: n.labels.get(LABEL_MIG_CONFIG).map(String::from),
+    }
+}
+
+fn side(p: &GpuSharingPolicy, s: Option<&GpuSharingPolicyStatus>) -> PolicySide {
+    let ready = s
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
+        .map(|c| format!("{} ({})", c.status.as_str(), c.reason.as_str()))
+        .unwrap_or_default();
+    PolicySide {
+        strategy: serde_json::to_value(p.spec.strategy)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default(),
+        nodes: s.and_then(|s| s.nodes.clone()).unwrap_or_default(),
+        ready,
+        capacity: s.and_then(|s| s.capacity.clone()),
+    }
+}
+
+/// The desired policies: the files' (keeping a changed policy's age, so precedence among equal
+/// priorities stays as it is; a new one is the newest), plus, unless `prune`, the cluster's
+/// policies the files do not name.
+pub fn desired(
+    current: &[GpuSharingPolicy],
+    files: Vec<GpuSharingPolicy>,
+    prune: bool,
+) -> Vec<GpuSharingPolicy> {
+    let named: BTreeSet<String> = files.iter().map(|p| p.name_any()).collect();
+    let mut out: Vec<GpuSharingPolicy> = files
+        .into_iter()
+        .map(|mut p| {
+            if let Some(c) = current.iter().find(|c| c.name_any() == p.name_any()) {
+                p.metadata.creation_timestamp = c.metadata.creation_timestamp.clone();
+                p.metadata.uid = c.metadata.uid.clone();
+                let same = serde_json::to_value(&c.spec).ok() == serde_json::to_value(&p.spec).ok();
+                p.metadata.generation = c.metadata.generation.map(|g| g + i64::from(!same));
+            }
+            p
+        })
+        .collect();
+    if !prune {
+        out.extend(
+            current
+                .iter()
+                .filter(|c| !named.contains(&c.name_any()))
+                .cloned(),
+        );
+    }
+    out
+}
+
+fn policy_previews(
+    current: &[GpuSharingPolicy],
+    desired: &[GpuSharingPolicy],
+    before: &plan::Plan,
+    after: &plan::Plan,
+) -> Vec<PolicyPreview> {
+    let mut names: BTreeSet<String> = current.iter().map(|p| p.name_any()).collect();
+    names.extend(desired.iter().map(|p| p.name_any()));
+    names
+        .into_iter()
+        .map(|name| {
+            let c = current.iter().find(|p| p.name_any() == name);
+            let d = desired.iter().find(|p| p.name_any() == name);
+            let change = match (c, d) {
+                (None, _) => PolicyChange::Added,
+                (_, None) => PolicyChange::Removed,
+                (Some(c), Some(d)) if c.metadata.generation != d.metadata.generation => {
+                    PolicyChange::Changed
+                }
+                _ => PolicyChange::Unchanged,
+            };
+            PolicyPreview {
+                before: c.map(|p| side(p, before.statuses.get(&name))),
+                after: d.map(|p| side(p, after.statuses.get(&name))),
+                name,
+                change,
+            }
+        })
+        .collect()
+}
+
+/// Dotted leaf paths of a JSON object with their values.
+fn leaves(prefix: &str, v: &serde_json::Value, out: &mut BTreeMap<String, serde_json::Value>) {
+    match v.as_object() {
+        Some(m) if !m.is_empty() => {
+            for (k, x) in m {
+                leaves(&format!("{prefix}.{k}"), x, out);
+            }
+        }
+        _ => {
+            out.insert(prefix.to_string(), v.clone());
+        }
+    }
+}
+
+fn at<'a>(v: Option<&'a serde_json::Value>, path: &str) -> Option<&'a serde_json::Value> {
+    path.split('.')
+        .skip(1)
+        .try_fold(v?, |v, k| v.get(k))
+        .filter(|v| !v.is_null())
+}
+
+/// ClusterPolicy fields the operator sets (after) or set and releases (before only), against
+/// the cluster's values.
+fn cluster_policy_changes(
+    cluster: Option<&serde_json::Value>,
+    before: &plan::Plan,
+    after: &plan::Plan,
+) -> Vec<Change<serde_json::Value>> {
+    let (mut b, mut a) = (BTreeMap::new(), BTreeMap::new());
+    leaves("spec", &before.cluster_policy_spec, &mut b);
+    leaves("spec", &after.cluster_policy_spec, &mut a);
+    let paths: BTreeSet<&String> = b.keys().chain(a.keys()).collect();
+    paths
+        .into_iter()
+        .filter_map(|path| {
+            let now = at(cluster, path).cloned();
+            let then = a.get(path).cloned();
+            // A field we release keeps its value until someone else sets it: a change only in
+            // ownership, shown as `after: None`.
+            (now != then).then(|| Change {
+                key: path.clone(),
+                before: now,
+                after: then,
+            })
+        })
+        .collect()
+}
+
+fn node_previews(
+    current: &PlanInput,
+    after: &PlanInput,
+    desired: &[GpuSharingPolicy],
+    waves: &[BTreeSet<String>],
+) -> Vec<NodePreview> {
+    let finals: BTreeMap<&str, &NodeFacts> = after
+        .nodes
+        .iter()
+        .map(|n| (n.name.as_str(), &**n))
+        .collect();
+    let mut out = Vec::new();
+    for n in &current.nodes {
+        let Some(f) = finals.get(n.name.as_str()) else {
+            continue;
+        };
+        let labels: Vec<Change<String>> = COMPARED
+            .iter()
+            .filter_map(|k| {
+                let (b, a) = (n.labels.get(k), f.labels.get(k));
+                (b != a).then(|| Change {
+                    key: k.to_string(),
+                    before: b.map(String::from),
+                    after: a.map(String::from),
+                })
+            })
+            .collect();
+        if labels.is_empty() {
+            continue;
+        }
+        out.push(NodePreview {
+            name: n.name.clone(),
+            before: sharing(n, &current.policies),
+            after: sharing(f, desired),
+            wave: waves
+                .iter()
+                .position(|w| w.contains(&n.name))
+                .map_or(0, |i| i + 1),
+            labels,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PreviewError {
+    /// Policies the planner refuses on this cluster (e.g. a named MIG layout its mig-parted
+    /// config lacks), by name.
+    #[error("{}", .0.iter().map(|(p, e)| format!("policy {p:?}: {e}")).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<(String, FieldError)>),
+    #[error(transparent)]
+    NotConverged(#[from] NotConverged),
+}
+
+/// What applying the desired policies (see [`desired`]) to the cluster `current` would change.
+/// `cluster_policy` is the active ClusterPolicy's spec; `checked` names the policies whose
+/// planner errors make the input invalid (the files'; the cluster's own keep their status).
+pub fn preview(
+    current: &PlanInput,
+    cluster_policy: Option<&serde_json::Value>,
+    desired_policies: Vec<GpuSharingPolicy>,
+    checked: &BTreeSet<String>,
+) -> Result<Preview, PreviewError> {
+    let before = plan::plan(current);
+    let mut input = current.clone();
+    input.policies = desired_policies;
+    let first = plan::plan(&input);
+    let invalid: Vec<(String, FieldError)> = first
+        .invalid
+        .iter()
+        .filter(|(name, _)| checked.contains(*name))
+        .flat_map(|(name, errs)| errs.iter().map(|e| (name.clone(), e.clone())))
+        .collect();
+    if !invalid.is_empty() {
+        return Err(PreviewError::Invalid(invalid));
+    }
+    let c = converge(input)?;
+    let after = &c.plan;
+    let policies = policy_previews(&current.policies, &c.input.policies, &before, after);
+    let nodes = node_previews(current, &c.input, &c.input.policies, &c.waves);
+    let layouts = |text: Option<&String>| -> Vec<String> {
+        text.and_then(|t| nvidia::parse_mig_configs(t).ok())
+            .map(|m| m.into_keys().collect())
+            .unwrap_or_default()
+    };
+    let mig_before: Vec<String> = current.current_mig_configs.keys().cloned().collect();
+    let mig_after = layouts(after.mig_config.as_ref());
+    let mut p = Preview {
+        changed: false,
+        device_plugin_config_keys: KeyChanges::of(
+            current.current_device_config.keys(),
+            after.device_config.keys(),
+        ),
+        mig_layouts: KeyChanges::of(&mig_before, &mig_after),
+        claim_templates: KeyChanges::of(
+            before.claim_templates.keys(),
+            after.claim_templates.keys(),
+        ),
+        cluster_policy: cluster_policy_changes(cluster_policy, &before, after),
+        waves: c
+            .waves
+            .iter()
+            .map(|w| w.iter().cloned().collect())
+            .collect(),
+        passes: c.passes,
+        policies,
+        nodes,
+        assumptions: Vec::new(),
+    };
+    p.changed = p
+        .policies
+        .iter()
+        .any(|x| x.change != PolicyChange::Unchanged)
+        || !p.nodes.is_empty()
+        || !p.device_plugin_config_keys.is_empty()
+        || !p.mig_layouts.is_empty()
+        || !p.claim_templates.is_empty()
+        || !p.cluster_policy.is_empty();
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Labels;
+
+    fn policy(yaml: &str) -> GpuSharingPolicy {
+        let mut p: GpuSharingPolicy = crate::api::yaml::from_str(yaml).unwrap();
+        p.metadata.generation = Some(1);
+        p
+    }
+
+    fn a100() -> NodeFacts {
+        let mut labels = Labels::default();
+        for (k, v) in [
+            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"),
+            ("nvidia.com/gpu.count", "8"),
+            ("nvidia.com/gpu.memory", "81920"),
+            ("nvidia.com/mig.capable", "true"),
+            ("nvidia.com/mig.config", "all-disabled"),
+            ("nvidia.com/mig.config.state", "success"),
+        ] {
+            labels.insert(k, v);
+        }
+        NodeFacts {
+            name: "a100-0".into(),
+            labels,
+            ..Default::default()
+        }
+    }
+
+    const MIG: &str = "metadata: {name: a100}\nspec:\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mig\n  mig: {migStrategy: single, layout: all-1g.10gb}\n";
+    const MPS: &str = "metadata: {name: a100}\nspec:\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mps\n  mps: {replicas: 2}\n";
+
+    /// The cluster once the operator converged on `policies`.
+    fn converged(policies: Vec<GpuSharingPolicy>) -> (PlanInput, serde_json::Value) {
+        let mut input = PlanInput::new(policies, vec![a100()]);
+        input.base_mig_configs = Some(nvidia::default_mig_configs());
+        let c = converge(input).unwrap();
+        (c.input, c.plan.cluster_policy_spec)
+    }
+
+    fn names(policies: &[GpuSharingPolicy]) -> BTreeSet<String> {
+        policies.iter().map(|p| p.name_any()).collect()
+    }
+
+    #[test]
+    fn the_files_the_cluster_runs_change_nothing() {
+        let files = vec![policy(MIG)];
+        let (cluster, cp) = converged(files.clone());
+        let want = desired(&cluster.policies, files.clone(), false);
+        let p = preview(&cluster, Some(&cp), want, &names(&files)).unwrap();
+        assert!(!p.changed, "{p:#?}");
+        assert!(p.nodes.is_empty() && p.cluster_policy.is_empty());
+        assert_eq!(p.passes, 1);
+        assert_eq!(p.policies[0].change, PolicyChange::Unchanged);
+    }
+
+    #[test]
+    fn mig_to_mps_shows_the_waves_through_all_disabled_and_the_cluster_policy() {
+        let (cluster, cp) = converged(vec![policy(MIG)]);
+        let files = vec![policy(MPS)];
+        let want = desired(&cluster.policies, files.clone(), false);
+        let p = preview(&cluster, Some(&cp), want, &names(&files)).unwrap();
+        assert!(p.changed);
+        let n = &p.nodes[0];
+        assert_eq!(n.before.mig_layout.as_deref(), Some("all-1g.10gb"));
+        assert_eq!(n.after.mig_layout.as_deref(), Some("all-disabled"));
+        assert_eq!(n.before.strategy.as_deref(), Some("mig"));
+        assert_eq!(n.after.strategy.as_deref(), Some("mps"));
+        // Sharing off, MIG off and confirmed, then the MPS config: one node, several waves.
+        assert!(p.waves.len() >= 2, "{:?}", p.waves);
+        assert!(p.waves.iter().all(|w| w.iter().any(|n| n == "a100-0")));
+        assert_eq!(n.wave, 1);
+        // The cluster-wide MIG strategy goes back to none (MPS cannot run with MIG).
+        let strategy = p
+            .cluster_policy
+            .iter()
+            .find(|c| c.key == "spec.mig.strategy")
+            .unwrap_or_else(|| panic!("{:?}", p.cluster_policy));
+        assert_eq!(strategy.before, Some(serde_json::json!("single")));
+        let after = &p.policies[0].after.as_ref().unwrap();
+        assert_eq!(after.capacity.as_ref().unwrap().schedulable_replicas, 16);
+        assert_eq!(p.policies[0].change, PolicyChange::Changed);
+    }
+
+    #[test]
+    fn a_layout_missing_from_the_clusters_config_is_invalid_input() {
+        let (cluster, cp) = converged(vec![]);
+        let files = vec![policy(&MIG.replace("all-1g.10gb", "all-9g.99gb"))];
+        let want = desired(&cluster.policies, files.clone(), false);
+        let err = preview(&cluster, Some(&cp), want, &names(&files)).unwrap_err();
+        assert!(matches!(err, PreviewError::Invalid(_)), "{err}");
+        assert!(err.to_string().contains("spec.mig.layout"), "{err}");
+    }
+
+    #[test]
+    fn prune_removes_what_the_files_do_not_name() {
+        let (cluster, _) = converged(vec![policy(MIG)]);
+        let other = policy(&MPS.replace("name: a100", "name: other"));
+        assert_eq!(
+            desired(&cluster.policies, vec![other.clone()], false).len(),
+            2
+        );
+        let pruned = desired(&cluster.policies, vec![other], true);
+        assert_eq!(names(&pruned), BTreeSet::from(["other".to_string()]));
+    }
+}

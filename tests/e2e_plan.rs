@@ -1,0 +1,234 @@
+//! End-to-end: `gpu-sharing-operator plan` against a live control plane, as a CI job would run
+//! it: the real binary with a read-only ServiceAccount's kubeconfig, exit codes 0 / 2 / 1, and an
+//! audit log proving it never attempted a write.
+
+mod common;
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use support::*;
+
+const SA_USER: &str = "system:serviceaccount:gpu-sharing-system:gpu-sharing-plan";
+
+fn plan(kubeconfig: &Path, args: &[&str]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
+        .arg("plan")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .current_dir(common::repo_root())
+        .output()
+        .unwrap()
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(o)))
+}
+
+/// The audit events of the plan ServiceAccount: (verb, resource).
+fn audited(log: &Path) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["user"]["username"] == SA_USER && e["stage"] == "ResponseComplete")
+        .map(|e| {
+            (
+                e["verb"].as_str().unwrap_or_default().to_string(),
+                e["objectRef"]["resource"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn plan_previews_changes_read_only_with_ci_exit_codes() {
+    // Audit everything the plan ServiceAccount does.
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("audit-policy.yaml");
+    std::fs::write(
+        &policy,
+        format!(
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nrules:\n- level: Metadata\n  users: [\"{SA_USER}\"]\n- level: None\n"
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("audit.log");
+    let (_g, cluster, _sim) = setup_with(
+        common::ClusterOptions::default()
+            .arg(&format!(
+                "--apiserver-arg=--audit-policy-file={}",
+                policy.display()
+            ))
+            .arg(&format!(
+                "--apiserver-arg=--audit-log-path={}",
+                log.display()
+            )),
+    )
+    .await;
+    let c = cluster.client.clone();
+    let root = common::repo_root();
+    for f in ["config/namespace.yaml", "config/plan-viewer.yaml"] {
+        common::apply_path(&c, &root.join(f)).await.unwrap();
+    }
+    let op = Operator::start(c.clone(), None);
+    for f in ["examples/mps-h200.yaml", "examples/time-slicing-l4.yaml"] {
+        common::apply_path(&c, &root.join(f)).await.unwrap();
+    }
+    until("h200-mps Ready", LONG, || ready_on(&c, "h200-mps", 1)).await;
+    until("l4-time-slicing Ready", LONG, || {
+        ready_on(&c, "l4-time-slicing", 2)
+    })
+    .await;
+    op.stop().await;
+    // The simulated GFD relabels a moment after a config change: wait until nothing moves.
+    let mut before = resource_versions(&c).await;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        let now = resource_versions(&c).await;
+        if now == before {
+            break;
+        }
+        before = now;
+    }
+
+    let kc = service_account_kubeconfig(&cluster, "gpu-sharing-system", "gpu-sharing-plan").await;
+    let kubeconfig: PathBuf = dir.path().join("plan.kubeconfig");
+    std::fs::write(&kubeconfig, serde_saphyr::to_string(&kc).unwrap()).unwrap();
+
+    // No change: the files are what the cluster runs.
+    let same = plan(&kubeconfig, &["-f", "examples/mps-h200.yaml"]);
+    assert_eq!(same.status.code(), Some(0), "{}", show(&same));
+    assert!(
+        String::from_utf8_lossy(&same.stdout).contains("No changes"),
+        "{}",
+        show(&same)
+    );
+
+    // An edit: MPS x4 -> x8 on the H200 node.
+    let edited = dir.path().join("mps-8.yaml");
+    std::fs::write(
+        &edited,
+        include_str!("../examples/mps-h200.yaml").replace("replicas: 4", "replicas: 8"),
+    )
+    .unwrap();
+    let e = plan(&kubeconfig, &["-f", edited.to_str().unwrap(), "-o", "json"]);
+    assert_eq!(e.status.code(), Some(2), "{}", show(&e));
+    let p = json(&e);
+    let nodes: Vec<&str> = p["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(nodes, ["h200-node-0"], "{p:#}");
+    let node = &p["nodes"][0];
+    let (old, new) = (
+        node["before"]["config"].as_str().unwrap(),
+        node["after"]["config"].as_str().unwrap(),
+    );
+    assert!(
+        old.starts_with("h200-mps-") && new.starts_with("h200-mps-") && old != new,
+        "{node}"
+    );
+    assert_eq!(node["after"]["strategy"], "mps");
+    assert_eq!(
+        p["devicePluginConfigKeys"]["added"],
+        serde_json::json!([new])
+    );
+    assert_eq!(
+        p["devicePluginConfigKeys"]["removed"],
+        serde_json::json!([old])
+    );
+    let h200 = p["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "h200-mps")
+        .unwrap();
+    assert_eq!(h200["change"], "changed");
+    assert_eq!(h200["before"]["capacity"]["schedulableReplicas"], 32);
+    assert_eq!(h200["after"]["capacity"]["schedulableReplicas"], 64);
+    assert_eq!(h200["after"]["capacity"]["memoryPerClientMib"], 143771 / 8);
+    // The L4 policies are not in the file: left as they are without --prune.
+    let l4 = p["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "l4-time-slicing")
+        .unwrap();
+    assert_eq!(l4["change"], "unchanged");
+    // The human table says the same.
+    let t = plan(&kubeconfig, &["-f", edited.to_str().unwrap()]);
+    assert_eq!(t.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&t.stdout);
+    assert!(
+        text.contains("h200-node-0") && text.contains(&format!("{old} -> {new}")),
+        "{text}"
+    );
+    assert!(text.contains("32 -> 64"), "{text}");
+
+    // --prune: the files are the complete set; the L4 policies go and their nodes are released.
+    let pruned = plan(
+        &kubeconfig,
+        &["-f", "examples/mps-h200.yaml", "--prune", "-o", "yaml"],
+    );
+    assert_eq!(pruned.status.code(), Some(2), "{}", show(&pruned));
+    let p: serde_json::Value =
+        gpu_sharing_operator::api::yaml::from_str(&String::from_utf8_lossy(&pruned.stdout))
+            .unwrap();
+    let removed: Vec<&str> = p["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["change"] == "removed")
+        .map(|x| x["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(removed, ["l4-heavy", "l4-time-slicing"]);
+    for n in p["nodes"].as_array().unwrap() {
+        assert!(n["name"].as_str().unwrap().starts_with("l4-node-"), "{n}");
+        assert!(n["after"]["policy"].is_null(), "{n}");
+    }
+
+    // Invalid input: exit 1, the field named, nothing planned.
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        include_str!("../examples/mps-h200.yaml").replace("replicas: 4", "replicas: 1"),
+    )
+    .unwrap();
+    let b = plan(&kubeconfig, &["-f", bad.to_str().unwrap()]);
+    assert_eq!(b.status.code(), Some(1), "{}", show(&b));
+    assert!(
+        String::from_utf8_lossy(&b.stderr).contains("spec.mps.replicas"),
+        "{}",
+        show(&b)
+    );
+    assert!(b.stdout.is_empty());
+
+    // Read-only: nothing changed, and the ServiceAccount never attempted anything but reads.
+    assert_eq!(resource_versions(&c).await, before);
+    let events = audited(&log);
+    assert!(
+        events.iter().any(|(v, r)| v == "list" && r == "nodes"),
+        "{events:?}"
+    );
+    let writes: Vec<&(String, String)> = events
+        .iter()
+        .filter(|(v, _)| !matches!(v.as_str(), "get" | "list" | "watch"))
+        .collect();
+    assert!(writes.is_empty(), "writes attempted: {writes:?}");
+}
