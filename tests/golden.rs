@@ -814,3 +814,29 @@ fn render_single_pass_shows_the_first_writes() {
         "pending"
     );
 }
+
+#[test]
+fn every_condition_reason_is_in_the_crd_schema_and_documented() {
+    let crd = serde_json::to_value(<GpuSharingPolicy as kube::CustomResourceExt>::crd()).unwrap();
+    let conditions = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+        ["properties"]["conditions"]["items"]["properties"];
+    let reasons: Vec<&str> = conditions["reason"]["enum"]
+        .as_array()
+        .expect("reasons are an enum in the schema")
+        .iter()
+        .map(|r| r.as_str().unwrap())
+        .filter(|r| *r != "Unknown")
+        .collect();
+    assert!(
+        reasons.contains(&"HigherPriorityPolicy") && reasons.len() >= 20,
+        "{reasons:?}"
+    );
+    let readme = include_str!("../README.md");
+    let status = &readme[readme.find("## Status").unwrap()..readme.find("## Validation").unwrap()];
+    for r in reasons {
+        assert!(
+            status.contains(&format!("`{r}`")),
+            "reason {r} is not documented in the README's Status section"
+        );
+    }
+}
