@@ -396,13 +396,21 @@ async fn policy_crd_round_trip() {
     let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
         Api::all(c.clone());
     let crd = crds.get("gpusharingpolicies.gpusharing.io").await.unwrap();
-    let cols: Vec<String> = crd.spec.versions[0]
-        .additional_printer_columns
-        .iter()
-        .flatten()
-        .map(|c| c.name.clone())
-        .collect();
-    assert_eq!(cols, ["Strategy", "Replicas", "Nodes", "Ready", "Age"]);
+    let cols = |wide: bool| -> Vec<String> {
+        crd.spec.versions[0]
+            .additional_printer_columns
+            .iter()
+            .flatten()
+            .filter(|c| (c.priority.unwrap_or(0) > 0) == wide)
+            .map(|c| c.name.clone())
+            .collect()
+    };
+    assert_eq!(cols(false), ["Strategy", "Replicas", "Nodes", "Ready", "Age"]);
+    // `-o wide` adds these.
+    assert_eq!(
+        cols(true),
+        ["Schedulable", "MiB/Client", "Progress", "Config", "MIG"]
+    );
     assert_eq!(crd.spec.names.short_names, Some(vec!["gsp".to_string()]));
 }
 
