@@ -127,6 +127,10 @@ struct RunArgs {
     /// Degraded and left alone.
     #[arg(long, default_value_t = 600)]
     mig_timeout_seconds: u64,
+    /// Start no node change for any policy (as `spec.paused` does for one); status stays
+    /// current and nodes already changing finish their transition.
+    #[arg(long, env = "GPU_SHARING_PAUSE_ROLLOUTS")]
+    pause_rollouts: bool,
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -152,6 +156,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         resync: std::time::Duration::from_secs(args.resync_seconds),
         metrics: metrics.clone(),
         mig_timeout: std::time::Duration::from_secs(args.mig_timeout_seconds),
+        pause_rollouts: args.pause_rollouts,
         ..Default::default()
     };
     if !args.leader_elect {

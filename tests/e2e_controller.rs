@@ -405,7 +405,10 @@ async fn policy_crd_round_trip() {
             .map(|c| c.name.clone())
             .collect()
     };
-    assert_eq!(cols(false), ["Strategy", "Replicas", "Nodes", "Ready", "Age"]);
+    assert_eq!(
+        cols(false),
+        ["Strategy", "Replicas", "Nodes", "Ready", "Age"]
+    );
     // `-o wide` adds these.
     assert_eq!(
         cols(true),

@@ -63,6 +63,8 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
         mig: None,
         backend: Default::default(),
         dra: None,
+        rollout: None,
+        paused: false,
     };
     match kind % 5 {
         0 => {}
@@ -201,6 +203,8 @@ enum Step {
     Apply,
     /// The MIG manager finishes what is pending.
     MigManager,
+    /// GPU Feature Discovery relabels nodes whose device-plugin config changed.
+    Gfd,
     /// An admin relabels a node's profile.
     Relabel(usize, Option<usize>),
     /// The policy set changes.
@@ -211,6 +215,7 @@ fn step_gen() -> impl Strategy<Value = Step> {
     prop_oneof![
         4 => Just(Step::Apply),
         3 => Just(Step::MigManager),
+        3 => Just(Step::Gfd),
         1 => (0usize..4, proptest::option::of(0usize..4)).prop_map(|(n, p)| Step::Relabel(n, p)),
         1 => proptest::collection::vec(policy_gen(), 0..4).prop_map(Step::Policies),
     ]
@@ -253,6 +258,12 @@ struct World {
     now: i64,
     /// The GPU Operator's default mig-parted config (named layouts).
     base: BTreeMap<String, serde_json::Value>,
+    /// Nodes whose labels the controller changed and that NVIDIA's components have not
+    /// confirmed yet, with the policy they were changed for and whether GFD still has to
+    /// relabel them (the rollout budget's "unavailable" nodes).
+    unconfirmed: BTreeMap<String, (String, bool)>,
+    /// The device-plugin config each node had when GFD last labelled it.
+    gfd_seen: BTreeMap<String, Option<String>>,
 }
 
 impl World {
@@ -265,6 +276,8 @@ impl World {
             mig_config: BTreeMap::new(),
             now: 1_800_000_000,
             base: base_layouts(),
+            unconfirmed: BTreeMap::new(),
+            gfd_seen: BTreeMap::new(),
         }
     }
 
@@ -301,6 +314,111 @@ impl World {
                 n.labels
             );
         }
+    }
+
+    /// Applies a plan, and checks, independently of the planner's own counting, that no policy
+    /// ever has more unconfirmed nodes than its default budget (25% of its nodes, at least 1).
+    /// A node is unconfirmed from a write that changes its labels until GFD has relabelled it
+    /// (when the device-plugin config changed) and the MIG manager is not pending.
+    fn apply_within_budget(&mut self, plan: &Plan) {
+        let before: BTreeMap<String, Labels> = self
+            .nodes
+            .iter()
+            .map(|n| (n.name.clone(), n.labels.clone()))
+            .collect();
+        let was_unconfirmed: BTreeSet<String> = self.unconfirmed.keys().cloned().collect();
+        self.apply(plan);
+        self.now += 1;
+        for n in &self.nodes {
+            let managed = |l: &Labels| {
+                names::MANAGED_LABELS
+                    .iter()
+                    .filter(|k| **k != LABEL_MIG_STATE)
+                    .map(|k| l.get(k).map(str::to_string))
+                    .collect::<Vec<_>>()
+            };
+            let old = &before[&n.name];
+            if managed(old) == managed(&n.labels) {
+                continue;
+            }
+            let dp_changed =
+                old.get(LABEL_DEVICE_PLUGIN_CONFIG) != n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG);
+            match n.labels.get(names::LABEL_POLICY) {
+                Some(p) => {
+                    let gfd = dp_changed || self.unconfirmed.get(&n.name).is_some_and(|(_, g)| *g);
+                    self.unconfirmed
+                        .insert(n.name.clone(), (p.to_string(), gfd));
+                }
+                None => {
+                    self.unconfirmed.remove(&n.name);
+                }
+            }
+        }
+        let nodes = &self.nodes;
+        self.unconfirmed.retain(|name, (_, gfd)| {
+            let n = nodes.iter().find(|n| &n.name == name).unwrap();
+            *gfd || n.labels.get(LABEL_MIG_STATE) == Some("pending")
+        });
+        // Which policy governs each node now, and which policies this apply changed nodes for.
+        let mut governs: BTreeMap<&str, &str> = BTreeMap::new();
+        for (policy, status) in &plan.statuses {
+            for d in &status.node_details {
+                if !["Rejected", "Conflicted", "Overridden"].contains(&d.state.as_str()) {
+                    governs.insert(d.name.as_str(), policy.as_str());
+                }
+            }
+        }
+        let started_for: BTreeSet<&str> = self
+            .unconfirmed
+            .keys()
+            .filter(|n| !was_unconfirmed.contains(*n))
+            .filter_map(|n| governs.get(n.as_str()).copied())
+            .collect();
+        // The operator can only be blamed where it made an available node unavailable: a node
+        // another policy left unconfirmed may move into a policy without any write, and a node
+        // in flight stays unavailable through its steps.
+        for policy in started_for {
+            let status = &plan.statuses[policy];
+            let governed = governs.values().filter(|p| **p == policy).count();
+            let budget = governed.div_ceil(4).max(1);
+            let out: Vec<&String> = self
+                .unconfirmed
+                .keys()
+                .filter(|n| governs.get(n.as_str()) == Some(&policy))
+                .collect();
+            assert!(
+                out.len() <= budget,
+                "policy {policy}: {} unconfirmed nodes {out:?}, budget {budget}; status {:?}",
+                out.len(),
+                status.rollout
+            );
+        }
+    }
+
+    /// GPU Feature Discovery: relabels a node whose device plugin got a new config (replicas,
+    /// strategy, a timestamp after our write).
+    fn gfd(&mut self) {
+        for n in &mut self.nodes {
+            let dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(str::to_string);
+            if self.gfd_seen.get(&n.name) == Some(&dp) {
+                continue;
+            }
+            let config = dp.as_ref().and_then(|k| self.config.get(k)).and_then(|t| {
+                gpu_sharing_operator::api::yaml::from_str::<DevicePluginConfig>(t).ok()
+            });
+            let (replicas, strategy) =
+                gpu_sharing_operator::plan::converge::gfd_report(config.as_ref());
+            n.labels
+                .insert(names::LABEL_GPU_REPLICAS, replicas.to_string());
+            n.labels.insert(names::LABEL_GPU_SHARING_STRATEGY, strategy);
+            n.labels
+                .insert(names::LABEL_GFD_TIMESTAMP, self.now.to_string());
+            self.gfd_seen.insert(n.name.clone(), dp);
+            if let Some((_, gfd)) = self.unconfirmed.get_mut(&n.name) {
+                *gfd = false;
+            }
+        }
+        self.now += 1;
     }
 
     fn mig_manager(&mut self) {
@@ -381,6 +499,8 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
     // Start from MIG enabled on one node, as an admin left it.
     w.nodes[0].labels.insert(LABEL_MIG_CONFIG, "all-1g.10gb");
     w.nodes[0].labels.insert(LABEL_MIG_STATE, "success");
+    // GFD runs on every node: it has labelled each once already.
+    w.gfd();
     for s in steps {
         match s {
             Step::Apply => {
@@ -403,9 +523,10 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
                         );
                     }
                 }
-                w.apply(&p);
+                w.apply_within_budget(&p);
             }
             Step::MigManager => w.mig_manager(),
+            Step::Gfd => w.gfd(),
             Step::Relabel(n, p) => match p {
                 Some(p) => {
                     w.nodes[n]
@@ -421,11 +542,12 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
         w.check_invariants();
     }
     // Converge: alternate apply and MIG manager; then planning the planned state changes nothing.
-    for _ in 0..8 {
+    for _ in 0..16 {
         let p = plan::plan(&w.input());
-        w.apply(&p);
+        w.apply_within_budget(&p);
         w.check_invariants();
         w.mig_manager();
+        w.gfd();
         w.check_invariants();
     }
     let p = plan::plan(&w.input());
@@ -925,9 +1047,9 @@ fn a_named_layout_whose_content_changed_is_reported_and_reapplied_on_request() {
         .get_or_insert_default()
         .insert(names::ANNOTATION_REAPPLY_MIG.into(), "true".into());
     let mut seen_disabled = false;
-    for _ in 0..8 {
+    for _ in 0..16 {
         let p = plan::plan(&w.input());
-        w.apply(&p);
+        w.apply_within_budget(&p);
         w.check_invariants();
         if w.nodes[0].labels.get(LABEL_MIG_CONFIG) == Some(MIG_DISABLED_LAYOUT) {
             seen_disabled = true;

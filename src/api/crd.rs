@@ -85,6 +85,38 @@ pub struct GpuSharingPolicySpec {
     /// Settings for `backend: dra`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dra: Option<Dra>,
+
+    /// How changes reach the nodes: in waves of at most `maxUnavailable` unconfirmed nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<Rollout>,
+
+    /// Stop starting node changes (as `kubectl rollout pause` does); status stays current and
+    /// nodes already changing finish their transition.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
+}
+
+/// Default of `spec.rollout.maxUnavailable`.
+pub const DEFAULT_MAX_UNAVAILABLE: &str = "25%";
+/// Default of `spec.rollout.nodeTimeoutSeconds`.
+pub const DEFAULT_NODE_TIMEOUT_SECONDS: i64 = 600;
+
+/// Staged rollout of a policy's node changes.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Rollout {
+    /// Most nodes of this policy that may be unconfirmed at once: from the write that changes a
+    /// node's config until NVIDIA's components confirm it. An integer, or a percentage of the
+    /// policy's nodes rounded up (like a DaemonSet's); at least 1 node. Default `25%`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 : self.matches('^(100|[1-9][0-9]?)%$')").message("maxUnavailable must be an integer >= 1 or a percentage from 1% to 100%"))]
+    pub max_unavailable: Option<k8s_openapi::apimachinery::pkg::util::intstr::IntOrString>,
+
+    /// Seconds a node may stay unconfirmed before the rollout halts (`Progressing=False`,
+    /// `RolloutHalted`). Default 600.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 30, max = 86400))]
+    pub node_timeout_seconds: Option<i64>,
 }
 
 /// `devicePlugin` or `dra`.
@@ -416,6 +448,35 @@ pub struct GpuSharingPolicyStatus {
     /// Settings NVIDIA accepts but does not act on, and similar caveats.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+
+    /// Governed nodes whose change is written but not yet confirmed by NVIDIA's components.
+    #[serde(default)]
+    pub unavailable_nodes: i32,
+
+    /// Progress of the rollout of the current generation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutStatus>,
+}
+
+/// Where the rollout of the current generation stands.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutStatus {
+    /// The budget in nodes (`spec.rollout.maxUnavailable` resolved against the governed nodes).
+    pub max_unavailable: i32,
+    /// Governed nodes waiting for their wave.
+    #[serde(default)]
+    pub queued_nodes: i32,
+    /// Device-plugin config keys of this policy that nodes still use besides the current one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub previous_device_config_keys: Vec<String>,
+    /// The generation whose rollout halted (a node failed or timed out); a new generation
+    /// resumes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub halted_generation: Option<i64>,
+    /// The nodes that halted it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub halted_nodes: Vec<String>,
 }
 
 /// A standard Kubernetes condition.

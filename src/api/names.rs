@@ -30,8 +30,17 @@ pub const ANNOTATION_CONFIG_WRITTEN: &str = "gpusharing.io/device-plugin-config-
 /// and what that name meant then. A named layout whose content changes later (a GPU Operator
 /// upgrade) is detected by comparing it with what the name means now.
 pub const ANNOTATION_MIG_LAYOUT: &str = "gpusharing.io/mig-layout-content";
+/// Node annotation marking a change the operator started on the node for a policy's rollout:
+/// `<policy generation>/<unix seconds>/<target>` (target: the config key, `+<MIG layout>` for
+/// MIG). A node whose mark names its policy's current target and is not confirmed counts
+/// against the rollout budget, whatever happened to the operator in between.
+pub const ANNOTATION_ROLLOUT: &str = "gpusharing.io/rollout";
 /// The annotations this operator may own on a node.
-pub const MANAGED_ANNOTATIONS: [&str; 2] = [ANNOTATION_CONFIG_WRITTEN, ANNOTATION_MIG_LAYOUT];
+pub const MANAGED_ANNOTATIONS: [&str; 3] = [
+    ANNOTATION_CONFIG_WRITTEN,
+    ANNOTATION_MIG_LAYOUT,
+    ANNOTATION_ROLLOUT,
+];
 /// Policy annotation: while present, nodes whose named MIG layout changed content since they
 /// were configured are re-applied through `all-disabled`.
 pub const ANNOTATION_REAPPLY_MIG: &str = "gpusharing.io/reapply-mig-layout";

@@ -66,6 +66,9 @@ string_enum!(
         Conflicted,
         // A policy of higher priority governs the node: an intended override.
         Overridden,
+        // Waits for its rollout wave (the policy's maxUnavailable budget is in use), or the
+        // rollout is paused or halted.
+        Queued,
     }
 );
 
@@ -111,6 +114,9 @@ string_enum!(
         Reconfiguring,
         WaitingForIdleGPUs,
         Idle,
+        RollingOut,
+        RolloutHalted,
+        Paused,
         // Conflicted
         OverlappingPolicy,
         NoOverlap,

@@ -550,7 +550,12 @@ fn policy_object(g: usize, replicas: i32) -> GpuSharingPolicy {
     } else {
         json!({"strategy": "mps", "mps": {"replicas": replicas}})
     };
-    let mut spec = json!({"nodeSelector": {"matchLabels": {GROUP_LABEL: format!("g{g}")}}});
+    // maxUnavailable 100%: every node in one wave, as the minimal-write baseline writes them
+    // (the rollout benchmark sets its own budget).
+    let mut spec = json!({
+        "nodeSelector": {"matchLabels": {GROUP_LABEL: format!("g{g}")}},
+        "rollout": {"maxUnavailable": "100%"},
+    });
     spec.as_object_mut()
         .unwrap()
         .extend(sharing.as_object().unwrap().clone());

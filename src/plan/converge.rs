@@ -14,8 +14,11 @@ use crate::api::names::{
 };
 use crate::nvidia::{self, DevicePluginConfig};
 
-/// More passes than any valid history needs (a MIG -> MPS change takes four).
-pub const MAX_PASSES: usize = 16;
+/// More passes than any valid history needs: a MIG -> MPS change takes four per node, and a
+/// rollout with a budget of one node goes node by node.
+pub fn max_passes(nodes: usize) -> usize {
+    16 + 8 * nodes
+}
 
 #[derive(Debug)]
 pub struct Converged {
@@ -85,7 +88,7 @@ pub fn apply(input: &mut PlanInput, plan: &Plan) -> BTreeSet<String> {
 
 /// What GPU Feature Discovery reports for a device-plugin config: the replicas of its shared
 /// resources (the largest, as for MIG profiles with different counts) and the strategy.
-fn gfd_report(config: Option<&DevicePluginConfig>) -> (i32, &'static str) {
+pub fn gfd_report(config: Option<&DevicePluginConfig>) -> (i32, &'static str) {
     let sharing = config.and_then(|c| c.sharing.as_ref());
     let max = |r: &nvidia::ReplicatedResources| r.resources.iter().map(|x| x.replicas).max();
     match sharing {
@@ -163,7 +166,8 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
     input.now = input.now.max(latest + 1);
     let mut last = BTreeSet::new();
     let mut waves = Vec::new();
-    for passes in 1..=MAX_PASSES {
+    let max = max_passes(input.nodes.len());
+    for passes in 1..=max {
         let plan = super::plan(&input);
         let mut changed = apply(&mut input, &plan);
         if !changed.is_empty() {
@@ -183,7 +187,7 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
         last = changed;
     }
     Err(NotConverged {
-        passes: MAX_PASSES,
+        passes: max,
         nodes: last.into_iter().collect(),
     })
 }

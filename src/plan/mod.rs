@@ -22,6 +22,7 @@ pub mod labels;
 pub mod node;
 pub mod outputs;
 pub mod policies;
+pub mod rollout;
 pub mod status;
 
 pub use labels::{
@@ -76,6 +77,8 @@ pub struct PlanInput {
     /// Nodes whose `nvidia.com/mig.config.state` has said `pending` for longer than the MIG
     /// timeout (the MIG manager can exit early and never report).
     pub mig_stuck: BTreeSet<String>,
+    /// The operator was told to start no node change for any policy (`--pause-rollouts`).
+    pub pause_rollouts: bool,
     /// Names of the ConfigMaps we own.
     pub device_configmap_name: String,
     pub mig_configmap_name: String,
@@ -95,6 +98,7 @@ impl PlanInput {
             cluster_policy_found: true,
             cluster_policy_contested: None,
             mig_stuck: BTreeSet::new(),
+            pause_rollouts: false,
             device_configmap_name: DEVICE_PLUGIN_CONFIGMAP.into(),
             mig_configmap_name: MIG_PARTED_CONFIGMAP.into(),
         }
@@ -181,7 +185,8 @@ fn layout_hashes<'a>(
     }
 }
 
-/// Runs the per-node transition on every node and gathers what it found per policy.
+/// Runs the per-node transition on every node, gates the changes through each policy's rollout
+/// budget, and gathers what it found per policy.
 fn plan_nodes<'n>(
     input: &PlanInput,
     prepared: &[Prepared],
@@ -189,7 +194,7 @@ fn plan_nodes<'n>(
     winner: &BTreeMap<&str, usize>,
 ) -> NodePlans<'n> {
     let hashes = layout_hashes(prepared, input);
-    let mut out = NodePlans::default();
+    let mut entries: Vec<rollout::Entry<'n>> = Vec::with_capacity(nodes.len());
     for n in nodes {
         let wi = winner.get(n.name.as_str()).copied();
         let policy = wi.map(|i| &prepared[i]);
@@ -204,14 +209,39 @@ fn plan_nodes<'n>(
             layout_hash: &hashes,
         };
         let decision = node::decide(n, policy, &env);
-        let holds = matches!(decision, Decision::Hold { .. });
-        let o = node::outcome(n, policy, &env, decision);
-        if holds {
+        let hold = matches!(decision, Decision::Hold { .. });
+        entries.push(rollout::Entry {
+            node: n,
+            policy: wi,
+            hold,
+            outcome: node::outcome(n, policy, &env, decision),
+        });
+    }
+    let progress = rollout::gate(
+        &mut entries,
+        prepared,
+        input.now,
+        input.pause_rollouts,
+        node::queued,
+    );
+    let mut out = NodePlans::default();
+    for (i, p) in progress {
+        out.tallies.entry(i).or_default().rollout = Some(p);
+    }
+    for rollout::Entry {
+        node: n,
+        policy: wi,
+        hold,
+        outcome: o,
+    } in entries
+    {
+        if hold {
             out.used_keys.extend(o.labels.values().cloned());
         } else if let Some(k) = o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) {
             out.used_keys.insert(k.clone());
         }
-        if let (Some(i), Some(p), Some(state)) = (wi, policy, o.state) {
+        if let (Some(i), Some(state)) = (wi, o.state) {
+            let p = &prepared[i];
             let t = out.tallies.entry(i).or_default();
             if state == NodeState::Applied {
                 t.applied += 1;

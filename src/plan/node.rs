@@ -285,6 +285,13 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
     out
 }
 
+/// A node held as it is while it waits for its rollout wave.
+pub fn queued(n: &NodeFacts, message: String) -> Outcome {
+    let mut o = held(n, NodeState::Queued, message);
+    mark_mig_pending(n, &mut o.labels);
+    o
+}
+
 fn released(n: &NodeFacts) -> Outcome {
     let mut labels = super::SmallMap::default();
     if n.owned.contains(LABEL_MIG_CONFIG) {

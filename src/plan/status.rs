@@ -1,7 +1,9 @@
 //! A policy's status from what the per-node transitions found: conditions with typed reasons,
 //! node counts, capacity and bounded per-node details.
 
-use crate::api::crd::{Backend, Capacity, Condition, GpuSharingPolicyStatus, NodeDetail, Strategy};
+use crate::api::crd::{
+    Backend, Capacity, Condition, GpuSharingPolicyStatus, NodeDetail, RolloutStatus, Strategy,
+};
 use crate::api::names::ANNOTATION_REAPPLY_MIG;
 use crate::api::state::{ConditionType, NodeState, Reason};
 use crate::nvidia::MIG_DISABLED_LAYOUT;
@@ -22,6 +24,8 @@ pub struct Tally {
     pub capacity: Option<Capacity>,
     /// Some applied node's replicas are unknown (a MIG layout we cannot read).
     pub capacity_unknown: bool,
+    /// The rollout gate's view (accepted policies).
+    pub rollout: Option<super::rollout::Progress>,
 }
 
 impl Tally {
@@ -138,9 +142,41 @@ fn ready(p: &Prepared, t: &Tally, missing_namespaces: &[String]) -> (bool, Reaso
     }
 }
 
-fn progressing(t: &Tally) -> (bool, Reason, String) {
+fn progressing(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
     let waiting = t.in_state(NodeState::Waiting);
     let pending = t.in_state(NodeState::Pending);
+    let generation = p.policy.metadata.generation.unwrap_or(0);
+    if let Some(r) = &t.rollout {
+        if let Some(why) = &r.halted {
+            let msg = format!(
+                "the rollout of generation {generation} halted: {}; {} nodes not started. Fix the nodes, then edit the policy (a new generation) to resume",
+                why.join("; "),
+                r.queued.len()
+            );
+            return (false, Reason::RolloutHalted, msg);
+        }
+        if r.paused && !r.queued.is_empty() {
+            let msg = format!(
+                "the rollout is paused: {} nodes wait ({}); {} unavailable",
+                r.queued.len(),
+                names_of(&r.queued, 5),
+                r.unavailable
+            );
+            return (false, Reason::Paused, msg);
+        }
+        if !r.queued.is_empty() {
+            let msg = format!(
+                "{} of {} nodes updated, {} unavailable (maxUnavailable {}), {} queued ({})",
+                t.applied,
+                t.details.len(),
+                r.unavailable,
+                r.max_unavailable,
+                r.queued.len(),
+                names_of(&r.queued, 5)
+            );
+            return (true, Reason::RollingOut, msg);
+        }
+    }
     if !waiting.is_empty() {
         (true, Reason::WaitingForIdleGPUs, listed(&waiting, 5))
     } else if !pending.is_empty() {
@@ -152,6 +188,15 @@ fn progressing(t: &Tally) -> (bool, Reason, String) {
         (true, Reason::Reconfiguring, msg)
     } else {
         (false, Reason::Idle, "nothing in progress".into())
+    }
+}
+
+/// Up to `n` names, and how many more there are.
+fn names_of(names: &[String], n: usize) -> String {
+    let shown = names.iter().take(n).cloned().collect::<Vec<_>>().join(", ");
+    match names.len().saturating_sub(n) {
+        0 => shown,
+        more => format!("{shown} and {more} more"),
     }
 }
 
@@ -278,7 +323,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
             ConditionType::Ready,
             ready(p, &t, &place.missing_namespaces),
         ),
-        cond(ConditionType::Progressing, progressing(&t)),
+        cond(ConditionType::Progressing, progressing(p, &t)),
         cond(ConditionType::Conflicted, conflicted(p, &place.conflicting)),
         cond(ConditionType::Overridden, overridden(&place.overridden)),
         cond(ConditionType::Degraded, degraded(p, &t, c)),
@@ -333,5 +378,13 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         capacity,
         node_details: details,
         warnings,
+        unavailable_nodes: t.rollout.as_ref().map_or(0, |r| r.unavailable as i32),
+        rollout: t.rollout.map(|r| RolloutStatus {
+            max_unavailable: r.max_unavailable as i32,
+            queued_nodes: r.queued.len() as i32,
+            previous_device_config_keys: r.previous_keys.into_iter().collect(),
+            halted_generation: r.halted.is_some().then_some(generation).flatten(),
+            halted_nodes: r.halted.unwrap_or_default(),
+        }),
     }
 }

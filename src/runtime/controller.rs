@@ -60,6 +60,8 @@ pub struct Config {
     /// How long `nvidia.com/mig.config.state=pending` may last before the node is reported
     /// Degraded and left alone.
     pub mig_timeout: Duration,
+    /// Start no node change for any policy (`--pause-rollouts`); status stays current.
+    pub pause_rollouts: bool,
 }
 
 impl Default for Config {
@@ -71,6 +73,7 @@ impl Default for Config {
             resync: Duration::from_secs(300),
             metrics: Arc::default(),
             mig_timeout: Duration::from_secs(600),
+            pause_rollouts: false,
         }
     }
 }
@@ -325,7 +328,7 @@ pub async fn reconcile_all(ctx: &Context, report: &mut WriteReport) -> Result<bo
         && plan
             .statuses
             .values()
-            .any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes);
+            .any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes - s.overridden_nodes);
     let cleanup = finalize::finish_policies(ctx, &plan, &cleanup_pending, !changed, report).await?;
     Ok(changed || unconfirmed || cleanup)
 }

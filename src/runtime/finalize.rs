@@ -16,6 +16,7 @@ use tracing::{debug, info};
 
 use crate::api::crd::{Condition, GpuSharingPolicy, GpuSharingPolicyStatus};
 use crate::api::names::*;
+use crate::api::state::Reason;
 use crate::nvidia;
 use crate::plan::{Plan, PlanInput};
 use crate::runtime::apply::{Write, WriteReport};
@@ -143,8 +144,9 @@ async fn condition_events(
             let bad = matches!(
                 (c.type_.as_str(), c.status.as_str()),
                 ("Accepted", "False") | ("Conflicted", "True") | ("Degraded", "True")
-            );
-            if bad || c.type_ == "Ready" || c.type_ == "Overridden" {
+            ) || c.reason == Reason::RolloutHalted;
+            let rollout = matches!(c.reason, Reason::Paused | Reason::RollingOut);
+            if bad || rollout || c.type_ == "Ready" || c.type_ == "Overridden" {
                 let t = if bad {
                     EventType::Warning
                 } else {

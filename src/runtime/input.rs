@@ -99,6 +99,7 @@ impl Context {
         input.cluster_policy_found = self.active_cluster_policy().is_some();
         input.cluster_policy_contested = self.contested();
         input.mig_stuck = self.mig_stuck(&input.nodes);
+        input.pause_rollouts = self.config.pause_rollouts;
         input.device_configmap_name = self.config.device_configmap.clone();
         input.mig_configmap_name = self.config.mig_configmap.clone();
         input

@@ -1,0 +1,364 @@
+//! Staged rollouts: a policy's node changes go out in waves of at most `maxUnavailable`
+//! unconfirmed nodes, a node that fails or does not confirm in time halts the rollout until the
+//! next generation, and `paused` stops new changes.
+//!
+//! Everything that decides what was rolled out lives in the cluster, not in memory: a node we
+//! start changing carries the annotation [`ANNOTATION_ROLLOUT`] (`<generation>/<since>/<target>`),
+//! and a halt is recorded in the policy's status (`rollout.haltedGeneration`). A restarted
+//! operator counts the same unconfirmed nodes and resumes where the last one stopped.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use crate::api::crd::{DEFAULT_NODE_TIMEOUT_SECONDS, GpuSharingPolicySpec};
+use crate::api::names::{
+    ANNOTATION_CONFIG_WRITTEN, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP,
+    LABEL_MIG_CONFIG, LABEL_MIG_STATE,
+};
+use crate::api::state::NodeState;
+use crate::nvidia::DEFAULT_KEY;
+
+use super::node::Outcome;
+use super::policies::Prepared;
+use super::{NodeFacts, SmallMap};
+
+/// Default budget when `spec.rollout.maxUnavailable` is unset: 25% of the policy's nodes.
+const DEFAULT_PERCENT: u64 = 25;
+
+/// The budget in nodes: an integer, or a percentage of `governed` rounded up (as a DaemonSet's
+/// `maxUnavailable`); at least 1.
+pub fn budget(spec: &GpuSharingPolicySpec, governed: usize) -> usize {
+    let from_percent = |p: u64| (governed as u64 * p).div_ceil(100) as usize;
+    let n = match spec
+        .rollout
+        .as_ref()
+        .and_then(|r| r.max_unavailable.as_ref())
+    {
+        None => from_percent(DEFAULT_PERCENT),
+        Some(IntOrString::Int(i)) => (*i).max(0) as usize,
+        Some(IntOrString::String(s)) => s
+            .strip_suffix('%')
+            .and_then(|p| p.parse::<u64>().ok())
+            .map_or_else(|| from_percent(DEFAULT_PERCENT), from_percent),
+    };
+    n.max(1)
+}
+
+fn node_timeout(spec: &GpuSharingPolicySpec) -> i64 {
+    spec.rollout
+        .as_ref()
+        .and_then(|r| r.node_timeout_seconds)
+        .unwrap_or(DEFAULT_NODE_TIMEOUT_SECONDS)
+}
+
+/// What a policy's nodes should end up running: its config key, and its MIG layout.
+pub fn target(w: &Prepared) -> Option<String> {
+    let key = w.key.as_deref()?;
+    Some(match &w.layout {
+        Some(l) => format!("{key}+{l}"),
+        None => key.to_string(),
+    })
+}
+
+/// The rollout mark on a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    pub generation: i64,
+    /// Unix seconds of the first write of this change.
+    pub since: i64,
+    pub target: String,
+}
+
+impl Mark {
+    pub fn parse(s: &str) -> Option<Mark> {
+        let mut it = s.splitn(3, '/');
+        Some(Mark {
+            generation: it.next()?.parse().ok()?,
+            since: it.next()?.parse().ok()?,
+            target: it.next()?.to_string(),
+        })
+    }
+}
+
+impl std::fmt::Display for Mark {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}/{}", self.generation, self.since, self.target)
+    }
+}
+
+/// One governed node's plan, as the per-node transition made it, before the rollout gate.
+pub struct Entry<'n> {
+    pub node: &'n NodeFacts,
+    /// Index of the governing policy (precedence order).
+    pub policy: Option<usize>,
+    /// The transition holds the node as it is.
+    pub hold: bool,
+    pub outcome: Outcome,
+}
+
+/// Where a policy's rollout stands after the gate.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub max_unavailable: usize,
+    /// Written and not confirmed (or failed) nodes, started ones first.
+    pub unavailable: usize,
+    pub queued: Vec<String>,
+    /// `Some` when the rollout of this generation is halted, with the nodes and why.
+    pub halted: Option<Vec<String>>,
+    pub paused: bool,
+    /// Config keys the policy's nodes still use besides the current one.
+    pub previous_keys: BTreeSet<String>,
+}
+
+/// The labels we own on a node now.
+fn owned_now(n: &NodeFacts) -> SmallMap {
+    n.owned
+        .iter()
+        .filter_map(|k| n.labels.get(k).map(|v| (k.clone(), v.to_string())))
+        .collect()
+}
+
+/// How one governed node stands in its policy's rollout.
+enum Phase {
+    /// Nothing to write and nothing to wait for (applied, or held for another reason).
+    Settled,
+    /// Written (now or earlier) and not confirmed: counts against the budget. `Some` when it
+    /// failed or timed out, with why.
+    Unavailable(Option<String>),
+    /// Needs a change that has not started.
+    Candidate,
+    /// Needs a change that has not started, but an earlier change of ours (for another target)
+    /// is not confirmed yet: it counts as unavailable and waits for that confirmation.
+    CandidateUnavailable,
+}
+
+/// An earlier change of ours on the node that NVIDIA's components have not confirmed, whatever
+/// it was for: GFD has not relabelled since our last device-plugin config write (when GFD
+/// stamps the node), or the MIG manager has not reported on our last layout.
+fn last_change_unconfirmed(n: &NodeFacts) -> bool {
+    let num = |v: Option<&str>| v.and_then(|v| v.parse::<i64>().ok());
+    let written = num(n.annotations.get(ANNOTATION_CONFIG_WRITTEN));
+    let stamped = num(n.labels.get(LABEL_GFD_TIMESTAMP));
+    let gfd_behind = matches!((written, stamped), (Some(w), Some(t)) if t <= w);
+    let mig_pending =
+        n.owned.contains(LABEL_MIG_CONFIG) && n.labels.get(LABEL_MIG_STATE) == Some("pending");
+    gfd_behind || mig_pending
+}
+
+fn phase(e: &Entry, w: &Prepared, target: &str, now: i64) -> Phase {
+    let n = e.node;
+    let state = e.outcome.state;
+    let changes = e.outcome.labels != owned_now(n);
+    let mark = n.annotations.get(ANNOTATION_ROLLOUT).and_then(Mark::parse);
+    let started = mark.as_ref().is_some_and(|m| m.target == target);
+    let timeout = node_timeout(w.spec);
+    // A new generation gives nodes still in flight a new timeout (see `gate`).
+    let generation = w.policy.metadata.generation.unwrap_or(0);
+    let overdue = mark
+        .as_ref()
+        .filter(|m| started && m.generation >= generation)
+        .map(|m| now - m.since)
+        .filter(|age| *age > timeout);
+    let earlier = last_change_unconfirmed(n);
+    match state {
+        Some(NodeState::Failed) if started => Phase::Unavailable(Some(format!(
+            "{}: {}",
+            n.name, e.outcome.message
+        ))),
+        Some(NodeState::Applied) if !changes => Phase::Settled,
+        Some(NodeState::Rejected | NodeState::Failed | NodeState::Stale) => Phase::Settled,
+        _ if changes && !started && !e.hold && earlier => Phase::CandidateUnavailable,
+        _ if changes && !started && !e.hold => Phase::Candidate,
+        _ if !started && !earlier && state != Some(NodeState::Pending) => Phase::Settled,
+        _ => Phase::Unavailable(overdue.map(|age| {
+            format!(
+                "{}: not confirmed {age}s after the change started (nodeTimeoutSeconds {timeout}): {}",
+                n.name, e.outcome.message
+            )
+        })),
+    }
+}
+
+/// Whether the policy's status records a halt of its current generation.
+fn recorded_halt(w: &Prepared) -> Option<Vec<String>> {
+    let r = w.policy.status.as_ref()?.rollout.as_ref()?;
+    let generation = w.policy.metadata.generation?;
+    (r.halted_generation == Some(generation)).then(|| r.halted_nodes.clone())
+}
+
+/// Applies every policy's rollout budget to its nodes' plans: starts as many candidates (in
+/// name order) as the budget leaves, queues the rest (held as they are), and carries or sets
+/// the rollout mark. `queue` makes the held outcome of a queued node.
+pub fn gate(
+    entries: &mut [Entry],
+    prepared: &[Prepared],
+    now: i64,
+    pause_all: bool,
+    queue: impl Fn(&NodeFacts, String) -> Outcome,
+) -> BTreeMap<usize, Progress> {
+    let mut by_policy: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, e) in entries.iter_mut().enumerate() {
+        // Keep a mark we own unless a new one replaces it below.
+        if let (Some(_), Some(m)) = (e.policy, e.node.annotations.get(ANNOTATION_ROLLOUT))
+            && e.node.owned_annotations.contains(ANNOTATION_ROLLOUT)
+        {
+            e.outcome
+                .annotations
+                .insert(ANNOTATION_ROLLOUT.to_string(), m.to_string());
+        }
+        if let Some(p) = e.policy.filter(|p| prepared[*p].accepted()) {
+            by_policy.entry(p).or_default().push(i);
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (p, idx) in by_policy {
+        let w = &prepared[p];
+        let Some(target) = target(w) else { continue };
+        let governed = idx
+            .iter()
+            .filter(|i| entries[**i].outcome.state != Some(NodeState::Rejected))
+            .count();
+        let mut progress = Progress {
+            max_unavailable: budget(w.spec, governed),
+            paused: pause_all || w.spec.paused,
+            halted: recorded_halt(w),
+            ..Default::default()
+        };
+        let mut candidates = Vec::new();
+        // Candidates whose earlier change is not confirmed: they wait for it.
+        let mut unconfirmed = Vec::new();
+        let mut failures = Vec::new();
+        let generation = w.policy.metadata.generation.unwrap_or(0);
+        let mark = |since| {
+            Mark {
+                generation,
+                since,
+                target: target.clone(),
+            }
+            .to_string()
+        };
+        for &i in &idx {
+            match phase(&entries[i], w, &target, now) {
+                Phase::Settled => {}
+                Phase::Candidate => candidates.push(i),
+                Phase::CandidateUnavailable => {
+                    progress.unavailable += 1;
+                    unconfirmed.push(i);
+                }
+                Phase::Unavailable(failure) => {
+                    progress.unavailable += 1;
+                    failures.extend(failure);
+                    // Still in flight from an earlier generation: the edit resumes it with a
+                    // new timeout.
+                    let e = &mut entries[i];
+                    let old = e
+                        .node
+                        .annotations
+                        .get(ANNOTATION_ROLLOUT)
+                        .and_then(Mark::parse);
+                    if old.is_some_and(|m| m.target == target && m.generation < generation) {
+                        e.outcome
+                            .annotations
+                            .insert(ANNOTATION_ROLLOUT.to_string(), mark(now));
+                    }
+                }
+            }
+        }
+        if !failures.is_empty() && progress.halted.is_none() {
+            progress.halted = Some(failures);
+        }
+        let stopped = progress.halted.is_some() || progress.paused;
+        let slots = if stopped {
+            0
+        } else {
+            progress
+                .max_unavailable
+                .saturating_sub(progress.unavailable)
+        };
+        let unavailable_before = progress.unavailable;
+        let order = candidates
+            .iter()
+            .map(|i| (*i, true))
+            .chain(unconfirmed.iter().map(|i| (*i, false)));
+        let mut started = 0;
+        for (i, may_start) in order {
+            let e = &mut entries[i];
+            if may_start && started < slots {
+                started += 1;
+                e.outcome
+                    .annotations
+                    .insert(ANNOTATION_ROLLOUT.to_string(), mark(now));
+                progress.unavailable += 1;
+            } else {
+                let why = if progress.halted.is_some() {
+                    "the rollout is halted; edit the policy to resume".to_string()
+                } else if progress.paused {
+                    "the rollout is paused".to_string()
+                } else if !may_start {
+                    "waiting for NVIDIA's components to confirm an earlier change".to_string()
+                } else {
+                    format!(
+                        "waiting for its rollout wave ({unavailable_before} of at most {} nodes unavailable)",
+                        progress.max_unavailable
+                    )
+                };
+                e.outcome = queue(e.node, why);
+                e.hold = true;
+                progress.queued.push(e.node.name.clone());
+            }
+        }
+        let current = w.key.as_deref();
+        for &i in &idx {
+            let e = &entries[i];
+            if let Some(k) = e.outcome.labels.get(LABEL_DEVICE_PLUGIN_CONFIG)
+                && Some(k.as_str()) != current
+                && k != DEFAULT_KEY
+            {
+                progress.previous_keys.insert(k.clone());
+            }
+        }
+        out.insert(p, progress);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::crd::Rollout;
+
+    fn spec(max: Option<IntOrString>) -> GpuSharingPolicySpec {
+        let mut s: GpuSharingPolicySpec =
+            crate::api::yaml::from_str("nodeSelector: {}\nstrategy: mps\nmps: {replicas: 2}\n")
+                .unwrap();
+        s.rollout = Some(Rollout {
+            max_unavailable: max,
+            node_timeout_seconds: None,
+        });
+        s
+    }
+
+    #[test]
+    fn budget_is_a_count_or_a_rounded_up_percentage_and_at_least_one() {
+        let pct = |p: &str| Some(IntOrString::String(p.into()));
+        assert_eq!(budget(&spec(None), 40), 10);
+        assert_eq!(budget(&spec(None), 5), 2);
+        assert_eq!(budget(&spec(None), 0), 1);
+        assert_eq!(budget(&spec(pct("10%")), 5000), 500);
+        assert_eq!(budget(&spec(pct("10%")), 3), 1);
+        assert_eq!(budget(&spec(pct("100%")), 7), 7);
+        assert_eq!(budget(&spec(Some(IntOrString::Int(3))), 40), 3);
+    }
+
+    #[test]
+    fn marks_round_trip() {
+        let m = Mark {
+            generation: 3,
+            since: 1_800_000_000,
+            target: "a100-6f1e2d3c+custom-a100-0badf00d".into(),
+        };
+        assert_eq!(Mark::parse(&m.to_string()), Some(m));
+        assert_eq!(Mark::parse("garbage"), None);
+    }
+}
