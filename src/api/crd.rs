@@ -115,7 +115,7 @@ pub struct Rollout {
     /// Seconds a node may stay unconfirmed before the rollout halts (`Progressing=False`,
     /// `RolloutHalted`). Default 600.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 30, max = 86400))]
+    #[schemars(range(min = 10, max = 86400))]
     pub node_timeout_seconds: Option<i64>,
 }
 

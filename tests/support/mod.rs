@@ -315,3 +315,95 @@ pub async fn service_account_client(cluster: &TestCluster, namespace: &str, name
         .unwrap();
     Client::try_from(cfg).unwrap()
 }
+
+/// An independent observer of the rollout budget (test code, not the operator's logic): watches
+/// every Node and counts the nodes whose `nvidia.com/device-plugin.config` label changed and
+/// whose GPU Feature Discovery has not relabelled them since (a new `nvidia.com/gfd.timestamp`).
+pub struct BudgetWatcher {
+    state: std::sync::Arc<std::sync::Mutex<BudgetState>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default, Debug)]
+pub struct BudgetState {
+    /// Node -> its device-plugin config as last seen.
+    config: BTreeMap<String, Option<String>>,
+    /// Unconfirmed node -> the GFD timestamp it had when its config changed.
+    pub unconfirmed: BTreeMap<String, Option<String>>,
+    /// The most nodes unconfirmed at once since the last `reset`.
+    pub max_unconfirmed: usize,
+    /// Every config change seen: (node, new config).
+    pub changes: Vec<(String, Option<String>)>,
+    ready: bool,
+}
+
+impl BudgetState {
+    fn observe(&mut self, n: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) {
+        let name = n.name.clone().unwrap_or_default();
+        let labels = n.labels.clone().unwrap_or_default();
+        let dp = labels.get("nvidia.com/device-plugin.config").cloned();
+        let ts = labels.get("nvidia.com/gfd.timestamp").cloned();
+        match self.config.insert(name.clone(), dp.clone()) {
+            Some(old) if old != dp => {
+                self.unconfirmed.insert(name.clone(), ts);
+                self.changes.push((name, dp));
+            }
+            _ => {
+                if self.unconfirmed.get(&name).is_some_and(|at| *at != ts) {
+                    self.unconfirmed.remove(&name);
+                }
+            }
+        }
+        self.max_unconfirmed = self.max_unconfirmed.max(self.unconfirmed.len());
+    }
+}
+
+impl BudgetWatcher {
+    /// Starts watching; returns once the initial list is in.
+    pub async fn start(client: &Client) -> BudgetWatcher {
+        use futures::StreamExt;
+        use kube::runtime::watcher;
+        let state = std::sync::Arc::new(std::sync::Mutex::new(BudgetState::default()));
+        let s = state.clone();
+        let api: Api<kube::core::PartialObjectMeta<Node>> = Api::all(client.clone());
+        let task = tokio::spawn(async move {
+            let mut stream = watcher(api, watcher::Config::default()).boxed();
+            while let Some(ev) = stream.next().await {
+                let mut st = s.lock().unwrap();
+                match ev {
+                    Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n)) => {
+                        st.observe(&n.metadata)
+                    }
+                    Ok(watcher::Event::InitDone) => st.ready = true,
+                    _ => {}
+                }
+            }
+        });
+        let w = BudgetWatcher { state, task };
+        until("the budget watcher's initial list", LONG, || async {
+            w.state.lock().unwrap().ready.then_some(())
+        })
+        .await;
+        w
+    }
+
+    pub fn max_unconfirmed(&self) -> usize {
+        self.state.lock().unwrap().max_unconfirmed
+    }
+
+    pub fn changes(&self) -> usize {
+        self.state.lock().unwrap().changes.len()
+    }
+
+    /// Starts a new measuring window (nodes still unconfirmed stay counted).
+    pub fn reset(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.max_unconfirmed = s.unconfirmed.len();
+    }
+}
+
+impl Drop for BudgetWatcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

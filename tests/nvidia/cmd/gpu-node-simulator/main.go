@@ -130,6 +130,10 @@ func run(ctx context.Context, o *options) error {
 		return fmt.Errorf("kubeconfig: %w", err)
 	}
 	cfg.UserAgent = fieldManager
+	// The simulator plays every node's components, each of which has its own
+	// client in a real cluster: client-go's default 5 QPS for the whole fleet
+	// would make 40 nodes confirm one every ~0.6 s.
+	cfg.QPS, cfg.Burst = 200, 400
 	core, err := corev1client.NewForConfig(cfg)
 	if err != nil {
 		return err
@@ -140,10 +144,10 @@ func run(ctx context.Context, o *options) error {
 	}
 	s := &simulator{
 		o: o, core: core, dyn: dyn,
-		queue:   workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
+		queue:    workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
 		timers:   map[string]pendingMig{},
 		restarts: map[string]pendingRestart{},
-		builtin: sim.BuiltinMigConfig,
+		builtin:  sim.BuiltinMigConfig,
 	}
 	if o.defaultMigConfig != "" {
 		if s.builtin, err = nvconf.ReadMigConfigFile(o.defaultMigConfig); err != nil {
@@ -218,8 +222,17 @@ func run(ctx context.Context, o *options) error {
 		<-ctx.Done()
 		s.queue.ShutDown()
 	}()
-	for s.processNext(ctx) {
+	// Nodes are independent (the queue never hands one node to two workers).
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for s.processNext(ctx) {
+			}
+		}()
 	}
+	wg.Wait()
 	return ctx.Err()
 }
 
@@ -325,9 +338,15 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 			s.restarts[name] = r
 		}
 		s.mu.Unlock()
-		if sim.DPLoaded(n, key) || !now.Before(r.due) {
+		hung := n.Annotations[sim.AnnFault] == sim.FaultDevicePluginHang
+		switch {
+		case sim.DPLoaded(n, key):
 			dpRes = sim.PlanDevicePlugin(n, hw, dpIn, patch)
-		} else {
+		case hung:
+			patch.Log = append(patch.Log, "fault injected: the device plugin hangs on restart")
+		case !now.Before(r.due):
+			dpRes = sim.PlanDevicePlugin(n, hw, dpIn, patch)
+		default:
 			restartWait = r.due.Sub(now)
 		}
 	}

@@ -49,6 +49,11 @@ const (
 	// AnnManagedLabels: GFD labels the simulator set, so stale ones (e.g.
 	// nvidia.com/mig-1g.10gb.*) can be removed.
 	AnnManagedLabels = AnnPrefix + "managed-labels"
+	// AnnFault: a fault a test injects on one node. FaultDevicePluginHang:
+	// after a reload trigger the device plugin (and GFD) never come back, so
+	// the node never confirms its new config.
+	AnnFault              = AnnPrefix + "fault"
+	FaultDevicePluginHang = "device-plugin-hang"
 
 	StatePending = "pending"
 	StateSuccess = "success"

@@ -1,0 +1,209 @@
+//! End-to-end: staged rollouts on 40 simulated L4 nodes, observed by an independent watcher
+//! that counts the nodes whose device-plugin config changed and GPU Feature Discovery has not
+//! confirmed yet. First enablement and an edit go in waves within `maxUnavailable`, across an
+//! operator restart in the middle; a node whose device plugin hangs halts the rollout (named,
+//! Warning event, no new node touched) until the policy is edited; `paused` stops new changes.
+
+mod common;
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::json;
+use support::*;
+
+const NODES: usize = 40;
+const POLICY: &str = "l4-rollout";
+
+/// `n` copies of the fixture's L4 node, named `l4-00`, `l4-01`, ...
+fn fleet(dir: &std::path::Path, n: usize) -> PathBuf {
+    let fixtures =
+        std::fs::read_to_string(common::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
+            .unwrap();
+    let template = fixtures
+        .split("\n---\n")
+        .find(|d| d.contains("name: l4-node-0\n"))
+        .expect("an L4 node in the fixtures");
+    let docs: Vec<String> = (0..n)
+        .map(|i| template.replace("l4-node-0", &format!("l4-{i:02}")))
+        .collect();
+    let path = dir.join("fleet.yaml");
+    std::fs::write(&path, docs.join("\n---\n")).unwrap();
+    path
+}
+
+async fn patch_policy(c: &kube::Client, spec: serde_json::Value) {
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .patch(
+            POLICY,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": spec})),
+        )
+        .await
+        .unwrap();
+}
+
+async fn progressing(c: &kube::Client) -> Option<(String, String, serde_json::Value)> {
+    let s = policy_status(c, POLICY).await?;
+    let p = condition(&s, "Progressing")?;
+    Some((
+        p["reason"].as_str()?.to_string(),
+        p["message"].as_str()?.to_string(),
+        s.clone(),
+    ))
+}
+
+/// Ready at `generation` with every node applied.
+async fn converged(c: &kube::Client, generation: i64) -> serde_json::Value {
+    until(
+        &format!("{POLICY} Ready at generation {generation}"),
+        Duration::from_secs(120),
+        || async {
+            let s = ready_on(c, POLICY, NODES as i64).await?;
+            (s["observedGeneration"] == generation).then_some(s)
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn rollouts_go_in_waves_halt_on_a_hung_node_and_pause() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_g, cluster, _sim) =
+        setup_with(common::ClusterOptions::default().nodes_file(fleet(dir.path(), NODES))).await;
+    let c = cluster.client.clone();
+    let watch = BudgetWatcher::start(&c).await;
+    let op = Operator::start(c.clone(), None);
+    common::apply_yaml(
+        &c,
+        &format!(
+            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {POLICY}}}\nspec:\n  nodeSelector: {{matchLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}}}\n  strategy: timeSlicing\n  timeSlicing: {{replicas: 4}}\n  rollout: {{maxUnavailable: 25%}}\n"
+        ),
+    )
+    .await
+    .unwrap();
+
+    // First enablement: 40 nodes in waves of at most 10.
+    let s = converged(&c, 1).await;
+    assert_eq!(s["rollout"]["maxUnavailable"], 10);
+    assert_eq!(s["unavailableNodes"], 0);
+    assert_eq!(watch.changes(), NODES);
+    let first = watch.max_unconfirmed();
+    assert!(
+        (2..=10).contains(&first),
+        "at most 10 nodes unconfirmed at once, saw {first}"
+    );
+
+    // An edit, with the operator restarted in the middle: the new one counts the nodes in
+    // flight from the cluster and keeps the budget.
+    watch.reset();
+    patch_policy(&c, json!({"timeSlicing": {"replicas": 8}})).await;
+    until("the edit under way", Duration::from_secs(60), || async {
+        (watch.changes() >= NODES + 5).then_some(())
+    })
+    .await;
+    op.stop().await;
+    let op = Operator::start(c.clone(), None);
+    let s = converged(&c, 2).await;
+    assert_eq!(watch.changes(), 2 * NODES);
+    let edit = watch.max_unconfirmed();
+    assert!(
+        (2..=10).contains(&edit),
+        "at most 10 nodes unconfirmed at once, saw {edit}"
+    );
+    assert!(s["rollout"]["previousDeviceConfigKeys"].is_null(), "{s}");
+    let l = labels(&c, "l4-39").await;
+    assert_eq!(l["nvidia.com/gpu.replicas"], "8");
+
+    // A node whose device plugin hangs after the reload: the rollout halts once it stays
+    // unconfirmed past nodeTimeoutSeconds, names it, and touches no further node.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(c.clone());
+    let fault = |v: Option<&str>| json!({"metadata": {"annotations": {"simulator.gpusharing.io/fault": v}}});
+    nodes
+        .patch(
+            "l4-00",
+            &PatchParams::default(),
+            &Patch::Merge(&fault(Some("device-plugin-hang"))),
+        )
+        .await
+        .unwrap();
+    watch.reset();
+    patch_policy(
+        &c,
+        json!({"timeSlicing": {"replicas": 2}, "rollout": {"maxUnavailable": 2, "nodeTimeoutSeconds": 10}}),
+    )
+    .await;
+    let (_, message, s) = until("RolloutHalted", Duration::from_secs(120), || async {
+        let p = progressing(&c).await?;
+        (p.0 == "RolloutHalted").then_some(p)
+    })
+    .await;
+    assert!(
+        message.contains("l4-00") && message.contains("nodeTimeoutSeconds 10"),
+        "{message}"
+    );
+    assert_eq!(s["rollout"]["haltedGeneration"], 3);
+    let queued = s["rollout"]["queuedNodes"].as_i64().unwrap();
+    assert!(queued > 0, "{s}");
+    assert_eq!(condition(&s, "Ready").unwrap()["status"], "False");
+    let halted_at = watch.changes();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        watch.changes(),
+        halted_at,
+        "no node is touched while halted"
+    );
+    assert!(
+        watch.max_unconfirmed() <= 2,
+        "budget 2, saw {}",
+        watch.max_unconfirmed()
+    );
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(c.clone());
+    let halted_event = until("a RolloutHalted event", LONG, || async {
+        let list = events.list(&Default::default()).await.ok()?;
+        list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("RolloutHalted")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(POLICY)
+        })
+    })
+    .await;
+    assert_eq!(halted_event.type_.as_deref(), Some("Warning"));
+    assert!(halted_event.note.unwrap_or_default().contains("l4-00"));
+
+    // Fixed node + edited policy (a new generation) resume the rollout.
+    nodes
+        .patch(
+            "l4-00",
+            &PatchParams::default(),
+            &Patch::Merge(&fault(None)),
+        )
+        .await
+        .unwrap();
+    patch_policy(
+        &c,
+        json!({"rollout": {"maxUnavailable": "25%", "nodeTimeoutSeconds": 60}}),
+    )
+    .await;
+    let s = converged(&c, 4).await;
+    assert!(s["rollout"]["haltedGeneration"].is_null(), "{s}");
+    assert_eq!(labels(&c, "l4-39").await["nvidia.com/gpu.replicas"], "2");
+
+    // Paused: an edit starts on no node until unpaused.
+    let before = watch.changes();
+    patch_policy(&c, json!({"paused": true, "timeSlicing": {"replicas": 3}})).await;
+    let (_, message, _) = until("Paused", LONG, || async {
+        let p = progressing(&c).await?;
+        (p.0 == "Paused").then_some(p)
+    })
+    .await;
+    assert!(message.contains("40 nodes wait"), "{message}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(watch.changes(), before, "paused: no node changes");
+    patch_policy(&c, json!({"paused": false})).await;
+    converged(&c, 6).await;
+    assert_eq!(watch.changes(), before + NODES);
+    op.stop().await;
+}
