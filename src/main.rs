@@ -131,6 +131,12 @@ struct RunArgs {
     /// current and nodes already changing finish their transition.
     #[arg(long, env = "GPU_SHARING_PAUSE_ROLLOUTS")]
     pause_rollouts: bool,
+    /// Remove this NoSchedule taint from GPU nodes once their sharing config is confirmed (or,
+    /// for nodes no policy selects, once GPU Feature Discovery labelled them). Register GPU
+    /// nodes with it; the GPU Operator's DaemonSets must tolerate it. Without a value:
+    /// gpusharing.io/unconfigured.
+    #[arg(long, num_args = 0..=1, default_missing_value = gpu_sharing_operator::api::names::DEFAULT_READINESS_TAINT)]
+    readiness_taint: Option<String>,
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -157,6 +163,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         mig_timeout: std::time::Duration::from_secs(args.mig_timeout_seconds),
         pause_rollouts: args.pause_rollouts,
+        readiness_taint: args.readiness_taint,
         ..Default::default()
     };
     if !args.leader_elect {

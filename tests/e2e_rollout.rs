@@ -18,18 +18,21 @@ use support::*;
 const NODES: usize = 40;
 const POLICY: &str = "l4-rollout";
 
-/// `n` copies of the fixture's L4 node, named `l4-00`, `l4-01`, ...
-fn fleet(dir: &std::path::Path, n: usize) -> PathBuf {
+/// The fixture's L4 node as YAML, renamed.
+fn l4_node(name: &str) -> String {
     let fixtures =
         std::fs::read_to_string(common::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
             .unwrap();
-    let template = fixtures
+    fixtures
         .split("\n---\n")
         .find(|d| d.contains("name: l4-node-0\n"))
-        .expect("an L4 node in the fixtures");
-    let docs: Vec<String> = (0..n)
-        .map(|i| template.replace("l4-node-0", &format!("l4-{i:02}")))
-        .collect();
+        .expect("an L4 node in the fixtures")
+        .replace("l4-node-0", name)
+}
+
+/// `n` copies of the fixture's L4 node, named `l4-00`, `l4-01`, ...
+fn fleet(dir: &std::path::Path, n: usize) -> PathBuf {
+    let docs: Vec<String> = (0..n).map(|i| l4_node(&format!("l4-{i:02}"))).collect();
     let path = dir.join("fleet.yaml");
     std::fs::write(&path, docs.join("\n---\n")).unwrap();
     path
@@ -205,5 +208,130 @@ async fn rollouts_go_in_waves_halt_on_a_hung_node_and_pause() {
     patch_policy(&c, json!({"paused": false})).await;
     converged(&c, 6).await;
     assert_eq!(watch.changes(), before + NODES);
+    op.stop().await;
+}
+
+const TAINT: &str = "gpusharing.io/unconfigured";
+
+fn taint_keys(n: &k8s_openapi::api::core::v1::Node) -> Vec<String> {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .map(|t| t.iter().map(|t| t.key.clone()).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn the_readiness_taint_goes_once_the_config_is_confirmed() {
+    use futures::StreamExt;
+    use kube::ResourceExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start_with(
+        c.clone(),
+        gpu_sharing_operator::runtime::controller::Config {
+            readiness_taint: Some(TAINT.into()),
+            resync: Duration::from_secs(30),
+            ..Default::default()
+        },
+    );
+    common::apply_path(
+        &c,
+        &common::repo_root().join("examples/time-slicing-l4.yaml"),
+    )
+    .await
+    .unwrap();
+    // A new L4 node registers with the taint (and a soft taint of someone else's); so does a
+    // GPU node no policy selects.
+    let taints = format!(
+        "spec:\n  taints:\n  - {{key: {TAINT}, effect: NoSchedule}}\n  - {{key: example.com/other, effect: PreferNoSchedule}}"
+    );
+    let joining = l4_node("l4-new").replace("spec: {}", &taints);
+    let unselected = l4_node("t4-new")
+        .replace("NVIDIA-L4", "Tesla-T4")
+        .replace("spec: {}", &taints);
+    // Watch the joining node from before it exists: the first state without the taint.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(c.clone());
+    let untainted = tokio::spawn({
+        let nodes = nodes.clone();
+        async move {
+            let cfg = watcher::Config::default().fields("metadata.name=l4-new");
+            let mut s = watcher(nodes, cfg).applied_objects().boxed();
+            while let Some(Ok(n)) = s.next().await {
+                if !taint_keys(&n).contains(&TAINT.to_string()) {
+                    return n;
+                }
+            }
+            panic!("watch ended")
+        }
+    });
+    common::apply_yaml(&c, &format!("{joining}\n---\n{unselected}"))
+        .await
+        .unwrap();
+
+    // The GPU Operator's DaemonSets (in the test cluster: the simulator) do not tolerate the
+    // taint yet: nothing can configure the node, and the operator says why and removes nothing.
+    let s = until("ReadinessTaintNotTolerated", LONG, || async {
+        let s = policy_status(&c, "l4-time-slicing").await?;
+        (condition(&s, "Degraded")?["reason"] == "ReadinessTaintNotTolerated").then_some(s)
+    })
+    .await;
+    let msg = condition(&s, "Degraded").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        msg.contains("spec.daemonsets.tolerations") && msg.contains(TAINT),
+        "{msg}"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(taint_keys(&nodes.get("l4-new").await.unwrap()).contains(&TAINT.to_string()));
+
+    // Tolerated: the node gets configured, confirmed, then untainted.
+    let tolerations = json!({"spec": {"daemonsets": {"tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": TAINT, "operator": "Exists", "effect": "NoSchedule"},
+    ]}}});
+    common::cluster_policy_api(&c)
+        .patch(
+            "cluster-policy",
+            &PatchParams::default(),
+            &Patch::Merge(&tolerations),
+        )
+        .await
+        .unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(60), untainted)
+        .await
+        .expect("the taint is removed")
+        .unwrap();
+    // At the moment it went: the policy's config on the node, and GFD's report after our write.
+    let l = n.labels();
+    let key = policy_status(&c, "l4-time-slicing").await.unwrap()["deviceConfigKey"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(l["nvidia.com/device-plugin.config"], key);
+    assert_eq!(l["nvidia.com/gpu.replicas"], "4");
+    let written: i64 = n.annotations()["gpusharing.io/device-plugin-config-written"]
+        .parse()
+        .unwrap();
+    let stamped: i64 = l["nvidia.com/gfd.timestamp"].parse().unwrap();
+    assert!(stamped > written, "GFD {stamped} after our write {written}");
+    // Only our taint went.
+    assert_eq!(taint_keys(&n), ["example.com/other"]);
+    // The node no policy selects loses it once GFD labelled it.
+    let t4 = until("t4-new untainted", LONG, || async {
+        let n = nodes.get("t4-new").await.ok()?;
+        (!taint_keys(&n).contains(&TAINT.to_string())).then_some(n)
+    })
+    .await;
+    assert!(t4.labels().contains_key("nvidia.com/gfd.timestamp"));
+    assert!(!t4.labels().contains_key("nvidia.com/device-plugin.config"));
+    let s = until("all 3 L4 nodes applied", LONG, || {
+        ready_on(&c, "l4-time-slicing", 3)
+    })
+    .await;
+    assert_eq!(condition(&s, "Degraded").unwrap()["status"], "False");
     op.stop().await;
 }

@@ -30,6 +30,10 @@ pub const ANNOTATION_CONFIG_WRITTEN: &str = "gpusharing.io/device-plugin-config-
 /// and what that name meant then. A named layout whose content changes later (a GPU Operator
 /// upgrade) is detected by comparing it with what the name means now.
 pub const ANNOTATION_MIG_LAYOUT: &str = "gpusharing.io/mig-layout-content";
+/// Default key of the readiness taint (`run --readiness-taint`): new GPU nodes registered with
+/// it (`NoSchedule`) get it removed once their sharing config is confirmed.
+pub const DEFAULT_READINESS_TAINT: &str = "gpusharing.io/unconfigured";
+
 /// Node annotation marking a change the operator started on the node for a policy's rollout:
 /// `<policy generation>/<unix seconds>/<target>` (target: the config key, `+<MIG layout>` for
 /// MIG). A node whose mark names its policy's current target and is not confirmed counts

@@ -127,6 +127,7 @@ string_enum!(
         MigConfigFailed,
         ClusterPolicyMissing,
         ClusterPolicyContested,
+        ReadinessTaintNotTolerated,
         Healthy,
     }
 );

@@ -24,6 +24,7 @@ pub mod outputs;
 pub mod policies;
 pub mod rollout;
 pub mod status;
+pub mod taint;
 
 pub use labels::{
     LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, selection_labels, selector_matches,
@@ -79,6 +80,8 @@ pub struct PlanInput {
     pub mig_stuck: BTreeSet<String>,
     /// The operator was told to start no node change for any policy (`--pause-rollouts`).
     pub pause_rollouts: bool,
+    /// The readiness taint, when the operator runs with `--readiness-taint`.
+    pub readiness_taint: Option<taint::ReadinessTaint>,
     /// Names of the ConfigMaps we own.
     pub device_configmap_name: String,
     pub mig_configmap_name: String,
@@ -99,6 +102,7 @@ impl PlanInput {
             cluster_policy_contested: None,
             mig_stuck: BTreeSet::new(),
             pause_rollouts: false,
+            readiness_taint: None,
             device_configmap_name: DEVICE_PLUGIN_CONFIGMAP.into(),
             mig_configmap_name: MIG_PARTED_CONFIGMAP.into(),
         }
@@ -125,6 +129,8 @@ pub struct Plan {
     pub claim_templates: BTreeMap<String, serde_json::Value>,
     /// The errors of every invalid policy, by name, as typed field errors.
     pub invalid: BTreeMap<String, Vec<FieldError>>,
+    /// Nodes whose readiness taint is to be removed now.
+    pub untaint: Vec<String>,
 }
 
 /// One of the ConfigMaps we own, as the object we apply.
@@ -157,6 +163,8 @@ struct NodePlans<'n> {
     accepted: BTreeMap<usize, Vec<&'n NodeFacts>>,
     /// Device-plugin config keys that node labels we keep or write name.
     used_keys: BTreeSet<String>,
+    /// Tainted nodes ready to lose the readiness taint.
+    untaint: Vec<String>,
 }
 
 /// What each layout name means now, as a content hash: custom layouts from the policies, named
@@ -235,6 +243,12 @@ fn plan_nodes<'n>(
         outcome: o,
     } in entries
     {
+        if let Some(t) = input.readiness_taint.as_ref().filter(|t| t.tolerated)
+            && t.tainted.contains(&n.name)
+            && taint::ready_to_untaint(n, wi.is_some(), o.state)
+        {
+            out.untaint.push(n.name.clone());
+        }
         if hold {
             out.used_keys.extend(o.labels.values().cloned());
         } else if let Some(k) = o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) {
@@ -288,6 +302,11 @@ pub fn plan(input: &PlanInput) -> Plan {
     let cluster = Cluster {
         cluster_policy_found: input.cluster_policy_found,
         cluster_policy_contested: input.cluster_policy_contested.as_deref(),
+        untolerated_taint: input
+            .readiness_taint
+            .as_ref()
+            .filter(|t| !t.tolerated)
+            .map(|t| t.key.as_str()),
     };
     let mut claim_templates = BTreeMap::new();
     let mut statuses = BTreeMap::new();
@@ -331,5 +350,6 @@ pub fn plan(input: &PlanInput) -> Plan {
         statuses,
         claim_templates,
         invalid,
+        untaint: np.untaint,
     }
 }

@@ -187,6 +187,121 @@ fn recorded_halt(w: &Prepared) -> Option<Vec<String>> {
     (r.halted_generation == Some(generation)).then(|| r.halted_nodes.clone())
 }
 
+/// One policy's nodes, sorted by what the gate does with them.
+#[derive(Default)]
+struct Sorted {
+    /// Need a change that has not started.
+    candidates: Vec<usize>,
+    /// Need a change, but an earlier change is not confirmed: they wait for it.
+    unconfirmed: Vec<usize>,
+}
+
+/// Sorts one policy's nodes, counts the unavailable ones and their failures, and gives nodes
+/// still in flight from an earlier generation a new mark (the edit resumes them with a new
+/// timeout).
+fn sort(
+    entries: &mut [Entry],
+    idx: &[usize],
+    w: &Prepared,
+    target: &str,
+    now: i64,
+    progress: &mut Progress,
+) -> Sorted {
+    let mut sorted = Sorted::default();
+    let mut failures = Vec::new();
+    let generation = w.policy.metadata.generation.unwrap_or(0);
+    for &i in idx {
+        match phase(&entries[i], w, target, now) {
+            Phase::Settled => {}
+            Phase::Candidate => sorted.candidates.push(i),
+            Phase::CandidateUnavailable => {
+                progress.unavailable += 1;
+                sorted.unconfirmed.push(i);
+            }
+            Phase::Unavailable(failure) => {
+                progress.unavailable += 1;
+                failures.extend(failure);
+                let e = &mut entries[i];
+                let old = e
+                    .node
+                    .annotations
+                    .get(ANNOTATION_ROLLOUT)
+                    .and_then(Mark::parse);
+                if old.is_some_and(|m| m.target == target && m.generation < generation) {
+                    set_mark(e, generation, now, target);
+                }
+            }
+        }
+    }
+    if !failures.is_empty() && progress.halted.is_none() {
+        progress.halted = Some(failures);
+    }
+    sorted
+}
+
+fn set_mark(e: &mut Entry, generation: i64, since: i64, target: &str) {
+    let mark = Mark {
+        generation,
+        since,
+        target: target.to_string(),
+    };
+    e.outcome
+        .annotations
+        .insert(ANNOTATION_ROLLOUT.to_string(), mark.to_string());
+}
+
+/// Starts candidates (in name order) while the budget has room; queues the rest.
+#[allow(clippy::too_many_arguments)]
+fn start_or_queue(
+    entries: &mut [Entry],
+    sorted: Sorted,
+    generation: i64,
+    now: i64,
+    target: &str,
+    progress: &mut Progress,
+    queue: &impl Fn(&NodeFacts, String) -> Outcome,
+) {
+    let stopped = progress.halted.is_some() || progress.paused;
+    let slots = if stopped {
+        0
+    } else {
+        progress
+            .max_unavailable
+            .saturating_sub(progress.unavailable)
+    };
+    let unavailable_before = progress.unavailable;
+    let order = sorted
+        .candidates
+        .iter()
+        .map(|i| (*i, true))
+        .chain(sorted.unconfirmed.iter().map(|i| (*i, false)));
+    let mut started = 0;
+    for (i, may_start) in order {
+        let e = &mut entries[i];
+        if may_start && started < slots {
+            started += 1;
+            set_mark(e, generation, now, target);
+            progress.unavailable += 1;
+            continue;
+        }
+        let why = if progress.halted.is_some() {
+            "the rollout is halted; edit the policy to resume".to_string()
+        } else if progress.paused {
+            "the rollout is paused".to_string()
+        } else if !may_start {
+            "waiting for NVIDIA's components to confirm an earlier change".to_string()
+        } else {
+            format!(
+                "waiting for its rollout wave ({unavailable_before} of at most {} nodes unavailable)",
+                progress.max_unavailable
+            )
+        };
+        e.outcome = queue(e.node, why);
+        e.hold = true;
+        progress.queued.push(e.node.name.clone());
+    }
+}
+
 /// Applies every policy's rollout budget to its nodes' plans: starts as many candidates (in
 /// name order) as the budget leaves, queues the rest (held as they are), and carries or sets
 /// the rollout mark. `queue` makes the held outcome of a queued node.
@@ -225,93 +340,20 @@ pub fn gate(
             halted: recorded_halt(w),
             ..Default::default()
         };
-        let mut candidates = Vec::new();
-        // Candidates whose earlier change is not confirmed: they wait for it.
-        let mut unconfirmed = Vec::new();
-        let mut failures = Vec::new();
+        let sorted = sort(entries, &idx, w, &target, now, &mut progress);
         let generation = w.policy.metadata.generation.unwrap_or(0);
-        let mark = |since| {
-            Mark {
-                generation,
-                since,
-                target: target.clone(),
-            }
-            .to_string()
-        };
-        for &i in &idx {
-            match phase(&entries[i], w, &target, now) {
-                Phase::Settled => {}
-                Phase::Candidate => candidates.push(i),
-                Phase::CandidateUnavailable => {
-                    progress.unavailable += 1;
-                    unconfirmed.push(i);
-                }
-                Phase::Unavailable(failure) => {
-                    progress.unavailable += 1;
-                    failures.extend(failure);
-                    // Still in flight from an earlier generation: the edit resumes it with a
-                    // new timeout.
-                    let e = &mut entries[i];
-                    let old = e
-                        .node
-                        .annotations
-                        .get(ANNOTATION_ROLLOUT)
-                        .and_then(Mark::parse);
-                    if old.is_some_and(|m| m.target == target && m.generation < generation) {
-                        e.outcome
-                            .annotations
-                            .insert(ANNOTATION_ROLLOUT.to_string(), mark(now));
-                    }
-                }
-            }
-        }
-        if !failures.is_empty() && progress.halted.is_none() {
-            progress.halted = Some(failures);
-        }
-        let stopped = progress.halted.is_some() || progress.paused;
-        let slots = if stopped {
-            0
-        } else {
-            progress
-                .max_unavailable
-                .saturating_sub(progress.unavailable)
-        };
-        let unavailable_before = progress.unavailable;
-        let order = candidates
-            .iter()
-            .map(|i| (*i, true))
-            .chain(unconfirmed.iter().map(|i| (*i, false)));
-        let mut started = 0;
-        for (i, may_start) in order {
-            let e = &mut entries[i];
-            if may_start && started < slots {
-                started += 1;
-                e.outcome
-                    .annotations
-                    .insert(ANNOTATION_ROLLOUT.to_string(), mark(now));
-                progress.unavailable += 1;
-            } else {
-                let why = if progress.halted.is_some() {
-                    "the rollout is halted; edit the policy to resume".to_string()
-                } else if progress.paused {
-                    "the rollout is paused".to_string()
-                } else if !may_start {
-                    "waiting for NVIDIA's components to confirm an earlier change".to_string()
-                } else {
-                    format!(
-                        "waiting for its rollout wave ({unavailable_before} of at most {} nodes unavailable)",
-                        progress.max_unavailable
-                    )
-                };
-                e.outcome = queue(e.node, why);
-                e.hold = true;
-                progress.queued.push(e.node.name.clone());
-            }
-        }
+        start_or_queue(
+            entries,
+            sorted,
+            generation,
+            now,
+            &target,
+            &mut progress,
+            &queue,
+        );
         let current = w.key.as_deref();
         for &i in &idx {
-            let e = &entries[i];
-            if let Some(k) = e.outcome.labels.get(LABEL_DEVICE_PLUGIN_CONFIG)
+            if let Some(k) = entries[i].outcome.labels.get(LABEL_DEVICE_PLUGIN_CONFIG)
                 && Some(k.as_str()) != current
                 && k != DEFAULT_KEY
             {

@@ -38,6 +38,8 @@ impl Tally {
 pub struct Cluster<'a> {
     pub cluster_policy_found: bool,
     pub cluster_policy_contested: Option<&'a str>,
+    /// The readiness taint's key, when the GPU Operator's DaemonSets do not tolerate it.
+    pub untolerated_taint: Option<&'a str>,
 }
 
 /// What the status needs of the policy's place among the others.
@@ -256,6 +258,14 @@ fn degraded(p: &Prepared, t: &Tally, c: &Cluster) -> (bool, Reason, String) {
             Reason::ClusterPolicyContested,
             format!(
                 "another controller keeps reverting the ClusterPolicy settings this policy needs ({what}); make it leave them alone, e.g. ignore those fields in your GitOps tool"
+            ),
+        )
+    } else if let Some(key) = c.untolerated_taint {
+        (
+            true,
+            Reason::ReadinessTaintNotTolerated,
+            format!(
+                "the operator runs with --readiness-taint={key}, but ClusterPolicy spec.daemonsets.tolerations does not tolerate {key}: the GPU Operator's driver, device plugin and GPU Feature Discovery would never start on a node with it, so no readiness taint is removed. Add {{key: {key}, operator: Exists, effect: NoSchedule}} there (and to NFD's worker)"
             ),
         )
     } else if !t.in_state(NodeState::Stale).is_empty() {

@@ -12,7 +12,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::runtime::events::EventType;
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::*;
@@ -428,6 +428,36 @@ pub async fn apply_cluster_policy(
             .lock()
             .expect("repairs lock")
             .push((std::time::Instant::now(), drift.join(", ")));
+    }
+    Ok(())
+}
+
+/// Removes the readiness taint from the nodes the plan found ready (see `plan::taint`). A node
+/// whose taints changed meanwhile is retried on the next pass.
+pub async fn remove_readiness_taints(
+    ctx: &Context,
+    plan: &Plan,
+    report: &mut WriteReport,
+) -> Result<(), Error> {
+    let Some(key) = ctx.config.readiness_taint.as_deref() else {
+        return Ok(());
+    };
+    for node in &plan.untaint {
+        match crate::runtime::taints::remove(&ctx.client, node, key).await {
+            Ok(true) => {
+                info!(%node, taint = key, "removed the readiness taint: sharing config confirmed");
+                report.record(
+                    "Node",
+                    node.clone(),
+                    format!("removed readiness taint {key}"),
+                );
+            }
+            Ok(false) => {}
+            Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409 | 422) => {
+                debug!(%node, error = %e, "readiness taint not removed this pass");
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
     Ok(())
 }

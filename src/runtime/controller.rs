@@ -62,6 +62,8 @@ pub struct Config {
     pub mig_timeout: Duration,
     /// Start no node change for any policy (`--pause-rollouts`); status stays current.
     pub pause_rollouts: bool,
+    /// The readiness taint's key (`--readiness-taint`), removed from nodes once configured.
+    pub readiness_taint: Option<String>,
 }
 
 impl Default for Config {
@@ -74,6 +76,7 @@ impl Default for Config {
             metrics: Arc::default(),
             mig_timeout: Duration::from_secs(600),
             pause_rollouts: false,
+            readiness_taint: None,
         }
     }
 }
@@ -173,7 +176,13 @@ pub async fn run(
 ) -> Result<(), Error> {
     let namespace = namespace(&client, &config).await;
     let notify = Arc::new(Notify::new());
-    let (caches, events) = watches::start(&client, &namespace, notify.clone()).await;
+    let (caches, events) = watches::start(
+        &client,
+        &namespace,
+        config.readiness_taint.as_deref(),
+        notify.clone(),
+    )
+    .await;
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -316,11 +325,13 @@ pub async fn reconcile_all(ctx: &Context, report: &mut WriteReport) -> Result<bo
     apply::apply_cluster_policy(ctx, &plan, report).await?;
     // 3. Node labels and annotations.
     apply::apply_nodes(ctx, &plan, changes, report).await?;
-    // 4. ResourceClaimTemplates of DRA policies; the mig-parted ConfigMap once unused.
+    // 4. Readiness taints of nodes whose config is confirmed.
+    apply::remove_readiness_taints(ctx, &plan, report).await?;
+    // 5. ResourceClaimTemplates of DRA policies; the mig-parted ConfigMap once unused.
     apply::apply_claim_templates(ctx, &plan, report).await?;
     apply::delete_unused_mig_configmap(ctx, &plan, report).await?;
 
-    // 5. Finalizers and status. A pass that changed something writes no status: the watch
+    // 6. Finalizers and status. A pass that changed something writes no status: the watch
     // events of its own writes bring the next pass at once, and that one reports the outcome
     // (one status write per change instead of an intermediate one).
     let changed = !report.is_empty();

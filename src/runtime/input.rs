@@ -100,6 +100,17 @@ impl Context {
         input.cluster_policy_contested = self.contested();
         input.mig_stuck = self.mig_stuck(&input.nodes);
         input.pause_rollouts = self.config.pause_rollouts;
+        input.readiness_taint = self.caches.tainted.as_ref().map(|t| {
+            let cp = self.active_cluster_policy();
+            let tolerations = cp
+                .as_ref()
+                .and_then(|c| c.data.get("spec")?.get("daemonsets")?.get("tolerations"));
+            crate::plan::taint::ReadinessTaint {
+                key: t.key().to_string(),
+                tolerated: crate::plan::taint::tolerates(tolerations, t.key()),
+                tainted: t.snapshot(),
+            }
+        });
         input.device_configmap_name = self.config.device_configmap.clone();
         input.mig_configmap_name = self.config.mig_configmap.clone();
         input

@@ -8,4 +8,5 @@ pub mod input;
 pub mod leader;
 pub mod managed;
 pub mod nodecache;
+pub mod taints;
 pub mod watches;

@@ -18,6 +18,7 @@ use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{MANAGED_BY, MANAGER};
 use crate::runtime::controller::cluster_policy_resource;
 use crate::runtime::nodecache::NodeCache;
+use crate::runtime::taints::{self, Tainted};
 
 /// Nodes per list page when the node watch (re)lists.
 const NODE_LIST_PAGE: u32 = 100;
@@ -34,6 +35,8 @@ pub struct Caches {
     pub claim_templates: Option<Store<ResourceClaimTemplate>>,
     /// Namespaces (metadata), when we may list them: a DRA template waits for its namespace.
     pub namespaces: Option<Store<PartialObjectMeta<Namespace>>>,
+    /// Nodes carrying the readiness taint (`--readiness-taint` only).
+    pub tainted: Option<Arc<Tainted>>,
 }
 
 impl Caches {
@@ -51,6 +54,9 @@ impl Caches {
         }
         if let Some(c) = &self.namespaces {
             c.wait_until_ready().await.ok();
+        }
+        while self.tainted.as_ref().is_some_and(|t| !t.is_ready()) {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
     }
 }
@@ -85,6 +91,7 @@ fn strip_pod(p: &mut Pod) {
 pub async fn start(
     client: &Client,
     namespace: &str,
+    readiness_taint: Option<&str>,
     notify: Arc<Notify>,
 ) -> (Caches, impl std::future::Future<Output = ()> + use<>) {
     let nodes = Arc::new(NodeCache::new(MANAGER));
@@ -131,6 +138,10 @@ pub async fn start(
     );
     let claim_templates = claim_template_watch(client, &mut streams).await;
     let namespaces = namespace_watch(client, &mut streams).await;
+    let tainted = readiness_taint.map(|key| Arc::new(Tainted::new(key)));
+    if let Some(t) = &tainted {
+        streams.push(taints::stream(client, t.clone()));
+    }
     let cluster_policies = if cluster_policy_served {
         // The GPU Operator acts on the oldest ClusterPolicy.
         Some(cache(
@@ -163,6 +174,7 @@ pub async fn start(
         cluster_policies,
         claim_templates,
         namespaces,
+        tainted,
     };
     (caches, events)
 }

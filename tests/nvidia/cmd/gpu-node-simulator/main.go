@@ -112,6 +112,7 @@ type simulator struct {
 	mu       sync.Mutex
 	timers   map[string]pendingMig     // node -> MIG reconfiguration in progress
 	restarts map[string]pendingRestart // node -> device plugin/GFD restart in progress
+	lastLog  map[string]string         // node -> last message of logOnce
 }
 
 type pendingRestart struct {
@@ -147,6 +148,7 @@ func run(ctx context.Context, o *options) error {
 		queue:    workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
 		timers:   map[string]pendingMig{},
 		restarts: map[string]pendingRestart{},
+		lastLog:  map[string]string{},
 		builtin:  sim.BuiltinMigConfig,
 	}
 	if o.defaultMigConfig != "" {
@@ -292,6 +294,16 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		patch.Log = append(patch.Log, "first seen: hardware "+string(b))
 	}
 	cp := s.clusterPolicy()
+	var taints []sim.Taint
+	for _, t := range node.Spec.Taints {
+		taints = append(taints, sim.Taint{Key: t.Key, Value: t.Value, Effect: string(t.Effect)})
+	}
+	if key := sim.Untolerated(taints, cp.Tolerations); key != "" {
+		// The GPU Operator's DaemonSets are not scheduled here: no MIG
+		// manager, device plugin or GFD acts on the node.
+		s.logOnce(name, "GPU Operator DaemonSets do not run: taint "+key+" not tolerated by ClusterPolicy spec.daemonsets.tolerations")
+		return 0, nil
+	}
 
 	// MIG manager.
 	migIn := sim.MigInput{Now: time.Now(), Delay: s.o.migDelay, AutoLabelEmpty: s.o.autoLabelMig}
@@ -372,6 +384,17 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 	return requeue, nil
 }
 
+// logOnce logs msg for a node unless it was the last message logged for it.
+func (s *simulator) logOnce(node, msg string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.lastLog[node] == msg {
+		return
+	}
+	s.lastLog[node] = msg
+	log.Printf("node %s: %s", node, msg)
+}
+
 func (s *simulator) write(ctx context.Context, node *corev1.Node, p *sim.Patch) error {
 	for _, l := range p.Log {
 		log.Printf("node %s: %s", node.Name, l)
@@ -429,8 +452,16 @@ func (s *simulator) clusterPolicy() sim.ClusterPolicy {
 		v, _, _ := unstructured.NestedString(u, append([]string{"spec"}, path...)...)
 		return v
 	}
+	var tolerations []sim.Toleration
+	list, _, _ := unstructured.NestedSlice(u, "spec", "daemonsets", "tolerations")
+	for _, item := range list {
+		m, _ := item.(map[string]any)
+		str := func(k string) string { v, _ := m[k].(string); return v }
+		tolerations = append(tolerations, sim.Toleration{Key: str("key"), Operator: str("operator"), Value: str("value"), Effect: str("effect")})
+	}
 	return sim.ClusterPolicy{
 		Found:         true,
+		Tolerations:   tolerations,
 		DPConfigName:  str("devicePlugin", "config", "name"),
 		DPDefault:     str("devicePlugin", "config", "default"),
 		MigConfigName: str("migManager", "config", "name"),

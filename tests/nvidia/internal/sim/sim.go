@@ -206,10 +206,11 @@ func matchesFilter(filter any, id string) bool {
 // ClusterPolicy holds the ClusterPolicy fields the node components depend on.
 type ClusterPolicy struct {
 	Found         bool
-	DPConfigName  string // spec.devicePlugin.config.name
-	DPDefault     string // spec.devicePlugin.config.default
-	MigConfigName string // spec.migManager.config.name
-	MigStrategy   string // spec.mig.strategy (MIG_STRATEGY env of device plugin and GFD)
+	Tolerations   []Toleration // spec.daemonsets.tolerations
+	DPConfigName  string       // spec.devicePlugin.config.name
+	DPDefault     string       // spec.devicePlugin.config.default
+	MigConfigName string       // spec.migManager.config.name
+	MigStrategy   string       // spec.mig.strategy (MIG_STRATEGY env of device plugin and GFD)
 }
 
 // Node is the part of a Node the simulator reads.
@@ -418,4 +419,62 @@ func usesGPU(cs []corev1.Container) bool {
 // plugin advertises.
 func IsGPUResource(name string) bool {
 	return strings.HasPrefix(name, "nvidia.com/gpu") || strings.HasPrefix(name, "nvidia.com/mig-")
+}
+
+// Toleration is a toleration of the GPU Operator's DaemonSets
+// (ClusterPolicy spec.daemonsets.tolerations).
+type Toleration struct {
+	Key, Operator, Value, Effect string
+}
+
+// Taint is a node taint.
+type Taint struct {
+	Key, Value, Effect string
+}
+
+// daemonSetTolerated: taints the DaemonSet controller adds tolerations for
+// to every DaemonSet pod.
+var daemonSetTolerated = map[string]bool{
+	"node.kubernetes.io/not-ready":           true,
+	"node.kubernetes.io/unreachable":         true,
+	"node.kubernetes.io/disk-pressure":       true,
+	"node.kubernetes.io/memory-pressure":     true,
+	"node.kubernetes.io/pid-pressure":        true,
+	"node.kubernetes.io/unschedulable":       true,
+	"node.kubernetes.io/network-unavailable": true,
+}
+
+func (t Toleration) tolerates(taint Taint) bool {
+	if t.Effect != "" && t.Effect != taint.Effect {
+		return false
+	}
+	switch t.Operator {
+	case "Exists":
+		return t.Key == "" || t.Key == taint.Key
+	case "", "Equal":
+		return t.Key == taint.Key && t.Value == taint.Value
+	}
+	return false
+}
+
+// Untolerated returns the key of the first NoSchedule or NoExecute taint
+// that keeps the GPU Operator's DaemonSets (driver, toolkit, device plugin,
+// GFD, MIG manager) off the node, or "" if they can run there.
+func Untolerated(taints []Taint, tolerations []Toleration) string {
+	for _, taint := range taints {
+		if taint.Effect == "PreferNoSchedule" || daemonSetTolerated[taint.Key] {
+			continue
+		}
+		ok := false
+		for _, t := range tolerations {
+			if t.tolerates(taint) {
+				ok = true
+				break
+			}
+		}
+		if !ok {
+			return taint.Key
+		}
+	}
+	return ""
 }

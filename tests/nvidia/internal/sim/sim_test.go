@@ -122,7 +122,7 @@ func step(t *testing.T, n *Node, mig MigInput, dp DPInput) (*Patch, MigResult, D
 		return p, mr, DPResult{}
 	}
 	dp.Geometry = mr.Geometry
-	if dp.CP == (ClusterPolicy{}) {
+	if !dp.CP.Found && dp.CP.DPConfigName == "" {
 		dp.CP = cp
 	}
 	if dp.ConfigMap == nil {
@@ -387,5 +387,25 @@ func TestGFDStampsEveryLoad(t *testing.T) {
 	step(t, n, MigInput{}, DPInput{Now: at.Add(2 * time.Minute)})
 	if n.Labels[LabelGFDTimestamp] != "1800000120" || n.Labels["nvidia.com/gpu.replicas"] != "4" {
 		t.Fatalf("reload: labels %v", n.Labels)
+	}
+}
+
+func TestUntoleratedTaintsKeepTheGPUOperatorOff(t *testing.T) {
+	gpuOnly := []Toleration{{Key: "nvidia.com/gpu", Operator: "Exists", Effect: "NoSchedule"}}
+	ours := Taint{Key: "gpusharing.io/unconfigured", Effect: "NoSchedule"}
+	if got := Untolerated([]Taint{ours}, gpuOnly); got != ours.Key {
+		t.Fatalf("got %q, want %q", got, ours.Key)
+	}
+	both := append(gpuOnly, Toleration{Key: ours.Key, Operator: "Exists", Effect: "NoSchedule"})
+	if got := Untolerated([]Taint{ours, {Key: "nvidia.com/gpu", Effect: "NoSchedule"}}, both); got != "" {
+		t.Fatalf("tolerated taints reported: %q", got)
+	}
+	// DaemonSets tolerate cordoned nodes, and PreferNoSchedule never blocks.
+	soft := []Taint{{Key: "node.kubernetes.io/unschedulable", Effect: "NoSchedule"}, {Key: "x", Effect: "PreferNoSchedule"}}
+	if got := Untolerated(soft, nil); got != "" {
+		t.Fatalf("got %q", got)
+	}
+	if got := Untolerated([]Taint{{Key: "k", Value: "v", Effect: "NoExecute"}}, []Toleration{{Key: "k", Value: "w"}}); got != "k" {
+		t.Fatalf("a value mismatch tolerates: %q", got)
 	}
 }
