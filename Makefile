@@ -24,11 +24,15 @@ generate:
 
 crd: generate
 
-# Scale benchmark (issue 6): operator vs. minimal direct writes on the local control plane.
-# Results in target/bench/results.md. Subset: make bench BENCH_ARGS="--configs 100x1,1000x20".
+# Scale benchmark (issue 6): operator vs. minimal direct writes on the local control plane,
+# then a staged rollout of 5000 nodes at maxUnavailable 10% against waves x confirmation time.
+# Results in target/bench/results.md and target/bench/rollout.md.
+# Subset: make bench BENCH_ARGS="--configs 100x1,1000x20" ROLLOUT_ARGS="--rollout 1000".
 BENCH_ARGS ?= --nodes 100,1000,5000 --policies 1,20,100
+ROLLOUT_ARGS ?= --rollout 5000 --rollout-max-unavailable 10%
 .PHONY: bench
 bench:
 	bash tests/cluster/cluster.sh build
 	cargo build --release --locked --bins
 	target/release/scale-bench $(BENCH_ARGS)
+	target/release/scale-bench $(ROLLOUT_ARGS)

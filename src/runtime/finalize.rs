@@ -146,7 +146,10 @@ async fn condition_events(
                 ("Accepted", "False") | ("Conflicted", "True") | ("Degraded", "True")
             ) || c.reason == Reason::RolloutHalted;
             let rollout = matches!(c.reason, Reason::Paused | Reason::RollingOut);
-            if bad || rollout || c.type_ == "Ready" || c.type_ == "Overridden" {
+            // An override is news when it starts or ends, not when a policy is created
+            // without one.
+            let override_news = c.type_ == "Overridden" && (c.status == "True" || before.is_some());
+            if bad || rollout || c.type_ == "Ready" || override_news {
                 let t = if bad {
                     EventType::Warning
                 } else {

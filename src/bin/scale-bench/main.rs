@@ -47,6 +47,8 @@ use gpu_sharing_operator::api::names::{self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_P
 use gpu_sharing_operator::plan::{self, NodeFacts, PlanInput};
 use gpu_sharing_operator::runtime::controller::cluster_policy_resource;
 
+mod rollout;
+
 const NAMESPACE: &str = "gpu-operator";
 const GROUP_LABEL: &str = "bench.gpusharing.io/group";
 /// Field manager of the benchmark's own setup writes (never the operator's).
@@ -96,6 +98,17 @@ struct Args {
     /// Output directory (results.md, logs).
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
+    /// Run the rollout benchmark on this many nodes instead of the scale matrix (see
+    /// rollout.rs): one policy, maxUnavailable as given, a simulated GFD confirming each node's
+    /// config after --confirm-delay-ms.
+    #[arg(long)]
+    rollout: Option<usize>,
+    /// maxUnavailable of the rollout benchmark.
+    #[arg(long, default_value = "10%")]
+    rollout_max_unavailable: String,
+    /// How long the rollout benchmark's simulated GFD takes to confirm a node's new config.
+    #[arg(long, default_value_t = 1000)]
+    confirm_delay_ms: u64,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -522,16 +535,29 @@ fn node_labels(i: usize, p: usize) -> BTreeMap<String, String> {
 }
 
 async fn create_nodes(client: &Client, n: usize, p: usize, conc: usize) -> anyhow::Result<()> {
+    create_nodes_with(client, n, p, conc, &BTreeMap::new()).await
+}
+
+/// [`create_nodes`] with extra labels on every node.
+async fn create_nodes_with(
+    client: &Client,
+    n: usize,
+    p: usize,
+    conc: usize,
+    extra: &BTreeMap<String, String>,
+) -> anyhow::Result<()> {
     let api: Api<Node> = Api::all(client.clone());
     stream::iter(0..n)
         .map(|i| {
             let api = api.clone();
             async move {
                 let name = node_name(i);
+                let mut labels = node_labels(i, p);
+                labels.extend(extra.clone());
                 let node: Node = serde_json::from_value(json!({
                     "apiVersion": "v1",
                     "kind": "Node",
-                    "metadata": {"name": name, "labels": node_labels(i, p)},
+                    "metadata": {"name": name, "labels": labels},
                     "spec": {}
                 }))?;
                 api.create(&PostParams::default(), &node).await?;
@@ -1218,10 +1244,15 @@ fn parse_configs(args: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let configs = parse_configs(&args)?;
     let kl = kube_local_bin(&args)?;
     let op = operator_bin(&args)?;
     std::fs::create_dir_all(args.out.join("logs"))?;
+    if let Some(n) = args.rollout {
+        let md = rollout::run(&args, &kl, &op, n).await?;
+        println!("{md}");
+        return Ok(());
+    }
+    let configs = parse_configs(&args)?;
     let args = Arc::new(args);
     eprintln!("scale-bench: {} ; configurations {:?}", machine(), configs);
     let mut rows: Vec<Row> = Vec::new();
