@@ -49,6 +49,19 @@ async fn patch_policy(c: &kube::Client, spec: serde_json::Value) {
         .unwrap();
 }
 
+async fn progressing_of(
+    c: &kube::Client,
+    policy: &str,
+) -> Option<(String, String, serde_json::Value)> {
+    let s = policy_status(c, policy).await?;
+    let p = condition(&s, "Progressing")?;
+    Some((
+        p["reason"].as_str()?.to_string(),
+        p["message"].as_str()?.to_string(),
+        s.clone(),
+    ))
+}
+
 async fn progressing(c: &kube::Client) -> Option<(String, String, serde_json::Value)> {
     let s = policy_status(c, POLICY).await?;
     let p = condition(&s, "Progressing")?;
@@ -333,5 +346,138 @@ async fn the_readiness_taint_goes_once_the_config_is_confirmed() {
     })
     .await;
     assert_eq!(condition(&s, "Degraded").unwrap()["status"], "False");
+    op.stop().await;
+}
+
+fn gpu_pod(name: &str, node: &str, app: &str) -> k8s_openapi::api::core::v1::Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": {"app": app}},
+        "spec": {"nodeName": node, "containers": [{"name": "c", "image": "cuda",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}
+    }))
+    .unwrap()
+}
+
+fn unschedulable(n: &k8s_openapi::api::core::v1::Node) -> bool {
+    n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)
+}
+
+#[tokio::test]
+async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() {
+    use k8s_openapi::api::core::v1::{Node, Pod};
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    use kube::ResourceExt;
+    use kube::api::PostParams;
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let pods: Api<Pod> = Api::namespaced(c.clone(), "default");
+    let nodes: Api<Node> = Api::all(c.clone());
+    // a100-node-0: two training pods under a budget that allows no disruption.
+    // a100-node-1: one pod, and a cordon of someone else's (say, a driver upgrade).
+    for (name, node) in [
+        ("train-0", "a100-node-0"),
+        ("train-1", "a100-node-0"),
+        ("batch-0", "a100-node-1"),
+    ] {
+        let app = if node == "a100-node-0" {
+            "train"
+        } else {
+            "batch"
+        };
+        pods.create(&PostParams::default(), &gpu_pod(name, node, app))
+            .await
+            .unwrap();
+    }
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(c.clone(), "default");
+    let pdb: PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": {"name": "train"},
+        "spec": {"minAvailable": 2, "selector": {"matchLabels": {"app": "train"}}}
+    }))
+    .unwrap();
+    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
+    let cordon = json!({"spec": {"unschedulable": true}});
+    nodes
+        .patch(
+            "a100-node-1",
+            &PatchParams::default(),
+            &Patch::Merge(&cordon),
+        )
+        .await
+        .unwrap();
+    until("the pods run", LONG, || async {
+        let l = pods.list(&Default::default()).await.ok()?;
+        l.items
+            .iter()
+            .all(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+            .then_some(())
+    })
+    .await;
+
+    let op = Operator::start(c.clone(), None);
+    common::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: a100-mig}\nspec:\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mig\n  mig: {migStrategy: single, layout: all-1g.10gb}\n  rollout: {maxUnavailable: 100%}\n  disruption: {mode: drain}\n",
+    )
+    .await
+    .unwrap();
+
+    // The budget holds: a100-node-0 is cordoned by us and its evictions are refused (429),
+    // which the status says, naming the pods.
+    let (_, message, _) = until("a blocked drain", LONG, || async {
+        let p = progressing_of(&c, "a100-mig").await?;
+        (p.0 == "Draining" && p.1.contains("PodDisruptionBudget")).then_some(p)
+    })
+    .await;
+    assert!(
+        message.contains("default/train-0") && message.contains("a100-node-0"),
+        "{message}"
+    );
+    let n0 = nodes.get("a100-node-0").await.unwrap();
+    assert!(unschedulable(&n0));
+    assert_eq!(n0.annotations()["gpusharing.io/cordoned"], "true");
+    assert_eq!(
+        n0.labels()["nvidia.com/mig.config"],
+        "all-disabled",
+        "no change while busy"
+    );
+    assert_eq!(
+        pods.list(&Default::default()).await.unwrap().items.len(),
+        2,
+        "batch-0 went"
+    );
+    // a100-node-1 was drained without claiming the cordon someone else set.
+    let n1 = nodes.get("a100-node-1").await.unwrap();
+    assert!(!n1.annotations().contains_key("gpusharing.io/cordoned"));
+
+    // The budget allows it: both go, the layout changes, and our cordon is lifted once the MIG
+    // manager confirmed it; the other cordon stays.
+    let relax = json!({"spec": {"minAvailable": 0}});
+    pdbs.patch("train", &PatchParams::default(), &Patch::Merge(&relax))
+        .await
+        .unwrap();
+    let s = until("a100-mig Ready", Duration::from_secs(90), || {
+        ready_on(&c, "a100-mig", 2)
+    })
+    .await;
+    assert_eq!(s["migConfig"], "all-1g.10gb");
+    assert!(
+        pods.list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    let n0 = until("our cordon lifted", LONG, || async {
+        let n = nodes.get("a100-node-0").await.ok()?;
+        (!unschedulable(&n)).then_some(n)
+    })
+    .await;
+    assert!(!n0.annotations().contains_key("gpusharing.io/cordoned"));
+    assert_eq!(n0.labels()["nvidia.com/mig.config.state"], "success");
+    assert!(
+        unschedulable(&nodes.get("a100-node-1").await.unwrap()),
+        "not our cordon"
+    );
     op.stop().await;
 }

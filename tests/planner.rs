@@ -65,6 +65,7 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
         dra: None,
         rollout: None,
         paused: false,
+        disruption: None,
     };
     match kind % 5 {
         0 => {}
@@ -262,8 +263,9 @@ struct World {
     /// confirmed yet, with the policy they were changed for and whether GFD still has to
     /// relabel them (the rollout budget's "unavailable" nodes).
     unconfirmed: BTreeMap<String, (String, bool)>,
-    /// The device-plugin config each node had when GFD last labelled it.
-    gfd_seen: BTreeMap<String, Option<String>>,
+    /// Nodes whose device-plugin config label changed since GFD last labelled them (each
+    /// change restarts the device plugin and GFD).
+    gfd_pending: BTreeSet<String>,
 }
 
 impl World {
@@ -277,7 +279,7 @@ impl World {
             now: 1_800_000_000,
             base: base_layouts(),
             unconfirmed: BTreeMap::new(),
-            gfd_seen: BTreeMap::new(),
+            gfd_pending: BTreeSet::new(),
         }
     }
 
@@ -301,11 +303,15 @@ impl World {
         self.mig_layouts.extend(self.mig_config.keys().cloned());
         for n in &mut self.nodes {
             let old_mig = n.labels.get(LABEL_MIG_CONFIG).map(str::to_string);
+            let old_dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(str::to_string);
             gpu_sharing_operator::plan::converge::apply_to_node(
                 n,
                 &plan.node_labels[&n.name],
                 &plan.node_annotations[&n.name],
             );
+            if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != old_dp.as_deref() {
+                self.gfd_pending.insert(n.name.clone());
+            }
             assert!(
                 n.labels.get(LABEL_MIG_CONFIG) == old_mig.as_deref()
                     || n.labels.get(LABEL_MIG_STATE) == Some("pending"),
@@ -400,7 +406,9 @@ impl World {
     fn gfd(&mut self) {
         for n in &mut self.nodes {
             let dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(str::to_string);
-            if self.gfd_seen.get(&n.name) == Some(&dp) {
+            if !self.gfd_pending.remove(&n.name)
+                && n.labels.get(names::LABEL_GFD_TIMESTAMP).is_some()
+            {
                 continue;
             }
             let config = dp.as_ref().and_then(|k| self.config.get(k)).and_then(|t| {
@@ -413,7 +421,6 @@ impl World {
             n.labels.insert(names::LABEL_GPU_SHARING_STRATEGY, strategy);
             n.labels
                 .insert(names::LABEL_GFD_TIMESTAMP, self.now.to_string());
-            self.gfd_seen.insert(n.name.clone(), dp);
             if let Some((_, gfd)) = self.unconfirmed.get_mut(&n.name) {
                 *gfd = false;
             }
@@ -897,13 +904,15 @@ fn condition<'a>(p: &'a Plan, policy: &str, type_: &str) -> (&'a str, &'a str, &
 }
 
 impl World {
-    /// Applies plans and lets the MIG manager finish, a few rounds.
+    /// Applies plans and lets the MIG manager and GFD answer, a few rounds.
     fn converge(&mut self) -> Plan {
-        for _ in 0..6 {
+        for _ in 0..12 {
             let p = plan::plan(&self.input());
             self.apply(&p);
+            self.now += 1;
             self.check_invariants();
             self.mig_manager();
+            self.gfd();
             self.check_invariants();
         }
         plan::plan(&self.input())
@@ -940,7 +949,13 @@ fn edited_custom_layout_gets_a_new_name_and_reaches_the_node() {
     assert_eq!(p.statuses["split"].applied_nodes, 0);
     w.mig_manager();
     let p = w.converge();
-    assert_eq!(condition(&p, "split", "Ready").0, "True");
+    assert_eq!(
+        condition(&p, "split", "Ready").0,
+        "True",
+        "{:?} {:?}",
+        p.statuses["split"].node_details,
+        w.nodes[0].labels
+    );
     let layouts =
         gpu_sharing_operator::nvidia::parse_mig_configs(p.mig_config.as_ref().unwrap()).unwrap();
     assert!(
@@ -1060,6 +1075,7 @@ fn a_named_layout_whose_content_changed_is_reported_and_reapplied_on_request() {
             );
         }
         w.mig_manager();
+        w.gfd();
     }
     assert!(seen_disabled, "re-applied through all-disabled");
     let p = plan::plan(&w.input());
@@ -1130,4 +1146,69 @@ fn nodes_labelled_before_the_write_time_existed_need_no_write() {
     let p = plan::plan(&w.input());
     assert!(p.node_annotations["h200-0"].is_empty());
     assert_eq!(p.statuses["mps"].applied_nodes, 1);
+}
+
+#[test]
+fn drain_mode_cordons_evicts_but_never_protected_pods_and_lifts_only_its_cordon() {
+    use gpu_sharing_operator::api::crd::{Disruption, DisruptionMode};
+    let mut p = policy("mig", 3, 2, false, Some("a"), 0, 0);
+    let mut never = LabelSelector::default();
+    never.match_labels = Some([("keep".to_string(), "yes".to_string())].into());
+    p.spec.disruption = Some(Disruption {
+        mode: DisruptionMode::Drain,
+        drain_timeout_seconds: None,
+        never_evict: Some(never),
+    });
+    let mut w = World::new(
+        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
+        vec![p],
+    );
+    w.gfd();
+    let pods = vec!["default/train-0".to_string(), "default/keep-0".to_string()];
+    let input = |w: &World, pods: &[String]| {
+        let mut i = w.input();
+        i.gpu_pods = [("a100-0".to_string(), pods.to_vec())].into();
+        i.gpu_pod_labels = [(
+            "default/keep-0".to_string(),
+            [("keep", "yes")].into_iter().collect::<Labels>(),
+        )]
+        .into();
+        i
+    };
+    // Busy: cordoned and drained instead of waiting; the protected pod is not evicted.
+    let p1 = plan::plan(&input(&w, &pods));
+    let d = &p1.drains["a100-0"];
+    assert_eq!(d.evict, ["default/train-0"]);
+    assert_eq!(d.protected, ["default/keep-0"]);
+    assert_eq!(
+        p1.node_annotations["a100-0"][names::ANNOTATION_CORDONED],
+        "true"
+    );
+    assert!(
+        !p1.node_labels["a100-0"].contains_key(LABEL_MIG_CONFIG),
+        "no change while busy"
+    );
+    let (_, reason, msg) = condition(&p1, "mig", "Progressing");
+    assert_eq!(reason, "Draining");
+    assert!(
+        msg.contains("neverEvict") && msg.contains("default/keep-0"),
+        "{msg}"
+    );
+    w.apply(&p1);
+    // Idle: the layout changes; the cordon stays until the MIG manager confirms.
+    let p2 = plan::plan(&input(&w, &[]));
+    assert!(p2.drains.is_empty());
+    assert_eq!(
+        p2.node_annotations["a100-0"][names::ANNOTATION_CORDONED],
+        "true"
+    );
+    w.apply(&p2);
+    w.mig_manager();
+    w.gfd();
+    let done = w.converge();
+    assert_eq!(done.node_labels["a100-0"][LABEL_MIG_CONFIG], "all-1g.10gb");
+    assert!(
+        !done.node_annotations["a100-0"].contains_key(names::ANNOTATION_CORDONED),
+        "our cordon is lifted once confirmed"
+    );
 }

@@ -94,6 +94,43 @@ pub struct GpuSharingPolicySpec {
     /// nodes already changing finish their transition.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paused: bool,
+
+    /// What to do when a change needs idle GPUs (a MIG layout change; with `drain`, also an
+    /// MPS change while MPS clients run) and pods use them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disruption: Option<Disruption>,
+}
+
+/// Default of `spec.disruption.drainTimeoutSeconds`.
+pub const DEFAULT_DRAIN_TIMEOUT_SECONDS: i64 = 600;
+
+/// How a node is made idle for a change that needs idle GPUs.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Disruption {
+    /// `wait` (the default): wait until no pod uses the node's GPUs, and report the pods.
+    /// `drain`: cordon the node, evict the pods that use its GPUs through the Eviction API
+    /// (PodDisruptionBudgets are respected), apply, then uncordon what the operator cordoned.
+    #[serde(default)]
+    pub mode: DisruptionMode,
+
+    /// With `drain`: seconds the drain may take before the rollout halts. Default 600.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 10, max = 86400))]
+    pub drain_timeout_seconds: Option<i64>,
+
+    /// Pods that must never be evicted: a node running one waits until it finishes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub never_evict: Option<LabelSelector>,
+}
+
+/// `wait` or `drain`.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum DisruptionMode {
+    #[default]
+    Wait,
+    Drain,
 }
 
 /// Default of `spec.rollout.maxUnavailable`.

@@ -39,11 +39,16 @@ pub const DEFAULT_READINESS_TAINT: &str = "gpusharing.io/unconfigured";
 /// MIG). A node whose mark names its policy's current target and is not confirmed counts
 /// against the rollout budget, whatever happened to the operator in between.
 pub const ANNOTATION_ROLLOUT: &str = "gpusharing.io/rollout";
+/// Node annotation: the operator cordoned this node to drain it (`spec.unschedulable` is set in
+/// the same apply). Only a node with it is ever uncordoned by the operator, so a cordon of
+/// someone else's (e.g. the GPU Operator's driver upgrade) is left alone, across restarts.
+pub const ANNOTATION_CORDONED: &str = "gpusharing.io/cordoned";
 /// The annotations this operator may own on a node.
-pub const MANAGED_ANNOTATIONS: [&str; 3] = [
+pub const MANAGED_ANNOTATIONS: [&str; 4] = [
     ANNOTATION_CONFIG_WRITTEN,
     ANNOTATION_MIG_LAYOUT,
     ANNOTATION_ROLLOUT,
+    ANNOTATION_CORDONED,
 ];
 /// Policy annotation: while present, nodes whose named MIG layout changed content since they
 /// were configured are re-applied through `all-disabled`.

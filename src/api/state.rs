@@ -69,6 +69,8 @@ string_enum!(
         // Waits for its rollout wave (the policy's maxUnavailable budget is in use), or the
         // rollout is paused or halted.
         Queued,
+        // Cordoned; the pods that use its GPUs are being evicted (`disruption.mode: drain`).
+        Draining,
     }
 );
 
@@ -117,6 +119,7 @@ string_enum!(
         RollingOut,
         RolloutHalted,
         Paused,
+        Draining,
         // Conflicted
         OverlappingPolicy,
         NoOverlap,

@@ -18,6 +18,7 @@ use crate::validate::FieldError;
 pub mod capacity;
 pub mod compat;
 pub mod converge;
+pub mod drain;
 pub mod labels;
 pub mod node;
 pub mod outputs;
@@ -54,8 +55,14 @@ pub struct PlanInput {
     pub policies: Vec<GpuSharingPolicy>,
     /// Shared with the controller's node cache: a pass copies no labels.
     pub nodes: Vec<Arc<NodeFacts>>,
-    /// Pods that use GPUs, by node (for the idle-GPU wait before MIG changes).
+    /// Pods that use GPUs, by node (`namespace/name`; for the idle-GPU wait before MIG changes).
     pub gpu_pods: BTreeMap<String, Vec<String>>,
+    /// Labels of the pods in `gpu_pods` (`disruption.neverEvict` selects by them).
+    pub gpu_pod_labels: BTreeMap<String, Labels>,
+    /// Evictions the last pass could not make, by pod, with why (PodDisruptionBudget...).
+    pub eviction_blocked: BTreeMap<String, String>,
+    /// Nodes being drained that someone else had cordoned: drained without claiming the cordon.
+    pub foreign_cordons: BTreeSet<String>,
     /// Current data of our device-plugin ConfigMap (to keep keys nodes still point to).
     pub current_device_config: BTreeMap<String, String>,
     /// Named mig-parted layouts available to nodes (from the GPU Operator's default config).
@@ -93,6 +100,9 @@ impl PlanInput {
             policies,
             nodes: nodes.into_iter().map(Arc::new).collect(),
             gpu_pods: BTreeMap::new(),
+            gpu_pod_labels: BTreeMap::new(),
+            eviction_blocked: BTreeMap::new(),
+            foreign_cordons: BTreeSet::new(),
             current_device_config: BTreeMap::new(),
             base_mig_configs: None,
             current_mig_configs: BTreeMap::new(),
@@ -131,6 +141,8 @@ pub struct Plan {
     pub invalid: BTreeMap<String, Vec<FieldError>>,
     /// Nodes whose readiness taint is to be removed now.
     pub untaint: Vec<String>,
+    /// Nodes being drained (cordoned through their annotations), with the pods to evict.
+    pub drains: BTreeMap<String, drain::Drain>,
 }
 
 /// One of the ConfigMaps we own, as the object we apply.
@@ -165,6 +177,7 @@ struct NodePlans<'n> {
     used_keys: BTreeSet<String>,
     /// Tainted nodes ready to lose the readiness taint.
     untaint: Vec<String>,
+    drains: BTreeMap<String, drain::Drain>,
 }
 
 /// What each layout name means now, as a content hash: custom layouts from the policies, named
@@ -225,14 +238,11 @@ fn plan_nodes<'n>(
             outcome: node::outcome(n, policy, &env, decision),
         });
     }
-    let progress = rollout::gate(
-        &mut entries,
-        prepared,
-        input.now,
-        input.pause_rollouts,
-        node::queued,
-    );
-    let mut out = NodePlans::default();
+    let (progress, drains) = rollout::gate(&mut entries, prepared, input, node::queued);
+    let mut out = NodePlans {
+        drains,
+        ..Default::default()
+    };
     for (i, p) in progress {
         out.tallies.entry(i).or_default().rollout = Some(p);
     }
@@ -351,5 +361,6 @@ pub fn plan(input: &PlanInput) -> Plan {
         claim_templates,
         invalid,
         untaint: np.untaint,
+        drains: np.drains,
     }
 }

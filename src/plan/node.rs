@@ -236,7 +236,18 @@ fn decide_sharing(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decisio
         .owned
         .contains(LABEL_MIG_CONFIG)
         .then(|| MIG_DISABLED_LAYOUT.to_string());
-    if !mig_capable && mig.layout.is_none() || confirmed_off {
+    // With `disruption.mode: drain`, a new config under running MPS clients (it restarts the MPS
+    // control daemon) waits for the node to be drained, like a MIG change.
+    let mps_clients = busy
+        && w.drains()
+        && n.labels.get(LABEL_GPU_SHARING_STRATEGY) == Some("mps")
+        && n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(key);
+    if (!mig_capable && mig.layout.is_none() || confirmed_off) && mps_clients {
+        hold(
+            NodeState::Waiting,
+            format!("MPS clients running: {}", env.gpu_pods.join(", ")),
+        )
+    } else if !mig_capable && mig.layout.is_none() || confirmed_off {
         write(NodeState::Applied, "", key, keep_mig_label)
     } else if mig.layout == Some(MIG_DISABLED_LAYOUT) && mig.failed(env) {
         hold(

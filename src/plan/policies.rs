@@ -38,6 +38,14 @@ impl Prepared<'_> {
         self.errors.is_empty() && self.blocked.is_none()
     }
 
+    /// `disruption.mode: drain`: nodes are drained for changes that need idle GPUs.
+    pub fn drains(&self) -> bool {
+        self.spec
+            .disruption
+            .as_ref()
+            .is_some_and(|d| d.mode == crate::api::crd::DisruptionMode::Drain)
+    }
+
     /// The admin asked to re-apply named layouts whose content changed.
     pub fn reapply_requested(&self) -> bool {
         self.policy

@@ -11,7 +11,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use crate::api::crd::{DEFAULT_NODE_TIMEOUT_SECONDS, GpuSharingPolicySpec};
+use crate::api::crd::{
+    DEFAULT_DRAIN_TIMEOUT_SECONDS, DEFAULT_NODE_TIMEOUT_SECONDS, DisruptionMode,
+    GpuSharingPolicySpec,
+};
 use crate::api::names::{
     ANNOTATION_CONFIG_WRITTEN, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP,
     LABEL_MIG_CONFIG, LABEL_MIG_STATE,
@@ -19,9 +22,10 @@ use crate::api::names::{
 use crate::api::state::NodeState;
 use crate::nvidia::DEFAULT_KEY;
 
+use super::drain::{Drain, drain_nodes};
 use super::node::Outcome;
 use super::policies::Prepared;
-use super::{NodeFacts, SmallMap};
+use super::{NodeFacts, PlanInput, SmallMap};
 
 /// Default budget when `spec.rollout.maxUnavailable` is unset: 25% of the policy's nodes.
 const DEFAULT_PERCENT: u64 = 25;
@@ -45,11 +49,23 @@ pub fn budget(spec: &GpuSharingPolicySpec, governed: usize) -> usize {
     n.max(1)
 }
 
+/// How long a started node may stay unconfirmed: `nodeTimeoutSeconds`, plus
+/// `drainTimeoutSeconds` when nodes are drained first.
 fn node_timeout(spec: &GpuSharingPolicySpec) -> i64 {
-    spec.rollout
+    let confirm = spec
+        .rollout
         .as_ref()
         .and_then(|r| r.node_timeout_seconds)
-        .unwrap_or(DEFAULT_NODE_TIMEOUT_SECONDS)
+        .unwrap_or(DEFAULT_NODE_TIMEOUT_SECONDS);
+    let drain = spec
+        .disruption
+        .as_ref()
+        .filter(|d| d.mode == DisruptionMode::Drain)
+        .map_or(0, |d| {
+            d.drain_timeout_seconds
+                .unwrap_or(DEFAULT_DRAIN_TIMEOUT_SECONDS)
+        });
+    confirm + drain
 }
 
 /// What a policy's nodes should end up running: its config key, and its MIG layout.
@@ -168,6 +184,11 @@ fn phase(e: &Entry, w: &Prepared, target: &str, now: i64) -> Phase {
         ))),
         Some(NodeState::Applied) if !changes => Phase::Settled,
         Some(NodeState::Rejected | NodeState::Failed | NodeState::Stale) => Phase::Settled,
+        // Busy GPUs under `drain`: starting the node means draining it.
+        Some(NodeState::Waiting) if w.drains() && !started && earlier => {
+            Phase::CandidateUnavailable
+        }
+        Some(NodeState::Waiting) if w.drains() && !started => Phase::Candidate,
         _ if changes && !started && !e.hold && earlier => Phase::CandidateUnavailable,
         _ if changes && !started && !e.hold => Phase::Candidate,
         _ if !started && !earlier && state != Some(NodeState::Pending) => Phase::Settled,
@@ -308,10 +329,11 @@ fn start_or_queue(
 pub fn gate(
     entries: &mut [Entry],
     prepared: &[Prepared],
-    now: i64,
-    pause_all: bool,
+    input: &PlanInput,
     queue: impl Fn(&NodeFacts, String) -> Outcome,
-) -> BTreeMap<usize, Progress> {
+) -> (BTreeMap<usize, Progress>, BTreeMap<String, Drain>) {
+    let (now, pause_all) = (input.now, input.pause_rollouts);
+    let mut drains = BTreeMap::new();
     let mut by_policy: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (i, e) in entries.iter_mut().enumerate() {
         // Keep a mark we own unless a new one replaces it below.
@@ -351,6 +373,17 @@ pub fn gate(
             &mut progress,
             &queue,
         );
+        let started = |e: &Entry| {
+            let mark = e
+                .outcome
+                .annotations
+                .get(ANNOTATION_ROLLOUT)
+                .and_then(|m| Mark::parse(m));
+            let settled = e.outcome.state == Some(NodeState::Applied)
+                && e.outcome.labels == owned_now(e.node);
+            mark.is_some_and(|m| m.target == target) && !settled
+        };
+        drains.extend(drain_nodes(entries, &idx, w, input, started));
         let current = w.key.as_deref();
         for &i in &idx {
             if let Some(k) = entries[i].outcome.labels.get(LABEL_DEVICE_PLUGIN_CONFIG)
@@ -362,7 +395,7 @@ pub fn gate(
         }
         out.insert(p, progress);
     }
-    out
+    (out, drains)
 }
 
 #[cfg(test)]

@@ -166,6 +166,10 @@ fn progressing(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
             );
             return (false, Reason::Paused, msg);
         }
+        let draining = t.in_state(NodeState::Draining);
+        if !draining.is_empty() {
+            return (true, Reason::Draining, listed(&draining, 5));
+        }
         if !r.queued.is_empty() {
             let msg = format!(
                 "{} of {} nodes updated, {} unavailable (maxUnavailable {}), {} queued ({})",

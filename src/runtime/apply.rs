@@ -216,8 +216,29 @@ pub async fn apply_nodes(
                 .cloned()
                 .unwrap_or_default();
             async move {
-                let obj = json!({"apiVersion": "v1", "kind": "Node",
-                    "metadata": {"name": name, "labels": labels, "annotations": annotations}});
+                let mut annotations = annotations;
+                let mut obj = json!({"apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": name, "labels": labels}});
+                if annotations.contains_key(ANNOTATION_CORDONED) {
+                    // Our cordon rides in the same apply as its annotation; a node someone else
+                    // cordoned is drained without claiming (and so never lifting) the cordon.
+                    let n = api.get(&name).await?;
+                    let unschedulable = n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
+                    let ours = n.annotations().contains_key(ANNOTATION_CORDONED);
+                    if unschedulable && !ours {
+                        ctx.foreign_cordons
+                            .lock()
+                            .expect("cordon lock")
+                            .insert(name.clone());
+                        annotations = annotations
+                            .into_iter()
+                            .filter(|(k, _)| k != ANNOTATION_CORDONED)
+                            .collect();
+                    } else {
+                        obj["spec"] = json!({"unschedulable": true});
+                    }
+                }
+                obj["metadata"]["annotations"] = json!(annotations);
                 api.patch(&name, &apply_params(), &Patch::Apply(&obj))
                     .await?;
                 Ok(name)
@@ -460,4 +481,91 @@ pub async fn remove_readiness_taints(
         }
     }
     Ok(())
+}
+
+/// How long an eviction may take. kube's client retries 429 (with the server's Retry-After),
+/// and 429 is the Eviction API's answer while a PodDisruptionBudget forbids the eviction: an
+/// eviction still unanswered after this is reported as refused by a budget, and the next pass
+/// tries again.
+const EVICTION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// An eviction's node, policy, pod and result (`None`: done; else why not).
+type Evicted = (String, String, String, Result<Option<String>, Error>);
+
+/// One eviction: `None` when it went through (or the pod is gone), else why not.
+async fn evict_pod(ctx: &Context, id: &str) -> Result<Option<String>, Error> {
+    let Some((ns, name)) = id.split_once('/') else {
+        return Ok(None);
+    };
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let params = kube::api::EvictParams::default();
+    let call = pods.evict(name, &params);
+    match tokio::time::timeout(EVICTION_WAIT, call).await {
+        Ok(Ok(_)) => Ok(None),
+        Ok(Err(kube::Error::Api(e))) if e.code == 404 => Ok(None),
+        Ok(Err(kube::Error::Api(e))) if e.code == 429 => Ok(Some(format!(
+            "eviction refused by a PodDisruptionBudget (429: {})",
+            e.message
+        ))),
+        Ok(Err(kube::Error::Api(e))) if e.code == 500 => Ok(Some(format!(
+            "eviction refused: more than one PodDisruptionBudget selects the pod (500: {})",
+            e.message
+        ))),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Ok(Some(
+            "eviction refused by a PodDisruptionBudget (429 Too Many Requests: the budget allows no disruption now, or its status is not computed yet)".into(),
+        )),
+    }
+}
+
+/// Evicts the pods of the nodes being drained through the Eviction API (PodDisruptionBudgets
+/// apply), 16 at a time. Returns the evictions refused, by pod, with why: 429 while a budget
+/// forbids it (or its status is not computed yet), 500 when several budgets select the pod.
+pub async fn evict(
+    ctx: &Context,
+    plan: &Plan,
+    report: &mut WriteReport,
+) -> Result<BTreeMap<String, String>, Error> {
+    let jobs: Vec<(String, String, String)> = plan
+        .drains
+        .iter()
+        .flat_map(|(node, d)| {
+            d.evict
+                .iter()
+                .map(move |id| (node.clone(), d.policy.clone(), id.clone()))
+        })
+        .collect();
+    let results: Vec<Evicted> = stream::iter(jobs)
+        .map(|(node, policy, id)| async move {
+            let r = evict_pod(ctx, &id).await;
+            (node, policy, id, r)
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    let policies: BTreeMap<String, Arc<GpuSharingPolicy>> = ctx
+        .caches
+        .policies
+        .state()
+        .into_iter()
+        .map(|p| (p.name_any(), p))
+        .collect();
+    let mut blocked = BTreeMap::new();
+    for (node, policy, id, r) in results {
+        match r? {
+            None => {
+                info!(%node, pod = %id, "evicted a pod to drain the node");
+                report.record("Eviction", id.clone(), format!("draining {node}"));
+            }
+            Some(why) => {
+                if let Some(p) = policies.get(&policy) {
+                    let note = format!("draining {node}: {id}: {why}");
+                    ctx.event(p, EventType::Warning, "EvictionBlocked", note)
+                        .await;
+                }
+                blocked.insert(id.clone(), why);
+            }
+        }
+    }
+    Ok(blocked)
 }

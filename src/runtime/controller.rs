@@ -104,6 +104,10 @@ pub struct Context {
     pub(crate) cluster_policy_repairs: std::sync::Mutex<Vec<(std::time::Instant, String)>>,
     /// Passes so far (each pass's tracing span carries its number).
     passes: AtomicU64,
+    /// Evictions the last pass could not make (reported on the node until they go through).
+    pub(crate) eviction_blocked: std::sync::Mutex<BTreeMap<String, String>>,
+    /// Nodes being drained that someone else had cordoned (seen when we went to cordon them).
+    pub(crate) foreign_cordons: std::sync::Mutex<BTreeSet<String>>,
 }
 
 impl Context {
@@ -200,6 +204,8 @@ pub async fn run(
         mig_pending_since: Default::default(),
         cluster_policy_applied: Default::default(),
         passes: AtomicU64::new(0),
+        eviction_blocked: Default::default(),
+        foreign_cordons: Default::default(),
     });
     tokio::select! {
         _ = events => warn!("watch streams ended"),
@@ -325,13 +331,20 @@ pub async fn reconcile_all(ctx: &Context, report: &mut WriteReport) -> Result<bo
     apply::apply_cluster_policy(ctx, &plan, report).await?;
     // 3. Node labels and annotations.
     apply::apply_nodes(ctx, &plan, changes, report).await?;
-    // 4. Readiness taints of nodes whose config is confirmed.
+    // 4. Drains: evict the GPU pods of cordoned nodes (PodDisruptionBudgets apply).
+    let blocked = apply::evict(ctx, &plan, report).await?;
+    *ctx.eviction_blocked.lock().expect("eviction lock") = blocked;
+    ctx.foreign_cordons
+        .lock()
+        .expect("cordon lock")
+        .retain(|n| plan.drains.contains_key(n));
+    // 5. Readiness taints of nodes whose config is confirmed.
     apply::remove_readiness_taints(ctx, &plan, report).await?;
-    // 5. ResourceClaimTemplates of DRA policies; the mig-parted ConfigMap once unused.
+    // 6. ResourceClaimTemplates of DRA policies; the mig-parted ConfigMap once unused.
     apply::apply_claim_templates(ctx, &plan, report).await?;
     apply::delete_unused_mig_configmap(ctx, &plan, report).await?;
 
-    // 6. Finalizers and status. A pass that changed something writes no status: the watch
+    // 7. Finalizers and status. A pass that changed something writes no status: the watch
     // events of its own writes bring the next pass at once, and that one reports the outcome
     // (one status write per change instead of an intermediate one).
     let changed = !report.is_empty();

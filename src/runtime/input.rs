@@ -91,6 +91,19 @@ impl Context {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64);
         input.gpu_pods = self.gpu_pods();
+        input.gpu_pod_labels = self
+            .caches
+            .pods
+            .state()
+            .iter()
+            .filter(|p| uses_gpu(p))
+            .map(|p| {
+                let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+                (id, p.labels().clone().into())
+            })
+            .collect();
+        input.eviction_blocked = self.eviction_blocked.lock().expect("eviction lock").clone();
+        input.foreign_cordons = self.foreign_cordons.lock().expect("cordon lock").clone();
         input.namespaces = self
             .caches
             .namespaces

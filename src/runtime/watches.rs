@@ -61,11 +61,11 @@ impl Caches {
     }
 }
 
-/// Pods stripped to what the idle-GPU check needs (node and resources).
+/// Pods stripped to what the idle-GPU check and drains need (node, resources, labels).
 fn strip_pod(p: &mut Pod) {
     p.metadata.managed_fields = None;
     p.metadata.annotations = None;
-    p.metadata.labels = None;
+    // Labels stay: `disruption.neverEvict` selects pods by them.
     p.metadata.owner_references = None;
     p.status = None;
     if let Some(spec) = p.spec.as_mut() {

@@ -8,13 +8,16 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
+	"k8s.io/client-go/scale"
 	"k8s.io/controller-manager/pkg/informerfactory"
+	"k8s.io/kubernetes/pkg/controller/disruption"
 	"k8s.io/kubernetes/pkg/controller/garbagecollector"
 	namespacecontroller "k8s.io/kubernetes/pkg/controller/namespace"
 )
@@ -24,10 +27,12 @@ import (
 // manager uses 30s; tests want owners of new kinds collected quickly.
 const gcSyncPeriod = 3 * time.Second
 
-// startControllers runs, in this process, the two kube-controller-manager
+// startControllers runs, in this process, the kube-controller-manager
 // controllers an apiserver-only cluster misses most: the garbage collector
-// (ownerReferences, foreground/background cascading deletion) and the
-// namespace controller (deleting a namespace empties and removes it).
+// (ownerReferences, foreground/background cascading deletion), the
+// namespace controller (deleting a namespace empties and removes it) and
+// the disruption controller (PodDisruptionBudget status, without which the
+// Eviction API refuses every eviction a budget covers).
 // They stop when ctx is cancelled.
 func startControllers(ctx context.Context, cfg *rest.Config) error {
 	cfg = rest.CopyConfig(cfg)
@@ -57,6 +62,17 @@ func startControllers(ctx context.Context, cfg *rest.Config) error {
 		kube.Discovery().ServerPreferredNamespacedResources,
 		shared.Core().V1().Namespaces(), 5*time.Minute, v1.FinalizerKubernetes)
 
+	scaleClient, err := scale.NewForConfig(cfg, mapper, dynamic.LegacyAPIPathResolverFunc,
+		scale.NewDiscoveryScaleKindResolver(kube.Discovery()))
+	if err != nil {
+		return fmt.Errorf("scale client: %w", err)
+	}
+	dc := disruption.NewDisruptionController(ctx,
+		shared.Core().V1().Pods(), shared.Policy().V1().PodDisruptionBudgets(),
+		shared.Core().V1().ReplicationControllers(), shared.Apps().V1().ReplicaSets(),
+		shared.Apps().V1().Deployments(), shared.Apps().V1().StatefulSets(),
+		kube, mapper, scaleClient, kube.Discovery())
+
 	shared.Start(ctx.Done())
 	metaInformers.Start(ctx.Done())
 	close(started)
@@ -64,5 +80,6 @@ func startControllers(ctx context.Context, cfg *rest.Config) error {
 	go gc.Run(ctx, 4, gcSyncPeriod)
 	go gc.Sync(ctx, kube.Discovery(), gcSyncPeriod)
 	go ns.Run(ctx, 4)
+	go dc.Run(ctx)
 	return nil
 }

@@ -204,12 +204,50 @@ func run(ctx context.Context, o *options) error {
 	_, _ = cpInf.AddEventHandler(handlers(enqueueAll))
 	s.cps = cpInf.GetStore()
 
+	// The kubelet's part for pods bound to simulated GPU nodes (drains in the
+	// tests use real Pod objects): pods become Running and Ready, and a pod
+	// being deleted (an eviction, a graceful delete) is removed once its
+	// grace period would start, as the kubelet confirms a termination.
+	podLW := cache.NewFilteredListWatchFromClient(core.RESTClient(), "pods", metav1.NamespaceAll, func(lo *metav1.ListOptions) {
+		lo.FieldSelector = "spec.nodeName!="
+	})
+	podInf := cache.NewSharedIndexInformer(podLW, &corev1.Pod{}, 0, cache.Indexers{})
+	podQueue := workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]())
+	_, _ = podInf.AddEventHandler(handlers(func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			podQueue.Add(key)
+		}
+	}))
+	go podInf.Run(ctx.Done())
+	go func() {
+		<-ctx.Done()
+		podQueue.ShutDown()
+	}()
+
 	go nodeInf.Run(ctx.Done())
 	go cmInf.Run(ctx.Done())
 	go cpInf.Run(ctx.Done())
 	if !cache.WaitForCacheSync(ctx.Done(), nodeInf.HasSynced, cmInf.HasSynced) {
 		return ctx.Err()
 	}
+	// Pods are handled once the GPU nodes are known (a pod on a node not yet
+	// in the store would be ignored for good).
+	go func() {
+		for {
+			key, shutdown := podQueue.Get()
+			if shutdown {
+				return
+			}
+			if err := s.kubelet(ctx, podInf.GetStore(), key); err != nil && ctx.Err() == nil {
+				log.Printf("pod %s: %v (retrying)", key, err)
+				podQueue.AddRateLimited(key)
+			} else {
+				podQueue.Forget(key)
+			}
+			podQueue.Done(key)
+		}
+	}()
+
 	// Without the ClusterPolicy CRD the list never succeeds: go on without
 	// a ClusterPolicy (plugin defaults) rather than wait forever.
 	cpCtx, cpCancel := context.WithTimeout(ctx, 10*time.Second)
@@ -382,6 +420,54 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		requeue = s.o.retry
 	}
 	return requeue, nil
+}
+
+// kubelet plays the kubelet for one pod bound to a simulated GPU node.
+func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) error {
+	obj, ok, _ := pods.GetByKey(key)
+	if !ok {
+		return nil
+	}
+	pod := obj.(*corev1.Pod)
+	if _, ours, _ := s.nodes.GetByKey(pod.Spec.NodeName); !ours {
+		return nil
+	}
+	if pod.DeletionTimestamp != nil {
+		zero := int64(0)
+		err := s.core.Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+		if err == nil {
+			log.Printf("pod %s: terminated (kubelet)", key)
+		}
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return err
+	}
+	ready := pod.Status.Phase == corev1.PodRunning
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReady && c.Status != corev1.ConditionTrue {
+			ready = false
+		}
+	}
+	if ready && len(pod.Status.Conditions) > 0 {
+		return nil
+	}
+	p := pod.DeepCopy()
+	now := metav1.Now()
+	p.Status.Phase = corev1.PodRunning
+	p.Status.StartTime = &now
+	p.Status.Conditions = nil
+	for _, t := range []corev1.PodConditionType{corev1.PodScheduled, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady} {
+		p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: now})
+	}
+	_, err := s.core.Pods(pod.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{FieldManager: fieldManager})
+	if err == nil {
+		log.Printf("pod %s: running and ready (kubelet)", key)
+	}
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
 }
 
 // logOnce logs msg for a node unless it was the last message logged for it.

@@ -1,0 +1,99 @@
+//! Drains (`disruption.mode: drain`): a started node whose change needs idle GPUs is cordoned
+//! (our annotation plus `spec.unschedulable` in the same apply) and the pods that use its GPUs
+//! are evicted through the Eviction API, so PodDisruptionBudgets are respected. The cordon stays
+//! until the node's new config is confirmed; only a node carrying our annotation is ever
+//! uncordoned.
+
+use std::collections::BTreeMap;
+
+use crate::api::names::ANNOTATION_CORDONED;
+use crate::api::state::NodeState;
+
+use super::policies::Prepared;
+use super::rollout::Entry;
+use super::{Labels, PlanInput, selector_matches};
+
+/// One node's drain: the pods to evict, and those `disruption.neverEvict` protects.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Drain {
+    /// The policy the node is drained for (its events name the blocked evictions).
+    pub policy: String,
+    pub evict: Vec<String>,
+    pub protected: Vec<String>,
+}
+
+fn protected(w: &Prepared, labels: Option<&Labels>) -> bool {
+    let Some(sel) = w
+        .spec
+        .disruption
+        .as_ref()
+        .and_then(|d| d.never_evict.as_ref())
+    else {
+        return false;
+    };
+    let empty = Labels::default();
+    selector_matches(sel, labels.unwrap_or(&empty))
+}
+
+/// For one policy's started nodes: drains those waiting for idle GPUs, and keeps the cordon of
+/// those still in flight. `in_flight` says whether an entry is started for the policy's current
+/// target and not yet confirmed.
+pub fn drain_nodes(
+    entries: &mut [Entry],
+    idx: &[usize],
+    w: &Prepared,
+    input: &PlanInput,
+    in_flight: impl Fn(&Entry) -> bool,
+) -> BTreeMap<String, Drain> {
+    let mut out = BTreeMap::new();
+    for &i in idx {
+        let e = &mut entries[i];
+        if !in_flight(e) {
+            continue;
+        }
+        let owned = e.node.owned_annotations.contains(ANNOTATION_CORDONED)
+            && e.node.annotations.get(ANNOTATION_CORDONED).is_some();
+        let draining = w.drains() && e.outcome.state == Some(NodeState::Waiting);
+        if owned || draining && !input.foreign_cordons.contains(&e.node.name) {
+            e.outcome
+                .annotations
+                .insert(ANNOTATION_CORDONED.to_string(), "true".to_string());
+        }
+        if !draining {
+            continue;
+        }
+        let pods = input
+            .gpu_pods
+            .get(&e.node.name)
+            .cloned()
+            .unwrap_or_default();
+        let (protected, evict): (Vec<String>, Vec<String>) = pods
+            .into_iter()
+            .partition(|p| protected(w, input.gpu_pod_labels.get(p)));
+        let blocked: Vec<String> = evict
+            .iter()
+            .filter_map(|p| Some(format!("{p}: {}", input.eviction_blocked.get(p)?)))
+            .collect();
+        let mut msg = format!("cordoned; evicting {}", evict.join(", "));
+        if !blocked.is_empty() {
+            msg.push_str(&format!("; blocked: {}", blocked.join("; ")));
+        }
+        if !protected.is_empty() {
+            msg.push_str(&format!(
+                "; protected by disruption.neverEvict (waiting for them to finish): {}",
+                protected.join(", ")
+            ));
+        }
+        e.outcome.state = Some(NodeState::Draining);
+        e.outcome.message = msg;
+        out.insert(
+            e.node.name.clone(),
+            Drain {
+                policy: w.name.clone(),
+                evict,
+                protected,
+            },
+        );
+    }
+    out
+}
