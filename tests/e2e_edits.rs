@@ -278,7 +278,7 @@ async fn custom_layout_edit_reaches_the_node() {
 #[tokio::test]
 async fn mig_time_slicing_replicas_edit_reaches_the_node() {
     // all-1g.10gb (7 instances per GPU, single strategy: advertised as nvidia.com/gpu), x2.
-    edit_reaches_the_node(EditCase {
+    let (before, after) = edit_reaches_the_node(EditCase {
         node: A100,
         profile: "mig-shared",
         policy_yaml: include_str!("../examples/mig-1g10gb-time-sliced.yaml"),
@@ -294,6 +294,12 @@ async fn mig_time_slicing_replicas_edit_reaches_the_node() {
         },
     })
     .await;
+    // The status agrees with what the device plugin advertises, although GFD now labels the
+    // node with its 56 MIG devices (gpu.count) rather than its 8 GPUs.
+    for (s, want) in [(&before, 112), (&after, 168)] {
+        assert_eq!(s["capacity"]["physicalGpus"], 8, "{s}");
+        assert_eq!(s["capacity"]["schedulableReplicas"], want, "{s}");
+    }
 }
 
 #[tokio::test]

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use crate::api::crd::{Capacity, GpuSharingPolicySpec, Mig, MigStrategy, Strategy};
-use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY};
+use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT};
 use crate::nvidia::mig::{self, MigProfile};
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
 
@@ -23,8 +23,17 @@ fn mig_instances(
 ) -> Option<Vec<(MigProfile, i64)>> {
     let mut out = Vec::new();
     if let Some(groups) = &mig.custom_layout {
+        // A group without indices covers the GPUs no other group lists.
+        let listed: i64 = groups
+            .iter()
+            .filter_map(|g| g.devices.as_ref())
+            .map(|d| d.len() as i64)
+            .sum();
         for g in groups.iter().filter(|g| g.mig_enabled) {
-            let n = g.devices.as_ref().map_or(gpus, |d| d.len() as i64);
+            let n = g
+                .devices
+                .as_ref()
+                .map_or((gpus - listed).max(0), |d| d.len() as i64);
             for (p, c) in &g.mig_devices {
                 out.push((mig::parse_mig_profile(p)?, n * *c as i64));
             }
@@ -61,6 +70,80 @@ fn mig_instances(
             .max_by_key(|c| c.iter().map(|(_, n)| n).sum::<i64>())?
     };
     Some(chosen.into_iter().map(|(p, n)| (p, gpus * n)).collect())
+}
+
+/// The node's physical GPUs under a MIG policy. With the `single` strategy GPU Feature Discovery
+/// relabels the node with its MIG devices (`nvidia.com/gpu.product` gets `-MIG-<profile>`,
+/// `nvidia.com/gpu.count` counts the instances), so the physical count is the instances divided
+/// by those per GPU: the named layout's entry that divides them (the largest, as the memory of
+/// a relabelled node no longer tells the GPU model), or a custom layout's groups.
+fn physical_gpus(
+    mig: &Mig,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+    n: &NodeFacts,
+    count: i64,
+    memory_mib: Option<i64>,
+) -> i64 {
+    let relabelled = n
+        .labels
+        .get(LABEL_GPU_PRODUCT)
+        .is_some_and(|p| p.contains("-MIG-"));
+    if !relabelled || count == 0 {
+        return count;
+    }
+    let per_gpu = |e: &[(MigProfile, i64)]| e.iter().map(|(_, c)| c).sum::<i64>();
+    if let Some(groups) = &mig.custom_layout {
+        // Every GPU is in one group: explicit indices, or `all` for the rest.
+        let listed: i64 = groups
+            .iter()
+            .filter_map(|g| g.devices.as_ref())
+            .map(|d| d.len() as i64)
+            .sum();
+        let instances_listed: i64 = groups
+            .iter()
+            .filter(|g| g.mig_enabled)
+            .filter_map(|g| {
+                Some(
+                    g.devices.as_ref()?.len() as i64
+                        * g.mig_devices.values().map(|c| *c as i64).sum::<i64>(),
+                )
+            })
+            .sum();
+        let all: i64 = groups
+            .iter()
+            .filter(|g| g.devices.is_none() && g.mig_enabled)
+            .map(|g| g.mig_devices.values().map(|c| *c as i64).sum::<i64>())
+            .sum();
+        return if all > 0 {
+            listed + (count - instances_listed) / all
+        } else {
+            listed
+        };
+    }
+    let layout = mig.layout.as_deref().unwrap_or_default();
+    let Some(entries) = base.and_then(|b| b.get(layout)).and_then(|e| e.as_array()) else {
+        return count;
+    };
+    let candidates: Vec<i64> = entries
+        .iter()
+        .filter_map(|e| {
+            let devs = e.get("mig-devices")?.as_object()?;
+            devs.iter()
+                .map(|(p, c)| Some((mig::parse_mig_profile(p)?, c.as_i64()?)))
+                .collect::<Option<Vec<_>>>()
+        })
+        .map(|e| per_gpu(&e))
+        .filter(|k| *k > 0 && count % k == 0)
+        .collect();
+    let fitting = memory_mib.and_then(|m| {
+        mig_instances(mig, base, 1, Some(m))
+            .map(|e| per_gpu(&e))
+            .filter(|k| *k > 0 && count % k == 0)
+    });
+    match fitting.or_else(|| candidates.into_iter().max()) {
+        Some(k) => count / k,
+        None => count,
+    }
 }
 
 /// Whether one GPU's MIG devices fit a GPU with `memory_mib`: MIG cuts memory in 8 slices and
@@ -163,6 +246,7 @@ pub fn node_capacity(
             let Some(mig) = spec.mig.as_ref() else {
                 return cap(gpus, None, None, None, true);
             };
+            let gpus = physical_gpus(mig, base, node, gpus, mem);
             let Some(instances) = mig_instances(mig, base, gpus, mem) else {
                 return cap(gpus, None, None, None, true);
             };
@@ -260,5 +344,49 @@ mod tests {
             mig_instances(&named("all-disabled"), Some(&base), 8, None),
             Some(vec![])
         );
+    }
+}
+
+#[cfg(test)]
+mod relabelled {
+    use super::*;
+    use crate::plan::Labels;
+
+    fn node(product: &str, count: &str) -> NodeFacts {
+        let mut labels = Labels::default();
+        labels.insert(LABEL_GPU_PRODUCT, product);
+        labels.insert(LABEL_GPU_COUNT, count);
+        labels.insert(LABEL_GPU_MEMORY, "81920");
+        NodeFacts {
+            labels,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn single_strategy_labels_count_mig_devices_not_gpus() {
+        let spec: GpuSharingPolicySpec = crate::api::yaml::from_str(
+            "nodeSelector: {}\nstrategy: mig\nmig: {migStrategy: single, layout: all-1g.10gb, timeSlicing: {replicas: 2}}\n",
+        )
+        .unwrap();
+        let base = crate::nvidia::default_mig_configs();
+        // Before the MIG manager: 8 GPUs. After, GFD says 56 devices of NVIDIA-...-MIG-1g.10gb.
+        for n in [
+            node("NVIDIA-A100-SXM4-80GB", "8"),
+            node("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED", "56"),
+        ] {
+            let c = node_capacity(&spec, &n, Some(&base));
+            assert_eq!(c.physical_gpus, 8, "{:?}", n.labels);
+            assert_eq!(c.schedulable, Some(112), "{:?}", n.labels);
+        }
+        // A custom layout: 2 GPUs of 1g.10gb x 7, the other 6 (all) of 3g.40gb x 2.
+        let spec: GpuSharingPolicySpec = crate::api::yaml::from_str(
+            "nodeSelector: {}\nstrategy: mig\nmig:\n  migStrategy: mixed\n  customLayout:\n  - {devices: [0, 1], migEnabled: true, migDevices: {1g.10gb: 7}}\n  - {migEnabled: true, migDevices: {3g.40gb: 2}}\n",
+        )
+        .unwrap();
+        let n = node("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb", "26");
+        let c = node_capacity(&spec, &n, Some(&base));
+        assert_eq!(c.physical_gpus, 8);
+        assert_eq!(c.schedulable, Some(2 * 7 + 6 * 2));
     }
 }

@@ -95,8 +95,8 @@ for _ in $(seq 1 60); do
 	sleep 1
 done
 
-say "kubectl get gsp"
-kubectl get gsp
+say "kubectl get gsp -o wide"
+kubectl get gsp -o wide
 say "Node labels"
 kubectl get nodes -L gpusharing.io/policy,nvidia.com/device-plugin.config,nvidia.com/mig.config,nvidia.com/mig.config.state,nvidia.com/gpu.replicas,nvidia.com/gpu.sharing-strategy
 say "Allocatable nvidia.com/gpu (simulated device plugin: count x replicas)"
