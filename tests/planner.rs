@@ -1152,8 +1152,10 @@ fn nodes_labelled_before_the_write_time_existed_need_no_write() {
 fn drain_mode_cordons_evicts_but_never_protected_pods_and_lifts_only_its_cordon() {
     use gpu_sharing_operator::api::crd::{Disruption, DisruptionMode};
     let mut p = policy("mig", 3, 2, false, Some("a"), 0, 0);
-    let mut never = LabelSelector::default();
-    never.match_labels = Some([("keep".to_string(), "yes".to_string())].into());
+    let never = LabelSelector {
+        match_labels: Some([("keep".to_string(), "yes".to_string())].into()),
+        ..Default::default()
+    };
     p.spec.disruption = Some(Disruption {
         mode: DisruptionMode::Drain,
         drain_timeout_seconds: None,
