@@ -396,6 +396,13 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
     }))
     .unwrap();
     pdbs.create(&PostParams::default(), &pdb).await.unwrap();
+    // A second budget over the same pods: the Eviction API answers 500 for those.
+    let second: PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": {"name": "train-too"},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "train"}}}
+    }))
+    .unwrap();
+    pdbs.create(&PostParams::default(), &second).await.unwrap();
     let cordon = json!({"spec": {"unschedulable": true}});
     nodes
         .patch(
@@ -422,11 +429,19 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
     .await
     .unwrap();
 
-    // The budget holds: a100-node-0 is cordoned by us and its evictions are refused (429),
-    // which the status says, naming the pods.
+    // Two budgets select the training pods: refused with 500, and said so.
+    let (_, message, _) = until("a drain blocked by two budgets", LONG, || async {
+        let p = progressing_of(&c, "a100-mig").await?;
+        (p.0 == "Draining" && p.1.contains("more than one PodDisruptionBudget")).then_some(p)
+    })
+    .await;
+    assert!(message.contains("500"), "{message}");
+    pdbs.delete("train-too", &Default::default()).await.unwrap();
+    // One budget that allows no disruption: a100-node-0 stays cordoned by us and its evictions
+    // are refused (429), which the status says, naming the pods.
     let (_, message, _) = until("a blocked drain", LONG, || async {
         let p = progressing_of(&c, "a100-mig").await?;
-        (p.0 == "Draining" && p.1.contains("PodDisruptionBudget")).then_some(p)
+        (p.0 == "Draining" && p.1.contains("refused by a PodDisruptionBudget (429")).then_some(p)
     })
     .await;
     assert!(
