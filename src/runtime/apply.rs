@@ -14,7 +14,6 @@ use kube::runtime::events::EventType;
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::*;
 use crate::nvidia::MIG_PARTED_KEY;
 use crate::plan::{self, NodeFacts, Plan};
@@ -261,18 +260,12 @@ pub async fn apply_nodes(
             Err(e) => first_err = first_err.or(Some(e)),
         }
     }
-    let policies: BTreeMap<String, Arc<GpuSharingPolicy>> = ctx
-        .caches
-        .policies
-        .state()
-        .into_iter()
-        .map(|p| (p.name_any(), p))
-        .collect();
     for (policy, nodes) in &labelled {
-        if let Some(p) = policies.get(*policy) {
+        if let Some(p) = ctx.policy(policy) {
             let shown: Vec<&str> = nodes.iter().take(10).map(String::as_str).collect();
             let note = format!("labelled {} nodes: {}", nodes.len(), shown.join(", "));
-            ctx.event(p, EventType::Normal, "NodesLabelled", note).await;
+            ctx.event(&p, EventType::Normal, "NodesLabelled", note)
+                .await;
         }
     }
     first_err.map_or(Ok(()), Err)
@@ -543,13 +536,6 @@ pub async fn evict(
         .buffer_unordered(16)
         .collect()
         .await;
-    let policies: BTreeMap<String, Arc<GpuSharingPolicy>> = ctx
-        .caches
-        .policies
-        .state()
-        .into_iter()
-        .map(|p| (p.name_any(), p))
-        .collect();
     let mut blocked = BTreeMap::new();
     for (node, policy, id, r) in results {
         match r? {
@@ -558,9 +544,9 @@ pub async fn evict(
                 report.record("Eviction", id.clone(), format!("draining {node}"));
             }
             Some(why) => {
-                if let Some(p) = policies.get(&policy) {
+                if let Some(p) = ctx.policy(&policy) {
                     let note = format!("draining {node}: {id}: {why}");
-                    ctx.event(p, EventType::Warning, "EvictionBlocked", note)
+                    ctx.event(&p, EventType::Warning, "EvictionBlocked", note)
                         .await;
                 }
                 blocked.insert(id.clone(), why);

@@ -63,6 +63,11 @@ impl Context {
         self.caches.configmaps.get(&key)
     }
 
+    /// A policy, from the cache.
+    pub(crate) fn policy(&self, name: &str) -> Option<Arc<GpuSharingPolicy>> {
+        self.caches.policies.get(&ObjectRef::new(name))
+    }
+
     /// Pods that use GPUs, by node (`namespace/name`, sorted).
     fn gpu_pods(&self) -> BTreeMap<String, Vec<String>> {
         gpu_pods_by_node(self.caches.pods.state().iter().map(|p| &**p))
