@@ -122,16 +122,12 @@ pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
         let (replicas, strategy) = gfd_report(config.as_ref());
         let written = n
             .annotations
-            .get(crate::api::names::ANNOTATION_CONFIG_WRITTEN)
-            .and_then(|v| v.parse::<i64>().ok());
-        let stamped = labels
-            .get(LABEL_GFD_TIMESTAMP)
-            .and_then(|v| v.parse::<i64>().ok());
+            .get(crate::api::names::ANNOTATION_CONFIG_WRITTEN);
         let replicas = replicas.to_string();
         let stale = labels.get(LABEL_GPU_REPLICAS) != Some(replicas.as_str())
             || labels.get(LABEL_GPU_SHARING_STRATEGY) != Some(strategy)
-            || matches!((written, stamped), (Some(w), Some(t)) if t <= w)
-            || stamped.is_none();
+            || super::node::gfd_behind(n, written).is_some()
+            || labels.get(LABEL_GFD_TIMESTAMP).is_none();
         if stale {
             labels.insert(LABEL_GPU_REPLICAS, replicas);
             labels.insert(LABEL_GPU_SHARING_STRATEGY, strategy);

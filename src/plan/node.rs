@@ -314,16 +314,29 @@ fn released(n: &NodeFacts) -> Outcome {
     }
 }
 
+/// The values of the keys we own among `have` (a node's labels or annotations).
+fn keep<T: FromIterator<(String, String)>>(owned: &super::OwnedKeys, have: &super::Labels) -> T {
+    owned
+        .iter()
+        .filter_map(|k| have.get(k).map(|v| (k.clone(), v.to_string())))
+        .collect()
+}
+
+/// The labels we own on a node now.
+pub fn owned_labels(n: &NodeFacts) -> super::SmallMap {
+    keep(&n.owned, &n.labels)
+}
+
+/// When GPU Feature Discovery stamps the node and has not relabelled it since our device-plugin
+/// config write at `written` (unix seconds): that write. A node GFD does not stamp is never
+/// behind.
+pub fn gfd_behind(n: &NodeFacts, written: Option<&str>) -> Option<i64> {
+    let w = written?.parse::<i64>().ok()?;
+    let t = label_i64(n, LABEL_GFD_TIMESTAMP)?;
+    (t <= w).then_some(w)
+}
+
 fn held(n: &NodeFacts, state: NodeState, message: String) -> Outcome {
-    fn keep<T: FromIterator<(String, String)>>(
-        owned: &super::OwnedKeys,
-        have: &super::Labels,
-    ) -> T {
-        owned
-            .iter()
-            .filter_map(|k| have.get(k).map(|v| (k.clone(), v.to_string())))
-            .collect()
-    }
     Outcome {
         state: Some(state),
         message,
@@ -406,10 +419,8 @@ fn unconfirmed(
     }
     let written = annotations
         .get(ANNOTATION_CONFIG_WRITTEN)
-        .and_then(|v| v.parse::<i64>().ok());
-    if let (Some(w), Some(t)) = (written, label_i64(n, LABEL_GFD_TIMESTAMP))
-        && t <= w
-    {
+        .map(String::as_str);
+    if let Some(w) = gfd_behind(n, written) {
         return Some(format!(
             "waiting for GPU Feature Discovery to report config {dp} (nvidia.com/gfd.timestamp not newer than our label write at {w})"
         ));

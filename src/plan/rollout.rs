@@ -16,16 +16,16 @@ use crate::api::crd::{
     GpuSharingPolicySpec,
 };
 use crate::api::names::{
-    ANNOTATION_CONFIG_WRITTEN, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP,
-    LABEL_MIG_CONFIG, LABEL_MIG_STATE,
+    ANNOTATION_CONFIG_WRITTEN, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG,
+    LABEL_MIG_STATE,
 };
 use crate::api::state::NodeState;
 use crate::nvidia::DEFAULT_KEY;
 
 use super::drain::{Drain, drain_nodes};
-use super::node::Outcome;
+use super::node::{Outcome, gfd_behind, owned_labels};
 use super::policies::Prepared;
-use super::{NodeFacts, PlanInput, SmallMap};
+use super::{NodeFacts, PlanInput};
 
 /// Default budget when `spec.rollout.maxUnavailable` is unset: 25% of the policy's nodes.
 const DEFAULT_PERCENT: u64 = 25;
@@ -127,14 +127,6 @@ pub struct Progress {
     pub previous_keys: BTreeSet<String>,
 }
 
-/// The labels we own on a node now.
-fn owned_now(n: &NodeFacts) -> SmallMap {
-    n.owned
-        .iter()
-        .filter_map(|k| n.labels.get(k).map(|v| (k.clone(), v.to_string())))
-        .collect()
-}
-
 /// How one governed node stands in its policy's rollout.
 enum Phase {
     /// Nothing to write and nothing to wait for (applied, or held for another reason).
@@ -153,19 +145,15 @@ enum Phase {
 /// it was for: GFD has not relabelled since our last device-plugin config write (when GFD
 /// stamps the node), or the MIG manager has not reported on our last layout.
 fn last_change_unconfirmed(n: &NodeFacts) -> bool {
-    let num = |v: Option<&str>| v.and_then(|v| v.parse::<i64>().ok());
-    let written = num(n.annotations.get(ANNOTATION_CONFIG_WRITTEN));
-    let stamped = num(n.labels.get(LABEL_GFD_TIMESTAMP));
-    let gfd_behind = matches!((written, stamped), (Some(w), Some(t)) if t <= w);
     let mig_pending =
         n.owned.contains(LABEL_MIG_CONFIG) && n.labels.get(LABEL_MIG_STATE) == Some("pending");
-    gfd_behind || mig_pending
+    gfd_behind(n, n.annotations.get(ANNOTATION_CONFIG_WRITTEN)).is_some() || mig_pending
 }
 
 fn phase(e: &Entry, w: &Prepared, target: &str, now: i64) -> Phase {
     let n = e.node;
     let state = e.outcome.state;
-    let changes = e.outcome.labels != owned_now(n);
+    let changes = e.outcome.labels != owned_labels(n);
     let mark = n.annotations.get(ANNOTATION_ROLLOUT).and_then(Mark::parse);
     let started = mark.as_ref().is_some_and(|m| m.target == target);
     let timeout = node_timeout(w.spec);
@@ -380,7 +368,7 @@ pub fn gate(
                 .get(ANNOTATION_ROLLOUT)
                 .and_then(|m| Mark::parse(m));
             let settled = e.outcome.state == Some(NodeState::Applied)
-                && e.outcome.labels == owned_now(e.node);
+                && e.outcome.labels == owned_labels(e.node);
             mark.is_some_and(|m| m.target == target) && !settled
         };
         drains.extend(drain_nodes(entries, &idx, w, input, started));
