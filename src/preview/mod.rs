@@ -18,8 +18,9 @@ use crate::api::names::{
 };
 use crate::plan::PlanInput;
 use crate::runtime::controller::{cluster_policy_resource, detect_namespace};
-use crate::runtime::input::{gpu_pods_by_node, mig_configs};
+use crate::runtime::input::{mig_configs, read_gpu_pods};
 use crate::runtime::nodecache::{Interner, facts};
+use crate::runtime::watches::RUNNING_BOUND_PODS;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -95,14 +96,15 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         cm.insert(name, got.map(Arc::new));
     }
     let mut assumptions = Vec::new();
-    let gpu_pods = match Api::<Pod>::all(client.clone()).list(&lp).await {
-        Ok(l) => gpu_pods_by_node(l.items.iter()),
+    let running = ListParams::default().fields(RUNNING_BOUND_PODS);
+    let pods = match Api::<Pod>::all(client.clone()).list(&running).await {
+        Ok(l) => l.items,
         Err(e) if forbidden(&e) => {
             assumptions.push(
                 "pods cannot be listed: no GPU is assumed busy (MIG changes may wait longer)"
                     .into(),
             );
-            BTreeMap::new()
+            Vec::new()
         }
         Err(e) => return Err(read("pods")(e)),
     };
@@ -127,7 +129,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         .unwrap_or_default();
     input.base_mig_configs = mig_configs(cm[DEFAULT_MIG_CONFIGMAP].clone());
     input.current_mig_configs = mig_configs(cm[MIG_PARTED_CONFIGMAP].clone()).unwrap_or_default();
-    input.gpu_pods = gpu_pods;
+    read_gpu_pods(&mut input, pods.iter());
     input.namespaces = namespaces;
     input.cluster_policy_found = cluster_policy.is_some();
     input.now = std::time::SystemTime::now()

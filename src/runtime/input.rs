@@ -32,22 +32,24 @@ fn uses_gpu(p: &Pod) -> bool {
     })
 }
 
-/// Pods that use GPUs, by node (`namespace/name`, sorted): the idle-GPU wait before MIG changes.
-pub fn gpu_pods_by_node<'a>(pods: impl Iterator<Item = &'a Pod>) -> BTreeMap<String, Vec<String>> {
-    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for p in pods {
+/// Puts the pods that use GPUs into the planner's input: by node (`namespace/name`, sorted; the
+/// idle-GPU wait before MIG changes, and drains), with their labels (`disruption.neverEvict`).
+pub fn read_gpu_pods<'a>(input: &mut PlanInput, pods: impl Iterator<Item = &'a Pod>) {
+    input.gpu_pods.clear();
+    input.gpu_pod_labels.clear();
+    for p in pods.filter(|p| uses_gpu(p)) {
         let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
             continue;
         };
-        if uses_gpu(p) {
-            let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
-            out.entry(node).or_default().push(id);
-        }
+        let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+        input
+            .gpu_pod_labels
+            .insert(id.clone(), p.labels().clone().into());
+        input.gpu_pods.entry(node).or_default().push(id);
     }
-    for v in out.values_mut() {
+    for v in input.gpu_pods.values_mut() {
         v.sort();
     }
-    out
 }
 
 /// The mig-parted layouts of a ConfigMap's `config.yaml`.
@@ -66,11 +68,6 @@ impl Context {
     /// A policy, from the cache.
     pub(crate) fn policy(&self, name: &str) -> Option<Arc<GpuSharingPolicy>> {
         self.caches.policies.get(&ObjectRef::new(name))
-    }
-
-    /// Pods that use GPUs, by node (`namespace/name`, sorted).
-    fn gpu_pods(&self) -> BTreeMap<String, Vec<String>> {
-        gpu_pods_by_node(self.caches.pods.state().iter().map(|p| &**p))
     }
 
     pub(crate) fn plan_input(&self) -> PlanInput {
@@ -95,18 +92,7 @@ impl Context {
         input.now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64);
-        input.gpu_pods = self.gpu_pods();
-        input.gpu_pod_labels = self
-            .caches
-            .pods
-            .state()
-            .iter()
-            .filter(|p| uses_gpu(p))
-            .map(|p| {
-                let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
-                (id, p.labels().clone().into())
-            })
-            .collect();
+        read_gpu_pods(&mut input, self.caches.pods.state().iter().map(|p| &**p));
         input.eviction_blocked = self.eviction_blocked.lock().expect("eviction lock").clone();
         input.foreign_cordons = self.foreign_cordons.lock().expect("cordon lock").clone();
         input.namespaces = self

@@ -20,6 +20,9 @@ use crate::runtime::controller::cluster_policy_resource;
 use crate::runtime::nodecache::NodeCache;
 use crate::runtime::taints::{self, Tainted};
 
+/// Pods that may hold GPUs: bound to a node and not finished.
+pub const RUNNING_BOUND_PODS: &str = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed";
+
 /// Nodes per list page when the node watch (re)lists.
 const NODE_LIST_PAGE: u32 = 100;
 
@@ -117,8 +120,7 @@ pub async fn start(
         podw,
         watcher(
             Api::<Pod>::all(client.clone()),
-            watcher::Config::default()
-                .fields("spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"),
+            watcher::Config::default().fields(RUNNING_BOUND_PODS),
         )
         .default_backoff()
         .modify(strip_pod),
