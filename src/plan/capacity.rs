@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::api::crd::{Capacity, GpuSharingPolicySpec, Mig, MigStrategy, Strategy};
+use crate::api::crd::{Capacity, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Strategy};
 use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT};
 use crate::nvidia::mig::{self, MigProfile};
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
@@ -12,6 +12,40 @@ use super::NodeFacts;
 
 pub fn label_i64(n: &NodeFacts, key: &str) -> Option<i64> {
     n.labels.get(key).and_then(|v| v.parse().ok())
+}
+
+/// GPUs a custom layout's groups list by index (a group without indices covers the rest).
+fn listed_gpus(groups: &[MigDeviceGroup]) -> i64 {
+    groups
+        .iter()
+        .filter_map(|g| g.devices.as_ref())
+        .map(|d| d.len() as i64)
+        .sum()
+}
+
+/// MIG devices a custom layout's group creates on each of its GPUs.
+fn group_instances(g: &MigDeviceGroup) -> i64 {
+    g.mig_devices.values().map(|c| *c as i64).sum()
+}
+
+/// The entries of a named layout (one per GPU model, by `device-filter`).
+fn layout_entries<'a>(
+    mig: &Mig,
+    base: Option<&'a BTreeMap<String, serde_json::Value>>,
+) -> Option<&'a Vec<serde_json::Value>> {
+    base?.get(mig.layout.as_deref()?)?.as_array()
+}
+
+/// The MIG devices one entry of a named layout creates on each GPU.
+fn entry_devices(e: &serde_json::Value) -> Option<Vec<(MigProfile, i64)>> {
+    let devs = e.get("mig-devices")?.as_object()?;
+    devs.iter()
+        .map(|(p, c)| Some((mig::parse_mig_profile(p)?, c.as_i64()?)))
+        .collect()
+}
+
+fn total(devices: &[(MigProfile, i64)]) -> i64 {
+    devices.iter().map(|(_, c)| c).sum()
 }
 
 /// MIG-instance counts per GPU of a node under a MIG policy, when known.
@@ -23,12 +57,7 @@ fn mig_instances(
 ) -> Option<Vec<(MigProfile, i64)>> {
     let mut out = Vec::new();
     if let Some(groups) = &mig.custom_layout {
-        // A group without indices covers the GPUs no other group lists.
-        let listed: i64 = groups
-            .iter()
-            .filter_map(|g| g.devices.as_ref())
-            .map(|d| d.len() as i64)
-            .sum();
+        let listed = listed_gpus(groups);
         for g in groups.iter().filter(|g| g.mig_enabled) {
             let n = g
                 .devices
@@ -41,25 +70,20 @@ fn mig_instances(
         return Some(out);
     }
     // Named layout: only when it is a single "devices: all" entry we can read.
-    let layout = mig.layout.as_deref()?;
-    if layout == MIG_DISABLED_LAYOUT {
+    if mig.layout.as_deref()? == MIG_DISABLED_LAYOUT {
         return Some(out);
     }
     // Entries per GPU model (device-filter, by PCI device ID, which node labels do not carry):
     // all the same (the `all-<profile>` layouts of one GPU family), or else the one that fits
     // this node's GPUs (see `entry_fits`), the largest when several do.
-    let entries = base?.get(layout)?.as_array()?;
-    let per_gpu = |e: &serde_json::Value| -> Option<Vec<(MigProfile, i64)>> {
-        if e.get("devices").and_then(|d| d.as_str()) != Some("all") {
-            return None;
-        }
-        let devs = e.get("mig-devices")?.as_object()?;
-        devs.iter()
-            .map(|(p, c)| Some((mig::parse_mig_profile(p)?, c.as_i64()?)))
-            .collect()
-    };
-    let candidates: Vec<Vec<(MigProfile, i64)>> =
-        entries.iter().map(per_gpu).collect::<Option<_>>()?;
+    let candidates: Vec<Vec<(MigProfile, i64)>> = layout_entries(mig, base)?
+        .iter()
+        .map(|e| {
+            (e.get("devices").and_then(|d| d.as_str()) == Some("all"))
+                .then(|| entry_devices(e))
+                .flatten()
+        })
+        .collect::<Option<_>>()?;
     let chosen = if candidates.windows(2).all(|w| w[0] == w[1]) {
         candidates.into_iter().next()?
     } else {
@@ -67,7 +91,7 @@ fn mig_instances(
         candidates
             .into_iter()
             .filter(|c| entry_fits(c, mem))
-            .max_by_key(|c| c.iter().map(|(_, n)| n).sum::<i64>())?
+            .max_by_key(|c| total(c))?
     };
     Some(chosen.into_iter().map(|(p, n)| (p, gpus * n)).collect())
 }
@@ -91,59 +115,41 @@ fn physical_gpus(
     if !relabelled || count == 0 {
         return count;
     }
-    let per_gpu = |e: &[(MigProfile, i64)]| e.iter().map(|(_, c)| c).sum::<i64>();
     if let Some(groups) = &mig.custom_layout {
         // Every GPU is in one group: explicit indices, or `all` for the rest.
-        let listed: i64 = groups
-            .iter()
-            .filter_map(|g| g.devices.as_ref())
-            .map(|d| d.len() as i64)
+        let enabled = || groups.iter().filter(|g| g.mig_enabled);
+        let instances_listed: i64 = enabled()
+            .filter_map(|g| Some(g.devices.as_ref()?.len() as i64 * group_instances(g)))
             .sum();
-        let instances_listed: i64 = groups
-            .iter()
-            .filter(|g| g.mig_enabled)
-            .filter_map(|g| {
-                Some(
-                    g.devices.as_ref()?.len() as i64
-                        * g.mig_devices.values().map(|c| *c as i64).sum::<i64>(),
-                )
-            })
+        let all: i64 = enabled()
+            .filter(|g| g.devices.is_none())
+            .map(group_instances)
             .sum();
-        let all: i64 = groups
-            .iter()
-            .filter(|g| g.devices.is_none() && g.mig_enabled)
-            .map(|g| g.mig_devices.values().map(|c| *c as i64).sum::<i64>())
-            .sum();
+        let listed = listed_gpus(groups);
         return if all > 0 {
             listed + (count - instances_listed) / all
         } else {
             listed
         };
     }
-    let layout = mig.layout.as_deref().unwrap_or_default();
-    let Some(entries) = base.and_then(|b| b.get(layout)).and_then(|e| e.as_array()) else {
+    let Some(entries) = layout_entries(mig, base) else {
         return count;
     };
-    let candidates: Vec<i64> = entries
-        .iter()
-        .filter_map(|e| {
-            let devs = e.get("mig-devices")?.as_object()?;
-            devs.iter()
-                .map(|(p, c)| Some((mig::parse_mig_profile(p)?, c.as_i64()?)))
-                .collect::<Option<Vec<_>>>()
-        })
-        .map(|e| per_gpu(&e))
-        .filter(|k| *k > 0 && count % k == 0)
-        .collect();
+    let divides = |k: &i64| *k > 0 && count % k == 0;
     let fitting = memory_mib.and_then(|m| {
         mig_instances(mig, base, 1, Some(m))
-            .map(|e| per_gpu(&e))
-            .filter(|k| *k > 0 && count % k == 0)
+            .map(|e| total(&e))
+            .filter(divides)
     });
-    match fitting.or_else(|| candidates.into_iter().max()) {
-        Some(k) => count / k,
-        None => count,
-    }
+    let largest = || {
+        entries
+            .iter()
+            .filter_map(entry_devices)
+            .map(|e| total(&e))
+            .filter(divides)
+            .max()
+    };
+    fitting.or_else(largest).map_or(count, |k| count / k)
 }
 
 /// Whether one GPU's MIG devices fit a GPU with `memory_mib`: MIG cuts memory in 8 slices and
