@@ -63,13 +63,7 @@ async fn progressing_of(
 }
 
 async fn progressing(c: &kube::Client) -> Option<(String, String, serde_json::Value)> {
-    let s = policy_status(c, POLICY).await?;
-    let p = condition(&s, "Progressing")?;
-    Some((
-        p["reason"].as_str()?.to_string(),
-        p["message"].as_str()?.to_string(),
-        s.clone(),
-    ))
+    progressing_of(c, POLICY).await
 }
 
 /// Ready at `generation` with every node applied.

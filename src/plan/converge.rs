@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use super::{NodeFacts, Plan, PlanInput, SmallMap};
+use super::{Labels, NodeFacts, OwnedKeys, Plan, PlanInput, SmallMap};
 use crate::api::names::{
     LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP, LABEL_GPU_REPLICAS,
     LABEL_GPU_SHARING_STRATEGY, LABEL_MIG_STATE,
@@ -43,26 +43,25 @@ pub struct NotConverged {
 /// keys we owned and no longer want are removed, wanted keys are set and become ours. Returns
 /// whether the node changed.
 pub fn apply_to_node(n: &mut NodeFacts, labels: &SmallMap, annotations: &SmallMap) -> bool {
-    let before = (n.labels.clone(), n.annotations.clone());
-    for k in n.owned_annotations {
-        if !annotations.contains_key(&k) {
-            n.annotations.remove(&k);
+    let a = own(&mut n.annotations, &mut n.owned_annotations, annotations);
+    let l = own(&mut n.labels, &mut n.owned, labels);
+    a || l
+}
+
+/// Server-side apply of `want` onto one map our field manager owns `owned` of. Returns whether
+/// the map changed.
+fn own(have: &mut Labels, owned: &mut OwnedKeys, want: &SmallMap) -> bool {
+    let before = have.clone();
+    for k in *owned {
+        if !want.contains_key(&k) {
+            have.remove(&k);
         }
     }
-    for (k, v) in annotations {
-        n.annotations.insert(k.as_str(), v.as_str());
+    for (k, v) in want {
+        have.insert(k.as_str(), v.as_str());
     }
-    n.owned_annotations = annotations.keys().collect();
-    for k in n.owned {
-        if !labels.contains_key(&k) {
-            n.labels.remove(&k);
-        }
-    }
-    for (k, v) in labels {
-        n.labels.insert(k.as_str(), v.as_str());
-    }
-    n.owned = labels.keys().collect();
-    before != (n.labels.clone(), n.annotations.clone())
+    *owned = want.keys().collect();
+    before != *have
 }
 
 /// Applies a plan to the state it was made from: our ConfigMaps and the nodes. Returns the

@@ -884,6 +884,32 @@ struct OperatorResult {
     notes: Vec<String>,
 }
 
+/// Starts `gpu-sharing-operator run` against the cluster, logging to `log`, and waits until its
+/// caches are ready (at most 120 s).
+async fn start_operator(op: &Path, kubeconfig: &Path, log: &Path) -> anyhow::Result<Child> {
+    let mut c = Command::new(op)
+        .args(["run", "--namespace", NAMESPACE])
+        .env("KUBECONFIG", kubeconfig)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(log)?))
+        .spawn()
+        .with_context(|| format!("spawn {}", op.display()))?;
+    let t = Instant::now();
+    while !std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .contains("caches ready")
+    {
+        if t.elapsed() > Duration::from_secs(120) {
+            let _ = c.kill();
+            let _ = c.wait();
+            bail!("operator not ready after 120 s (log: {})", log.display());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(c)
+}
+
 async fn run_operator(
     args: &Args,
     kl: &Path,
@@ -914,27 +940,9 @@ async fn run_operator(
         wait_idle(kl_pid, Duration::from_secs(60)).await;
         // Start the operator and let it settle (it may write the empty config first).
         let m0 = scrape(&client).await?;
-        let c = Command::new(op)
-            .args(["run", "--namespace", NAMESPACE])
-            .env("KUBECONFIG", &cluster.kubeconfig)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(std::fs::File::create(&op_log)?))
-            .spawn()
-            .with_context(|| format!("spawn {}", op.display()))?;
+        let c = start_operator(op, &cluster.kubeconfig, &op_log).await?;
         let pid = c.id();
         child = Some(c);
-        let t = Instant::now();
-        loop {
-            let log = std::fs::read_to_string(&op_log).unwrap_or_default();
-            if log.contains("caches ready") {
-                break;
-            }
-            if t.elapsed() > Duration::from_secs(120) {
-                bail!("operator not ready after 120 s (log: {})", op_log.display());
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
         let m1 = wait_quiet(&client, Duration::from_secs(3), Duration::from_secs(60)).await?;
         r.startup = Writes::from(&diff(&m1, &m0), 0);
         r.stats_synced = proc_stats(pid);

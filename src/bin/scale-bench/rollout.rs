@@ -131,23 +131,9 @@ pub async fn run(args: &Args, kl: &Path, op: &Path, n: usize) -> anyhow::Result<
         create_nodes_with(&client, n, 1, args.concurrency, &stamp).await?;
         wait_idle(cluster.pid(), Duration::from_secs(60)).await;
         let task = gfd.start(&client, delay);
-        let c = Command::new(op)
-            .args(["run", "--namespace", NAMESPACE])
-            .env("KUBECONFIG", &cluster.kubeconfig)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(std::fs::File::create(&op_log)?))
-            .spawn()?;
+        let c = start_operator(op, &cluster.kubeconfig, &op_log).await?;
         let pid = c.id();
         child = Some(c);
-        let t = Instant::now();
-        while !std::fs::read_to_string(&op_log)
-            .unwrap_or_default()
-            .contains("caches ready")
-        {
-            anyhow::ensure!(t.elapsed() < Duration::from_secs(120), "operator not ready");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
         wait_quiet(&client, Duration::from_secs(3), Duration::from_secs(60)).await?;
         let timeout = Duration::from_secs(args.timeout_secs);
         let per_group = vec![n as i32];
