@@ -492,12 +492,12 @@ async fn dra_settings_edit_reaches_the_templates() {
             .then_some(())
     })
     .await;
-    // The node stays on the DRA policy with the device plugin sharing nothing.
-    assert_eq!(
-        labels(&c, H200).await["nvidia.com/device-plugin.config"],
-        "default"
-    );
-    assert_eq!(allocatable(&c, H200).await["nvidia.com/gpu"], "8");
+    // The node stays on the DRA policy, the device plugin off (one backend per node) and
+    // sharing nothing should it run.
+    let l = labels(&c, H200).await;
+    assert_eq!(l["nvidia.com/device-plugin.config"], "default");
+    assert_eq!(l["nvidia.com/gpu.deploy.device-plugin"], "false");
+    assert_eq!(allocatable(&c, H200).await["nvidia.com/gpu"], "0");
     op.stop().await;
 }
 

@@ -300,10 +300,26 @@ fn render_works_on_every_example() {
             .filter(|d| d["kind"] == "GpuSharingPolicy")
             .count();
         assert!(policies >= 1, "{}", path.display());
-        // Every policy's key is in the ConfigMap; every DRA policy's templates are rendered.
+        // Every policy's key is in the ConfigMap; every DRA policy's templates are rendered;
+        // a VM policy has a vGPU config (vgpu) or nothing to render (passthrough).
         for d in docs.iter().filter(|d| d["kind"] == "GpuSharingPolicy") {
             if let Some(key) = d["status"]["deviceConfigKey"].as_str() {
                 assert!(docs[0]["data"][key].is_string(), "{key} missing");
+            } else if let Some(c) = d["status"]["vgpuConfig"].as_str() {
+                // Custom layouts live in our vGPU-devices ConfigMap, named ones in NVIDIA's.
+                let ours = docs.iter().any(|x| {
+                    x["metadata"]["name"] == "gpu-sharing-vgpu-devices-config"
+                        && x["data"]["config.yaml"]
+                            .as_str()
+                            .is_some_and(|t| t.contains(c))
+                });
+                assert!(ours || !c.starts_with("custom-"), "{c} missing");
+            } else if d["status"]["templates"].is_null() {
+                assert!(
+                    path.ends_with("passthrough.yaml"),
+                    "{}: a policy renders nothing",
+                    path.display()
+                );
             } else {
                 let templates = d["status"]["templates"]
                     .as_array()
@@ -617,6 +633,10 @@ fn example_keys_and_layout_names_are_stable() {
         ("l4-time-slicing", (Some("l4-time-slicing-680dc74b"), None)),
         ("l4-heavy", (Some("l4-heavy-91b3d250"), None)),
         ("dra-mps", (None, None)),
+        // VM strategies: no device-plugin key (their nodes run no container device plugin).
+        ("vdi-l4", (None, None)),
+        ("vgpu-a100-split", (None, None)),
+        ("vm-passthrough", (None, None)),
     ]
     .into();
     let mut seen = BTreeMap::new();
@@ -839,4 +859,106 @@ fn every_condition_reason_is_in_the_crd_schema_and_documented() {
             "reason {r} is not documented in the README's Status section"
         );
     }
+}
+
+/// The VM examples on an L4 node and an A100 80GB node that runs MIG: NVIDIA's vGPU-devices
+/// format with the custom layout under its pinned content-addressed name beside NVIDIA's own
+/// entries, sandbox workloads enabled, the nodes VM hosts with MIG disabled and no sharing, and
+/// capacity in vGPUs.
+#[test]
+fn vm_examples_render_the_vgpu_device_managers_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = dir.path().join("nodes.yaml");
+    std::fs::write(
+        &nodes,
+        r#"
+apiVersion: v1
+kind: Node
+metadata:
+  name: l4-0
+  labels: {nvidia.com/gpu.product: NVIDIA-L4, nvidia.com/gpu.count: "4", nvidia.com/gpu.memory: "23034", gpusharing.io/profile: vdi}
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: a100-0
+  labels:
+    nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB
+    nvidia.com/gpu.count: "8"
+    nvidia.com/gpu.memory: "81920"
+    nvidia.com/mig.capable: "true"
+    nvidia.com/mig.config: all-1g.10gb
+    nvidia.com/mig.config.state: success
+    gpusharing.io/profile: vgpu-split
+"#,
+    )
+    .unwrap();
+    let out = bin()
+        .args(["render", "-f", "examples/vgpu-vdi.yaml", "--nodes"])
+        .arg(&nodes)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let docs: Vec<serde_json::Value> =
+        gpu_sharing_operator::api::yaml::documents(&String::from_utf8(out.stdout).unwrap())
+            .unwrap();
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+    };
+    let cm = find("ConfigMap", "gpu-sharing-vgpu-devices-config");
+    let cfg: serde_json::Value =
+        gpu_sharing_operator::api::yaml::from_str(cm["data"]["config.yaml"].as_str().unwrap())
+            .unwrap();
+    assert_eq!(cfg["version"], "v1");
+    let custom = &cfg["vgpu-configs"]["custom-vgpu-a100-split-5d75df2f"];
+    assert_eq!(
+        custom,
+        &serde_json::json!([
+            {"devices": [0, 1, 2, 3], "vgpu-devices": {"A100D-1-10C": 7}},
+            {"devices": [4, 5, 6, 7], "vgpu-devices": {"A100D-3-40C": 2}},
+        ])
+    );
+    assert_eq!(
+        cfg["vgpu-configs"]["L4-6Q"],
+        serde_json::json!([{"devices": "all", "vgpu-devices": {"L4-6Q": 4}}]),
+        "NVIDIA's named entries are carried over unchanged"
+    );
+    let cp = find("ClusterPolicy", "cluster-policy");
+    assert_eq!(
+        cp["spec"]["sandboxWorkloads"],
+        serde_json::json!({"enabled": true})
+    );
+    assert_eq!(
+        cp["spec"]["vgpuDeviceManager"]["config"]["name"],
+        "gpu-sharing-vgpu-devices-config"
+    );
+    let l4 = &find("Node", "l4-0")["metadata"]["labels"];
+    assert_eq!(l4["nvidia.com/gpu.workload.config"], "vm-vgpu");
+    assert_eq!(l4["nvidia.com/vgpu.config"], "L4-6Q");
+    assert_eq!(l4["nvidia.com/device-plugin.config"], "default");
+    let a100 = &find("Node", "a100-0")["metadata"]["labels"];
+    assert_eq!(a100["nvidia.com/gpu.workload.config"], "vm-vgpu");
+    assert_eq!(
+        a100["nvidia.com/vgpu.config"],
+        "custom-vgpu-a100-split-5d75df2f"
+    );
+    assert_eq!(
+        a100["nvidia.com/mig.config"], "all-disabled",
+        "MIG off before VMs"
+    );
+    let vdi = status_of(&docs, "vdi-l4");
+    assert_eq!(ready(vdi), "True", "{vdi}");
+    assert_eq!(
+        vdi["capacity"]["schedulableReplicas"], 16,
+        "4 GPUs x 4 L4-6Q"
+    );
+    assert_eq!(vdi["capacity"]["memoryPerClientMib"], 6144);
+    let split = status_of(&docs, "vgpu-a100-split");
+    assert_eq!(ready(split), "True", "{split}");
+    assert_eq!(split["capacity"]["schedulableReplicas"], 4 * 7 + 4 * 2);
+    assert_eq!(split["capacity"]["memoryPerClientMib"], 10240);
+    assert_eq!(split["vgpuConfig"], "custom-vgpu-a100-split-5d75df2f");
 }

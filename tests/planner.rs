@@ -6,13 +6,15 @@
 //! - no node ever runs MPS or time-slicing of full GPUs while MIG is (or may be) enabled;
 //! - a node only leaves MIG for sharing through `all-disabled` confirmed by the MIG manager;
 //! - every label value the plan writes names a key the plan's ConfigMap holds;
+//! - a node is never a VM host (`nvidia.com/gpu.workload.config=vm-*`) and a container-sharing
+//!   node (a sharing config, or MIG possibly on) at once;
 //! - planning is deterministic (same input, any order) and idempotent once converged.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpu_sharing_operator::api::crd::{
     GpuSharingPolicy, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Mps,
-    Strategy as Sharing, TimeSlicing,
+    Strategy as Sharing, TimeSlicing, Vgpu,
 };
 use gpu_sharing_operator::api::names::{
     self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE,
@@ -66,8 +68,9 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
         rollout: None,
         paused: false,
         disruption: None,
+        vgpu: None,
     };
-    match kind % 5 {
+    match kind % 7 {
         0 => {}
         1 => {
             s.strategy = Sharing::TimeSlicing;
@@ -98,6 +101,15 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
                     ..Default::default()
                 }),
                 proceed_with_busy_gpus: false,
+            });
+        }
+        5 => s.strategy = Sharing::Passthrough,
+        6 => {
+            // Fits the A100 80GB nodes; rejected on the H200 ones (another GPU family).
+            s.strategy = Sharing::Vgpu;
+            s.vgpu = Some(Vgpu {
+                type_: Some("A100D-1-10C".into()),
+                custom_layout: None,
             });
         }
         _ => {
@@ -162,7 +174,7 @@ struct PolicyGen {
 
 fn policy_gen() -> impl Strategy<Value = PolicyGen> {
     (
-        0u8..5,
+        0u8..7,
         2i32..8,
         any::<bool>(),
         proptest::option::of(0usize..4),
@@ -289,6 +301,7 @@ impl World {
         i.base_mig_configs = Some(self.base.clone());
         i.current_mig_configs = self.mig_config.clone();
         i.now = self.now;
+        i.sandbox.vgpu_manager_enabled = true;
         i
     }
 
@@ -364,6 +377,7 @@ impl World {
         self.unconfirmed.retain(|name, (_, gfd)| {
             let n = nodes.iter().find(|n| &n.name == name).unwrap();
             *gfd || n.labels.get(LABEL_MIG_STATE) == Some("pending")
+                || n.labels.get(names::LABEL_VGPU_STATE) == Some("pending")
         });
         // Which policy governs each node now, and which policies this apply changed nodes for.
         let mut governs: BTreeMap<&str, &str> = BTreeMap::new();
@@ -405,6 +419,10 @@ impl World {
     /// strategy, a timestamp after our write).
     fn gfd(&mut self) {
         for n in &mut self.nodes {
+            // GFD does not run on a VM host.
+            if plan::vm::is_vm_host(n) {
+                continue;
+            }
             let dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(str::to_string);
             if !self.gfd_pending.remove(&n.name)
                 && n.labels.get(names::LABEL_GFD_TIMESTAMP).is_some()
@@ -428,8 +446,33 @@ impl World {
         self.now += 1;
     }
 
+    /// The MIG manager, and on VM hosts the vGPU Device Manager and the sandbox device plugin
+    /// (which advertises the GPUs to VMs; it stops on container nodes).
     fn mig_manager(&mut self) {
         for n in &mut self.nodes {
+            if n.labels.get(names::LABEL_VGPU_STATE) == Some("pending") {
+                let known = n.labels.get(names::LABEL_VGPU_CONFIG).is_some_and(|c| {
+                    gpu_sharing_operator::nvidia::vgpu::default_vgpu_configs().contains_key(c)
+                });
+                n.labels.insert(
+                    names::LABEL_VGPU_STATE,
+                    if known { "success" } else { "failed" },
+                );
+                n.owned.remove(names::LABEL_VGPU_STATE);
+            }
+            n.allocatable = if plan::vm::is_vm_host(n) {
+                // GFD does not run on a VM host: the sandbox device plugin advertising the GPUs
+                // is what confirms it.
+                self.gfd_pending.remove(&n.name);
+                if let Some((_, gfd)) = self.unconfirmed.get_mut(&n.name) {
+                    *gfd = false;
+                }
+                [("nvidia.com/GA100_A100_SXM4_80GB", "8")]
+                    .into_iter()
+                    .collect()
+            } else {
+                Labels::default()
+            };
             if n.labels.get(LABEL_MIG_STATE) == Some("pending") {
                 let layout = n
                     .labels
@@ -458,6 +501,20 @@ impl World {
     }
 
     fn check_invariants(&self) {
+        for n in &self.nodes {
+            let sharing = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).is_some_and(|k| {
+                self.config.get(k).is_some_and(|t| {
+                    gpu_sharing_operator::api::yaml::from_str::<DevicePluginConfig>(t)
+                        .is_ok_and(|c| c.sharing.is_some())
+                })
+            });
+            assert!(
+                !(plan::vm::is_vm_host(n) && (sharing || Self::mig_maybe_on(n))),
+                "{}: a VM host and a container-sharing node at once: {:?}",
+                n.name,
+                n.labels
+            );
+        }
         for n in &self.nodes {
             if let Some(l) = n.labels.get(LABEL_MIG_CONFIG) {
                 assert!(
@@ -571,6 +628,19 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
     }
     let again = plan::plan(&w.input());
     assert_eq!(p, again, "planning the converged state changed the plan");
+    // Liveness: once NVIDIA's components answered, no node still waits for its turn or for a
+    // confirmation (nothing here fails, times out, or keeps GPUs busy).
+    for (policy, s) in &p.statuses {
+        for d in &s.node_details {
+            assert!(
+                !["Queued", "Pending"].contains(&d.state.as_str()),
+                "policy {policy}: {} still {} after convergence: {}",
+                d.name,
+                d.state,
+                d.message
+            );
+        }
+    }
 }
 
 proptest! {

@@ -31,7 +31,7 @@ pub const MAX_POLICY_NAME: usize = 54;
     shortname = "gsp",
     status = "GpuSharingPolicyStatus",
     derive = "PartialEq",
-    doc = "GpuSharingPolicy declares how the GPUs of the selected nodes are shared: exclusive, time-slicing, MPS or MIG.",
+    doc = "GpuSharingPolicy declares how the GPUs of the selected nodes are shared: exclusive, time-slicing, MPS or MIG for containers; vGPU or passthrough for virtual machines.",
     cel,
     validation = Rule::new("size(self.metadata.name) <= 54").message("metadata.name must be at most 54 characters: the device-plugin config key <name>-<hash> is carried in a node label (63 characters at most)"),
     validation = Rule::new("self.metadata.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')").message("metadata.name must consist of lower-case letters, digits and '-' (it becomes part of a ConfigMap key and a node label value)"),
@@ -50,6 +50,8 @@ pub const MAX_POLICY_NAME: usize = 54;
 #[x_kube(validation = Rule::new("self.strategy == 'timeSlicing' ? has(self.timeSlicing) : !has(self.timeSlicing)").message("spec.timeSlicing must be set when, and only when, strategy is timeSlicing"))]
 #[x_kube(validation = Rule::new("self.strategy == 'mps' ? has(self.mps) : !has(self.mps)").message("spec.mps must be set when, and only when, strategy is mps"))]
 #[x_kube(validation = Rule::new("self.strategy == 'mig' ? has(self.mig) : !has(self.mig)").message("spec.mig must be set when, and only when, strategy is mig (MPS cannot be combined with MIG)"))]
+#[x_kube(validation = Rule::new("self.strategy == 'vgpu' ? has(self.vgpu) : !has(self.vgpu)").message("spec.vgpu must be set when, and only when, strategy is vgpu"))]
+#[x_kube(validation = Rule::new("!(self.strategy in ['vgpu', 'passthrough']) || !has(self.backend) || self.backend == 'devicePlugin'").message("strategies vgpu and passthrough serve virtual machines through the GPU Operator's sandbox device plugin: backend must be devicePlugin"))]
 #[x_kube(validation = Rule::new("(has(self.backend) && self.backend == 'dra') == has(self.dra)").message("spec.dra must be set when, and only when, backend is dra"))]
 #[x_kube(validation = Rule::new("!(has(self.backend) && self.backend == 'dra' && self.strategy == 'mig')").message("backend dra supports exclusive, timeSlicing and mps; MIG sharing goes through the device plugin"))]
 pub struct GpuSharingPolicySpec {
@@ -76,6 +78,10 @@ pub struct GpuSharingPolicySpec {
     /// Settings for `strategy: mig`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<Mig>,
+
+    /// Settings for `strategy: vgpu`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vgpu: Option<Vgpu>,
 
     /// How the sharing reaches the nodes: NVIDIA's device plugin (ConfigMaps and node labels,
     /// the default) or NVIDIA's DRA driver (ResourceClaimTemplates with a GpuConfig).
@@ -269,6 +275,12 @@ pub enum Strategy {
     Mps,
     /// Multi-Instance GPU partitions, optionally time-sliced.
     Mig,
+    /// NVIDIA vGPU for virtual machines (KubeVirt): the vGPU Device Manager creates the vGPU
+    /// devices, the sandbox device plugin advertises them as `nvidia.com/<mdev type>`.
+    Vgpu,
+    /// Whole GPUs handed to virtual machines through VFIO, advertised as
+    /// `nvidia.com/<PCI device name>`.
+    Passthrough,
 }
 
 impl Strategy {
@@ -278,6 +290,22 @@ impl Strategy {
             Strategy::TimeSlicing => "timeSlicing",
             Strategy::Mps => "mps",
             Strategy::Mig => "mig",
+            Strategy::Vgpu => "vgpu",
+            Strategy::Passthrough => "passthrough",
+        }
+    }
+
+    /// A strategy for virtual machines (the GPU Operator's sandbox workloads).
+    pub fn is_vm(self) -> bool {
+        matches!(self, Strategy::Vgpu | Strategy::Passthrough)
+    }
+
+    /// The node's `nvidia.com/gpu.workload.config` under this strategy.
+    pub fn workload(self) -> &'static str {
+        match self {
+            Strategy::Vgpu => "vm-vgpu",
+            Strategy::Passthrough => "vm-passthrough",
+            _ => "container",
         }
     }
 }
@@ -349,6 +377,45 @@ pub struct Mps {
     /// Advertise `nvidia.com/gpu.shared` instead of `nvidia.com/gpu`.
     #[serde(default)]
     pub rename_by_default: bool,
+}
+
+/// vGPU settings: which vGPU devices NVIDIA's vGPU Device Manager creates on each GPU.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.type) != has(self.customLayout)").message("set exactly one of type (a named entry of the vGPU Device Manager's config) and customLayout"))]
+pub struct Vgpu {
+    /// A named entry of the vGPU Device Manager's configuration (NVIDIA's default names one per
+    /// vGPU type, e.g. `A100-1-5C`, `L4-6Q`, `H200-141C`); written to the node label
+    /// `nvidia.com/vgpu.config`.
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$')").message("type must be a valid label value (it is written to the node label nvidia.com/vgpu.config)"))]
+    pub type_: Option<String>,
+
+    /// A custom layout: device groups with their vGPU type counts. Rendered into the operator's
+    /// vGPU-devices ConfigMap under a content-addressed name, `custom-<policy>-<hash>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16))]
+    pub custom_layout: Option<Vec<VgpuDeviceGroup>>,
+}
+
+/// One group of GPUs with the same vGPU devices.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.vgpuDevices.all(t, t.matches('^[A-Z0-9]+(-[a-zA-Z]+)*-(0|[1-9][0-9]*)[ABCQ]$') || t.matches('^[A-Z0-9]+-[1-9]-(0|[1-9][0-9]*)[ABCQ](ME|NOME|MEALL|GFX)?$'))").message("vGPU type names look like A10-12Q, L4-6Q, A100-40C (time-sliced) or A100-1-5C, H200-1-18CME (MIG-backed)"))]
+#[x_kube(validation = Rule::new("self.vgpuDevices.all(t, self.vgpuDevices[t] >= 1 && self.vgpuDevices[t] <= 64)").message("vGPU device counts must be between 1 and 64"))]
+#[x_kube(validation = Rule::new("self.vgpuDevices.all(t, t.matches('^[A-Z0-9]+-[1-9]-')) || self.vgpuDevices.all(t, !t.matches('^[A-Z0-9]+-[1-9]-'))").message("a group cannot mix time-sliced and MIG-backed vGPU types (the vGPU Device Manager refuses it)"))]
+#[x_kube(validation = Rule::new("!has(self.devices) || self.devices.all(d, self.devices.exists_one(e, e == d))").message("device indices must be unique"))]
+pub struct VgpuDeviceGroup {
+    /// GPU indices of this group; all GPUs when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16))]
+    #[x_kube(validation = Rule::new("self.all(d, d >= 0 && d <= 15)").message("GPU indices must be between 0 and 15"))]
+    pub devices: Option<Vec<i32>>,
+
+    /// vGPU type -> number of vGPU devices per GPU.
+    #[schemars(extend("minProperties" = 1, "maxProperties" = 8))]
+    pub vgpu_devices: BTreeMap<String, i32>,
 }
 
 /// MIG settings.
@@ -473,6 +540,10 @@ pub struct GpuSharingPolicyStatus {
     /// mig-parted layout the nodes are labelled with (MIG only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_config: Option<String>,
+
+    /// vGPU Device Manager config the nodes are labelled with (vGPU only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vgpu_config: Option<String>,
 
     /// What the matched nodes offer under this policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]

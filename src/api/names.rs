@@ -8,6 +8,20 @@ pub const LABEL_DEVICE_PLUGIN_CONFIG: &str = "nvidia.com/device-plugin.config";
 pub const LABEL_MIG_CONFIG: &str = "nvidia.com/mig.config";
 /// Node label where the MIG manager reports progress.
 pub const LABEL_MIG_STATE: &str = "nvidia.com/mig.config.state";
+/// The GPU Operator's per-node switch of the device-plugin DaemonSet (it selects `"true"`).
+/// `false` on nodes a DRA policy governs: the DRA driver alone advertises their GPUs.
+pub const LABEL_DEPLOY_DEVICE_PLUGIN: &str = "nvidia.com/gpu.deploy.device-plugin";
+/// The GPU Operator's per-node workload: `container`, `vm-passthrough` or `vm-vgpu` (read only
+/// while `ClusterPolicy.spec.sandboxWorkloads.enabled` is true).
+pub const LABEL_WORKLOAD: &str = "nvidia.com/gpu.workload.config";
+/// Node label naming the vGPU Device Manager's config (`vm-vgpu` nodes).
+pub const LABEL_VGPU_CONFIG: &str = "nvidia.com/vgpu.config";
+/// Node label where the vGPU Device Manager reports progress (`pending`, `success`, `failed`).
+pub const LABEL_VGPU_STATE: &str = "nvidia.com/vgpu.config.state";
+/// The GPU Operator's per-node switches of the sandbox device plugin and the vGPU Device
+/// Manager (a VM strategy cannot work where they are `false`).
+pub const LABEL_DEPLOY_SANDBOX_DEVICE_PLUGIN: &str = "nvidia.com/gpu.deploy.sandbox-device-plugin";
+pub const LABEL_DEPLOY_VGPU_DEVICE_MANAGER: &str = "nvidia.com/gpu.deploy.vgpu-device-manager";
 /// Node label naming the policy that governs the node (informational, ours).
 pub const LABEL_POLICY: &str = "gpusharing.io/policy";
 pub const LABEL_GPU_COUNT: &str = "nvidia.com/gpu.count";
@@ -55,18 +69,26 @@ pub const MANAGED_ANNOTATIONS: [&str; 4] = [
 pub const ANNOTATION_REAPPLY_MIG: &str = "gpusharing.io/reapply-mig-layout";
 
 /// The labels this operator may own on a node.
-pub const MANAGED_LABELS: [&str; 4] = [
+pub const MANAGED_LABELS: [&str; 8] = [
     LABEL_DEVICE_PLUGIN_CONFIG,
     LABEL_MIG_CONFIG,
     LABEL_MIG_STATE,
     LABEL_POLICY,
+    LABEL_DEPLOY_DEVICE_PLUGIN,
+    LABEL_WORKLOAD,
+    LABEL_VGPU_CONFIG,
+    LABEL_VGPU_STATE,
 ];
 
 /// Labels that change as a result of what this operator does (directly, or through GPU Feature
 /// Discovery reacting to the new config). A selector over them would make a node flap in and out
 /// of its own policy, so they are refused in `nodeSelector`.
-pub const UNSTABLE_LABELS: [&str; 8] = [
+pub const UNSTABLE_LABELS: [&str; 12] = [
     LABEL_DEVICE_PLUGIN_CONFIG,
+    LABEL_DEPLOY_DEVICE_PLUGIN,
+    LABEL_WORKLOAD,
+    LABEL_VGPU_CONFIG,
+    LABEL_VGPU_STATE,
     LABEL_MIG_CONFIG,
     LABEL_MIG_STATE,
     LABEL_POLICY,
@@ -93,5 +115,9 @@ pub const CONFIG_LABEL: &str = "gpusharing.io/config";
 
 /// Default name of the device-plugin ConfigMap the operator owns.
 pub const DEVICE_PLUGIN_CONFIGMAP: &str = "gpu-sharing-device-plugin-config";
+/// The GPU Operator's ConfigMap with NVIDIA's named vGPU-devices configs.
+pub const DEFAULT_VGPU_CONFIGMAP: &str = "default-vgpu-devices-config";
+/// Default name of the vGPU-devices ConfigMap the operator owns (custom vGPU layouts).
+pub const VGPU_DEVICES_CONFIGMAP: &str = "gpu-sharing-vgpu-devices-config";
 /// Default name of the mig-parted ConfigMap the operator owns.
 pub const MIG_PARTED_CONFIGMAP: &str = "gpu-sharing-mig-parted-config";

@@ -128,9 +128,11 @@ string_enum!(
         NotOverridden,
         // Degraded
         MigConfigFailed,
+        VgpuConfigFailed,
         ClusterPolicyMissing,
         ClusterPolicyContested,
         ReadinessTaintNotTolerated,
+        GpuClusterPresent,
         Healthy,
     }
 );

@@ -17,6 +17,7 @@ use crate::api::crd::{GpuSharingPolicySpec, Mig, MigStrategy, Strategy, TimeSlic
 pub mod dra;
 pub mod emit;
 pub mod mig;
+pub mod vgpu;
 
 /// The key of the mig-parted ConfigMap the MIG manager reads.
 pub const MIG_PARTED_KEY: &str = "config.yaml";
@@ -207,7 +208,8 @@ fn replicated(ts: &TimeSlicing, default_names: &[String]) -> ReplicatedResources
 /// The device-plugin config of one policy. Call only on a validated spec.
 pub fn device_plugin_config(spec: &GpuSharingPolicySpec) -> DevicePluginConfig {
     let (mig_strategy, sharing) = match spec.strategy {
-        Strategy::Exclusive => ("none".to_string(), None),
+        // VM nodes run no container device plugin; should one run, it shares nothing.
+        Strategy::Exclusive | Strategy::Vgpu | Strategy::Passthrough => ("none".to_string(), None),
         Strategy::TimeSlicing => {
             let ts = spec.time_slicing.clone().unwrap_or_default();
             let r = replicated(&ts, &[GPU_RESOURCE.to_string()]);
@@ -323,7 +325,12 @@ const MAX_LABEL_VALUE: usize = 63;
 /// name to ever reach the node. A policy name too long for a label value is shortened, and the
 /// hash then covers the full name too, so two policies never share a name by accident.
 pub fn custom_layout_name(policy: &str, entries: &[MigConfigEntry]) -> String {
-    let content = serde_json::to_value(entries).expect("serializable");
+    content_addressed_name(policy, serde_json::to_value(entries).expect("serializable"))
+}
+
+/// `custom-<policy>-<first 8 hex of the content's hash>`, shortened to fit a label value (see
+/// [`custom_layout_name`]).
+pub fn content_addressed_name(policy: &str, content: serde_json::Value) -> String {
     let name = format!("custom-{policy}-{}", content_hash(&content));
     if name.len() <= MAX_LABEL_VALUE {
         return name;

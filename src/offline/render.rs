@@ -274,6 +274,16 @@ pub fn documents_of(
             &data,
         ));
     }
+    if let Some(v) = &plan.vgpu_config {
+        let mut data = BTreeMap::new();
+        data.insert(crate::nvidia::vgpu::VGPU_KEY.to_string(), v.clone());
+        out.push(configmap(
+            &input.vgpu_configmap_name,
+            namespace,
+            "vgpu-devices",
+            &data,
+        ));
+    }
     out.push(json!({
         "apiVersion": "nvidia.com/v1",
         "kind": "ClusterPolicy",
@@ -343,6 +353,10 @@ pub fn render_text(
     let with_nodes = nodes.is_some();
     let mut input = PlanInput::new(policies, nodes.unwrap_or_default());
     input.base_mig_configs = Some(options.base_mig_configs.clone());
+    // Without a cluster the ClusterPolicy is unknown: VM policies are rendered as the GPU
+    // Operator would serve them with its vGPU Manager on and KubeVirt's sandbox device plugin
+    // (the controller checks the real ClusterPolicy and names the field when it is not so).
+    input.sandbox.vgpu_manager_enabled = true;
     let first = plan::plan(&input);
     let invalid = planner_errors(&first);
     if !invalid.is_empty() {

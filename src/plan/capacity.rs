@@ -188,7 +188,39 @@ pub fn replicas_of(spec: &GpuSharingPolicySpec) -> i32 {
             .as_ref()
             .and_then(|m| m.time_slicing.as_ref())
             .map_or(1, ts_replicas),
+        Strategy::Vgpu | Strategy::Passthrough => 1,
     }
+}
+
+/// One VM node's capacity: passthrough hands out whole GPUs; vGPU the layout's vGPU devices,
+/// each with its type's framebuffer (the smallest type's, when a layout mixes them). GPUs are
+/// counted from GPU Feature Discovery's label (left from the node's container days) or else the
+/// sandbox device plugin's allocatable.
+pub fn vm_capacity(p: &super::policies::Prepared, node: &NodeFacts) -> NodeCapacity {
+    let sandbox: i64 = super::vm::sandbox_resources(node)
+        .iter()
+        .map(|(_, c)| c)
+        .sum();
+    let gpus =
+        label_i64(node, LABEL_GPU_COUNT).unwrap_or(if p.spec.strategy == Strategy::Passthrough {
+            sandbox
+        } else {
+            0
+        });
+    let mem = label_i64(node, LABEL_GPU_MEMORY);
+    if p.spec.strategy == Strategy::Passthrough {
+        return cap(gpus, Some(gpus), mem, Some(100), true);
+    }
+    let per_gpu = super::vm::vgpus_per_gpu(&p.vgpu_entries, gpus);
+    let total = per_gpu.map(|v| v.iter().map(|(_, c)| c).sum::<i64>());
+    let fb = p
+        .vgpu_entries
+        .iter()
+        .flat_map(|e| e.vgpu_devices.keys())
+        .filter_map(|t| nvidia::vgpu::parse_vgpu_type(t))
+        .map(|t| t.framebuffer_mib())
+        .min();
+    cap(gpus, total, fb, None, true)
 }
 
 /// What one applied node contributes to its policy's capacity.
@@ -287,6 +319,7 @@ pub fn node_capacity(
             let isolated = ts.is_none();
             cap(gpus, Some(total), min_mem, min_threads, isolated)
         }
+        Strategy::Vgpu | Strategy::Passthrough => cap(gpus, None, mem, None, true),
     }
 }
 

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use super::{Labels, NodeFacts, OwnedKeys, Plan, PlanInput, SmallMap};
 use crate::api::names::{
-    LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP, LABEL_GPU_REPLICAS,
-    LABEL_GPU_SHARING_STRATEGY, LABEL_MIG_STATE,
+    LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT,
+    LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY, LABEL_MIG_STATE, LABEL_VGPU_STATE,
 };
 use crate::nvidia::{self, DevicePluginConfig};
 
@@ -73,6 +73,11 @@ pub fn apply(input: &mut PlanInput, plan: &Plan) -> BTreeSet<String> {
         .as_deref()
         .and_then(|t| nvidia::parse_mig_configs(t).ok())
         .unwrap_or_default();
+    input.current_vgpu_configs = plan
+        .vgpu_config
+        .as_deref()
+        .and_then(|t| nvidia::vgpu::parse_vgpu_configs(t).ok())
+        .unwrap_or_default();
     let empty = SmallMap::default();
     let mut changed = BTreeSet::new();
     for n in &mut input.nodes {
@@ -100,19 +105,55 @@ pub fn gfd_report(config: Option<&DevicePluginConfig>) -> (i32, &'static str) {
     }
 }
 
-/// NVIDIA's components answer, all successfully: the MIG manager confirms a pending layout;
-/// GFD, after the device plugin restarted with a new config, reports its replicas and stamps
-/// the node later than our write. `now` is the time of that answer. Returns the nodes that
-/// changed.
+/// The resource the converged view lets the sandbox device plugin advertise on a VM host (the
+/// real name, `nvidia.com/<PCI device name>` or `nvidia.com/<mdev type>`, depends on hardware
+/// the render does not know).
+pub const SANDBOX_RESOURCE: &str = "nvidia.com/sandbox-gpu";
+
+/// The sandbox device plugin (on VM hosts) and the container device plugin (where it is
+/// deployed) advertise what they serve: the allocatable the converged view needs.
+fn plugins_advertise(n: &NodeFacts) -> Labels {
+    let vm = super::vm::is_vm_host(n);
+    let dp_off = vm || n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) == Some("false");
+    let mut alloc: Labels = n
+        .allocatable
+        .iter()
+        .filter(|(k, _)| *k != SANDBOX_RESOURCE && !(dp_off && super::is_device_plugin_resource(k)))
+        .collect();
+    if vm {
+        let gpus = n.labels.get(LABEL_GPU_COUNT).unwrap_or("1");
+        alloc.insert(SANDBOX_RESOURCE, gpus);
+    }
+    alloc
+}
+
+/// NVIDIA's components answer, all successfully: the MIG manager confirms a pending layout, the
+/// vGPU Device Manager a pending vGPU config; GFD, after the device plugin restarted with a new
+/// config, reports its replicas and stamps the node later than our write (not on VM hosts,
+/// where GFD does not run). `now` is the time of that answer. Returns the nodes that changed.
 pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
     let configs = &input.current_device_config;
     let mut changed = BTreeSet::new();
     for n in &mut input.nodes {
         let mut labels = n.labels.clone();
-        if labels.get(LABEL_MIG_STATE) == Some("pending") {
-            labels.insert(LABEL_MIG_STATE, "success");
-            // The MIG manager's update takes the field over from us.
-            Arc::make_mut(n).owned.remove(LABEL_MIG_STATE);
+        for state in [LABEL_MIG_STATE, LABEL_VGPU_STATE] {
+            if labels.get(state) == Some("pending") {
+                labels.insert(state, "success");
+                // The MIG manager's (vGPU Device Manager's) update takes the field over from us.
+                Arc::make_mut(n).owned.remove(state);
+            }
+        }
+        let alloc = plugins_advertise(n);
+        if alloc != n.allocatable {
+            Arc::make_mut(n).allocatable = alloc;
+            changed.insert(n.name.clone());
+        }
+        if super::vm::is_vm_host(n) {
+            if labels != n.labels {
+                Arc::make_mut(n).labels = labels;
+                changed.insert(n.name.clone());
+            }
+            continue;
         }
         let config = labels
             .get(LABEL_DEVICE_PLUGIN_CONFIG)

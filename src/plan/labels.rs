@@ -188,10 +188,10 @@ fn managed_keys() -> &'static [String] {
 /// bit per key, so the node cache spends one byte on it instead of a set of strings (thousands
 /// of nodes). Keys outside that set are never ours to own and are not recorded.
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct OwnedKeys(u8);
+pub struct OwnedKeys(u16);
 
 impl OwnedKeys {
-    fn bit(key: &str) -> Option<u8> {
+    fn bit(key: &str) -> Option<u16> {
         managed_keys().iter().position(|k| k == key).map(|i| 1 << i)
     }
 
@@ -284,7 +284,8 @@ mod tests {
         assert!(o.remove(LABEL_MIG_CONFIG) && !o.contains(LABEL_MIG_CONFIG));
         let keys: Vec<String> = o.into_iter().collect();
         assert_eq!(keys, [LABEL_POLICY, ANNOTATION_CONFIG_WRITTEN]);
-        assert_eq!(std::mem::size_of::<OwnedKeys>(), 1);
+        assert_eq!(std::mem::size_of::<OwnedKeys>(), 2);
+        assert!(managed_keys().len() <= 16, "one bit per managed key");
     }
 }
 

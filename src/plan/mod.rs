@@ -26,6 +26,7 @@ pub mod policies;
 pub mod rollout;
 pub mod status;
 pub mod taint;
+pub mod vm;
 
 pub use labels::{
     LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, selection_labels, selector_matches,
@@ -47,6 +48,35 @@ pub struct NodeFacts {
     pub annotations: Labels,
     /// Which of [`MANAGED_ANNOTATIONS`] this operator's field manager owns.
     pub owned_annotations: OwnedKeys,
+    /// `status.allocatable` of NVIDIA's extended resources (`nvidia.com/*`) only: what the
+    /// device plugin (or the sandbox device plugin) advertises now. Capacity lingers after a
+    /// plugin stops; allocatable drops to 0.
+    pub allocatable: Labels,
+}
+
+impl NodeFacts {
+    /// Allocatable units of an extended resource (0 when absent or unparsable).
+    pub fn allocatable(&self, resource: &str) -> i64 {
+        self.allocatable
+            .get(resource)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// NVIDIA device-plugin resources (`nvidia.com/gpu*`, `nvidia.com/mig-*`) still
+    /// allocatable on the node, with their counts.
+    pub fn device_plugin_resources(&self) -> Vec<(&str, i64)> {
+        self.allocatable
+            .iter()
+            .filter(|(k, _)| is_device_plugin_resource(k))
+            .filter_map(|(k, v)| Some((k, v.parse::<i64>().ok().filter(|c| *c > 0)?)))
+            .collect()
+    }
+}
+
+/// A resource NVIDIA's (container) device plugin advertises.
+pub fn is_device_plugin_resource(name: &str) -> bool {
+    name.starts_with("nvidia.com/gpu") || name.starts_with("nvidia.com/mig-")
 }
 
 /// Everything the planner reads.
@@ -89,6 +119,23 @@ pub struct PlanInput {
     pub pause_rollouts: bool,
     /// The readiness taint, when the operator runs with `--readiness-taint`.
     pub readiness_taint: Option<taint::ReadinessTaint>,
+    /// Allocated `gpu.nvidia.com` ResourceClaims, by node (`namespace/name`): a node leaves DRA
+    /// for the device plugin only when it has none.
+    pub dra_claims: BTreeMap<String, Vec<String>>,
+    /// The GPU Operator's DRA-only `GPUCluster`, by name, when one exists.
+    pub gpu_cluster: Option<String>,
+    /// Pods using the sandbox device plugin's resources (VMs), by node (`namespace/name`).
+    pub vm_pods: BTreeMap<String, Vec<String>>,
+    /// Nodes whose `nvidia.com/vgpu.config.state` has said `pending` past the timeout.
+    pub vgpu_stuck: BTreeSet<String>,
+    /// The ClusterPolicy's sandbox settings.
+    pub sandbox: vm::Sandbox,
+    /// NVIDIA's named vGPU-devices configs (the GPU Operator's `default-vgpu-devices-config`,
+    /// else the embedded copy).
+    pub base_vgpu_configs: Arc<BTreeMap<String, serde_json::Value>>,
+    /// Configs of our own vGPU-devices ConfigMap as it is now (to keep configs nodes still name).
+    pub current_vgpu_configs: BTreeMap<String, serde_json::Value>,
+    pub vgpu_configmap_name: String,
     /// Names of the ConfigMaps we own.
     pub device_configmap_name: String,
     pub mig_configmap_name: String,
@@ -113,6 +160,14 @@ impl PlanInput {
             mig_stuck: BTreeSet::new(),
             pause_rollouts: false,
             readiness_taint: None,
+            dra_claims: BTreeMap::new(),
+            gpu_cluster: None,
+            vm_pods: BTreeMap::new(),
+            vgpu_stuck: BTreeSet::new(),
+            sandbox: vm::Sandbox::default(),
+            base_vgpu_configs: nvidia::vgpu::default_vgpu_configs(),
+            current_vgpu_configs: BTreeMap::new(),
+            vgpu_configmap_name: VGPU_DEVICES_CONFIGMAP.into(),
             device_configmap_name: DEVICE_PLUGIN_CONFIGMAP.into(),
             mig_configmap_name: MIG_PARTED_CONFIGMAP.into(),
         }
@@ -126,6 +181,8 @@ pub struct Plan {
     pub device_config: BTreeMap<String, String>,
     /// `config.yaml` of the mig-parted ConfigMap, when one is needed.
     pub mig_config: Option<String>,
+    /// `config.yaml` of the vGPU-devices ConfigMap, when one is needed (custom vGPU layouts).
+    pub vgpu_config: Option<String>,
     /// The part of the ClusterPolicy `spec` we own (a merge patch / apply configuration).
     pub cluster_policy_spec: serde_json::Value,
     /// For every node: the managed labels we want to own, with their values. Nodes that need
@@ -228,6 +285,19 @@ fn plan_nodes<'n>(
             mig_stuck: input.mig_stuck.contains(&n.name),
             now: input.now,
             layout_hash: &hashes,
+            dra_claims: input
+                .dra_claims
+                .get(&n.name)
+                .map(Vec::as_slice)
+                .unwrap_or_default(),
+            gpu_cluster: input.gpu_cluster.as_deref(),
+            vm_pods: input
+                .vm_pods
+                .get(&n.name)
+                .map(Vec::as_slice)
+                .unwrap_or_default(),
+            vgpu_stuck: input.vgpu_stuck.contains(&n.name),
+            sandbox: &input.sandbox,
         };
         let decision = node::decide(n, policy, &env);
         let hold = matches!(decision, Decision::Hold { .. });
@@ -269,7 +339,11 @@ fn plan_nodes<'n>(
             let t = out.tallies.entry(i).or_default();
             if state == NodeState::Applied {
                 t.applied += 1;
-                let c = capacity::node_capacity(p.spec, n, input.base_mig_configs.as_ref());
+                let c = if p.spec.strategy.is_vm() {
+                    capacity::vm_capacity(p, n)
+                } else {
+                    capacity::node_capacity(p.spec, n, input.base_mig_configs.as_ref())
+                };
                 let total = t.capacity.get_or_insert_with(|| Capacity {
                     memory_isolation: true,
                     ..Default::default()
@@ -294,6 +368,7 @@ fn plan_nodes<'n>(
 /// Computes the desired state.
 pub fn plan(input: &PlanInput) -> Plan {
     let mut prepared = policies::prepare_all(&input.policies, input.base_mig_configs.as_ref());
+    policies::check_vgpu_types(&mut prepared, &input.base_vgpu_configs);
     // Nodes in name order, whatever order the caches gave them in.
     let mut nodes: Vec<&NodeFacts> = input.nodes.iter().map(|n| &**n).collect();
     nodes.sort_by(|a, b| a.name.cmp(&b.name));
@@ -303,11 +378,19 @@ pub fn plan(input: &PlanInput) -> Plan {
 
     let device_config = outputs::device_config(&prepared, input, &np.used_keys);
     let mig_config = outputs::mig_config(&prepared, input, &nodes, &np.labels);
+    let vgpu_config = outputs::vgpu_config(&prepared, input, &nodes, &np.labels);
     let cluster_policy_spec = outputs::cluster_policy_spec(
         input,
-        !prepared.is_empty(),
-        mig_config.is_some(),
-        cluster_mig,
+        outputs::Owned {
+            any_policy: !prepared.is_empty(),
+            mig_config: mig_config.is_some(),
+            cluster_mig,
+            vm_nodes: np
+                .labels
+                .values()
+                .any(|l| l.get(LABEL_WORKLOAD).is_some_and(|w| w.starts_with("vm-"))),
+            vgpu_config: vgpu_config.is_some(),
+        },
     );
     let cluster = Cluster {
         cluster_policy_found: input.cluster_policy_found,
@@ -317,6 +400,7 @@ pub fn plan(input: &PlanInput) -> Plan {
             .as_ref()
             .filter(|t| !t.tolerated)
             .map(|t| t.key.as_str()),
+        gpu_cluster: input.gpu_cluster.as_deref(),
     };
     let mut claim_templates = BTreeMap::new();
     let mut statuses = BTreeMap::new();
@@ -354,6 +438,7 @@ pub fn plan(input: &PlanInput) -> Plan {
     Plan {
         device_config,
         mig_config,
+        vgpu_config,
         cluster_policy_spec,
         node_labels: np.labels,
         node_annotations: np.annotations,

@@ -10,6 +10,10 @@
 //!   `mig.config.state=pending` with the label, so an old `success` never confirms a new layout.
 //! - A node the MIG manager failed on (or that stayed pending past the timeout) is left alone.
 //! - A node counts as `Applied` only when NVIDIA's components confirm what the spec says.
+//! - One backend per node: a node a DRA policy governs gets the device plugin switched off
+//!   (`nvidia.com/gpu.deploy.device-plugin=false`, with idle GPUs, never while the MIG manager
+//!   works) and counts as `Applied` only once the device plugin's allocatable is gone; it gets
+//!   the device plugin back only when no allocated `gpu.nvidia.com` ResourceClaim remains on it.
 
 use crate::api::crd::{Backend, Strategy};
 use crate::api::names::*;
@@ -20,6 +24,7 @@ use super::NodeFacts;
 use super::capacity::{label_i64, replicas_of};
 use super::compat::node_rejection;
 use super::policies::Prepared;
+use super::vm;
 
 /// What the transition knows besides the node and its policy.
 pub struct Env<'a> {
@@ -31,7 +36,40 @@ pub struct Env<'a> {
     pub now: i64,
     /// What a layout name means now, as a content hash (`None`: unknown, or `all-disabled`).
     pub layout_hash: &'a dyn Fn(&str) -> Option<String>,
+    /// Allocated `gpu.nvidia.com` ResourceClaims on this node (`namespace/name`).
+    pub dra_claims: &'a [String],
+    /// The GPU Operator's DRA-only `GPUCluster`, when one exists: no device plugin to configure.
+    pub gpu_cluster: Option<&'a str>,
+    /// Pods on this node using the sandbox device plugin's resources (VMs).
+    pub vm_pods: &'a [String],
+    /// The node's `nvidia.com/vgpu.config.state` has said `pending` past the timeout.
+    pub vgpu_stuck: bool,
+    /// The ClusterPolicy's sandbox settings.
+    pub sandbox: &'a super::vm::Sandbox,
 }
+
+impl Env<'_> {
+    /// An environment with nothing in it (no pods, no claims), for offline planning and tests.
+    pub fn idle(now: i64, layout_hash: &dyn Fn(&str) -> Option<String>) -> Env<'_> {
+        Env {
+            gpu_pods: &[],
+            mig_stuck: false,
+            now,
+            layout_hash,
+            dra_claims: &[],
+            gpu_cluster: None,
+            vm_pods: &[],
+            vgpu_stuck: false,
+            sandbox: &NO_SANDBOX,
+        }
+    }
+}
+
+/// ClusterPolicy sandbox settings nobody configured.
+static NO_SANDBOX: super::vm::Sandbox = super::vm::Sandbox {
+    mode: None,
+    vgpu_manager_enabled: false,
+};
 
 /// What to do with a node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,38 +84,112 @@ pub enum Decision {
         message: String,
         device_config: String,
         mig_layout: Option<String>,
+        /// Own `nvidia.com/gpu.deploy.device-plugin=false` (a DRA policy's node).
+        device_plugin_off: bool,
+        /// Own `nvidia.com/gpu.workload.config` with this value.
+        workload: Option<&'static str>,
+        /// Own `nvidia.com/vgpu.config` with this value (a vGPU policy's node).
+        vgpu_config: Option<String>,
     },
 }
 
-fn hold(state: NodeState, message: impl Into<String>) -> Decision {
+pub(super) fn hold(state: NodeState, message: impl Into<String>) -> Decision {
     Decision::Hold {
         state,
         message: message.into(),
     }
 }
 
-fn write(state: NodeState, message: impl Into<String>, dp: &str, mig: Option<String>) -> Decision {
+pub(super) fn write(
+    state: NodeState,
+    message: impl Into<String>,
+    dp: &str,
+    mig: Option<String>,
+) -> Decision {
     Decision::Write {
         state,
         message: message.into(),
         device_config: dp.to_string(),
         mig_layout: mig,
+        device_plugin_off: false,
+        workload: None,
+        vgpu_config: None,
+    }
+}
+
+/// We switched the node's device plugin off (and it still is).
+fn device_plugin_off_by_us(n: &NodeFacts) -> bool {
+    n.owned.contains(LABEL_DEPLOY_DEVICE_PLUGIN)
+        && n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) == Some("false")
+}
+
+/// Why the node's device plugin cannot come back yet: allocated DRA claims on it.
+fn claims_msg(claims: &[String]) -> String {
+    let shown: Vec<&str> = claims.iter().take(5).map(String::as_str).collect();
+    format!(
+        "WaitingForDraClaims: {} allocated gpu.nvidia.com ResourceClaims on this node ({}); the device plugin comes back when they are gone",
+        claims.len(),
+        shown.join(", ")
+    )
+}
+
+/// One backend per node. Under a DRA policy a node whose sharing is settled (`Applied`) gets
+/// the device plugin switched off, once no pod holds a device-plugin GPU (the DRA driver would
+/// hand those GPUs out again); other steps keep the switch as it is. Under a device-plugin
+/// policy a node we switched off gets the device plugin back only when no allocated DRA claim
+/// remains on it.
+fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Decision) -> Decision {
+    let ours_off = device_plugin_off_by_us(n);
+    if w.spec.backend != Backend::Dra {
+        return match d {
+            Decision::Write { .. } if ours_off && !env.dra_claims.is_empty() => {
+                hold(NodeState::Waiting, claims_msg(env.dra_claims))
+            }
+            d => d,
+        };
+    }
+    let Decision::Write {
+        state,
+        message,
+        device_config,
+        mig_layout,
+        workload,
+        vgpu_config,
+        ..
+    } = d
+    else {
+        return d;
+    };
+    let off_already = n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) == Some("false");
+    // With the GPU Operator in DRA-only mode there is no device plugin to switch off.
+    let switch = state == NodeState::Applied && env.gpu_cluster.is_none();
+    if switch && !off_already && busy {
+        return hold(NodeState::Waiting, busy_msg(env.gpu_pods));
+    }
+    Decision::Write {
+        state,
+        message,
+        device_config,
+        mig_layout,
+        device_plugin_off: ours_off || switch && !off_already,
+        workload,
+        vgpu_config,
     }
 }
 
 /// Why a MIG change waits on this node.
-fn busy_msg(pods: &[String]) -> String {
+pub(super) fn busy_msg(pods: &[String]) -> String {
     format!("WaitingForIdleGPUs: pods using GPUs: {}", pods.join(", "))
 }
 
 /// The node's current MIG situation.
-struct Mig<'n> {
-    layout: Option<&'n str>,
-    state: Option<&'n str>,
+pub(super) struct Mig<'n> {
+    pub layout: Option<&'n str>,
+    pub state: Option<&'n str>,
 }
 
 impl<'n> Mig<'n> {
-    fn of(n: &'n NodeFacts) -> Self {
+    pub fn of(n: &'n NodeFacts) -> Self {
         Mig {
             layout: n.labels.get(LABEL_MIG_CONFIG),
             state: n.labels.get(LABEL_MIG_STATE),
@@ -90,7 +202,7 @@ impl<'n> Mig<'n> {
     }
 
     /// The MIG manager failed on the current layout, or it stayed pending past the timeout.
-    fn failed(&self, env: &Env) -> bool {
+    pub fn failed(&self, env: &Env) -> bool {
         self.state == Some("failed") || env.mig_stuck && self.state == Some("pending")
     }
 }
@@ -106,8 +218,31 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             "policy not accepted; node left as it was",
         );
     }
-    if let Some(reason) = node_rejection(w.spec, n) {
+    let vm_strategy = w.spec.strategy.is_vm();
+    let rejection = if vm_strategy {
+        vm::rejection(w, n, env.sandbox)
+    } else {
+        node_rejection(w.spec, n)
+    };
+    if let Some(reason) = rejection {
         return hold(NodeState::Rejected, reason);
+    }
+    if !vm_strategy && vm::is_vm_host(n) && !n.owned.contains(LABEL_WORKLOAD) {
+        return hold(
+            NodeState::Rejected,
+            format!(
+                "the node is a VM host ({LABEL_WORKLOAD}={}, set by someone else): a container strategy is not applied over it",
+                n.labels.get(LABEL_WORKLOAD).unwrap_or_default()
+            ),
+        );
+    }
+    if let (Some(c), Backend::DevicePlugin) = (env.gpu_cluster, w.spec.backend) {
+        return hold(
+            NodeState::Rejected,
+            format!(
+                "the GPU Operator runs in DRA-only mode (GPUCluster {c}): there is no device plugin to configure; use backend: dra"
+            ),
+        );
     }
     let busy = !env.gpu_pods.is_empty()
         && !w
@@ -115,10 +250,26 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             .mig
             .as_ref()
             .is_some_and(|m| m.proceed_with_busy_gpus);
-    match w.spec.strategy {
+    let d = match w.spec.strategy {
+        _ if vm_strategy => vm::decide(n, w, env, busy),
+        _ if vm::is_vm_host(n) => vm::leave(n, env).expect("a VM host we labelled"),
         Strategy::Mig => decide_mig(n, w, env, busy),
         _ => decide_sharing(n, w, env, busy),
+    };
+    backend_switch(n, w, env, busy, keep_container_workload(n, d))
+}
+
+/// A container node whose workload label we own keeps `container` (so a cluster default of
+/// `vm-*` never takes it over).
+fn keep_container_workload(n: &NodeFacts, mut d: Decision) -> Decision {
+    if let Decision::Write { workload, .. } = &mut d
+        && workload.is_none()
+        && n.owned.contains(LABEL_WORKLOAD)
+        && !vm::is_vm_host(n)
+    {
+        *workload = Some("container");
     }
+    d
 }
 
 /// The layout this node should run: the policy's, or the pre-upgrade `custom-<policy>` name the
@@ -280,7 +431,7 @@ pub struct Outcome {
 /// `Pending` until NVIDIA's components confirm it.
 pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision) -> Outcome {
     let mut out = match (d, policy) {
-        (Decision::Release, _) | (Decision::Write { .. }, None) => released(n),
+        (Decision::Release, _) | (Decision::Write { .. }, None) => released(n, env),
         (Decision::Hold { state, message }, _) => held(n, state, message),
         (
             Decision::Write {
@@ -288,25 +439,67 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
                 message,
                 device_config,
                 mig_layout,
+                device_plugin_off,
+                workload,
+                vgpu_config,
             },
             Some(w),
-        ) => written(n, w, env, state, message, device_config, mig_layout),
+        ) => {
+            let mut o = written(n, w, env, state, message, device_config, mig_layout);
+            if let Some(wl) = workload {
+                o.labels.insert(LABEL_WORKLOAD.to_string(), wl.to_string());
+            }
+            if let Some(v) = vgpu_config {
+                o.labels.insert(LABEL_VGPU_CONFIG.to_string(), v);
+            }
+            if let Some(why) = super::vm::unconfirmed(n, w, &o.labels)
+                .filter(|_| o.state == Some(NodeState::Applied))
+            {
+                o.state = Some(NodeState::Pending);
+                o.message = why;
+            }
+            if device_plugin_off {
+                o.labels
+                    .insert(LABEL_DEPLOY_DEVICE_PLUGIN.to_string(), "false".to_string());
+                if o.state == Some(NodeState::Applied)
+                    && n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) != Some("false")
+                {
+                    o.state = Some(NodeState::Pending);
+                    o.message = format!(
+                        "switching the device plugin off ({LABEL_DEPLOY_DEVICE_PLUGIN}=false)"
+                    );
+                }
+            }
+            o
+        }
     };
-    mark_mig_pending(n, &mut out.labels);
+    mark_pending(n, &mut out.labels);
     out
 }
 
 /// A node held as it is while it waits for its rollout wave.
 pub fn queued(n: &NodeFacts, message: String) -> Outcome {
     let mut o = held(n, NodeState::Queued, message);
-    mark_mig_pending(n, &mut o.labels);
+    mark_pending(n, &mut o.labels);
     o
 }
 
-fn released(n: &NodeFacts) -> Outcome {
+fn released(n: &NodeFacts, env: &Env) -> Outcome {
     let mut labels = super::SmallMap::default();
     if n.owned.contains(LABEL_MIG_CONFIG) {
         labels.insert(LABEL_MIG_CONFIG.into(), MIG_DISABLED_LAYOUT.into());
+    }
+    // The device plugin comes back only when no DRA claim holds the node's GPUs.
+    if device_plugin_off_by_us(n) && !env.dra_claims.is_empty() {
+        labels.insert(LABEL_DEPLOY_DEVICE_PLUGIN.into(), "false".into());
+    }
+    // A VM host we made stays one while VMs use its GPUs.
+    if vm::is_vm_host(n) && n.owned.contains(LABEL_WORKLOAD) && !env.vm_pods.is_empty() {
+        for key in [LABEL_WORKLOAD, LABEL_VGPU_CONFIG] {
+            if let Some(v) = n.labels.get(key).filter(|_| n.owned.contains(key)) {
+                labels.insert(key.into(), v.into());
+            }
+        }
     }
     Outcome {
         labels,
@@ -417,6 +610,20 @@ fn unconfirmed(
     if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(dp) {
         return Some(format!("labelling node with config {dp}"));
     }
+    if w.spec.strategy.is_vm() {
+        // GFD does not run on VM nodes: the sandbox side confirms (`vm::unconfirmed`).
+        return None;
+    }
+    if w.spec.backend == Backend::Dra {
+        let left = n.device_plugin_resources();
+        if !left.is_empty() {
+            let shown: Vec<String> = left.iter().map(|(r, c)| format!("{r}={c}")).collect();
+            return Some(format!(
+                "waiting for the device plugin to withdraw {} (allocatable) before the DRA driver alone advertises the GPUs",
+                shown.join(", ")
+            ));
+        }
+    }
     let written = annotations
         .get(ANNOTATION_CONFIG_WRITTEN)
         .map(String::as_str);
@@ -452,15 +659,20 @@ fn unconfirmed(
 /// A MIG layout change also sets `nvidia.com/mig.config.state=pending` in the same write: until
 /// the MIG manager reports, the old `success` must not be read as confirming the new layout. We
 /// keep owning `pending` only until the MIG manager overwrites it (its update takes the field
-/// over), so we never remove or overwrite its report.
-fn mark_mig_pending(n: &NodeFacts, labels: &mut super::SmallMap) {
-    let Some(want) = labels.get(LABEL_MIG_CONFIG) else {
-        return;
-    };
-    let ours_pending =
-        n.owned.contains(LABEL_MIG_STATE) && n.labels.get(LABEL_MIG_STATE) == Some("pending");
-    if n.labels.get(LABEL_MIG_CONFIG) != Some(want.as_str()) || ours_pending {
-        labels.insert(LABEL_MIG_STATE.to_string(), "pending".to_string());
+/// over), so we never remove or overwrite its report. A vGPU config change does the same with
+/// `nvidia.com/vgpu.config.state` for the vGPU Device Manager.
+fn mark_pending(n: &NodeFacts, labels: &mut super::SmallMap) {
+    for (config, state) in [
+        (LABEL_MIG_CONFIG, LABEL_MIG_STATE),
+        (LABEL_VGPU_CONFIG, LABEL_VGPU_STATE),
+    ] {
+        let Some(want) = labels.get(config) else {
+            continue;
+        };
+        let ours_pending = n.owned.contains(state) && n.labels.get(state) == Some("pending");
+        if n.labels.get(config) != Some(want.as_str()) || ours_pending {
+            labels.insert(state.to_string(), "pending".to_string());
+        }
     }
 }
 
@@ -608,11 +820,11 @@ mod tests {
             let base = base();
             let prepared = prepare_all(&policies, Some(&base));
             let n = node(&labels);
+            let pods = pods.iter().map(|s| s.to_string()).collect::<Vec<_>>();
             let env = Env {
-                gpu_pods: &pods.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                gpu_pods: &pods,
                 mig_stuck: stuck,
-                now: 100,
-                layout_hash: &hash,
+                ..Env::idle(100, &hash)
             };
             let p = prepared.first();
             let key = p.and_then(|p| p.key.clone()).unwrap_or_default();
@@ -640,12 +852,7 @@ mod tests {
     #[test]
     fn outcomes_keep_what_a_hold_owns_and_release_gives_back() {
         let hash = |_: &str| None;
-        let env = Env {
-            gpu_pods: &[],
-            mig_stuck: false,
-            now: 100,
-            layout_hash: &hash,
-        };
+        let env = Env::idle(100, &hash);
         let mut n = node(&[
             ("nvidia.com/mig.config", "all-1g.10gb"),
             ("nvidia.com/mig.config.state", "success"),
@@ -676,12 +883,7 @@ mod tests {
     #[test]
     fn applied_waits_for_gfd_after_our_write() {
         let hash = |_: &str| None;
-        let env = Env {
-            gpu_pods: &[],
-            mig_stuck: false,
-            now: 100,
-            layout_hash: &hash,
-        };
+        let env = Env::idle(100, &hash);
         let policies = vec![policy("p", MPS)];
         let prepared = prepare_all(&policies, None);
         let key = prepared[0].key.clone().unwrap();
@@ -705,5 +907,96 @@ mod tests {
         assert_eq!(state(&n), NodeState::Pending, "GFD reports other replicas");
         n.labels.insert("nvidia.com/gpu.replicas", "4");
         assert_eq!(state(&n), NodeState::Applied);
+    }
+
+    #[test]
+    fn dra_switches_the_device_plugin_off_and_back_only_when_safe() {
+        let hash = |_: &str| None;
+        let dra = vec![policy("d", DRA)];
+        let mps = vec![policy("m", MPS)];
+        let (dra, mps) = (prepare_all(&dra, None), prepare_all(&mps, None));
+        let step = |n: &NodeFacts, w: &Prepared, env: &Env| {
+            let d = decide(n, Some(w), env);
+            outcome(n, Some(w), env, d)
+        };
+        let off = |o: &Outcome| o.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN).cloned();
+        let pods = vec!["team/cuda".to_string()];
+        let claims = vec!["team/claim-0".to_string()];
+        let idle = Env::idle(100, &hash);
+
+        // The device plugin still holds GPUs for a pod: wait, do not switch.
+        let mut n = node(&[
+            ("nvidia.com/mig.capable", "false"),
+            ("nvidia.com/gpu.deploy.device-plugin", "true"),
+        ]);
+        // The GPU Operator's `true`, not ours.
+        n.owned.remove(LABEL_DEPLOY_DEVICE_PLUGIN);
+        n.allocatable = [("nvidia.com/gpu", "8")].into_iter().collect();
+        let busy = Env {
+            gpu_pods: &pods,
+            ..Env::idle(100, &hash)
+        };
+        let o = step(&n, &dra[0], &busy);
+        assert_eq!(o.state, Some(NodeState::Waiting));
+        assert_eq!(off(&o), None);
+        // Idle: switched off, Pending until the label is there and allocatable is gone.
+        let o = step(&n, &dra[0], &idle);
+        assert_eq!(off(&o).as_deref(), Some("false"));
+        assert_eq!(o.state, Some(NodeState::Pending));
+        n.labels.insert(LABEL_DEPLOY_DEVICE_PLUGIN, "false");
+        n.owned.insert(LABEL_DEPLOY_DEVICE_PLUGIN);
+        n.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG, DEFAULT_KEY);
+        let o = step(&n, &dra[0], &idle);
+        assert_eq!(o.state, Some(NodeState::Pending), "{}", o.message);
+        assert!(o.message.contains("nvidia.com/gpu=8"), "{}", o.message);
+        n.allocatable = [("nvidia.com/gpu", "0")].into_iter().collect();
+        let o = step(&n, &dra[0], &idle);
+        assert_eq!(o.state, Some(NodeState::Applied), "{}", o.message);
+        assert_eq!(off(&o).as_deref(), Some("false"));
+
+        // Back to the device plugin: not while a DRA claim is allocated on the node.
+        let claimed = Env {
+            dra_claims: &claims,
+            ..Env::idle(100, &hash)
+        };
+        let o = step(&n, &mps[0], &claimed);
+        assert_eq!(o.state, Some(NodeState::Waiting));
+        assert_eq!(off(&o).as_deref(), Some("false"), "held as it was");
+        let o = outcome(&n, None, &claimed, Decision::Release);
+        assert_eq!(off(&o).as_deref(), Some("false"), "released but claimed");
+        let o = step(&n, &mps[0], &idle);
+        assert_eq!(off(&o), None, "the device plugin comes back");
+        assert_eq!(
+            o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG),
+            mps[0].key.as_ref()
+        );
+        assert_eq!(off(&outcome(&n, None, &idle, Decision::Release)), None);
+
+        // Someone else's `false` is left to them: never owned, so never removed by us.
+        n.owned.remove(LABEL_DEPLOY_DEVICE_PLUGIN);
+        let o = step(&n, &dra[0], &idle);
+        assert_eq!(off(&o), None);
+        assert_eq!(o.state, Some(NodeState::Applied), "{}", o.message);
+
+        // MIG disabling in progress: the switch waits for the MIG manager.
+        let mut m = node(&[
+            ("nvidia.com/mig.config", "all-disabled"),
+            ("nvidia.com/mig.config.state", "pending"),
+        ]);
+        m.allocatable = [("nvidia.com/gpu", "8")].into_iter().collect();
+        let o = step(&m, &dra[0], &idle);
+        assert_eq!(off(&o), None);
+        assert_eq!(o.state, Some(NodeState::Pending));
+
+        // The GPU Operator in DRA-only mode: nothing to switch; device-plugin policies hold.
+        let dra_only = Env {
+            gpu_cluster: Some("cluster"),
+            ..Env::idle(100, &hash)
+        };
+        let fresh = node(&[("nvidia.com/mig.capable", "false")]);
+        assert_eq!(off(&step(&fresh, &dra[0], &dra_only)), None);
+        let o = step(&fresh, &mps[0], &dra_only);
+        assert_eq!(o.state, Some(NodeState::Rejected));
+        assert!(o.message.contains("GPUCluster cluster"), "{}", o.message);
     }
 }

@@ -85,31 +85,87 @@ pub fn mig_config(
         .then(|| nvidia::to_yaml(&nvidia::mig_parted_config(&named, &custom)))
 }
 
+/// What decides our part of the ClusterPolicy.
+pub struct Owned {
+    pub any_policy: bool,
+    /// Our mig-parted ConfigMap exists.
+    pub mig_config: bool,
+    pub cluster_mig: Option<MigStrategy>,
+    /// Some node is to be (or stay) a VM host of ours.
+    pub vm_nodes: bool,
+    /// Our vGPU-devices ConfigMap exists.
+    pub vgpu_config: bool,
+}
+
 /// Our part of the ClusterPolicy `spec`: the device plugin reads our ConfigMap (once any policy
-/// exists), the MIG manager reads ours while it exists, and the cluster-wide MIG strategy.
-pub fn cluster_policy_spec(
-    input: &PlanInput,
-    any_policy: bool,
-    mig_config: bool,
-    cluster_mig: Option<MigStrategy>,
-) -> serde_json::Value {
+/// exists), the MIG manager reads ours while it exists, the cluster-wide MIG strategy; sandbox
+/// workloads on while VM hosts of ours exist (the cluster default workload is left alone, so
+/// other nodes stay containers), and the vGPU Device Manager reads ours while it exists.
+pub fn cluster_policy_spec(input: &PlanInput, o: Owned) -> serde_json::Value {
     let mut spec = serde_json::Map::new();
-    if any_policy {
+    if o.any_policy {
         spec.insert(
             "devicePlugin".into(),
             json!({"config": {"name": input.device_configmap_name, "default": DEFAULT_KEY}}),
         );
     }
-    if mig_config {
+    if o.mig_config {
         spec.insert(
             "migManager".into(),
             json!({"config": {"name": input.mig_configmap_name}}),
         );
     }
-    if let Some(cm) = cluster_mig {
+    if let Some(cm) = o.cluster_mig {
         spec.insert("mig".into(), json!({"strategy": cm.as_str()}));
     }
+    if o.vm_nodes {
+        spec.insert("sandboxWorkloads".into(), json!({"enabled": true}));
+    }
+    if o.vgpu_config {
+        spec.insert(
+            "vgpuDeviceManager".into(),
+            json!({"config": {"name": input.vgpu_configmap_name, "default": DEFAULT_KEY}}),
+        );
+    }
     serde_json::Value::Object(spec)
+}
+
+/// `config.yaml` of our vGPU-devices ConfigMap: only when a custom vGPU layout is in use, or a
+/// node still names one of ours; NVIDIA's named configs are carried over beside them (the vGPU
+/// Device Manager then reads only ours).
+pub fn vgpu_config(
+    prepared: &[Prepared],
+    input: &PlanInput,
+    nodes: &[&NodeFacts],
+    wanted: &BTreeMap<String, super::SmallMap>,
+) -> Option<String> {
+    let mut custom = BTreeMap::new();
+    for p in prepared.iter().filter(|p| p.errors.is_empty()) {
+        if let (Some(name), Some((entries, _))) = (&p.vgpu_config, &p.vgpu_custom) {
+            custom.insert(name.clone(), entries.clone());
+        }
+    }
+    let mut named = (*input.base_vgpu_configs).clone();
+    let mut carried = false;
+    for n in nodes {
+        let want = wanted
+            .get(&n.name)
+            .and_then(|l| l.get(LABEL_VGPU_CONFIG).cloned());
+        for name in [n.labels.get(LABEL_VGPU_CONFIG).map(str::to_string), want]
+            .into_iter()
+            .flatten()
+        {
+            if custom.contains_key(&name) || named.contains_key(&name) {
+                continue;
+            }
+            if let Some(v) = input.current_vgpu_configs.get(&name) {
+                named.insert(name, v.clone());
+                carried = true;
+            }
+        }
+    }
+    (!custom.is_empty() || carried)
+        .then(|| nvidia::to_yaml(&nvidia::vgpu::vgpu_config(&named, &custom)))
 }
 
 /// ResourceClaimTemplates of an accepted DRA policy, as `namespace/name` and object, in the

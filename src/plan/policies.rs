@@ -30,6 +30,17 @@ pub struct Prepared<'a> {
     pub blocked: Option<String>,
     /// The same conflict for a policy that governs no node yet: a warning only.
     pub latent: Option<String>,
+    /// `strategy: vgpu`: the vGPU Device Manager config its nodes are labelled with
+    /// (`nvidia.com/vgpu.config`): the named type, or the custom layout's content-addressed name.
+    pub vgpu_config: Option<String>,
+    /// A custom vGPU layout: its entries and their content hash.
+    pub vgpu_custom: Option<(Vec<nvidia::vgpu::VgpuConfigEntry>, String)>,
+    /// The vGPU devices its nodes get: the custom layout's entries, or the named config's (empty
+    /// when unknown).
+    pub vgpu_entries: Vec<nvidia::vgpu::VgpuConfigEntry>,
+    /// The board framebuffer (nominal GB) of each vGPU family its layout uses, from NVIDIA's
+    /// named configs.
+    pub vgpu_board_gb: BTreeMap<String, u32>,
 }
 
 impl Prepared<'_> {
@@ -105,15 +116,31 @@ fn prepare<'a>(
             layout = Some(l.clone());
         }
     }
-    let (key, config_text) = if errors.is_empty() && p.spec.backend == Backend::Dra {
-        // The DRA driver shares the GPUs; the device plugin, if it runs, must not.
-        (Some(DEFAULT_KEY.to_string()), None)
-    } else if errors.is_empty() {
-        let text = nvidia::device_plugin_yaml(&nvidia::device_plugin_config(&p.spec));
-        (Some(nvidia::content_key(&name, &text)), Some(text))
-    } else {
-        (None, None)
-    };
+    let (mut vgpu_config, mut vgpu_custom, mut vgpu_entries) = (None, None, Vec::new());
+    if errors.is_empty()
+        && let Some(v) = &p.spec.vgpu
+    {
+        if v.custom_layout.is_some() {
+            let entries = nvidia::vgpu::custom_entries(v);
+            let hash = nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));
+            vgpu_config = Some(nvidia::vgpu::custom_name(&name, &entries));
+            vgpu_entries = entries.clone();
+            vgpu_custom = Some((entries, hash));
+        } else {
+            vgpu_config = v.type_.clone();
+        }
+    }
+    let (key, config_text) =
+        if errors.is_empty() && (p.spec.backend == Backend::Dra || p.spec.strategy.is_vm()) {
+            // The DRA driver shares the GPUs, or virtual machines get them: the device plugin, if
+            // it runs, must not share.
+            (Some(DEFAULT_KEY.to_string()), None)
+        } else if errors.is_empty() {
+            let text = nvidia::device_plugin_yaml(&nvidia::device_plugin_config(&p.spec));
+            (Some(nvidia::content_key(&name, &text)), Some(text))
+        } else {
+            (None, None)
+        };
     Prepared {
         name,
         policy: p,
@@ -126,6 +153,42 @@ fn prepare<'a>(
         custom,
         blocked: None,
         latent: None,
+        vgpu_config,
+        vgpu_custom,
+        vgpu_entries,
+        vgpu_board_gb: BTreeMap::new(),
+    }
+}
+
+/// A named vGPU type must be an entry of the vGPU Device Manager's config (NVIDIA's default
+/// names one per type); unknown names would leave the node `failed`.
+pub fn check_vgpu_types(prepared: &mut [Prepared], base: &BTreeMap<String, serde_json::Value>) {
+    for p in prepared.iter_mut().filter(|p| p.errors.is_empty()) {
+        if let Some(t) = p.spec.vgpu.as_ref().and_then(|v| v.type_.as_ref()) {
+            if let Some(entries) = base.get(t).and_then(nvidia::vgpu::entries_of) {
+                p.vgpu_entries = entries;
+            } else {
+                p.errors.push(field_error(
+                    "spec.vgpu.type",
+                    format!("{t:?} is not an entry of the vGPU Device Manager's config (NVIDIA's default names one per vGPU type, e.g. A100-1-5C, L4-6Q); the vGPU Device Manager would fail with: config not present"),
+                ));
+                p.key = None;
+                p.vgpu_config = None;
+                continue;
+            }
+        }
+        let families: BTreeSet<String> = p
+            .vgpu_entries
+            .iter()
+            .flat_map(|e| e.vgpu_devices.keys())
+            .filter_map(|t| nvidia::vgpu::parse_vgpu_type(t))
+            .map(|t| t.family)
+            .collect();
+        for f in families {
+            if let Some(gb) = nvidia::vgpu::board_gb(base, &f) {
+                p.vgpu_board_gb.insert(f, gb);
+            }
+        }
     }
 }
 

@@ -17,7 +17,7 @@ use crate::api::crd::{
 };
 use crate::api::names::{
     ANNOTATION_CONFIG_WRITTEN, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG,
-    LABEL_MIG_STATE,
+    LABEL_MIG_STATE, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE, LABEL_WORKLOAD,
 };
 use crate::api::state::NodeState;
 use crate::nvidia::DEFAULT_KEY;
@@ -68,9 +68,20 @@ fn node_timeout(spec: &GpuSharingPolicySpec) -> i64 {
     confirm + drain
 }
 
-/// What a policy's nodes should end up running: its config key, and its MIG layout.
+/// What a policy's nodes should end up running: its config key, and its MIG layout (`dra` for
+/// a DRA policy: the device plugin off).
 pub fn target(w: &Prepared) -> Option<String> {
     let key = w.key.as_deref()?;
+    if w.spec.backend == crate::api::crd::Backend::Dra {
+        return Some("dra".to_string());
+    }
+    if w.spec.strategy.is_vm() {
+        let workload = w.spec.strategy.workload();
+        return Some(match &w.vgpu_config {
+            Some(c) => format!("{workload}+{c}"),
+            None => workload.to_string(),
+        });
+    }
     Some(match &w.layout {
         Some(l) => format!("{key}+{l}"),
         None => key.to_string(),
@@ -143,11 +154,20 @@ enum Phase {
 
 /// An earlier change of ours on the node that NVIDIA's components have not confirmed, whatever
 /// it was for: GFD has not relabelled since our last device-plugin config write (when GFD
-/// stamps the node), or the MIG manager has not reported on our last layout.
+/// stamps the node, and not on a VM host, where GFD does not run), or the MIG manager (the vGPU
+/// Device Manager) has not reported on our last layout (vGPU config).
 fn last_change_unconfirmed(n: &NodeFacts) -> bool {
-    let mig_pending =
-        n.owned.contains(LABEL_MIG_CONFIG) && n.labels.get(LABEL_MIG_STATE) == Some("pending");
-    gfd_behind(n, n.annotations.get(ANNOTATION_CONFIG_WRITTEN)).is_some() || mig_pending
+    let pending = |config: &str, state: &str| {
+        n.owned.contains(config) && n.labels.get(state) == Some("pending")
+    };
+    let vm = super::vm::is_vm_host(n);
+    let gfd = !vm && gfd_behind(n, n.annotations.get(ANNOTATION_CONFIG_WRITTEN)).is_some();
+    // A VM host of ours is confirmed by the sandbox device plugin advertising its GPUs.
+    let sandbox =
+        vm && n.owned.contains(LABEL_WORKLOAD) && super::vm::sandbox_resources(n).is_empty();
+    gfd || sandbox
+        || pending(LABEL_MIG_CONFIG, LABEL_MIG_STATE)
+        || pending(LABEL_VGPU_CONFIG, LABEL_VGPU_STATE)
 }
 
 fn phase(e: &Entry, w: &Prepared, target: &str, now: i64) -> Phase {

@@ -40,6 +40,8 @@ pub struct Cluster<'a> {
     pub cluster_policy_contested: Option<&'a str>,
     /// The readiness taint's key, when the GPU Operator's DaemonSets do not tolerate it.
     pub untolerated_taint: Option<&'a str>,
+    /// The GPU Operator's DRA-only `GPUCluster`, when one exists.
+    pub gpu_cluster: Option<&'a str>,
 }
 
 /// What the status needs of the policy's place among the others.
@@ -254,7 +256,15 @@ fn degraded(p: &Prepared, t: &Tally, c: &Cluster) -> (bool, Reason, String) {
     let contested = c
         .cluster_policy_contested
         .filter(|_| p.spec.backend != Backend::Dra);
-    if !c.cluster_policy_found {
+    if let (Some(gc), Backend::DevicePlugin) = (c.gpu_cluster, p.spec.backend) {
+        (
+            true,
+            Reason::GpuClusterPresent,
+            format!(
+                "the GPU Operator runs in DRA-only mode (GPUCluster {gc}), which cannot coexist with a ClusterPolicy: no device plugin reads this policy's config, so its nodes are left as they are; use backend: dra"
+            ),
+        )
+    } else if !c.cluster_policy_found && c.gpu_cluster.is_none() {
         (true, Reason::ClusterPolicyMissing, "the GPU Operator ClusterPolicy was not found: nodes are labelled but no device plugin reads the config".into())
     } else if let Some(what) = contested {
         (
@@ -285,6 +295,15 @@ fn degraded(p: &Prepared, t: &Tally, c: &Cluster) -> (bool, Reason, String) {
             format!(
                 "the content of MIG layout {layout} changed (e.g. a GPU Operator upgrade) since these nodes were configured, and the MIG manager only acts on a label change: {}; annotate this policy with {ANNOTATION_REAPPLY_MIG}=true to re-apply it through {MIG_DISABLED_LAYOUT}",
                 names(NodeState::Stale, 10)
+            ),
+        )
+    } else if !t.in_state(NodeState::Failed).is_empty() && p.spec.strategy == Strategy::Vgpu {
+        (
+            true,
+            Reason::VgpuConfigFailed,
+            format!(
+                "nvidia.com/vgpu.config.state failed, or pending past the timeout, on: {}",
+                names(NodeState::Failed, usize::MAX)
             ),
         )
     } else if !t.in_state(NodeState::Failed).is_empty() {
@@ -378,7 +397,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         applied_nodes: t.applied,
         conflicting_nodes: place.conflicting.len() as i32,
         overridden_nodes: place.overridden.len() as i32,
-        device_config_key: if p.spec.backend == Backend::Dra {
+        device_config_key: if p.spec.backend == Backend::Dra || p.spec.strategy.is_vm() {
             None
         } else {
             p.key.clone()
@@ -389,6 +408,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         } else {
             None
         },
+        vgpu_config: p.vgpu_config.clone(),
         capacity,
         node_details: details,
         warnings,

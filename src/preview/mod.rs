@@ -14,11 +14,12 @@ use kube::{Client, ResourceExt};
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{
-    DEFAULT_MIG_CONFIGMAP, DEVICE_PLUGIN_CONFIGMAP, MANAGER, MIG_PARTED_CONFIGMAP,
+    DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP, DEVICE_PLUGIN_CONFIGMAP, MANAGER,
+    MIG_PARTED_CONFIGMAP, VGPU_DEVICES_CONFIGMAP,
 };
 use crate::plan::PlanInput;
 use crate::runtime::controller::{cluster_policy_resource, detect_namespace};
-use crate::runtime::input::{mig_configs, read_gpu_pods};
+use crate::runtime::input::{mig_configs, read_gpu_pods, sandbox_of, vgpu_configs};
 use crate::runtime::nodecache::{Interner, facts};
 use crate::runtime::watches::RUNNING_BOUND_PODS;
 
@@ -65,7 +66,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
     let lp = ListParams::default();
     let mut strings = Interner::default();
     let nodes = Api::<Node>::all(client.clone())
-        .list_metadata(&lp)
+        .list(&lp)
         .await
         .map_err(read("nodes"))?
         .items
@@ -91,6 +92,8 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         DEVICE_PLUGIN_CONFIGMAP,
         MIG_PARTED_CONFIGMAP,
         DEFAULT_MIG_CONFIGMAP,
+        VGPU_DEVICES_CONFIGMAP,
+        DEFAULT_VGPU_CONFIGMAP,
     ] {
         let got = cms.get_opt(name).await.map_err(read("ConfigMaps"))?;
         cm.insert(name, got.map(Arc::new));
@@ -129,6 +132,12 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         .unwrap_or_default();
     input.base_mig_configs = mig_configs(cm[DEFAULT_MIG_CONFIGMAP].clone());
     input.current_mig_configs = mig_configs(cm[MIG_PARTED_CONFIGMAP].clone()).unwrap_or_default();
+    if let Some(base) = vgpu_configs(cm[DEFAULT_VGPU_CONFIGMAP].clone()) {
+        input.base_vgpu_configs = Arc::new(base);
+    }
+    input.current_vgpu_configs =
+        vgpu_configs(cm[VGPU_DEVICES_CONFIGMAP].clone()).unwrap_or_default();
+    input.sandbox = sandbox_of(cluster_policy.as_ref());
     read_gpu_pods(&mut input, pods.iter());
     input.namespaces = namespaces;
     input.cluster_policy_found = cluster_policy.is_some();

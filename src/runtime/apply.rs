@@ -131,6 +131,38 @@ pub async fn apply_configmaps(
         )
         .await?;
     }
+    if let Some(v) = &plan.vgpu_config {
+        let mut data = BTreeMap::new();
+        data.insert(crate::nvidia::vgpu::VGPU_KEY.to_string(), v.clone());
+        let why = "custom vGPU layouts changed";
+        let name = &ctx.config.vgpu_configmap;
+        apply_configmap(ctx, name, "vgpu-devices", &data, why, report).await?;
+    }
+    Ok(())
+}
+
+/// The vGPU-devices ConfigMap goes only once nothing points to it.
+pub async fn delete_unused_vgpu_configmap(
+    ctx: &Context,
+    plan: &Plan,
+    report: &mut WriteReport,
+) -> Result<(), Error> {
+    if plan.vgpu_config.is_some() {
+        return Ok(());
+    }
+    let name = &ctx.config.vgpu_configmap;
+    let exists = ctx.configmap(name).is_some();
+    let referenced = ctx.active_cluster_policy().is_some_and(|cp| {
+        lookup(&cp.data, ".spec.vgpuDeviceManager.config.name").and_then(|v| v.as_str())
+            == Some(name.as_str())
+    });
+    if exists && !referenced {
+        let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+        api.delete(name, &Default::default()).await?;
+        let why = "no custom vGPU layout left";
+        info!(configmap = %name, reason = why, "deleted vGPU-devices ConfigMap");
+        report.record("ConfigMap", format!("{}/{name}", ctx.namespace), why);
+    }
     Ok(())
 }
 

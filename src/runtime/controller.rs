@@ -53,6 +53,8 @@ pub struct Config {
     pub namespace: Option<String>,
     pub device_configmap: String,
     pub mig_configmap: String,
+    /// Name of our vGPU-devices ConfigMap (custom vGPU layouts).
+    pub vgpu_configmap: String,
     /// Full resync period (drift is also caught by the watches).
     pub resync: Duration,
     /// Where to count what happens (served on /metrics by the binary).
@@ -72,6 +74,7 @@ impl Default for Config {
             namespace: None,
             device_configmap: DEVICE_PLUGIN_CONFIGMAP.into(),
             mig_configmap: MIG_PARTED_CONFIGMAP.into(),
+            vgpu_configmap: VGPU_DEVICES_CONFIGMAP.into(),
             resync: Duration::from_secs(300),
             metrics: Arc::default(),
             mig_timeout: Duration::from_secs(600),
@@ -343,6 +346,7 @@ pub async fn reconcile_all(ctx: &Context, report: &mut WriteReport) -> Result<bo
     // 6. ResourceClaimTemplates of DRA policies; the mig-parted ConfigMap once unused.
     apply::apply_claim_templates(ctx, &plan, report).await?;
     apply::delete_unused_mig_configmap(ctx, &plan, report).await?;
+    apply::delete_unused_vgpu_configmap(ctx, &plan, report).await?;
 
     // 7. Finalizers and status. A pass that changed something writes no status: the watch
     // events of its own writes bring the next pass at once, and that one reports the outcome

@@ -12,7 +12,6 @@ use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
-use kube::api::PartialObjectMeta;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
@@ -61,8 +60,17 @@ impl Interner {
     }
 }
 
-/// What the planner knows of a node, from its metadata.
-pub fn facts(node: PartialObjectMeta<Node>, manager: &str, strings: &mut Interner) -> NodeFacts {
+/// What the planner knows of a node: its metadata, and the allocatable count of NVIDIA's
+/// extended resources (the rest of the status, images and conditions, is dropped here).
+pub fn facts(node: Node, manager: &str, strings: &mut Interner) -> NodeFacts {
+    let allocatable = node
+        .status
+        .and_then(|s| s.allocatable)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("nvidia.com/"))
+        .map(|(k, v)| (strings.intern(&k), strings.intern(&v.0)))
+        .collect::<Vec<_>>();
     let meta = node.metadata;
     let managed = meta.managed_fields.as_deref().unwrap_or_default();
     // Only our own annotations: other controllers put large ones on nodes.
@@ -85,6 +93,7 @@ pub fn facts(node: PartialObjectMeta<Node>, manager: &str, strings: &mut Interne
         name: meta.name.unwrap_or_default(),
         labels: Labels::from_pairs(labels),
         annotations: Labels::from_pairs(annotations),
+        allocatable: Labels::from_pairs(allocatable),
     }
 }
 
@@ -99,7 +108,7 @@ struct State {
 }
 
 impl State {
-    fn facts(&mut self, n: PartialObjectMeta<Node>, manager: &str) -> Arc<NodeFacts> {
+    fn facts(&mut self, n: Node, manager: &str) -> Arc<NodeFacts> {
         Arc::new(facts(n, manager, &mut self.strings))
     }
 
@@ -114,7 +123,7 @@ impl State {
     }
 }
 
-/// Shared node cache, fed by a metadata watch of nodes.
+/// Shared node cache, fed by a watch of nodes.
 pub struct NodeCache {
     manager: String,
     state: RwLock<State>,
@@ -133,7 +142,7 @@ impl NodeCache {
 
     /// Applies one watch event. A relist (`Init` .. `InitDone`) replaces the whole content
     /// atomically, so nodes deleted while the watch was down disappear.
-    pub fn apply(&self, event: watcher::Event<PartialObjectMeta<Node>>) {
+    pub fn apply(&self, event: watcher::Event<Node>) {
         let mut s = self.state.write().expect("node cache lock");
         match event {
             watcher::Event::Apply(n) => {
@@ -194,8 +203,8 @@ mod tests {
     use kube::api::ObjectMeta;
     use serde_json::json;
 
-    fn node(name: &str, product: &str, managed: serde_json::Value) -> PartialObjectMeta<Node> {
-        PartialObjectMeta::<Node> {
+    fn node(name: &str, product: &str, managed: serde_json::Value) -> Node {
+        Node {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 labels: Some([("nvidia.com/gpu.product".to_string(), product.to_string())].into()),

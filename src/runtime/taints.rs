@@ -1,15 +1,13 @@
-//! The readiness taint's watch: which nodes carry it. Full Node objects go through the watch,
-//! but only the names of tainted nodes are kept, and the control loop wakes only when that set
-//! changes (not on every node status update).
+//! The readiness taint: which nodes carry it, fed by the node watch (only the names of tainted
+//! nodes are kept), and its removal.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 
 /// Nodes carrying the readiness taint.
@@ -48,12 +46,12 @@ impl Tainted {
     }
 
     /// Applies a watch event; returns whether the set of tainted nodes changed.
-    fn apply(&self, ev: watcher::Event<Node>) -> bool {
+    pub fn apply(&self, ev: &watcher::Event<Node>) -> bool {
         let mut set = self.set.lock().expect("taint set");
         match ev {
             watcher::Event::Apply(n) => {
                 let name = n.name_any();
-                if self.has(&n) {
+                if self.has(n) {
                     set.insert(name)
                 } else {
                     set.remove(&name)
@@ -65,7 +63,7 @@ impl Tainted {
                 false
             }
             watcher::Event::InitApply(n) => {
-                if self.has(&n) {
+                if self.has(n) {
                     self.listing.lock().expect("listing").insert(n.name_any());
                 }
                 false
@@ -89,17 +87,6 @@ fn taint_index(n: &Node, key: &str) -> Option<usize> {
         .as_ref()?
         .iter()
         .position(|t| t.key == key)
-}
-
-/// The watch feeding `tainted`: yields only when the set changes.
-pub fn stream(
-    client: &Client,
-    tainted: std::sync::Arc<Tainted>,
-) -> futures::stream::BoxStream<'static, Result<(), watcher::Error>> {
-    watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
-        .default_backoff()
-        .try_filter_map(move |ev| futures::future::ready(Ok(tainted.apply(ev).then_some(()))))
-        .boxed()
 }
 
 /// Removes the readiness taint from a node: taints are an atomic list, so the removal is a JSON

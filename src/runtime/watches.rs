@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
-use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
 use kube::Client;
 use kube::api::{Api, DynamicObject, PartialObjectMeta};
 use kube::runtime::reflector::{self, Store};
@@ -18,7 +18,7 @@ use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{MANAGED_BY, MANAGER};
 use crate::runtime::controller::cluster_policy_resource;
 use crate::runtime::nodecache::NodeCache;
-use crate::runtime::taints::{self, Tainted};
+use crate::runtime::taints::Tainted;
 
 /// Pods that may hold GPUs: bound to a node and not finished.
 pub const RUNNING_BOUND_PODS: &str = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed";
@@ -40,6 +40,11 @@ pub struct Caches {
     pub namespaces: Option<Store<PartialObjectMeta<Namespace>>>,
     /// Nodes carrying the readiness taint (`--readiness-taint` only).
     pub tainted: Option<Arc<Tainted>>,
+    /// ResourceClaims (resource.k8s.io/v1), stripped to their allocation: a node leaves DRA only
+    /// when no allocated `gpu.nvidia.com` claim remains on it.
+    pub claims: Option<Store<ResourceClaim>>,
+    /// The GPU Operator's DRA-only `GPUCluster` objects, when that kind is served.
+    pub gpu_clusters: Option<Store<DynamicObject>>,
 }
 
 impl Caches {
@@ -56,6 +61,12 @@ impl Caches {
             c.wait_until_ready().await.ok();
         }
         if let Some(c) = &self.namespaces {
+            c.wait_until_ready().await.ok();
+        }
+        if let Some(c) = &self.claims {
+            c.wait_until_ready().await.ok();
+        }
+        if let Some(c) = &self.gpu_clusters {
             c.wait_until_ready().await.ok();
         }
         while self.tainted.as_ref().is_some_and(|t| !t.is_ready()) {
@@ -101,17 +112,24 @@ pub async fn start(
     let cp_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
     let cluster_policy_served = cp_api.list(&Default::default()).await.is_ok();
     let (pods, podw) = reflector::store();
-    // Node cache: only what the planner reads, built from each event (see nodecache).
+    let tainted = readiness_taint.map(|key| Arc::new(Tainted::new(key)));
+    // Node cache: only what the planner reads, built from each event (see nodecache); the
+    // readiness taint's set of nodes is fed by the same watch.
     let node_stream = {
-        let nodes = nodes.clone();
+        let (nodes, tainted) = (nodes.clone(), tainted.clone());
         watcher(
-            Api::<PartialObjectMeta<Node>>::all(client.clone()),
-            // Small list pages: a page of nodes with all their managedFields is decoded at
+            Api::<Node>::all(client.clone()),
+            // Small list pages: a page of whole nodes (managedFields, status) is decoded at
             // once before it is reduced to facts.
             watcher::Config::default().page_size(NODE_LIST_PAGE),
         )
         .default_backoff()
-        .map_ok(move |ev| nodes.apply(ev))
+        .map_ok(move |ev| {
+            if let Some(t) = &tainted {
+                t.apply(&ev);
+            }
+            nodes.apply(ev)
+        })
         .boxed()
     };
     // Pods that may hold GPUs (MIG changes wait for idle GPUs): only bound, unfinished pods,
@@ -140,10 +158,8 @@ pub async fn start(
     );
     let claim_templates = claim_template_watch(client, &mut streams).await;
     let namespaces = namespace_watch(client, &mut streams).await;
-    let tainted = readiness_taint.map(|key| Arc::new(Tainted::new(key)));
-    if let Some(t) = &tainted {
-        streams.push(taints::stream(client, t.clone()));
-    }
+    let claims = claim_watch(client, &mut streams).await;
+    let gpu_clusters = gpu_cluster_watch(client, &mut streams).await;
     let cluster_policies = if cluster_policy_served {
         // The GPU Operator acts on the oldest ClusterPolicy.
         Some(cache(
@@ -177,6 +193,8 @@ pub async fn start(
         claim_templates,
         namespaces,
         tainted,
+        claims,
+        gpu_clusters,
     };
     (caches, events)
 }
@@ -197,6 +215,59 @@ async fn namespace_watch(
     }
     Some(cache(api, watcher::Config::default(), (), streams))
 }
+
+/// ResourceClaims in every namespace, kept only with their allocation (`status.allocation`):
+/// what [`crate::runtime::input::read_dra_claims`] reads.
+async fn claim_watch(client: &Client, streams: &mut Streams) -> Option<Store<ResourceClaim>> {
+    let api: Api<ResourceClaim> = Api::all(client.clone());
+    if let Err(e) = api.list(&kube::api::ListParams::default().limit(1)).await {
+        warn!(error = %e, "cannot list ResourceClaims: nodes leaving a DRA policy get the device plugin back without checking for allocated claims");
+        return None;
+    }
+    let writer = reflector::store::Writer::default();
+    let store = writer.as_reader();
+    let strip = |c: &mut ResourceClaim| {
+        c.metadata.managed_fields = None;
+        c.metadata.annotations = None;
+        c.metadata.labels = None;
+        c.spec = Default::default();
+        if let Some(s) = c.status.as_mut() {
+            s.devices = None;
+            s.reserved_for = None;
+        }
+    };
+    streams.push(
+        reflector::reflector(
+            writer,
+            watcher(api, watcher::Config::default())
+                .default_backoff()
+                .modify(strip),
+        )
+        .map_ok(|_| ())
+        .boxed(),
+    );
+    Some(store)
+}
+
+/// The GPU Operator's `GPUCluster` (group `nvidia.com`, any version), found through discovery:
+/// in DRA-only mode it replaces the ClusterPolicy, and the operator reports it instead of
+/// configuring a device plugin that does not run.
+async fn gpu_cluster_watch(client: &Client, streams: &mut Streams) -> Option<Store<DynamicObject>> {
+    let group = kube::discovery::group(client, "nvidia.com").await.ok()?;
+    let (ar, _) = group
+        .resources_by_stability()
+        .into_iter()
+        .find(|(ar, _)| ar.kind == GPU_CLUSTER_KIND)?;
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &ar);
+    if let Err(e) = api.list(&kube::api::ListParams::default().limit(1)).await {
+        warn!(error = %e, "GPUCluster is served but cannot be listed: the GPU Operator's DRA-only mode goes unnoticed");
+        return None;
+    }
+    Some(cache(api, watcher::Config::default(), ar, streams))
+}
+
+/// Kind of the GPU Operator's DRA-only cluster resource.
+pub const GPU_CLUSTER_KIND: &str = "GPUCluster";
 
 type Streams = Vec<futures::stream::BoxStream<'static, Result<(), watcher::Error>>>;
 

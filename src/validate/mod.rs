@@ -16,6 +16,7 @@ use crate::nvidia::mig::{MAX_COMPUTE_SLICES, MPS_MAX_REPLICAS, parse_mig_profile
 use crate::nvidia::{self, GPU_RESOURCE};
 
 pub mod dra;
+pub mod vgpu;
 
 /// One problem with a policy, with the field it concerns.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -453,6 +454,7 @@ pub fn validate(name: &str, spec: &GpuSharingPolicySpec) -> (Vec<FieldError>, Ve
         check_mig(mig, &mut errs, &mut warnings);
     }
     dra::validate(spec, &mut errs, &mut warnings);
+    vgpu::validate(spec, &mut errs);
     (errs, warnings)
 }
 

@@ -83,6 +83,8 @@ PIDS+=($!)
 say "Admins pick profiles with node labels, then apply examples/"
 kubectl label node l4-node-1 gpusharing.io/profile=l4-heavy --overwrite
 kubectl label node a100-node-0 gpusharing.io/profile=mig-shared --overwrite
+# examples/passthrough.yaml: whole GPUs of this node go to KubeVirt VMs (sandbox workloads).
+kubectl label node a100-node-1 gpusharing.io/profile=vm-passthrough --overwrite
 # examples/dra-mps.yaml renders its ResourceClaimTemplate into this namespace (the policy is
 # not Ready until it exists).
 kubectl create namespace gpu-test6 --dry-run=client -o yaml | kubectl apply -f -
@@ -98,13 +100,13 @@ done
 say "kubectl get gsp -o wide"
 kubectl get gsp -o wide
 say "Node labels"
-kubectl get nodes -L gpusharing.io/policy,nvidia.com/device-plugin.config,nvidia.com/mig.config,nvidia.com/mig.config.state,nvidia.com/gpu.replicas,nvidia.com/gpu.sharing-strategy
+kubectl get nodes -L gpusharing.io/policy,nvidia.com/device-plugin.config,nvidia.com/mig.config,nvidia.com/mig.config.state,nvidia.com/gpu.replicas,nvidia.com/gpu.sharing-strategy,nvidia.com/gpu.workload.config
 say "Allocatable nvidia.com/gpu (simulated device plugin: count x replicas)"
 kubectl get nodes -o custom-columns='NAME:.metadata.name,PRODUCT:.metadata.labels.nvidia\.com/gpu\.product,GPU:.status.allocatable.nvidia\.com/gpu'
 say "Capacity of h200-mps"
 kubectl get gsp h200-mps -o jsonpath='{.status.capacity}{"\n"}'
 say "ClusterPolicy, as patched"
-kubectl get clusterpolicies.nvidia.com cluster-policy -o jsonpath='{.spec.devicePlugin.config}{"  mig: "}{.spec.mig}{"\n"}'
+kubectl get clusterpolicies.nvidia.com cluster-policy -o jsonpath='{.spec.devicePlugin.config}{"  mig: "}{.spec.mig}{"  sandboxWorkloads: "}{.spec.sandboxWorkloads}{"\n"}'
 
 if [[ ${DEMO_EXIT:-} == 1 ]]; then
 	say "DEMO_EXIT=1: stopping"

@@ -63,7 +63,7 @@ build() {
 assets() {
 	local dst=$OUT/assets/default-mig-parted-config.yaml
 	local want="$GPU_OPERATOR_MODULE@$GPU_OPERATOR_VERSION" src="" dir=""
-	if [[ -f $dst && -f $OUT/assets/.source && $(cat "$OUT/assets/.source") == "$want" ]]; then
+	if [[ -f $dst && -f $OUT/assets/default-vgpu-devices-config.yaml && -f $OUT/assets/.source && $(cat "$OUT/assets/.source") == "$want" ]]; then
 		return 0
 	fi
 	mkdir -p "$OUT/assets"
@@ -80,6 +80,13 @@ assets() {
 		return 0
 	fi
 	cp "$src" "$dst.tmp" && chmod u+w "$dst.tmp" && mv -f "$dst.tmp" "$dst"
+	# NVIDIA's default vGPU-devices config, beside it (the simulator plays the GPU Operator's
+	# default-vgpu-devices-config with it; conformance checks the embedded copy against it).
+	local vgpu=${src%/state-mig-manager/0400_configmap.yaml}/state-vgpu-device-manager/0500_configmap.yaml
+	if [[ -f $vgpu ]]; then
+		cp "$vgpu" "$OUT/assets/default-vgpu-devices-config.yaml.tmp" && chmod u+w "$OUT/assets/default-vgpu-devices-config.yaml.tmp" &&
+			mv -f "$OUT/assets/default-vgpu-devices-config.yaml.tmp" "$OUT/assets/default-vgpu-devices-config.yaml"
+	fi
 	echo "$want" >"$OUT/assets/.source"
 }
 

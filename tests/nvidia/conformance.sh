@@ -2,8 +2,9 @@
 # Conformance of `gpu-sharing-operator render` with NVIDIA's own config
 # parsers: builds the operator (cargo build) and tests/nvidia, then renders
 # examples/ and a generated corpus of valid and invalid policies and loads
-# every result with k8s-device-plugin v0.19.1 and mig-parted v0.13.1, and
-# every ResourceClaimTemplate with NVIDIA's DRA driver v0.5.0.
+# every result with k8s-device-plugin v0.19.1 and mig-parted v0.13.1, every
+# vGPU-devices config with vgpu-device-manager v0.4.2, and every
+# ResourceClaimTemplate with NVIDIA's DRA driver v0.5.0.
 #
 #   tests/nvidia/conformance.sh [conformance flags, e.g. -v or --run REGEXP]
 #
@@ -31,7 +32,20 @@ elif ! grep -qF "${source#*@}" "$REPO/src/nvidia/mod.rs"; then
 	exit 1
 fi
 
+# The same for the embedded default vGPU-devices config.
+embedded=$REPO/assets/gpu-operator/default-vgpu-devices-config.yaml
+if [[ $source != fallback && $source != none ]] && ! cmp -s "$embedded" "$OUT/assets/default-vgpu-devices-config.yaml"; then
+	echo "conformance.sh: $embedded differs from $source (assets/state-vgpu-device-manager/0500_configmap.yaml): copy it and update DEFAULT_VGPU_SOURCE" >&2
+	exit 1
+elif [[ $source != fallback && $source != none ]] && ! grep -qF "${source#*@}" "$REPO/src/nvidia/vgpu.rs"; then
+	echo "conformance.sh: DEFAULT_VGPU_SOURCE in src/nvidia/vgpu.rs does not name ${source#*@}" >&2
+	exit 1
+fi
+
 args=(--operator-bin "$TARGET/debug/gpu-sharing-operator" --examples "$REPO/examples")
+if [[ -f $OUT/assets/default-vgpu-devices-config.yaml ]]; then
+	args+=(--vgpu-config "$OUT/assets/default-vgpu-devices-config.yaml")
+fi
 # The GPU Operator's default mig-parted config: render keeps its named
 # layouts next to custom ones, and the checks compare against it.
 if [[ -f $OUT/assets/default-mig-parted-config.yaml ]]; then

@@ -5,6 +5,7 @@ go 1.26.0
 require (
 	github.com/NVIDIA/k8s-device-plugin v0.19.1
 	github.com/NVIDIA/mig-parted v0.13.1
+	github.com/NVIDIA/vgpu-device-manager v0.4.2
 	github.com/urfave/cli/v2 v2.27.7
 	golang.org/x/mod v0.40.0
 	k8s.io/api v0.37.0-rc.0

@@ -407,3 +407,52 @@ impl Drop for BudgetWatcher {
         self.task.abort();
     }
 }
+
+/// Every label state of one node the API server's watch showed, in order (test support, not
+/// part of the operator): a transition's intermediate states can be checked against an
+/// invariant afterwards.
+pub struct LabelHistory {
+    states: std::sync::Arc<std::sync::Mutex<Vec<BTreeMap<String, String>>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LabelHistory {
+    /// Starts watching `node`; returns once its current labels are recorded.
+    pub async fn start(client: &Client, node: &str) -> LabelHistory {
+        use futures::StreamExt;
+        use kube::runtime::watcher;
+        let states = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s = states.clone();
+        let api: Api<kube::core::PartialObjectMeta<Node>> = Api::all(client.clone());
+        let cfg = watcher::Config::default().fields(&format!("metadata.name={node}"));
+        let task = tokio::spawn(async move {
+            let mut stream = watcher(api, cfg).boxed();
+            while let Some(ev) = stream.next().await {
+                if let Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n)) = ev {
+                    let labels: BTreeMap<String, String> = n.metadata.labels.unwrap_or_default();
+                    let mut v = s.lock().unwrap();
+                    if v.last() != Some(&labels) {
+                        v.push(labels);
+                    }
+                }
+            }
+        });
+        let h = LabelHistory { states, task };
+        until("the label history's first state", LONG, || async {
+            (!h.states.lock().unwrap().is_empty()).then_some(())
+        })
+        .await;
+        h
+    }
+
+    /// The states seen so far.
+    pub fn states(&self) -> Vec<BTreeMap<String, String>> {
+        self.states.lock().unwrap().clone()
+    }
+}
+
+impl Drop for LabelHistory {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -8,6 +8,7 @@ import (
 
 	spec "github.com/NVIDIA/k8s-device-plugin/api/config/v1"
 	mpv1 "github.com/NVIDIA/mig-parted/api/spec/v1"
+	vgpuv1 "github.com/NVIDIA/vgpu-device-manager/api/spec/v1"
 	"sigs.k8s.io/yaml"
 
 	"gpusharing.io/tests/nvidia/internal/nvconf"
@@ -31,14 +32,16 @@ func (r *report) note(format string, args ...any) {
 
 // checker validates one render output against the policies it was made from.
 type checker struct {
-	out       *render.Output
-	policies  []policy.Policy
-	defaults  *mpv1.Spec // NVIDIA's default mig-parted config, optional
-	r         *report
-	mig       *mpv1.Spec // the config the MIG manager would use
-	migSource string
-	cpMigMode string           // ClusterPolicy spec.mig.strategy from the patch ("" = not patched)
-	nodes     []*render.Object // the --nodes input, if any
+	out      *render.Output
+	policies []policy.Policy
+	defaults *mpv1.Spec // NVIDIA's default mig-parted config, optional
+	// vgpuDefaults: NVIDIA's default vGPU-devices config, optional.
+	vgpuDefaults *vgpuv1.Spec
+	r            *report
+	mig          *mpv1.Spec // the config the MIG manager would use
+	migSource    string
+	cpMigMode    string           // ClusterPolicy spec.mig.strategy from the patch ("" = not patched)
+	nodes        []*render.Object // the --nodes input, if any
 }
 
 // The JSON keys NVIDIA's config structs know. NVIDIA ignores unknown keys
@@ -79,11 +82,14 @@ func jsonKeys(t reflect.Type) map[string]bool {
 func (c *checker) run() {
 	c.cpMigMode, _ = render.Str(c.out.ClusterPolicy.Spec, "mig", "strategy")
 	c.checkMigParted()
+	c.checkVgpuDevices()
 	c.checkClusterPolicy()
 	c.checkDeviceConfigs()
 	for i := range c.policies {
 		if c.policies[i].IsDRA() {
 			c.checkDRAPolicy(&c.policies[i])
+		} else if c.policies[i].IsVM() {
+			c.checkVMPolicy(&c.policies[i])
 		} else {
 			c.checkPolicy(&c.policies[i])
 		}
@@ -671,6 +677,9 @@ func (c *checker) checkNodes() {
 		}
 		for k, v := range n.Metadata.Labels {
 			labels[k] = v
+		}
+		if c.checkVMNode(n, labels) {
+			continue
 		}
 		key, hasKey := n.Metadata.Labels[sim.LabelDPConfig]
 		if hasKey {

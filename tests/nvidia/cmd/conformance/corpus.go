@@ -79,6 +79,7 @@ func corpus() []corpusFile {
 
 	add("exclusive", newPolicy("exclusive", policy.Exclusive))
 	files = append(files, draCorpus()...)
+	files = append(files, vmCorpus()...)
 
 	// time-slicing: replicas x renameByDefault x failRequestsGreaterThanOne,
 	// three policies per file.

@@ -39,9 +39,16 @@ type naive struct {
 	// one-GPU claim with these driver feature gates (dp is then unused).
 	gpuConfig string
 	gates     dra.Gates
+	// vgpu: a vGPU-devices config, of which the vGPU Device Manager
+	// selects vgpuName.
+	vgpu     string
+	vgpuName string
 }
 
 func (n *naive) check() error {
+	if n.vgpu != "" {
+		return n.checkVgpu()
+	}
 	if n.gpuConfig != "" {
 		_, err := dra.CheckGpuConfig([]byte(n.gpuConfig), n.gates, dra.FakeUUIDs(1))
 		return err
@@ -432,5 +439,5 @@ mig:
 			policies: []string{"twice"},
 			fields:   []string{"name", "duplicate"},
 		},
-	}, draInvalidCases()...)
+	}, append(draInvalidCases(), vmInvalidCases()...)...)
 }

@@ -26,6 +26,7 @@ import (
 	"time"
 
 	mpv1 "github.com/NVIDIA/mig-parted/api/spec/v1"
+	vgpuv1 "github.com/NVIDIA/vgpu-device-manager/api/spec/v1"
 
 	"gpusharing.io/tests/nvidia/internal/nvconf"
 	"gpusharing.io/tests/nvidia/internal/policy"
@@ -37,6 +38,7 @@ type options struct {
 	examples     string
 	namespace    string
 	defaultMig   string
+	defaultVgpu  string
 	run          string
 	keep         bool
 	verbose      bool
@@ -54,6 +56,7 @@ func main() {
 	flag.StringVar(&o.examples, "examples", "", "directory of example GpuSharingPolicy YAML files")
 	flag.StringVar(&o.namespace, "namespace", "gpu-operator", "namespace the rendered ConfigMaps must be in")
 	flag.StringVar(&o.defaultMig, "mig-parted-config", "", "optional: the GPU Operator's default mig-parted config (ConfigMap YAML or raw config); passed to render, named layouts are checked against it")
+	flag.StringVar(&o.defaultVgpu, "vgpu-config", "", "optional: the GPU Operator's default vGPU-devices config (ConfigMap YAML or raw); named vGPU types are checked against it")
 	flag.StringVar(&o.run, "run", "", "only run cases whose name matches this regexp")
 	flag.BoolVar(&o.keep, "keep", false, "keep the generated corpus directory")
 	flag.BoolVar(&o.verbose, "v", false, "print notes (NVIDIA warnings) and passing cases")
@@ -92,6 +95,9 @@ func main() {
 }
 
 // validCase is a file of valid policies.
+// vgpuDefaults: NVIDIA's default vGPU-devices config (--vgpu-config), if given.
+var vgpuDefaults *vgpuv1.Spec
+
 type validCase struct {
 	name  string
 	path  string
@@ -109,6 +115,15 @@ func runAll(o *options) (passed, failed, skipped int, err error) {
 	if o.defaultMig != "" {
 		if defaults, err = loadDefaultMig(o.defaultMig); err != nil {
 			return 0, 0, 0, fmt.Errorf("--mig-parted-config: %w", err)
+		}
+	}
+	if o.defaultVgpu != "" {
+		text, err := nvconf.ReadMigConfigFile(o.defaultVgpu)
+		if err == nil {
+			vgpuDefaults, err = nvconf.LoadVgpuConfig([]byte(text))
+		}
+		if err != nil {
+			return 0, 0, 0, fmt.Errorf("--vgpu-config: %w", err)
 		}
 	}
 	dir, err := os.MkdirTemp("", "gpu-sharing-conformance-")
@@ -305,7 +320,7 @@ func checkValidFile(o *options, vc validCase, defaults *mpv1.Spec) *report {
 		r.fail("render output: %v", err)
 		return r
 	}
-	c := &checker{out: out, policies: policies, defaults: defaults, r: r, nodes: nodes}
+	c := &checker{out: out, policies: policies, defaults: defaults, vgpuDefaults: vgpuDefaults, r: r, nodes: nodes}
 	c.run()
 	return r
 }

@@ -26,6 +26,7 @@ import (
 	"log"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -63,6 +64,7 @@ type options struct {
 	autoLabelMig     bool
 	fallbacks        string
 	defaultMigConfig string
+	defaultVgpu      string
 	retry            time.Duration
 	restartDelay     time.Duration
 }
@@ -77,6 +79,7 @@ func main() {
 	flag.BoolVar(&o.autoLabelMig, "auto-label-mig-config", true, "label MIG-capable nodes without nvidia.com/mig.config with all-disabled, as the GPU Operator does")
 	flag.StringVar(&o.fallbacks, "fallback-strategies", sim.FallbackEmpty, "config-manager FALLBACK_STRATEGIES when neither label nor default names a config (the GPU Operator uses 'empty'; the plugin's Helm chart 'named,single')")
 	flag.StringVar(&o.defaultMigConfig, "default-mig-config", "", "mig-parted config (file: ConfigMap manifest or raw) used when the ClusterPolicy names none and the namespace has no "+sim.DefaultMigConfigMap+" (default: a small built-in config)")
+	flag.StringVar(&o.defaultVgpu, "default-vgpu-config", "", "vGPU-devices config (file: ConfigMap manifest or raw) played as the GPU Operator's "+sim.DefaultVgpuConfigMap+" when the namespace has none (default: assets/default-vgpu-devices-config.yaml beside the executable, if present)")
 	flag.DurationVar(&o.restartDelay, "restart-delay", time.Second, "how long the device plugin and GPU Feature Discovery take to restart after a reload trigger (config label, ClusterPolicy, MIG geometry) before they load the config and GFD relabels with a new nvidia.com/gfd.timestamp")
 	flag.DurationVar(&o.retry, "crashloop-retry", 5*time.Second, "how often a node whose simulated device plugin cannot start is re-evaluated")
 	flag.Parse()
@@ -108,6 +111,8 @@ type simulator struct {
 	cms     cache.Store
 	cps     cache.Store
 	builtin string
+	// vgpuDefault: the GPU Operator's default vGPU-devices config.
+	vgpuDefault string
 
 	mu       sync.Mutex
 	timers   map[string]pendingMig     // node -> MIG reconfiguration in progress
@@ -153,6 +158,20 @@ func run(ctx context.Context, o *options) error {
 	}
 	if o.defaultMigConfig != "" {
 		if s.builtin, err = nvconf.ReadMigConfigFile(o.defaultMigConfig); err != nil {
+			return err
+		}
+	}
+	if o.defaultVgpu == "" {
+		if exe, err := os.Executable(); err == nil {
+			p := filepath.Join(filepath.Dir(exe), "assets", "default-vgpu-devices-config.yaml")
+			if _, err := os.Stat(p); err == nil {
+				o.defaultVgpu = p
+			}
+		}
+	}
+	if o.defaultVgpu != "" {
+		// The same ConfigMap-or-raw reading as the mig-parted config.
+		if s.vgpuDefault, err = nvconf.ReadMigConfigFile(o.defaultVgpu); err != nil {
 			return err
 		}
 	}
@@ -343,6 +362,31 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		return 0, nil
 	}
 
+	if !cp.Found {
+		// No ClusterPolicy (deleted, or the GPU Operator's DRA-only mode): the
+		// GPU Operator deploys no container operands, so no MIG manager,
+		// device plugin or GFD runs; the kubelet withdraws the plugin's
+		// resources.
+		s.logOnce(name, "no ClusterPolicy: the GPU Operator deploys no device plugin, GFD or MIG manager")
+		sim.PlanDevicePluginGone(n, patch)
+		s.mu.Lock()
+		delete(s.restarts, name)
+		s.mu.Unlock()
+		return 0, s.write(ctx, node, patch)
+	}
+
+	if workload := sim.Workload(n, cp); workload != sim.WorkloadCtr {
+		// A VM node: no container stack; the sandbox operands act.
+		s.logOnce(name, "workload "+workload+": the GPU Operator runs the sandbox operands, not the device plugin, GFD or MIG manager")
+		sim.PlanSandbox(n, hw, workload, s.sandboxInput(cp), patch)
+		s.mu.Lock()
+		delete(s.restarts, name)
+		delete(s.timers, name)
+		s.mu.Unlock()
+		return 0, s.write(ctx, node, patch)
+	}
+	sim.PlanSandboxGone(n, patch)
+
 	// MIG manager.
 	migIn := sim.MigInput{Now: time.Now(), Delay: s.o.migDelay, AutoLabelEmpty: s.o.autoLabelMig}
 	migIn.MigConfig, migIn.Source, migIn.Err = s.migConfig(cp)
@@ -373,7 +417,15 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 	}
 	var dpRes sim.DPResult
 	var restartWait time.Duration
-	if !migRes.InProgress {
+	sim.PlanOperandLabels(n, patch)
+	if !sim.DevicePluginDeployed(n) {
+		// No device-plugin pod on the node: nothing loads; the kubelet
+		// withdraws the plugin's resources.
+		sim.PlanDevicePluginGone(n, patch)
+		s.mu.Lock()
+		delete(s.restarts, name)
+		s.mu.Unlock()
+	} else if !migRes.InProgress {
 		// A reload trigger restarts the plugin and GFD: they load the new
 		// config (and GFD stamps its labels) only after restartDelay.
 		now := time.Now()
@@ -505,6 +557,12 @@ func (s *simulator) write(ctx context.Context, node *corev1.Node, p *sim.Patch) 
 			return fmt.Errorf("patching status: %w", err)
 		}
 		log.Printf("node %s: capacity/allocatable %v", node.Name, p.Resources)
+	} else if p.Allocatable != nil {
+		body, _ := json.Marshal(map[string]any{"status": map[string]any{"allocatable": p.Allocatable}})
+		if _, err := s.core.Nodes().Patch(ctx, node.Name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: fieldManager}, "status"); err != nil {
+			return fmt.Errorf("patching status: %w", err)
+		}
+		log.Printf("node %s: allocatable %v", node.Name, p.Allocatable)
 	}
 	return nil
 }
@@ -545,14 +603,46 @@ func (s *simulator) clusterPolicy() sim.ClusterPolicy {
 		str := func(k string) string { v, _ := m[k].(string); return v }
 		tolerations = append(tolerations, sim.Toleration{Key: str("key"), Operator: str("operator"), Value: str("value"), Effect: str("effect")})
 	}
+	sandbox, _, _ := unstructured.NestedBool(u, "spec", "sandboxWorkloads", "enabled")
+	vgpuManager, _, _ := unstructured.NestedBool(u, "spec", "vgpuManager", "enabled")
 	return sim.ClusterPolicy{
-		Found:         true,
-		Tolerations:   tolerations,
-		DPConfigName:  str("devicePlugin", "config", "name"),
-		DPDefault:     str("devicePlugin", "config", "default"),
-		MigConfigName: str("migManager", "config", "name"),
-		MigStrategy:   str("mig", "strategy"),
+		Found:              true,
+		Tolerations:        tolerations,
+		DPConfigName:       str("devicePlugin", "config", "name"),
+		DPDefault:          str("devicePlugin", "config", "default"),
+		MigConfigName:      str("migManager", "config", "name"),
+		MigStrategy:        str("mig", "strategy"),
+		SandboxEnabled:     sandbox,
+		DefaultWorkload:    str("sandboxWorkloads", "defaultWorkload"),
+		SandboxMode:        str("sandboxWorkloads", "mode"),
+		VgpuManagerEnabled: vgpuManager,
+		VgpuDMConfigName:   str("vgpuDeviceManager", "config", "name"),
 	}
+}
+
+// sandboxInput is what the sandbox operands of a VM node read: the vGPU
+// Device Manager's config from the ConfigMap the ClusterPolicy names (the
+// GPU Operator's default-vgpu-devices-config when it names none, played
+// from the GPU Operator's asset file when the cluster has no such
+// ConfigMap).
+func (s *simulator) sandboxInput(cp sim.ClusterPolicy) sim.SandboxInput {
+	in := sim.SandboxInput{VgpuManager: cp.VgpuManagerEnabled, KubeVirt: cp.SandboxMode == "" || cp.SandboxMode == "kubevirt"}
+	name := cp.VgpuDMConfigName
+	if name == "" {
+		name = sim.DefaultVgpuConfigMap
+	}
+	obj, ok, _ := s.cms.GetByKey(s.o.namespace + "/" + name)
+	switch {
+	case ok:
+		in.Config, in.Source = obj.(*corev1.ConfigMap).Data["config.yaml"], "ConfigMap "+name
+	case cp.VgpuDMConfigName != "":
+		in.Err = fmt.Errorf("ConfigMap %s/%s (ClusterPolicy spec.vgpuDeviceManager.config.name) not found", s.o.namespace, name)
+	case s.vgpuDefault != "":
+		in.Config, in.Source = s.vgpuDefault, "the GPU Operator's "+sim.DefaultVgpuConfigMap
+	default:
+		in.Err = fmt.Errorf("no vGPU-devices config: ConfigMap %s missing and no --default-vgpu-config", name)
+	}
+	return in
 }
 
 // migConfig returns the mig-parted config the MIG manager would read: the

@@ -28,6 +28,8 @@ const (
 	TimeSlicing = "timeSlicing"
 	MPS         = "mps"
 	MIG         = "mig"
+	VGPU        = "vgpu"
+	Passthrough = "passthrough"
 )
 
 type Policy struct {
@@ -51,7 +53,23 @@ type Spec struct {
 	MIG          *MIGSpec              `json:"mig,omitempty"`
 	Backend      string                `json:"backend,omitempty"` // "", devicePlugin, dra
 	DRA          *DRASpec              `json:"dra,omitempty"`
+	VGPU         *VGPUSpec             `json:"vgpu,omitempty"`
 }
+
+// VGPUSpec is spec.vgpu.
+type VGPUSpec struct {
+	Type         string            `json:"type,omitempty"`
+	CustomLayout []VGPUDeviceGroup `json:"customLayout,omitempty"`
+}
+
+// VGPUDeviceGroup is one entry of spec.vgpu.customLayout.
+type VGPUDeviceGroup struct {
+	Devices     []int          `json:"devices,omitempty"`
+	VGPUDevices map[string]int `json:"vgpuDevices"`
+}
+
+// IsVM: a strategy for virtual machines (vgpu, passthrough).
+func (p *Policy) IsVM() bool { return p.Spec.Strategy == VGPU || p.Spec.Strategy == Passthrough }
 
 // BackendDRA: sharing through NVIDIA's DRA driver (ResourceClaimTemplates).
 const BackendDRA = "dra"
@@ -199,6 +217,9 @@ func ExpectDevicePlugin(p *Policy, profilesOf LayoutProfilesFunc) (*ExpectedDP, 
 	}
 	switch p.Spec.Strategy {
 	case Exclusive, "":
+		return e, nil
+	case VGPU, Passthrough:
+		// VM hosts run no container device plugin; should one run, it shares nothing.
 		return e, nil
 	case TimeSlicing:
 		sh = p.Spec.TimeSlicing

@@ -17,6 +17,7 @@ import (
 const (
 	DevicePluginConfigMap = "gpu-sharing-device-plugin-config"
 	MigPartedConfigMap    = "gpu-sharing-mig-parted-config"
+	VgpuDevicesConfigMap  = "gpu-sharing-vgpu-devices-config"
 	ClusterPolicyName     = "cluster-policy"
 	ManagedByLabel        = "app.kubernetes.io/managed-by"
 	ManagedByValue        = "gpu-sharing-operator"
@@ -49,6 +50,7 @@ type Object struct {
 type Output struct {
 	DevicePlugin  *Object
 	MigParted     *Object // nil when no policy uses MIG
+	VgpuDevices   *Object // nil when no policy has a custom vGPU layout
 	ClusterPolicy *Object
 	// ClaimTemplates: resource.k8s.io/v1 ResourceClaimTemplates of DRA
 	// policies, in output order.
@@ -86,7 +88,7 @@ func Parse(out []byte, namespace string) (*Output, error) {
 	res.DevicePlugin = d
 	i++
 	// 2. optional mig-parted ConfigMap
-	if d := next(); d != nil && d.Kind == "ConfigMap" {
+	if d := next(); d != nil && d.Kind == "ConfigMap" && d.Metadata.Name != VgpuDevicesConfigMap {
 		if d.Metadata.Name != MigPartedConfigMap {
 			return nil, fmt.Errorf("document 2: unexpected ConfigMap %q", d.Metadata.Name)
 		}
@@ -97,6 +99,20 @@ func Parse(out []byte, namespace string) (*Output, error) {
 			return nil, fmt.Errorf("ConfigMap %s: data must hold exactly the key %s", MigPartedConfigMap, MigPartedKey)
 		}
 		res.MigParted = d
+		i++
+	}
+	// 2b. optional vGPU-devices ConfigMap
+	if d := next(); d != nil && d.Kind == "ConfigMap" {
+		if d.Metadata.Name != VgpuDevicesConfigMap {
+			return nil, fmt.Errorf("document %d: unexpected ConfigMap %q", i+1, d.Metadata.Name)
+		}
+		if err := checkConfigMap(d, namespace, "vgpu-devices"); err != nil {
+			return nil, err
+		}
+		if _, ok := d.Data[MigPartedKey]; !ok || len(d.Data) != 1 {
+			return nil, fmt.Errorf("ConfigMap %s: data must hold exactly the key %s", VgpuDevicesConfigMap, MigPartedKey)
+		}
+		res.VgpuDevices = d
 		i++
 	}
 	// 3. ClusterPolicy

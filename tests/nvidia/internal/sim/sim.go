@@ -211,6 +211,13 @@ type ClusterPolicy struct {
 	DPDefault     string       // spec.devicePlugin.config.default
 	MigConfigName string       // spec.migManager.config.name
 	MigStrategy   string       // spec.mig.strategy (MIG_STRATEGY env of device plugin and GFD)
+	// Sandbox workloads: spec.sandboxWorkloads.{enabled,defaultWorkload,mode}.
+	SandboxEnabled  bool
+	DefaultWorkload string
+	SandboxMode     string
+	// spec.vgpuManager.enabled; spec.vgpuDeviceManager.config.name.
+	VgpuManagerEnabled bool
+	VgpuDMConfigName   string
 }
 
 // Node is the part of a Node the simulator reads.
@@ -229,7 +236,10 @@ type Patch struct {
 	// Resources: extended resources to set in status.capacity and
 	// status.allocatable (nil: leave status alone).
 	Resources map[string]string
-	Log       []string
+	// Allocatable: extended resources to set in status.allocatable only
+	// (a stopped device plugin: capacity lingers).
+	Allocatable map[string]string
+	Log         []string
 }
 
 func (p *Patch) setLabel(n *Node, k, v string) {
@@ -278,7 +288,7 @@ func (p *Patch) logf(format string, args ...any) {
 
 // Empty reports whether the patch writes nothing.
 func (p *Patch) Empty() bool {
-	return len(p.Labels) == 0 && len(p.Annotations) == 0 && p.Resources == nil
+	return len(p.Labels) == 0 && len(p.Annotations) == 0 && p.Resources == nil && p.Allocatable == nil
 }
 
 // MigInput is what the simulated MIG manager sees.

@@ -409,3 +409,62 @@ func TestUntoleratedTaintsKeepTheGPUOperatorOff(t *testing.T) {
 		t.Fatalf("a value mismatch tolerates: %q", got)
 	}
 }
+
+func TestOperandSwitchAndStoppedDevicePlugin(t *testing.T) {
+	n := &Node{Name: "n", Labels: map[string]string{}, Annotations: map[string]string{AnnDPLoaded: "k"},
+		Capacity: map[string]string{"nvidia.com/gpu": "8"}, Allocatable: map[string]string{"nvidia.com/gpu": "8", "cpu": "96"}}
+	p := &Patch{}
+	PlanOperandLabels(n, p)
+	if v := p.Labels[LabelDeployDevicePlugin]; v == nil || *v != "true" {
+		t.Fatalf("the GPU Operator sets an absent switch to true, got %v", p.Labels)
+	}
+	n.Labels[LabelDeployDevicePlugin] = "false"
+	p = &Patch{}
+	PlanOperandLabels(n, p)
+	if len(p.Labels) != 0 || DevicePluginDeployed(n) {
+		t.Fatalf("a false switch is left alone and keeps the plugin off: %v", p.Labels)
+	}
+	PlanDevicePluginGone(n, p)
+	if p.Allocatable["nvidia.com/gpu"] != "0" || len(p.Allocatable) != 1 || p.Resources != nil {
+		t.Fatalf("allocatable of the plugin's resources only goes to 0, capacity stays: %v %v", p.Allocatable, p.Resources)
+	}
+	if _, ok := p.Annotations[AnnDPLoaded]; !ok {
+		t.Fatalf("the next deployment must load afresh")
+	}
+}
+
+func TestSandboxOperandsOnVMHosts(t *testing.T) {
+	hw := Hardware{Product: "NVIDIA-L4", Count: 4}
+	cfg := "version: v1\nvgpu-configs:\n  L4-6Q:\n  - devices: all\n    vgpu-devices:\n      L4-6Q: 4\n"
+	in := SandboxInput{Config: cfg, Source: "test", VgpuManager: true, KubeVirt: true}
+	n := &Node{Name: "n", Labels: map[string]string{LabelWorkload: WorkloadVgpu, LabelVgpuConfig: "L4-6Q"},
+		Annotations: map[string]string{}, Allocatable: map[string]string{"nvidia.com/gpu": "16"}}
+	if w := Workload(n, ClusterPolicy{}); w != WorkloadCtr {
+		t.Fatalf("without sandboxWorkloads.enabled every node is a container node, got %s", w)
+	}
+	if w := Workload(n, ClusterPolicy{SandboxEnabled: true}); w != WorkloadVgpu {
+		t.Fatalf("got %s", w)
+	}
+	p := &Patch{}
+	PlanSandbox(n, hw, WorkloadVgpu, in, p)
+	if *p.Labels[LabelVgpuState] != StateSuccess || p.Allocatable["nvidia.com/NVIDIA_L4-6Q"] != "16" || p.Allocatable["nvidia.com/gpu"] != "0" {
+		t.Fatalf("vGPU devices created and advertised, device plugin gone: %v %v", p.Labels, p.Allocatable)
+	}
+	n.Labels[LabelVgpuConfig] = "L4-7Q"
+	p = &Patch{}
+	PlanSandbox(n, hw, WorkloadVgpu, in, p)
+	if *p.Labels[LabelVgpuState] != StateFailed || !strings.Contains(*p.Annotations[AnnVgpuError], "not present") {
+		t.Fatalf("an unknown config fails: %v %v", p.Labels, p.Annotations)
+	}
+	p = &Patch{}
+	PlanSandbox(n, hw, WorkloadPass, in, p)
+	if p.Allocatable["nvidia.com/AD104GL_L4"] != "4" {
+		t.Fatalf("passthrough GPUs advertised by PCI device name: %v", p.Allocatable)
+	}
+	n.Allocatable = map[string]string{"nvidia.com/AD104GL_L4": "4"}
+	p = &Patch{}
+	PlanSandboxGone(n, p)
+	if p.Allocatable["nvidia.com/AD104GL_L4"] != "0" {
+		t.Fatalf("a container node advertises no VM resources: %v", p.Allocatable)
+	}
+}
