@@ -44,6 +44,7 @@ pub const MAX_POLICY_NAME: usize = 54;
     printcolumn(name = "Progress", type_ = "string", json_path = ".status.conditions[?(@.type==\"Progressing\")].reason", description = "rollout progress (reason of the Progressing condition)", priority = 1),
     printcolumn(name = "Config", type_ = "string", json_path = ".status.deviceConfigKey", description = "device-plugin ConfigMap key", priority = 1),
     printcolumn(name = "MIG", type_ = "string", json_path = ".status.migConfig", description = "MIG layout", priority = 1),
+    printcolumn(name = "vGPU", type_ = "string", json_path = ".status.vgpuConfig", description = "vGPU Device Manager config", priority = 1),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
