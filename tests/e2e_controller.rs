@@ -412,7 +412,14 @@ async fn policy_crd_round_trip() {
     // `-o wide` adds these.
     assert_eq!(
         cols(true),
-        ["Schedulable", "MiB/Client", "Progress", "Config", "MIG", "vGPU"]
+        [
+            "Schedulable",
+            "MiB/Client",
+            "Progress",
+            "Config",
+            "MIG",
+            "vGPU"
+        ]
     );
     assert_eq!(crd.spec.names.short_names, Some(vec!["gsp".to_string()]));
 }

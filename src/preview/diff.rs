@@ -9,7 +9,10 @@ use kube::ResourceExt;
 use serde::Serialize;
 
 use crate::api::crd::{Capacity, GpuSharingPolicy, GpuSharingPolicyStatus};
-use crate::api::names::{LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_POLICY};
+use crate::api::names::{
+    LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_POLICY,
+    LABEL_VGPU_CONFIG, LABEL_WORKLOAD,
+};
 use crate::nvidia;
 use crate::plan::converge::{NotConverged, converge};
 use crate::plan::{self, NodeFacts, PlanInput};
@@ -49,7 +52,7 @@ pub struct PolicyPreview {
 }
 
 /// How a node shares its GPUs: the governing policy and its strategy, the device-plugin config
-/// key and the MIG layout (from the node's labels).
+/// key, the MIG layout, and for VM hosts the workload and vGPU config (from the node's labels).
 #[derive(Serialize, Debug, Clone, PartialEq, Eq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeSharing {
@@ -61,6 +64,11 @@ pub struct NodeSharing {
     pub config: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mig_layout: Option<String>,
+    /// `nvidia.com/gpu.workload.config`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workload: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vgpu_config: Option<String>,
 }
 
 /// One value that changes (a label, a ClusterPolicy field); `None` is absent.
@@ -129,8 +137,16 @@ pub struct Preview {
     pub assumptions: Vec<String>,
 }
 
-/// The labels `plan` compares: ours, except the MIG state that the MIG manager reports.
-const COMPARED: [&str; 3] = [LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_POLICY];
+/// The labels `plan` compares: ours, except the states the MIG manager and the vGPU Device
+/// Manager report.
+const COMPARED: [&str; 6] = [
+    LABEL_DEVICE_PLUGIN_CONFIG,
+    LABEL_MIG_CONFIG,
+    LABEL_POLICY,
+    LABEL_WORKLOAD,
+    LABEL_VGPU_CONFIG,
+    LABEL_DEPLOY_DEVICE_PLUGIN,
+];
 
 fn sharing(n: &NodeFacts, policies: &[GpuSharingPolicy]) -> NodeSharing {
     let policy = n.labels.get(LABEL_POLICY).map(String::from);
@@ -146,6 +162,8 @@ fn sharing(n: &NodeFacts, policies: &[GpuSharingPolicy]) -> NodeSharing {
         strategy,
         config: n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(String::from),
         mig_layout: n.labels.get(LABEL_MIG_CONFIG).map(String::from),
+        workload: n.labels.get(LABEL_WORKLOAD).map(String::from),
+        vgpu_config: n.labels.get(LABEL_VGPU_CONFIG).map(String::from),
     }
 }
 
@@ -503,5 +521,31 @@ mod tests {
         );
         let pruned = desired(&cluster.policies, vec![other], true);
         assert_eq!(names(&pruned), BTreeSet::from(["other".to_string()]));
+    }
+
+    #[test]
+    fn a_vgpu_type_change_is_a_node_change() {
+        const VGPU: &str = "metadata: {name: a100}\nspec:\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: vgpu\n  vgpu: {type: A100D-1-10C}\n";
+        let mut input = PlanInput::new(vec![policy(VGPU)], vec![a100()]);
+        input.sandbox.vgpu_manager_enabled = true;
+        let c = converge(input).unwrap();
+        let (cluster, cp) = (c.input, c.plan.cluster_policy_spec);
+        assert_eq!(cp["sandboxWorkloads"]["enabled"], true);
+        let files = vec![policy(&VGPU.replace("A100D-1-10C", "A100D-2-20C"))];
+        let want = desired(&cluster.policies, files.clone(), false);
+        let p = preview(&cluster, Some(&cp), want, &names(&files)).unwrap();
+        assert!(
+            p.changed,
+            "only nvidia.com/vgpu.config changes, and that is a change"
+        );
+        let n = &p.nodes[0];
+        assert_eq!(n.before.workload.as_deref(), Some("vm-vgpu"));
+        assert_eq!(n.before.vgpu_config.as_deref(), Some("A100D-1-10C"));
+        assert_eq!(n.after.vgpu_config.as_deref(), Some("A100D-2-20C"));
+        let text = crate::preview::print::text(&p);
+        assert!(
+            text.contains("vm-vgpu A100D-1-10C -> vm-vgpu A100D-2-20C"),
+            "{text}"
+        );
     }
 }

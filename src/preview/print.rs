@@ -66,7 +66,7 @@ fn policy_row(
     ]
 }
 
-fn sharing(s: &NodeSharing) -> [String; 3] {
+fn sharing(s: &NodeSharing) -> [String; 4] {
     let policy = match (&s.policy, &s.strategy) {
         (Some(p), Some(st)) => format!("{p} ({st})"),
         (Some(p), None) => p.clone(),
@@ -76,6 +76,11 @@ fn sharing(s: &NodeSharing) -> [String; 3] {
         policy,
         or_dash(s.config.as_deref()),
         or_dash(s.mig_layout.as_deref()),
+        match (&s.workload, &s.vgpu_config) {
+            (Some(w), Some(v)) => format!("{w} {v}"),
+            (Some(w), None) => w.clone(),
+            _ => "-".into(),
+        },
     ]
 }
 
@@ -150,7 +155,7 @@ fn nodes(out: &mut String, p: &Preview) {
         p.nodes.len(),
         p.waves.len()
     );
-    let mut rows = header(&["NODE", "WAVE", "POLICY", "CONFIG", "MIG"]);
+    let mut rows = header(&["NODE", "WAVE", "POLICY", "CONFIG", "MIG", "WORKLOAD"]);
     for n in &p.nodes {
         let (b, a) = (sharing(&n.before), sharing(&n.after));
         let mut row = vec![n.name.clone(), n.wave.to_string()];
