@@ -1,16 +1,17 @@
 # The two quick-start commands (see README.md):
 #   make demo   run the operator against a local control plane with example GPU nodes
 #   make test   run the whole test suite
-.PHONY: demo test generate crd
+.PHONY: demo test generate crd image
 
 demo:
 	bash tests/cluster/demo.sh
 
-# Builds the local control plane and NVIDIA's parsers first (cached; a cold build of
-# kube-apiserver takes several minutes), then every test.
+# Builds the local control plane, NVIDIA's parsers and the container image first (cached; a cold
+# build of kube-apiserver takes several minutes), then every test.
 test:
 	bash tests/cluster/cluster.sh build
 	bash tests/nvidia/build.sh
+	bash tests/image/build.sh >/dev/null
 	cargo test --locked
 	bash tests/nvidia/build.sh test
 	bash tests/nvidia/conformance.sh
@@ -36,3 +37,16 @@ bench:
 	cargo build --release --locked --bins
 	target/release/scale-bench $(BENCH_ARGS)
 	target/release/scale-bench $(ROLLOUT_ARGS)
+
+# The container image (Containerfile): with docker or podman when one can build, else the same
+# image as an OCI layout in target/image/ without a container engine (tests/image/build.sh).
+VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
+image:
+	@if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then \
+		docker build -f Containerfile --build-arg VERSION=$(VERSION) -t gpu-sharing-operator:$(VERSION) . ; \
+	elif command -v podman >/dev/null 2>&1; then \
+		podman build -f Containerfile --build-arg VERSION=$(VERSION) -t gpu-sharing-operator:$(VERSION) . ; \
+	else \
+		echo "make image: no container engine can build here: writing the OCI layout without one"; \
+		VERSION=$(VERSION) bash tests/image/build.sh; \
+	fi

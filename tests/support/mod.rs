@@ -275,24 +275,7 @@ pub async fn service_account_kubeconfig(
     namespace: &str,
     name: &str,
 ) -> kube::config::Kubeconfig {
-    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-    use k8s_openapi::api::core::v1::ServiceAccount;
-    let sas: Api<ServiceAccount> = Api::namespaced(cluster.client.clone(), namespace);
-    let tr = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: vec![],
-            expiration_seconds: Some(3600),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    let token = sas
-        .create_token_request(name, &kube::api::PostParams::default(), &tr)
-        .await
-        .expect("token request")
-        .status
-        .expect("token")
-        .token;
+    let token = service_account_token(cluster, namespace, name).await;
     let mut kc = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
     for named in &mut kc.auth_infos {
         let mut auth = kube::config::AuthInfo {
@@ -305,6 +288,27 @@ pub async fn service_account_kubeconfig(
         );
     }
     kc
+}
+
+/// A bound token of ServiceAccount `namespace/name` from the TokenRequest API (one hour).
+pub async fn service_account_token(cluster: &TestCluster, namespace: &str, name: &str) -> String {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let sas: Api<ServiceAccount> = Api::namespaced(cluster.client.clone(), namespace);
+    let tr = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: vec![],
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    sas.create_token_request(name, &kube::api::PostParams::default(), &tr)
+        .await
+        .expect("token request")
+        .status
+        .expect("token")
+        .token
 }
 
 /// A client for [`service_account_kubeconfig`].
