@@ -317,13 +317,23 @@ impl World {
         for n in &mut self.nodes {
             let old_mig = n.labels.get(LABEL_MIG_CONFIG).map(str::to_string);
             let old_dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(str::to_string);
+            let was_vm = plan::vm::is_vm_host(n);
             gpu_sharing_operator::plan::converge::apply_to_node(
                 n,
                 &plan.node_labels[&n.name],
                 &plan.node_annotations[&n.name],
             );
-            if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != old_dp.as_deref() {
+            // A new config restarts the device plugin and GFD; a VM host going back to
+            // containers gets them deployed again: either way GFD labels it anew.
+            let back_from_vm = was_vm && !plan::vm::is_vm_host(n);
+            if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != old_dp.as_deref() || back_from_vm {
                 self.gfd_pending.insert(n.name.clone());
+            }
+            if back_from_vm {
+                // The sandbox device plugin is undeployed and the kubelet withdraws what it
+                // advertised (in seconds, here at once: a node made a VM host again within
+                // that window could be confirmed by the stale allocatable).
+                n.allocatable = Labels::default();
             }
             assert!(
                 n.labels.get(LABEL_MIG_CONFIG) == old_mig.as_deref()
