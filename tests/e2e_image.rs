@@ -23,7 +23,16 @@ fn repo() -> PathBuf {
 
 /// Builds the image (cached by cargo and go); returns its output directory.
 fn build_image() -> PathBuf {
-    let out = Command::new("bash")
+    let mut cmd = Command::new("bash");
+    // Without the variables `cargo test` sets for test binaries (some make build scripts, e.g.
+    // ring's, rerun): the build is then the one `make test` already did, not a second one.
+    for (k, _) in std::env::vars() {
+        let cargo_var = k.starts_with("CARGO") && k != "CARGO_HOME" && k != "CARGO_TERM_COLOR";
+        if cargo_var || k.starts_with("RUSTC") || k.starts_with("RUSTDOC") || k == "OUT_DIR" {
+            cmd.env_remove(&k);
+        }
+    }
+    let out = cmd
         .arg(repo().join("tests/image/build.sh"))
         .arg("path")
         .stderr(Stdio::inherit())
