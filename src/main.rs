@@ -197,6 +197,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     controller::run(client, config, stop).await?;
     metrics.set_leader(false);
+    metrics.clear_policies();
     if lost {
         anyhow::bail!("lost leadership; exiting so that this replica restarts as a standby");
     }

@@ -310,6 +310,7 @@ fn record_plan_metrics(ctx: &Context, input: &PlanInput, plan: &Plan) {
         .filter(|s| s.conflicting_nodes > 0)
         .count();
     m.set_conflicted_policies(conflicted as u64);
+    m.set_policies(&plan.statuses);
     m.set_node_cache(input.nodes.len() as u64, ctx.caches.nodes.strings() as u64);
 }
 

@@ -23,6 +23,9 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
+use crate::api::crd::GpuSharingPolicyStatus;
+use crate::api::state::ConditionStatus;
+
 /// Upper bounds of the reconcile duration histogram, in seconds.
 const BUCKETS: [f64; 9] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
 
@@ -34,6 +37,101 @@ struct KindLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StrategyLabel {
     strategy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyLabel {
+    policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConditionLabel {
+    policy: String,
+    condition: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyNodesLabel {
+    policy: String,
+    state: String,
+}
+
+/// Per-policy gauges, from the statuses of the last plan (policies gone from it drop out).
+#[derive(Default)]
+struct PolicyGauges {
+    condition: Family<ConditionLabel, Gauge>,
+    nodes: Family<PolicyNodesLabel, Gauge>,
+    schedulable: Family<PolicyLabel, Gauge>,
+    halted: Family<PolicyLabel, Gauge>,
+}
+
+impl PolicyGauges {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "gpu_sharing_policy_condition",
+            "A policy's status conditions: 1 when the condition is True, else 0 (with its reason)",
+            self.condition.clone(),
+        );
+        registry.register(
+            "gpu_sharing_policy_nodes",
+            "A policy's nodes by state: matched, applied, unavailable (changed, not yet \
+             confirmed), queued (waiting for their rollout wave), conflicting",
+            self.nodes.clone(),
+        );
+        registry.register(
+            "gpu_sharing_policy_schedulable_replicas",
+            "Schedulable nvidia.com/* units a policy's applied nodes offer",
+            self.schedulable.clone(),
+        );
+        registry.register(
+            "gpu_sharing_policy_rollout_halted",
+            "1 while a policy's rollout is halted (a node failed or timed out)",
+            self.halted.clone(),
+        );
+    }
+
+    fn clear(&self) {
+        self.condition.clear();
+        self.nodes.clear();
+        self.schedulable.clear();
+        self.halted.clear();
+    }
+
+    fn set(&self, name: &str, s: &GpuSharingPolicyStatus) {
+        let policy = || name.to_string();
+        for c in &s.conditions {
+            self.condition
+                .get_or_create(&ConditionLabel {
+                    policy: policy(),
+                    condition: c.type_.as_str().into(),
+                    reason: c.reason.as_str().into(),
+                })
+                .set(i64::from(c.status == ConditionStatus::True));
+        }
+        let rollout = s.rollout.as_ref();
+        for (state, n) in [
+            ("matched", s.matched_nodes),
+            ("applied", s.applied_nodes),
+            ("unavailable", s.unavailable_nodes),
+            ("queued", rollout.map_or(0, |r| r.queued_nodes)),
+            ("conflicting", s.conflicting_nodes),
+        ] {
+            self.nodes
+                .get_or_create(&PolicyNodesLabel {
+                    policy: policy(),
+                    state: state.into(),
+                })
+                .set(i64::from(n));
+        }
+        let label = PolicyLabel { policy: policy() };
+        self.schedulable
+            .get_or_create(&label)
+            .set(s.capacity.as_ref().map_or(0, |c| c.schedulable_replicas));
+        self.halted.get_or_create(&label).set(i64::from(
+            rollout.is_some_and(|r| r.halted_generation.is_some()),
+        ));
+    }
 }
 
 /// The operator's metrics.
@@ -48,6 +146,7 @@ pub struct Metrics {
     cached_nodes: Gauge,
     cached_label_strings: Gauge,
     leader: Gauge,
+    policies: PolicyGauges,
     /// Whether the caches are synced and a first pass ran.
     ready: AtomicBool,
 }
@@ -119,6 +218,8 @@ impl Default for Metrics {
         for (name, help, g) in gauges {
             registry.register(name, help, g.clone());
         }
+        let policies = PolicyGauges::default();
+        policies.register(&mut registry);
         Metrics {
             registry,
             reconciles,
@@ -130,6 +231,7 @@ impl Default for Metrics {
             cached_nodes,
             cached_label_strings,
             leader,
+            policies,
             ready: AtomicBool::new(false),
         }
     }
@@ -159,6 +261,22 @@ impl Metrics {
                 .get_or_create(&StrategyLabel { strategy })
                 .set(n as i64);
         }
+    }
+
+    /// Per-policy gauges from the statuses of the last plan, replacing the previous set.
+    pub fn set_policies<'a>(
+        &self,
+        statuses: impl IntoIterator<Item = (&'a String, &'a GpuSharingPolicyStatus)>,
+    ) {
+        self.policies.clear();
+        for (name, s) in statuses {
+            self.policies.set(name, s);
+        }
+    }
+
+    /// A replica that stops leading stops reporting policies (the new leader does).
+    pub fn clear_policies(&self) {
+        self.policies.clear();
     }
 
     pub fn set_conflicted_policies(&self, n: u64) {
@@ -240,6 +358,33 @@ mod tests {
         m.set_nodes_per_strategy([("timeSlicing".to_string(), 1)]);
         m.set_leader(true);
         m.set_node_cache(5, 40);
+        let status = |ready: bool, halted: Option<i64>| GpuSharingPolicyStatus {
+            conditions: vec![crate::api::crd::Condition {
+                type_: crate::api::state::ConditionType::Ready,
+                status: ready.into(),
+                reason: crate::api::state::Reason::Converged,
+                message: String::new(),
+                last_transition_time: None,
+                observed_generation: None,
+            }],
+            matched_nodes: 3,
+            applied_nodes: 2,
+            unavailable_nodes: 1,
+            rollout: Some(crate::api::crd::RolloutStatus {
+                queued_nodes: 4,
+                halted_generation: halted,
+                ..Default::default()
+            }),
+            capacity: Some(crate::api::crd::Capacity {
+                schedulable_replicas: 32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let gone = [("gone".to_string(), status(true, None))];
+        m.set_policies(gone.iter().map(|(n, s)| (n, s)));
+        let now = [("h200".to_string(), status(false, Some(2)))];
+        m.set_policies(now.iter().map(|(n, s)| (n, s)));
         let text = m.render();
         for want in [
             "gpu_sharing_reconciles_total 2",
@@ -252,6 +397,12 @@ mod tests {
             "gpu_sharing_cached_nodes 5",
             "gpu_sharing_cached_label_strings 40",
             "gpu_sharing_conflicted_policies 0",
+            "gpu_sharing_policy_condition{policy=\"h200\",condition=\"Ready\",reason=\"Converged\"} 0",
+            "gpu_sharing_policy_nodes{policy=\"h200\",state=\"matched\"} 3",
+            "gpu_sharing_policy_nodes{policy=\"h200\",state=\"queued\"} 4",
+            "gpu_sharing_policy_nodes{policy=\"h200\",state=\"unavailable\"} 1",
+            "gpu_sharing_policy_schedulable_replicas{policy=\"h200\"} 32",
+            "gpu_sharing_policy_rollout_halted{policy=\"h200\"} 1",
             "# EOF",
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
@@ -259,6 +410,10 @@ mod tests {
         assert!(
             !text.contains("strategy=\"mps\""),
             "stale strategies drop out:\n{text}"
+        );
+        assert!(
+            !text.contains("policy=\"gone\""),
+            "deleted policies drop out:\n{text}"
         );
     }
 }
