@@ -30,6 +30,17 @@ enum Command {
     /// Show what applying these policies would change in the cluster (kubeconfig or
     /// in-cluster; read-only). Exit code 0: no change, 2: changes, 1: invalid input or error.
     Plan(PlanArgs),
+    /// Uninstall step (the Helm chart's pre-delete hook runs it): delete every GpuSharingPolicy
+    /// and wait until the running operator has released their nodes and removed its finalizer.
+    /// Exit code 0: done, 1: timed out (says what is left) or an error.
+    Cleanup {
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 300)]
+        timeout_seconds: u64,
+        /// Log format.
+        #[arg(long, value_enum, default_value = "pretty")]
+        log_format: LogFormat,
+    },
     /// Print, without a cluster, every object the operator would write for these policies.
     Render {
         /// A policy file or a directory of them (*.yaml, *.yml).
@@ -298,6 +309,32 @@ fn main() -> ExitCode {
                 .build()
                 .expect("tokio runtime");
             match rt.block_on(run(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Command::Cleanup {
+            timeout_seconds,
+            log_format,
+        } => {
+            init_tracing(log_format);
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            let done = rt.block_on(async {
+                let client = kube::Client::try_default().await?;
+                gpu_sharing_operator::runtime::cleanup::run(
+                    client,
+                    std::time::Duration::from_secs(timeout_seconds),
+                )
+                .await
+                .map_err(anyhow::Error::from)
+            });
+            match done {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("error: {e:#}");

@@ -2,6 +2,7 @@
 //! difference, finalizers and statuses, events and leader election.
 
 pub mod apply;
+pub mod cleanup;
 pub mod controller;
 pub mod finalize;
 pub mod input;

@@ -1,0 +1,146 @@
+//! `gpu-sharing-operator cleanup`: what an uninstall runs before the operator goes (the Helm
+//! chart's pre-delete hook). Deletes every GpuSharingPolicy and waits until the running operator
+//! has released their nodes and removed its finalizer, so no policy is left stuck on a finalizer
+//! nobody will remove and no node keeps a label naming a config that is gone.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
+use kube::{Client, ResourceExt};
+use tracing::info;
+
+use crate::api::crd::GpuSharingPolicy;
+use crate::api::names::{FINALIZER, LABEL_POLICY, MANAGER};
+use crate::runtime::controller::cluster_policy_resource;
+use crate::runtime::managed::owned_leaf_paths;
+
+/// Why a cleanup did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum CleanupError {
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error(
+        "timed out after {timeout:?}: still present: {remaining}. Is the operator running? \
+         (`kubectl get pods -l app.kubernetes.io/name=gpu-sharing-operator -A`) It removes its \
+         finalizer only once it has released a policy's nodes."
+    )]
+    Timeout {
+        timeout: Duration,
+        remaining: String,
+    },
+}
+
+/// What is left to wait for.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Remaining {
+    /// Policies still present (on our finalizer).
+    pub policies: BTreeSet<String>,
+    /// Nodes still labelled with a policy.
+    pub nodes: BTreeSet<String>,
+    /// ClusterPolicy fields the operator still owns (`<clusterpolicy>:spec.devicePlugin.config.name`).
+    pub cluster_policy_fields: BTreeSet<String>,
+}
+
+impl Remaining {
+    pub fn is_empty(&self) -> bool {
+        self.policies.is_empty() && self.nodes.is_empty() && self.cluster_policy_fields.is_empty()
+    }
+}
+
+impl std::fmt::Display for Remaining {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |s: &BTreeSet<String>| s.iter().cloned().collect::<Vec<_>>().join(", ");
+        write!(
+            f,
+            "{} policies [{}], {} nodes labelled {LABEL_POLICY} [{}], ClusterPolicy fields [{}]",
+            self.policies.len(),
+            list(&self.policies),
+            self.nodes.len(),
+            list(&self.nodes),
+            list(&self.cluster_policy_fields)
+        )
+    }
+}
+
+async fn remaining(client: &Client) -> Result<Remaining, kube::Error> {
+    let policies: Api<GpuSharingPolicy> = Api::all(client.clone());
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let policies = policies
+        .list_metadata(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .map(|p| p.name_any())
+        .collect();
+    let nodes = nodes
+        .list_metadata(&ListParams::default().labels(LABEL_POLICY))
+        .await?
+        .items
+        .iter()
+        .map(|n| n.name_any())
+        .collect();
+    // The ClusterPolicy fields we set (device plugin / MIG manager / vGPU Device Manager config,
+    // sandbox workloads) are withdrawn by the operator's pass after the last policy goes. No
+    // ClusterPolicy kind (no GPU Operator): nothing to wait for.
+    let cps: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
+    let mut cluster_policy_fields = BTreeSet::new();
+    match cps.list_metadata(&ListParams::default()).await {
+        Ok(list) => {
+            for cp in list.items {
+                let entries = cp.metadata.managed_fields.as_deref().unwrap_or_default();
+                // An emptied `f:spec: {}` entry owns nothing.
+                let owned = owned_leaf_paths(entries, MANAGER, "spec");
+                for f in owned.into_iter().filter(|f| f.starts_with("spec.")) {
+                    cluster_policy_fields.insert(format!("{}:{f}", cp.name_any()));
+                }
+            }
+        }
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => return Err(e),
+    }
+    Ok(Remaining {
+        policies,
+        nodes,
+        cluster_policy_fields,
+    })
+}
+
+/// Deletes every policy and waits, up to `timeout`, until none is left, no node carries a
+/// policy label and the operator owns no ClusterPolicy field. Policies without our finalizer (the operator never saw them) go at once.
+pub async fn run(client: Client, timeout: Duration) -> Result<(), CleanupError> {
+    let api: Api<GpuSharingPolicy> = Api::all(client.clone());
+    let start = Instant::now();
+    for p in api.list_metadata(&ListParams::default()).await?.items {
+        let name = p.name_any();
+        if p.metadata.deletion_timestamp.is_none() {
+            let held = p.finalizers().iter().any(|f| f == FINALIZER);
+            info!(policy = %name, finalizer = held, "deleting");
+            match api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    let mut last = String::new();
+    loop {
+        let left = remaining(&client).await?;
+        if left.is_empty() {
+            info!(took = ?start.elapsed(), "every policy deleted and every node released");
+            return Ok(());
+        }
+        let now = left.to_string();
+        if now != last {
+            info!(remaining = %now, "waiting for the operator to release nodes");
+            last = now;
+        }
+        if start.elapsed() >= timeout {
+            return Err(CleanupError::Timeout {
+                timeout,
+                remaining: last,
+            });
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
