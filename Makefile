@@ -6,22 +6,26 @@
 demo:
 	bash tests/cluster/demo.sh
 
-# Builds the local control plane, NVIDIA's parsers and the container image first (cached; a cold
-# build of kube-apiserver takes several minutes), then every test.
+# Builds the local control plane, NVIDIA's parsers, the container image and the Go tools (Helm,
+# actionlint) first (cached; a cold build of kube-apiserver takes several minutes), then every test.
 test:
 	bash tests/cluster/cluster.sh build
 	bash tests/nvidia/build.sh
 	bash tests/image/build.sh >/dev/null
+	bash tests/tools/build.sh
 	cargo test --locked
 	bash tests/nvidia/build.sh test
 	bash tests/nvidia/conformance.sh
 
-# Regenerate crds/ and the README's CRD reference from the Rust types.
+# Regenerate crds/ (and the chart's copy) and the README's CRD reference from the Rust types, and
+# the README's chart values table from charts/gpu-sharing-operator/values.yaml.
 generate:
 	mkdir -p target
 	cargo run --quiet -- crd > crds/gpusharingpolicies.gpusharing.io.yaml
+	cp crds/gpusharingpolicies.gpusharing.io.yaml charts/gpu-sharing-operator/crds/
 	cargo run --quiet -- crd --markdown > target/crd-reference.md
 	python3 -c 'r=open("README.md").read(); t=open("target/crd-reference.md").read(); s="<!-- crd-reference:start -->\n"; e="<!-- crd-reference:end -->"; a=r.index(s)+len(s); b=r.index(e); open("README.md","w").write(r[:a]+t+r[b:])'
+	GENERATE=1 cargo test --quiet --test helm_chart readme_values_table_is_current
 
 crd: generate
 

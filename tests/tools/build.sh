@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Go-built tools the tests run, installed from their Go modules into target/tools (cached by
+# version): Helm v4 for the chart tests (tests/helm_chart.rs) and actionlint for the workflows
+# (tests/workflows.rs).
+#
+#   tests/tools/build.sh          build what is missing
+#   tests/tools/build.sh path     the same, then print the directory
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+OUT=${TOOLS_OUT:-$REPO/target/tools}
+
+mkdir -p "$OUT"
+exec 9>"$OUT/.lock"
+flock 9
+
+install() {
+	local name=$1 pkg=$2
+	if [ -x "$OUT/$name" ] && [ "$(cat "$OUT/$name.version" 2>/dev/null)" = "$pkg" ]; then
+		return
+	fi
+	echo "building $pkg" >&2
+	# Outside the repository: no go.mod of ours takes part.
+	(cd "${TMPDIR:-/tmp}" && GOBIN=$OUT GOFLAGS=-mod=mod go install -trimpath -ldflags "-s -w" "$pkg")
+	echo "$pkg" >"$OUT/$name.version"
+}
+
+install helm helm.sh/helm/v4/cmd/helm@v4.3.2
+install actionlint github.com/rhysd/actionlint/cmd/actionlint@v1.7.12
+
+case ${1:-} in
+path) echo "$OUT" ;;
+esac
