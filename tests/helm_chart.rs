@@ -405,6 +405,51 @@ fn chart_rbac_grants_exactly_what_config_grants() {
 }
 
 #[test]
+fn chart_node_admission_policy_is_configs() {
+    let text = std::fs::read_to_string(repo().join("config/node-admission-policy.yaml")).unwrap();
+    let config = common::parse_yaml_documents(&text).unwrap();
+    let chart = render(RELEASE, RELEASE_NS, &[]);
+    let name = "gpu-sharing-operator-node-fields";
+    assert_eq!(
+        find(&chart, "ValidatingAdmissionPolicy", name)["spec"],
+        config[0]["spec"]
+    );
+    assert_eq!(
+        find(&chart, "ValidatingAdmissionPolicyBinding", name)["spec"],
+        config[1]["spec"]
+    );
+    // Another release, namespace, ServiceAccount and readiness taint: the policy follows them.
+    let custom = render("gso", "ops", &["--values", CUSTOM_VALUES]);
+    let vap = find(
+        &custom,
+        "ValidatingAdmissionPolicy",
+        "gso-gpu-sharing-operator-node-fields",
+    );
+    assert_eq!(
+        vap["spec"]["matchConditions"][0]["expression"],
+        "request.userInfo.username == 'system:serviceaccount:ops:gso'"
+    );
+    assert_eq!(
+        find(
+            &custom,
+            "ValidatingAdmissionPolicyBinding",
+            "gso-gpu-sharing-operator-node-fields"
+        )["spec"]["policyName"],
+        vap["metadata"]["name"]
+    );
+    let off = render(
+        RELEASE,
+        RELEASE_NS,
+        &["--set", "nodeAdmissionPolicy.enabled=false"],
+    );
+    assert!(
+        !kinds(&off)
+            .iter()
+            .any(|k| k.starts_with("ValidatingAdmissionPolicy"))
+    );
+}
+
+#[test]
 fn chart_crd_is_the_generated_crd() {
     let generated =
         std::fs::read_to_string(repo().join("crds/gpusharingpolicies.gpusharing.io.yaml")).unwrap();
