@@ -31,6 +31,7 @@ fn mps_config(t: &serde_json::Value) -> serde_json::Value {
 #[tokio::test]
 async fn dra_templates_follow_the_policy() {
     let (_g, cluster, _sim) = setup().await;
+    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
     let c = cluster.client.clone();
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": TEAM}})).unwrap();
     Api::<Namespace>::all(c.clone())
@@ -152,6 +153,7 @@ async fn dra_templates_follow_the_policy() {
     })
     .await;
     op.stop().await;
+    invariants.check().await;
 }
 
 /// `nvidia.com/gpu` capacity and allocatable of a node.
@@ -190,6 +192,7 @@ async fn allocated_claim(c: &kube::Client, node: &str) {
 #[tokio::test]
 async fn a_template_waits_for_its_namespace_and_follows_it_at_once() {
     let (_g, cluster, _sim) = setup().await;
+    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
     let c = cluster.client.clone();
     let op = Operator::start_with(
         c.clone(),
@@ -230,6 +233,7 @@ async fn a_template_waits_for_its_namespace_and_follows_it_at_once() {
     )
     .await;
     op.stop().await;
+    invariants.check().await;
 }
 
 /// The GPU Operator's DRA-only mode (`GPUCluster`, no ClusterPolicy): a device-plugin policy is
@@ -238,6 +242,7 @@ async fn a_template_waits_for_its_namespace_and_follows_it_at_once() {
 #[tokio::test]
 async fn a_gpu_cluster_is_reported_not_fought() {
     let (_g, cluster, _sim) = setup().await;
+    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
     let c = cluster.client.clone();
     common::apply_yaml(
         &c,
@@ -291,4 +296,5 @@ async fn a_gpu_cluster_is_reported_not_fought() {
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     assert_eq!(labels(&c, "l4-node-0").await, before, "left alone");
     op.stop().await;
+    invariants.check().await;
 }

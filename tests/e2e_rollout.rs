@@ -7,7 +7,6 @@
 mod common;
 mod support;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
@@ -17,26 +16,6 @@ use support::*;
 
 const NODES: usize = 40;
 const POLICY: &str = "l4-rollout";
-
-/// The fixture's L4 node as YAML, renamed.
-fn l4_node(name: &str) -> String {
-    let fixtures =
-        std::fs::read_to_string(common::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
-            .unwrap();
-    fixtures
-        .split("\n---\n")
-        .find(|d| d.contains("name: l4-node-0\n"))
-        .expect("an L4 node in the fixtures")
-        .replace("l4-node-0", name)
-}
-
-/// `n` copies of the fixture's L4 node, named `l4-00`, `l4-01`, ...
-fn fleet(dir: &std::path::Path, n: usize) -> PathBuf {
-    let docs: Vec<String> = (0..n).map(|i| l4_node(&format!("l4-{i:02}"))).collect();
-    let path = dir.join("fleet.yaml");
-    std::fs::write(&path, docs.join("\n---\n")).unwrap();
-    path
-}
 
 async fn patch_policy(c: &kube::Client, spec: serde_json::Value) {
     Api::<GpuSharingPolicy>::all(c.clone())
@@ -83,7 +62,7 @@ async fn converged(c: &kube::Client, generation: i64) -> serde_json::Value {
 async fn rollouts_go_in_waves_halt_on_a_hung_node_and_pause() {
     let dir = tempfile::tempdir().unwrap();
     let (_g, cluster, _sim) =
-        setup_with(common::ClusterOptions::default().nodes_file(fleet(dir.path(), NODES))).await;
+        setup_with(common::ClusterOptions::default().nodes_file(l4_fleet(dir.path(), NODES))).await;
     let c = cluster.client.clone();
     let watch = BudgetWatcher::start(&c).await;
     let op = Operator::start(c.clone(), None);

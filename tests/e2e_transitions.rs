@@ -55,6 +55,7 @@ fn record_node_history(
 #[tokio::test]
 async fn mig_to_mps_goes_through_confirmed_all_disabled() {
     let (_g, cluster, _sim) = setup().await;
+    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
@@ -102,11 +103,13 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
         "mps"
     );
     op.stop().await;
+    invariants.check().await;
 }
 
 #[tokio::test]
 async fn an_overridden_policy_reports_the_winner_and_emits_an_event() {
     let (_g, cluster, _sim) = setup().await;
+    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, "h200-node-0", "gpusharing.io/profile", Some("shared")).await;
@@ -151,11 +154,13 @@ async fn an_overridden_policy_reports_the_winner_and_emits_an_event() {
     })
     .await;
     op.stop().await;
+    invariants.check().await;
 }
 
 #[tokio::test]
 async fn mig_change_waits_for_idle_gpus() {
     let (_g, cluster, _sim) = setup().await;
+    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
     let c = cluster.client.clone();
     // A pod bound to the node, using a GPU (no kubelet: it stays Pending, but it is there).
     let pod: Pod = serde_json::from_value(serde_json::json!({
@@ -209,11 +214,13 @@ async fn mig_change_waits_for_idle_gpus() {
         "all-1g.10gb"
     );
     op.stop().await;
+    invariants.check().await;
 }
 
 #[tokio::test]
 async fn mig_manager_that_never_reports_is_degraded_after_the_timeout() {
     let (_g, cluster, sim) = setup().await;
+    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
     // No MIG manager at all: the state we set to pending is never resolved.
     drop(sim);
     let c = cluster.client.clone();
@@ -246,4 +253,5 @@ async fn mig_manager_that_never_reports_is_degraded_after_the_timeout() {
     assert!(d["message"].as_str().unwrap().contains(NODE), "{d}");
     assert_eq!(condition(&s, "Ready").unwrap()["status"], "False");
     op.stop().await;
+    invariants.check().await;
 }

@@ -56,6 +56,7 @@ async fn node_detail(c: &kube::Client, policy: &str, node: &str) -> Option<serde
 #[tokio::test]
 async fn a_node_goes_from_time_slicing_to_vgpu_and_back_never_both() {
     let (_g, cluster, _sim) = setup().await;
+    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
     let c = cluster.client.clone();
     // The user's part: the vGPU Manager (their own image) is enabled.
     common::cluster_policy_api(&c)
@@ -218,6 +219,7 @@ async fn a_node_goes_from_time_slicing_to_vgpu_and_back_never_both() {
     })
     .await;
     op.stop().await;
+    invariants.check().await;
 }
 
 async fn api_delete(c: &kube::Client, name: &str) {
@@ -233,6 +235,7 @@ async fn api_delete(c: &kube::Client, name: &str) {
 #[tokio::test]
 async fn bad_vgpu_input_is_refused_and_changes_nothing() {
     let (_g, cluster, _sim) = setup().await;
+    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, NODE, "gpusharing.io/profile", Some("vdi")).await;
@@ -297,4 +300,5 @@ async fn bad_vgpu_input_is_refused_and_changes_nothing() {
         "sandbox workloads not enabled for a policy that cannot run"
     );
     op.stop().await;
+    invariants.check().await;
 }

@@ -43,11 +43,12 @@ func etcdLogger(level string) (*zap.Logger, error) {
 }
 
 // startEtcd runs a single-member etcd inside this process with its data in
-// dataDir and returns it with its client URL.
-func startEtcd(dataDir string, logLevel string) (*embed.Etcd, string, error) {
+// dataDir and returns it with its client URL. fresh: the directory holds no data
+// worth keeping, so a failed attempt may wipe it (never on a restart).
+func startEtcd(dataDir string, logLevel string, fresh bool) (*embed.Etcd, string, error) {
 	var lastErr error
 	for attempt := 0; attempt < 5; attempt++ {
-		if attempt > 0 {
+		if attempt > 0 && fresh {
 			// A failed start may have left a half-initialised member behind.
 			_ = os.RemoveAll(dataDir)
 		}

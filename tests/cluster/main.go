@@ -56,6 +56,7 @@ type kubeLocalOptions struct {
 	pdeathsig         bool
 	controllers       bool
 	keep              bool
+	persist           bool
 	readyTimeout      time.Duration
 }
 
@@ -82,6 +83,7 @@ func parseFlags() (*kubeLocalOptions, error) {
 	fs.BoolVar(&o.pdeathsig, "pdeathsig", false, "ask the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG); beware: it fires when the parent *thread* that started kube-local exits, so not for multi-threaded parents such as test harnesses")
 	fs.BoolVar(&o.controllers, "controllers", true, "run the garbage-collector and namespace controllers (of kube-controller-manager) in-process")
 	fs.BoolVar(&o.keep, "keep", false, "keep the etcd data on exit")
+	fs.BoolVar(&o.persist, "persist", false, "with --dir: keep the etcd data (<dir>/etcd) and certificates (<dir>/pki) there and, when they exist, start again on them (a restart: same objects, same CA and admin credentials, nothing seeded); pass the same --port to keep the kubeconfig valid")
 	fs.DurationVar(&o.readyTimeout, "ready-timeout", 90*time.Second, "how long to wait for the apiserver to become ready")
 	showVersion := fs.Bool("version", false, "print the Kubernetes version and exit")
 	if err := fs.Parse(os.Args[1:]); err != nil {
@@ -261,15 +263,29 @@ func run(o *kubeLocalOptions) int {
 		return 1
 	}
 	base, _ = filepath.Abs(base)
-	etcdDir, err := os.MkdirTemp(base, "etcd-")
-	if err != nil {
-		logf("%v", err)
-		return 1
+	var etcdDir string
+	restarted := false
+	if o.persist {
+		if o.dir == "" {
+			logf("--persist needs --dir")
+			return 1
+		}
+		etcdDir = filepath.Join(base, "etcd")
+		if _, err := os.Stat(filepath.Join(etcdDir, "member")); err == nil {
+			restarted = true
+		}
+	} else {
+		d, err := os.MkdirTemp(base, "etcd-")
+		if err != nil {
+			logf("%v", err)
+			return 1
+		}
+		etcdDir = d
 	}
 	cleanup := func() {
 		if removeBase {
 			_ = os.RemoveAll(base)
-		} else if !o.keep {
+		} else if !o.keep && !o.persist {
 			_ = os.RemoveAll(etcdDir)
 		}
 	}
@@ -278,17 +294,20 @@ func run(o *kubeLocalOptions) int {
 	cleanupMu.Unlock()
 	defer cleanup()
 
-	code := serve(ctx, o, base, etcdDir, stopReason)
+	code := serve(ctx, o, base, etcdDir, restarted, stopReason)
 	return code
 }
 
 // serve starts etcd and the apiserver, seeds, announces READY and blocks
 // until ctx is cancelled, then shuts both down.
-func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, stopReason <-chan string) int {
+func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, restarted bool, stopReason <-chan string) int {
 	start := time.Now()
 	logf("Kubernetes %s, data in %s", version.Get().GitVersion, base)
+	if restarted {
+		logf("restarting on the etcd data and certificates in %s", base)
+	}
 
-	etcd, etcdURL, err := startEtcd(etcdDir, o.etcdLogLevel)
+	etcd, etcdURL, err := startEtcd(etcdDir, o.etcdLogLevel, !restarted)
 	if err != nil {
 		logf("%v", err)
 		return 1
@@ -306,7 +325,7 @@ func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, stopR
 		return 1
 	}
 	port := listener.Addr().(*net.TCPAddr).Port
-	p, err := generatePKI(filepath.Join(base, "pki"),
+	p, err := generatePKI(filepath.Join(base, "pki"), restarted,
 		[]net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.0.0.1")},
 		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"})
 	if err != nil {
@@ -402,6 +421,11 @@ func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, stopR
 		logf("garbage-collector and namespace controllers running")
 	}
 
+	if restarted {
+		logf("ready in %.1fs (restarted: nothing seeded)", time.Since(start).Seconds())
+		fmt.Fprintf(os.Stdout, "READY %s\n", kubeconfig)
+		return waitStop(ctx, stopReason, ctrlCancel, shutdown, apiDied, &apiErr)
+	}
 	err = seed(readyCtx, cfg, seedOptions{
 		namespace:         o.namespace,
 		gpuOperator:       !o.noGPUOperator,
@@ -426,7 +450,12 @@ func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, stopR
 	}
 	logf("ready in %.1fs", time.Since(start).Seconds())
 	fmt.Fprintf(os.Stdout, "READY %s\n", kubeconfig)
+	return waitStop(ctx, stopReason, ctrlCancel, shutdown, apiDied, &apiErr)
+}
 
+// waitStop blocks until kube-local is told to stop (then stops the controllers and the
+// apiserver) or the apiserver dies.
+func waitStop(ctx context.Context, stopReason <-chan string, ctrlCancel func(), shutdown func(), apiDied <-chan struct{}, apiErr *error) int {
 	select {
 	case <-ctx.Done():
 		logf("stopping: %s", reason(stopReason))
@@ -434,7 +463,7 @@ func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, stopR
 		shutdown()
 		return 0
 	case <-apiDied:
-		logf("kube-apiserver exited unexpectedly: %v", apiErr)
+		logf("kube-apiserver exited unexpectedly: %v", *apiErr)
 		return 1
 	}
 }

@@ -57,8 +57,9 @@ func writeFile(path string, data []byte, mode os.FileMode) error {
 
 // generatePKI writes a fresh CA, serving cert (for the given IPs and DNS
 // names), an admin client cert in group system:masters and a service-account
-// key into dir.
-func generatePKI(dir string, ips []net.IP, dnsNames []string) (*pki, error) {
+// key into dir. reuse: keep the ones already there (a restart: kubeconfigs and
+// ServiceAccount tokens issued before stay valid).
+func generatePKI(dir string, reuse bool, ips []net.IP, dnsNames []string) (*pki, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
@@ -70,6 +71,27 @@ func generatePKI(dir string, ips []net.IP, dnsNames []string) (*pki, error) {
 		adminCert:   filepath.Join(dir, "admin.crt"),
 		adminKey:    filepath.Join(dir, "admin.key"),
 		saKey:       filepath.Join(dir, "sa.key"),
+	}
+	if reuse {
+		complete := true
+		for _, f := range []string{p.caCert, p.caKey, p.servingCert, p.servKey, p.adminCert, p.adminKey, p.saKey} {
+			if _, err := os.Stat(f); err != nil {
+				complete = false
+			}
+		}
+		if complete {
+			var err error
+			if p.caPEM, err = os.ReadFile(p.caCert); err != nil {
+				return nil, err
+			}
+			if p.adminCertPEM, err = os.ReadFile(p.adminCert); err != nil {
+				return nil, err
+			}
+			if p.adminKeyPEM, err = os.ReadFile(p.adminKey); err != nil {
+				return nil, err
+			}
+			return p, nil
+		}
 	}
 	now := time.Now().Add(-time.Hour)
 	notAfter := now.Add(10 * 365 * 24 * time.Hour)

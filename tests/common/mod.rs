@@ -268,6 +268,8 @@ pub struct TestCluster {
     // Declared before `dir`: the process is killed before the dir is removed.
     process: Process,
     pub dir: TempDir,
+    args: Vec<String>,
+    restarts: u32,
 }
 
 impl TestCluster {
@@ -289,7 +291,11 @@ impl TestCluster {
             .prefix("kube-local-test-")
             .tempdir()?;
         let log = dir.path().join("kube-local.log");
-        let (process, kubeconfig) = Process::spawn(Some(dir.path()), log.clone(), &opts.args())?;
+        // --persist: the etcd data and certificates stay in `dir`, so `restart` can start
+        // again on them (the dir is removed when the cluster is dropped).
+        let mut args = opts.args();
+        args.push("--persist".into());
+        let (process, kubeconfig) = Process::spawn(Some(dir.path()), log.clone(), &args)?;
         let client = client_from_kubeconfig(&kubeconfig).await?;
         Ok(TestCluster {
             client,
@@ -298,7 +304,44 @@ impl TestCluster {
             log,
             process,
             dir,
+            args,
+            restarts: 0,
         })
+    }
+
+    /// Stops the control plane (SIGKILL: etcd and kube-apiserver die at once, mid-request, as
+    /// in a crash) and starts it again on the same etcd data, certificates and port: clients
+    /// and watches see connection errors, then the same objects. Returns the time the API
+    /// server was away.
+    pub fn restart(&mut self) -> Duration {
+        let server = Kubeconfig::read_from(&self.kubeconfig)
+            .expect("kubeconfig")
+            .clusters[0]
+            .cluster
+            .as_ref()
+            .and_then(|c| c.server.clone())
+            .expect("server");
+        let port = server
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .trim_end_matches('/')
+            .to_string();
+        let down = Instant::now();
+        self.process.kill();
+        self.restarts += 1;
+        let log = self
+            .dir
+            .path()
+            .join(format!("kube-local.restart-{}.log", self.restarts));
+        let mut args = self.args.clone();
+        args.push(format!("--port={port}"));
+        let (process, kubeconfig) = Process::spawn(Some(self.dir.path()), log.clone(), &args)
+            .unwrap_or_else(|e| panic!("restarting the control plane: {e:#}"));
+        assert_eq!(kubeconfig, self.kubeconfig);
+        self.process = process;
+        self.log = log;
+        down.elapsed()
     }
 
     /// A new client for this cluster (a `kube::Client` is tied to the tokio

@@ -2,6 +2,8 @@
 //! small queries. Each test gets its own control plane (tests/common) and they run one at a time.
 #![allow(dead_code)]
 
+pub mod invariants;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -121,6 +123,26 @@ pub fn start_simulator(cluster: &TestCluster) -> Simulator {
         .spawn()
         .expect("simulator starts");
     Simulator(child)
+}
+
+/// The fixture's L4 node as YAML, renamed.
+pub fn l4_node(name: &str) -> String {
+    let fixtures =
+        std::fs::read_to_string(common::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
+            .unwrap();
+    fixtures
+        .split("\n---\n")
+        .find(|d| d.contains("name: l4-node-0\n"))
+        .expect("an L4 node in the fixtures")
+        .replace("l4-node-0", name)
+}
+
+/// A nodes file in `dir` with `n` copies of the fixture's L4 node, named `l4-00`, `l4-01`, ...
+pub fn l4_fleet(dir: &std::path::Path, n: usize) -> std::path::PathBuf {
+    let docs: Vec<String> = (0..n).map(|i| l4_node(&format!("l4-{i:02}"))).collect();
+    let path = dir.join("fleet.yaml");
+    std::fs::write(&path, docs.join("\n---\n")).unwrap();
+    path
 }
 
 /// resourceVersions of everything the operator may write.

@@ -150,7 +150,11 @@ func run(ctx context.Context, o *options) error {
 	}
 	s := &simulator{
 		o: o, core: core, dyn: dyn,
-		queue:    workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[string]()),
+		// A failed write (e.g. the API server restarting) is retried per node within 2 s, as
+		// NVIDIA's components re-evaluate on their own loops; client-go's default limiter adds
+		// a fleet-wide 10/s bucket, which after an outage on 200 nodes delays the last retries
+		// by minutes.
+		queue:    workqueue.NewTypedRateLimitingQueue(workqueue.NewTypedItemExponentialFailureRateLimiter[string](5*time.Millisecond, 2*time.Second)),
 		timers:   map[string]pendingMig{},
 		restarts: map[string]pendingRestart{},
 		lastLog:  map[string]string{},
