@@ -8,7 +8,6 @@
 mod common;
 mod support;
 
-use std::time::Duration;
 
 use gpu_sharing_operator::api::names::{MANAGED_ANNOTATIONS, MANAGED_LABELS};
 use k8s_openapi::api::core::v1::Node;
@@ -91,15 +90,7 @@ async fn allowed(c: &Client, name: &str, p: Value) -> Node {
 async fn the_operator_account_may_change_only_what_it_manages_on_nodes() {
     let (_g, cluster, _sim) = setup().await;
     let admin = cluster.client.clone();
-    let root = common::repo_root();
-    for f in [
-        "config/namespace.yaml",
-        "config/serviceaccount.yaml",
-        "config/rbac.yaml",
-        POLICY_FILE,
-    ] {
-        common::apply_path(&admin, &root.join(f)).await.unwrap();
-    }
+    apply_config(&admin, &[POLICY_FILE]).await;
     let sa = service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
 
     // The policy takes effect once the API server has loaded it: dry-run until it refuses.
@@ -312,20 +303,8 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
     common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
-    let ready = tokio::time::timeout(LONG, async {
-        loop {
-            if let Some(s) = ready_on(&admin, "h200-mps", 1).await {
-                return s;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    })
-    .await;
+    ready_on_or_log(&admin, "h200-mps", 1, &log).await;
     let text = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(
-        ready.is_ok(),
-        "h200-mps not Ready under the admission policy:\n{text}"
-    );
     assert!(
         !text.contains("gpu-sharing-operator-node-fields"),
         "the operator hit the policy:\n{text}"

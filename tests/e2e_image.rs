@@ -204,15 +204,7 @@ fn deployment_args(metrics: &str) -> Vec<String> {
 
 /// The HTTP status of `GET path` on a loopback port.
 fn http_status(port: u16, path: &str) -> u16 {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
+    let resp = http_get_raw(port, path);
     resp.split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
@@ -260,14 +252,7 @@ fn walk(root: &Path) -> Vec<String> {
 async fn run_in_cluster(rootfs: &Path) {
     let (_g, cluster, _sim) = setup().await;
     let admin = cluster.client.clone();
-    let root = common::repo_root();
-    for f in [
-        "config/namespace.yaml",
-        "config/serviceaccount.yaml",
-        "config/rbac.yaml",
-    ] {
-        common::apply_path(&admin, &root.join(f)).await.unwrap();
-    }
+    apply_config(&admin, &[]).await;
     let token = service_account_token(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
     let kc = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
     let named = &kc.clusters[0];

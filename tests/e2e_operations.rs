@@ -48,14 +48,6 @@ fn spawn_operator(cluster: &common::TestCluster, name: &str, args: &[&str]) -> P
     Proc(child, log)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
@@ -199,14 +191,7 @@ fn forbidden<T: std::fmt::Debug>(r: Result<T, kube::Error>) -> bool {
 async fn least_privilege_rbac_is_enough_and_no_more() {
     let (_g, cluster, _sim) = setup().await;
     let admin = cluster.client.clone();
-    let root = common::repo_root();
-    for f in [
-        "config/namespace.yaml",
-        "config/serviceaccount.yaml",
-        "config/rbac.yaml",
-    ] {
-        common::apply_path(&admin, &root.join(f)).await.unwrap();
-    }
+    apply_config(&admin, &[]).await;
     let sa = service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
     let op = Operator::start(sa.clone(), Some(NS));
     common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))

@@ -13,7 +13,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
-use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::Api;
@@ -610,27 +609,6 @@ fn metrics_the_chart_names() -> BTreeMap<String, String> {
     names
 }
 
-fn http_get(port: u16, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    resp
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Runs the operator binary as a pod of `deploy` would: its arguments (metrics on a loopback
 /// port), its RUST_LOG, as its ServiceAccount.
 async fn run_like(
@@ -767,28 +745,14 @@ async fn helm_install_runs_the_operator_and_uninstall_releases_every_node() {
     common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
-    let s = tokio::time::timeout(LONG, async {
-        loop {
-            if let Some(s) = ready_on(&admin, "h200-mps", 1).await {
-                return s;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-    })
-    .await
-    .unwrap_or_else(|_| {
-        panic!(
-            "h200-mps not Ready: {}",
-            std::fs::read_to_string(log.path()).unwrap()
-        )
-    });
+    let s = ready_on_or_log(&admin, "h200-mps", 1, log.path()).await;
     assert_eq!(s["capacity"]["schedulableReplicas"], 32);
     let node = "h200-node-0";
     let key = labels(&admin, node).await["nvidia.com/device-plugin.config"].clone();
     assert!(key.starts_with("h200-mps-"), "{key}");
 
     // Every metric the alerts and the dashboard name is in its exposition, with samples.
-    let metrics = http_get(port, "/metrics");
+    let metrics = http_get_raw(port, "/metrics");
     let named = metrics_the_chart_names();
     assert!(named.len() >= 10, "{named:?}");
     for (m, used) in &named {

@@ -125,6 +125,67 @@ pub fn start_simulator(cluster: &TestCluster) -> Simulator {
     Simulator(child)
 }
 
+/// A free loopback port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The raw HTTP/1.1 response to `GET path` on a loopback port.
+pub fn http_get_raw(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    resp
+}
+
+/// `config/`'s namespace, ServiceAccount and RBAC, then the `extra` files, applied as `admin`.
+pub async fn apply_config(admin: &Client, extra: &[&str]) {
+    let root = common::repo_root();
+    let base = [
+        "config/namespace.yaml",
+        "config/serviceaccount.yaml",
+        "config/rbac.yaml",
+    ];
+    for f in base.iter().chain(extra) {
+        common::apply_path(admin, &root.join(f)).await.unwrap();
+    }
+}
+
+/// Waits (up to [`LONG`]) until policy `name` is Ready on `n` nodes; panics with the log of the
+/// operator that should have got it there.
+pub async fn ready_on_or_log(
+    client: &Client,
+    name: &str,
+    n: i64,
+    log: &std::path::Path,
+) -> serde_json::Value {
+    let found = tokio::time::timeout(LONG, async {
+        loop {
+            if let Some(s) = ready_on(client, name, n).await {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    })
+    .await;
+    found.unwrap_or_else(|_| {
+        panic!(
+            "{name} not Ready on {n} nodes:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        )
+    })
+}
+
 /// The fixture's L4 node as YAML, renamed.
 pub fn l4_node(name: &str) -> String {
     let fixtures =
