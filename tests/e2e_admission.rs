@@ -8,7 +8,6 @@
 mod common;
 mod support;
 
-
 use gpu_sharing_operator::api::names::{MANAGED_ANNOTATIONS, MANAGED_LABELS};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;

@@ -228,6 +228,52 @@ pub fn nodes_to_change(nodes: &[Arc<NodeFacts>], plan: &Plan) -> Vec<String> {
         .collect()
 }
 
+/// After a failed pass the node cache may lag the server: a write whose response was lost (an API
+/// server restart) is already in place while the cache still shows the old label. Re-applying it
+/// with a new "config written" time would make the node wait for a GPU Feature Discovery report
+/// newer than a write that changed nothing (GFD already reported). So while the caches are
+/// suspect, a node write that stamps a new time reads the node first and keeps the server's time
+/// when its device-plugin label already is the planned one.
+async fn keep_server_write_time(
+    ctx: &Context,
+    api: &Api<Node>,
+    name: &str,
+    labels: &crate::plan::SmallMap,
+    mut annotations: crate::plan::SmallMap,
+) -> Result<crate::plan::SmallMap, Error> {
+    let now = std::time::Instant::now();
+    let suspect = ctx
+        .cache_suspect_until
+        .lock()
+        .expect("suspect lock")
+        .is_some_and(|until| now < until)
+        || ctx
+            .caches
+            .watch_failed_at
+            .lock()
+            .expect("watch error lock")
+            .is_some_and(|at| {
+                now.duration_since(at) < crate::runtime::controller::CACHE_SUSPECT_FOR
+            });
+    let Some(planned) = labels.get(LABEL_DEVICE_PLUGIN_CONFIG) else {
+        return Ok(annotations);
+    };
+    if !suspect || !annotations.contains_key(ANNOTATION_CONFIG_WRITTEN) {
+        return Ok(annotations);
+    }
+    let n = api.get(name).await?;
+    let same = n
+        .labels()
+        .get(LABEL_DEVICE_PLUGIN_CONFIG)
+        .map(String::as_str)
+        == Some(planned);
+    if let (true, Some(t)) = (same, n.annotations().get(ANNOTATION_CONFIG_WRITTEN)) {
+        debug!(node = %name, written = %t, "config label already in place: keeping its write time");
+        annotations.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), t.clone());
+    }
+    Ok(annotations)
+}
+
 /// Applies our labels and annotations to the nodes that differ (16 at a time), then emits one
 /// `NodesLabelled` event per policy. Every successful write is recorded even if another fails.
 pub async fn apply_nodes(
@@ -269,6 +315,8 @@ pub async fn apply_nodes(
                         obj["spec"] = json!({"unschedulable": true});
                     }
                 }
+                let annotations =
+                    keep_server_write_time(ctx, &api, &name, labels, annotations).await?;
                 obj["metadata"]["annotations"] = json!(annotations);
                 api.patch(&name, &apply_params(), &Patch::Apply(&obj))
                     .await?;

@@ -28,6 +28,8 @@ const NODE_LIST_PAGE: u32 = 100;
 
 /// The caches a pass reads.
 pub struct Caches {
+    /// When a watch last failed (its cache may lag the server until it has re-listed).
+    pub watch_failed_at: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
     pub policies: Store<GpuSharingPolicy>,
     pub nodes: Arc<NodeCache>,
     pub configmaps: Store<ConfigMap>,
@@ -174,17 +176,21 @@ pub async fn start(
         );
         None
     };
+    let watch_failed_at: Arc<std::sync::Mutex<Option<std::time::Instant>>> = Default::default();
     let events = {
         let notify = notify.clone();
+        let failed = watch_failed_at.clone();
         stream::select_all(streams).for_each(move |r| {
             if let Err(e) = r {
                 warn!(error = %e, "watch error");
+                *failed.lock().expect("watch error lock") = Some(std::time::Instant::now());
             }
             notify.notify_one();
             futures::future::ready(())
         })
     };
     let caches = Caches {
+        watch_failed_at,
         policies,
         nodes,
         configmaps,
