@@ -461,7 +461,22 @@ async fn dra_settings_edit_reaches_the_templates() {
     common::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
         .await
         .unwrap();
-    until("dra-mps Ready", LONG, || converged(&c, "dra-mps")).await;
+    // On timeout, say where it stood (this wait timed out once in CI under load).
+    if tokio::time::timeout(
+        LONG,
+        until("dra-mps Ready", LONG * 2, || converged(&c, "dra-mps")),
+    )
+    .await
+    .is_err()
+    {
+        let node = Api::<Node>::all(c.clone()).get(H200).await.unwrap();
+        panic!(
+            "dra-mps not Ready after {LONG:?}: status {}\n{H200} labels {:?}\nallocatable {:?}",
+            serde_json::to_string_pretty(&policy_status(&c, "dra-mps").await).unwrap(),
+            node.metadata.labels,
+            node.status.and_then(|s| s.allocatable)
+        );
+    }
     let templates: Api<ResourceClaimTemplate> = Api::namespaced(c.clone(), team);
     assert!(templates.get_opt("single-gpu").await.unwrap().is_some());
 
