@@ -228,12 +228,13 @@ pub fn nodes_to_change(nodes: &[Arc<NodeFacts>], plan: &Plan) -> Vec<String> {
         .collect()
 }
 
-/// After a failed pass the node cache may lag the server: a write whose response was lost (an API
-/// server restart) is already in place while the cache still shows the old label. Re-applying it
-/// with a new "config written" time would make the node wait for a GPU Feature Discovery report
-/// newer than a write that changed nothing (GFD already reported). So while the caches are
-/// suspect, a node write that stamps a new time reads the node first and keeps the server's time
-/// when its device-plugin label already is the planned one.
+/// After a failed pass or watch the node cache may lag the server: a write whose response was
+/// lost (an API server restart) is already in place while the cache still shows the old label.
+/// Re-applying it with a new "config written" time would make the node wait for a GPU Feature
+/// Discovery report newer than a write that changed nothing (GFD already reported). So while the
+/// caches may lag ([`CacheLag`](crate::runtime::watches::CacheLag)), a node write that stamps a
+/// new time reads the node first and keeps the server's time when its device-plugin label
+/// already is the planned one.
 async fn keep_server_write_time(
     ctx: &Context,
     api: &Api<Node>,
@@ -241,24 +242,10 @@ async fn keep_server_write_time(
     labels: &crate::plan::SmallMap,
     mut annotations: crate::plan::SmallMap,
 ) -> Result<crate::plan::SmallMap, Error> {
-    let now = std::time::Instant::now();
-    let suspect = ctx
-        .cache_suspect_until
-        .lock()
-        .expect("suspect lock")
-        .is_some_and(|until| now < until)
-        || ctx
-            .caches
-            .watch_failed_at
-            .lock()
-            .expect("watch error lock")
-            .is_some_and(|at| {
-                now.duration_since(at) < crate::runtime::controller::CACHE_SUSPECT_FOR
-            });
     let Some(planned) = labels.get(LABEL_DEVICE_PLUGIN_CONFIG) else {
         return Ok(annotations);
     };
-    if !suspect || !annotations.contains_key(ANNOTATION_CONFIG_WRITTEN) {
+    if !annotations.contains_key(ANNOTATION_CONFIG_WRITTEN) || !ctx.caches.lag.suspect() {
         return Ok(annotations);
     }
     let n = api.get(name).await?;

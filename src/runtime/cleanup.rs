@@ -107,7 +107,8 @@ async fn remaining(client: &Client) -> Result<Remaining, kube::Error> {
 }
 
 /// Deletes every policy and waits, up to `timeout`, until none is left, no node carries a
-/// policy label and the operator owns no ClusterPolicy field. Policies without our finalizer (the operator never saw them) go at once.
+/// policy label and the operator owns no ClusterPolicy field. Policies without our finalizer
+/// (the operator never saw them) go at once.
 pub async fn run(client: Client, timeout: Duration) -> Result<(), CleanupError> {
     let api: Api<GpuSharingPolicy> = Api::all(client.clone());
     let start = Instant::now();

@@ -111,10 +111,6 @@ pub struct Context {
     pub(crate) eviction_blocked: std::sync::Mutex<BTreeMap<String, String>>,
     /// Nodes being drained that someone else had cordoned (seen when we went to cordon them).
     pub(crate) foreign_cordons: std::sync::Mutex<BTreeSet<String>>,
-    /// Until when the caches may lag the API server (a pass failed: a write whose response was
-    /// lost, a watch cut by an API server restart). Meanwhile node writes that relabel a device
-    /// plugin config check the node first (see `apply::keep_server_write_time`).
-    pub(crate) cache_suspect_until: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Context {
@@ -213,7 +209,6 @@ pub async fn run(
         passes: AtomicU64::new(0),
         eviction_blocked: Default::default(),
         foreign_cordons: Default::default(),
-        cache_suspect_until: Default::default(),
     });
     tokio::select! {
         _ = events => warn!("watch streams ended"),
@@ -225,9 +220,6 @@ pub async fn run(
 
 /// Passes forever: after each, wait for a watch event (or the resync, or a short recheck while
 /// something is in progress, or the backoff after an error), then for the watches to go quiet.
-/// How long after a failed pass (or a failed watch) node writes distrust the caches.
-pub(crate) const CACHE_SUSPECT_FOR: Duration = Duration::from_secs(120);
-
 async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
     ctx.caches.wait_until_ready().await;
     info!(namespace = %ctx.namespace, "caches ready; reconciling");
@@ -248,8 +240,7 @@ async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
             }
             Err(e) => {
                 warn!(error = %e, retry_in = ?backoff, "reconcile failed");
-                *ctx.cache_suspect_until.lock().expect("suspect lock") =
-                    Some(std::time::Instant::now() + CACHE_SUSPECT_FOR);
+                ctx.caches.lag.mark();
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(60));
             }

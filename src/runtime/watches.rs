@@ -26,10 +26,33 @@ pub const RUNNING_BOUND_PODS: &str = "spec.nodeName!=,status.phase!=Succeeded,st
 /// Nodes per list page when the node watch (re)lists.
 const NODE_LIST_PAGE: u32 = 100;
 
+/// How long after a failed watch or pass the caches may lag the server.
+const LAG_SUSPECT_FOR: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// When a watch or a pass last failed: until [`LAG_SUSPECT_FOR`] later the caches may lag the
+/// server (a watch re-listing after an API server restart, a write whose response was lost).
+#[derive(Debug, Default)]
+pub struct CacheLag(std::sync::Mutex<Option<std::time::Instant>>);
+
+impl CacheLag {
+    /// Something failed now.
+    pub fn mark(&self) {
+        *self.0.lock().expect("cache lag lock") = Some(std::time::Instant::now());
+    }
+
+    /// Whether the caches may lag the server.
+    pub fn suspect(&self) -> bool {
+        self.0
+            .lock()
+            .expect("cache lag lock")
+            .is_some_and(|at| at.elapsed() < LAG_SUSPECT_FOR)
+    }
+}
+
 /// The caches a pass reads.
 pub struct Caches {
-    /// When a watch last failed (its cache may lag the server until it has re-listed).
-    pub watch_failed_at: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    /// Whether they may lag the server (see `apply::keep_server_write_time`).
+    pub lag: Arc<CacheLag>,
     pub policies: Store<GpuSharingPolicy>,
     pub nodes: Arc<NodeCache>,
     pub configmaps: Store<ConfigMap>,
@@ -176,21 +199,21 @@ pub async fn start(
         );
         None
     };
-    let watch_failed_at: Arc<std::sync::Mutex<Option<std::time::Instant>>> = Default::default();
+    let lag: Arc<CacheLag> = Default::default();
     let events = {
         let notify = notify.clone();
-        let failed = watch_failed_at.clone();
+        let lag = lag.clone();
         stream::select_all(streams).for_each(move |r| {
             if let Err(e) = r {
                 warn!(error = %e, "watch error");
-                *failed.lock().expect("watch error lock") = Some(std::time::Instant::now());
+                lag.mark();
             }
             notify.notify_one();
             futures::future::ready(())
         })
     };
     let caches = Caches {
-        watch_failed_at,
+        lag,
         policies,
         nodes,
         configmaps,
