@@ -285,11 +285,10 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
         .unwrap();
 
     // The operator itself, as that ServiceAccount, converges an example under the policy.
-    let kc =
-        service_account_kubeconfig(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
+    let kubeconfig =
+        service_account_kubeconfig_file(&cluster, "gpu-sharing-system", "gpu-sharing-operator")
+            .await;
     let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("operator.kubeconfig");
-    std::fs::write(&kubeconfig, serde_saphyr::to_string(&kc).unwrap()).unwrap();
     let log = dir.path().join("operator.log");
     let mut op = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
         .args(["run", "--namespace=gpu-operator", "--metrics-addr="])

@@ -5,7 +5,7 @@
 mod common;
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
 use support::*;
@@ -105,9 +105,8 @@ async fn plan_previews_changes_read_only_with_ci_exit_codes() {
         before = now;
     }
 
-    let kc = service_account_kubeconfig(&cluster, "gpu-sharing-system", "gpu-sharing-plan").await;
-    let kubeconfig: PathBuf = dir.path().join("plan.kubeconfig");
-    std::fs::write(&kubeconfig, serde_saphyr::to_string(&kc).unwrap()).unwrap();
+    let kubeconfig =
+        service_account_kubeconfig_file(&cluster, "gpu-sharing-system", "gpu-sharing-plan").await;
 
     // No change: the files are what the cluster runs.
     let same = plan(&kubeconfig, &["-f", "examples/mps-h200.yaml"]);

@@ -627,7 +627,7 @@ async fn run_like(
         .unwrap();
     let c = &spec.containers[0];
     let sa = spec.service_account_name.as_deref().unwrap();
-    let kubeconfig = kubeconfig_file(cluster, RELEASE_NS, sa).await;
+    let kubeconfig = service_account_kubeconfig_file(cluster, RELEASE_NS, sa).await;
     let args: Vec<String> = c
         .args
         .clone()
@@ -662,23 +662,12 @@ async fn run_like(
         .unwrap()
 }
 
-/// A kubeconfig file authenticated as ServiceAccount `namespace/name` (a TokenRequest token).
-async fn kubeconfig_file(cluster: &common::TestCluster, namespace: &str, name: &str) -> PathBuf {
-    let kc = service_account_kubeconfig(cluster, namespace, name).await;
-    let path = std::env::temp_dir().join(format!(
-        "helm-test-{name}-{}.kubeconfig",
-        std::process::id()
-    ));
-    std::fs::write(&path, serde_json::to_string(&kc).unwrap()).unwrap();
-    path
-}
-
 /// The hook Job's `cleanup`, run with the hook's ServiceAccount and arguments.
 async fn run_cleanup(cluster: &common::TestCluster, job: &Value, timeout: Option<&str>) -> Output {
     let sa = job["spec"]["template"]["spec"]["serviceAccountName"]
         .as_str()
         .unwrap();
-    let kubeconfig = kubeconfig_file(cluster, RELEASE_NS, sa).await;
+    let kubeconfig = service_account_kubeconfig_file(cluster, RELEASE_NS, sa).await;
     let mut args = strings(&container(job)["args"]);
     if let Some(t) = timeout {
         for a in &mut args {

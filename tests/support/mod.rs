@@ -373,6 +373,22 @@ pub async fn service_account_kubeconfig(
     kc
 }
 
+/// [`service_account_kubeconfig`] written to a file in the cluster's directory (removed with
+/// it), for processes run as that ServiceAccount.
+pub async fn service_account_kubeconfig_file(
+    cluster: &TestCluster,
+    namespace: &str,
+    name: &str,
+) -> std::path::PathBuf {
+    let kc = service_account_kubeconfig(cluster, namespace, name).await;
+    let path = cluster
+        .dir
+        .path()
+        .join(format!("{namespace}-{name}.kubeconfig"));
+    std::fs::write(&path, serde_saphyr::to_string(&kc).unwrap()).unwrap();
+    path
+}
+
 /// A bound token of ServiceAccount `namespace/name` from the TokenRequest API (one hour).
 pub async fn service_account_token(cluster: &TestCluster, namespace: &str, name: &str) -> String {
     use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
