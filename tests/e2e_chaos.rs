@@ -19,22 +19,24 @@ use support::*;
 const NODES: usize = 200;
 const POLICY: &str = "l4-chaos";
 
-/// Nodes whose device-plugin label names a key of `POLICY` with `replicas`... counted from the
-/// labels, as NVIDIA's device plugin would see them.
-async fn labelled(c: &kube::Client, key_prefix: &str) -> usize {
-    match Api::<Node>::all(c.clone()).list(&Default::default()).await {
-        Ok(l) => l
-            .items
+/// Nodes whose `nvidia.com/device-plugin.config` label satisfies `key` (what NVIDIA's device
+/// plugin reads); `None` when the API server does not answer (it may be restarting).
+async fn labelled(c: &kube::Client, key: impl Fn(&str) -> bool) -> Option<usize> {
+    let list = Api::<Node>::all(c.clone())
+        .list(&Default::default())
+        .await
+        .ok()?;
+    Some(
+        list.items
             .iter()
             .filter(|n| {
                 n.metadata.labels.as_ref().is_some_and(|l| {
                     l.get("nvidia.com/device-plugin.config")
-                        .is_some_and(|k| k.starts_with(key_prefix))
+                        .is_some_and(|k| key(k))
                 })
             })
             .count(),
-        Err(_) => 0,
-    }
+    )
 }
 
 /// Waits until at least `n` nodes carry a key that differs from `not` (a key of the policy's
@@ -45,20 +47,7 @@ async fn restart_after(cluster: &mut common::TestCluster, n: usize, not: Option<
         &format!("{n} nodes relabelled"),
         Duration::from_secs(120),
         || async {
-            let list = Api::<Node>::all(c.clone())
-                .list(&Default::default())
-                .await
-                .ok()?;
-            let count = list
-                .items
-                .iter()
-                .filter(|node| {
-                    node.metadata.labels.as_ref().is_some_and(|l| {
-                        l.get("nvidia.com/device-plugin.config")
-                            .is_some_and(|k| k.starts_with(POLICY) && Some(k.as_str()) != not)
-                    })
-                })
-                .count();
+            let count = labelled(&c, |k| k.starts_with(POLICY) && Some(k) != not).await?;
             (count >= n).then_some(count)
         },
     )
@@ -110,7 +99,7 @@ async fn control_plane_restarts_mid_convergence_lose_nothing() {
     restart_after(&mut cluster, 120, None).await;
     let s = converged(&c, 1).await;
     let key = s["deviceConfigKey"].as_str().unwrap().to_string();
-    assert_eq!(labelled(&c, &key).await, NODES);
+    assert_eq!(labelled(&c, |k| k == key).await, Some(NODES));
     eprintln!("converged after two restarts in {:?}", start.elapsed());
 
     // And once in the middle of an edit.
@@ -126,7 +115,7 @@ async fn control_plane_restarts_mid_convergence_lose_nothing() {
     let s = converged(&c, 2).await;
     let new_key = s["deviceConfigKey"].as_str().unwrap().to_string();
     assert_ne!(new_key, key);
-    assert_eq!(labelled(&c, &new_key).await, NODES);
+    assert_eq!(labelled(&c, |k| k == new_key).await, Some(NODES));
     let gpus = s["capacity"]["physicalGpus"].as_i64().unwrap();
     assert!(gpus >= NODES as i64, "{s}");
     assert_eq!(s["capacity"]["schedulableReplicas"], gpus * 8);
