@@ -124,6 +124,8 @@ pub struct PlanInput {
     pub dra_claims: BTreeMap<String, Vec<String>>,
     /// The GPU Operator's DRA-only `GPUCluster`, by name, when one exists.
     pub gpu_cluster: Option<String>,
+    /// The GPU Operator's namespace, when our last ConfigMap write found it missing.
+    pub gpu_operator_namespace_missing: Option<String>,
     /// Pods using the sandbox device plugin's resources (VMs), by node (`namespace/name`).
     pub vm_pods: BTreeMap<String, Vec<String>>,
     /// Nodes whose `nvidia.com/vgpu.config.state` has said `pending` past the timeout.
@@ -162,6 +164,7 @@ impl PlanInput {
             readiness_taint: None,
             dra_claims: BTreeMap::new(),
             gpu_cluster: None,
+            gpu_operator_namespace_missing: None,
             vm_pods: BTreeMap::new(),
             vgpu_stuck: BTreeSet::new(),
             sandbox: vm::Sandbox::default(),
@@ -401,6 +404,7 @@ pub fn plan(input: &PlanInput) -> Plan {
             .filter(|t| !t.tolerated)
             .map(|t| t.key.as_str()),
         gpu_cluster: input.gpu_cluster.as_deref(),
+        gpu_operator_namespace_missing: input.gpu_operator_namespace_missing.as_deref(),
     };
     let mut claim_templates = BTreeMap::new();
     let mut statuses = BTreeMap::new();

@@ -42,6 +42,8 @@ pub struct Cluster<'a> {
     pub untolerated_taint: Option<&'a str>,
     /// The GPU Operator's DRA-only `GPUCluster`, when one exists.
     pub gpu_cluster: Option<&'a str>,
+    /// The GPU Operator's namespace, when it does not exist (nothing can be written there).
+    pub gpu_operator_namespace_missing: Option<&'a str>,
 }
 
 /// What the status needs of the policy's place among the others.
@@ -109,7 +111,12 @@ fn accepted(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
     }
 }
 
-fn ready(p: &Prepared, t: &Tally, missing_namespaces: &[String]) -> (bool, Reason, String) {
+fn ready(
+    p: &Prepared,
+    t: &Tally,
+    missing_namespaces: &[String],
+    c: &Cluster,
+) -> (bool, Reason, String) {
     let won = t.details.len() as i32;
     let stale = t.in_state(NodeState::Stale).len();
     let all = t.applied == won && t.in_state(NodeState::Rejected).is_empty();
@@ -119,6 +126,13 @@ fn ready(p: &Prepared, t: &Tally, missing_namespaces: &[String]) -> (bool, Reaso
             Reason::NotAccepted,
             "the policy is not accepted".into(),
         )
+    } else if let Some(ns) = c.gpu_operator_namespace_missing {
+        let msg = format!(
+            "the GPU Operator's namespace {ns} does not exist: the device-plugin config cannot be \
+             written there, so no node is labelled until it does (install the GPU Operator, or \
+             give the operator its namespace with --namespace)"
+        );
+        (false, Reason::NamespaceMissing, msg)
     } else if !missing_namespaces.is_empty() {
         let msg = format!(
             "namespaces {} do not exist: their ResourceClaimTemplates are created as soon as they do",
@@ -354,7 +368,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         cond(ConditionType::Accepted, accepted(p, &t)),
         cond(
             ConditionType::Ready,
-            ready(p, &t, &place.missing_namespaces),
+            ready(p, &t, &place.missing_namespaces, c),
         ),
         cond(ConditionType::Progressing, progressing(p, &t)),
         cond(ConditionType::Conflicted, conflicted(p, &place.conflicting)),

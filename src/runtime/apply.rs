@@ -96,8 +96,15 @@ async fn apply_configmap(
     }
     let obj = plan::configmap(name, &ctx.namespace, kind, data);
     let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    api.patch(name, &apply_params(), &Patch::Apply(&obj))
-        .await?;
+    let missing = &ctx.namespace_missing;
+    match api.patch(name, &apply_params(), &Patch::Apply(&obj)).await {
+        Ok(_) => missing.store(false, std::sync::atomic::Ordering::Relaxed),
+        Err(kube::Error::Api(e)) if e.code == 404 => {
+            missing.store(true, std::sync::atomic::Ordering::Relaxed);
+            return Err(Error::NamespaceMissing(ctx.namespace.clone()));
+        }
+        Err(e) => return Err(e.into()),
+    }
     let id = format!("{}/{name}", ctx.namespace);
     info!(configmap = %id, keys = data.len(), reason = why, "applied ConfigMap");
     report.record("ConfigMap", id, why);

@@ -44,6 +44,8 @@ pub enum Error {
     CleanupPending(String),
     #[error("JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("the GPU Operator's namespace {0} does not exist")]
+    NamespaceMissing(String),
 }
 
 /// Settings of `gpu-sharing-operator run`.
@@ -111,6 +113,8 @@ pub struct Context {
     pub(crate) eviction_blocked: std::sync::Mutex<BTreeMap<String, String>>,
     /// Nodes being drained that someone else had cordoned (seen when we went to cordon them).
     pub(crate) foreign_cordons: std::sync::Mutex<BTreeSet<String>>,
+    /// Our last ConfigMap write found the GPU Operator's namespace missing.
+    pub(crate) namespace_missing: std::sync::atomic::AtomicBool,
 }
 
 impl Context {
@@ -209,6 +213,7 @@ pub async fn run(
         passes: AtomicU64::new(0),
         eviction_blocked: Default::default(),
         foreign_cordons: Default::default(),
+        namespace_missing: Default::default(),
     });
     tokio::select! {
         _ = events => warn!("watch streams ended"),
@@ -328,10 +333,18 @@ pub async fn reconcile_all(ctx: &Context, report: &mut WriteReport) -> Result<bo
     let has_policies = !input.policies.is_empty();
     let changes = apply::nodes_to_change(&input.nodes, &plan);
     let cleanup_pending = finalize::cleanup_pending(&input, &plan);
+    let planned_namespace_missing = input.gpu_operator_namespace_missing.is_some();
     drop(input);
 
-    // 1. ConfigMaps first: a key exists before any node label points to it.
-    apply::apply_configmaps(ctx, &plan, has_policies, report).await?;
+    // 1. ConfigMaps first: a key exists before any node label points to it. Without the GPU
+    //    Operator's namespace nothing else is written; the statuses say why.
+    if let Err(e) = apply::apply_configmaps(ctx, &plan, has_policies, report).await {
+        // (Statuses only from a plan that knew: the pass that finds out retries at once.)
+        if matches!(e, Error::NamespaceMissing(_)) && planned_namespace_missing {
+            finalize::finish_policies(ctx, &plan, &cleanup_pending, true, report).await?;
+        }
+        return Err(e);
+    }
     // 2. The ClusterPolicy points at our ConfigMaps.
     apply::apply_cluster_policy(ctx, &plan, report).await?;
     // 3. Node labels and annotations.

@@ -201,6 +201,10 @@ impl Context {
             .gpu_clusters
             .as_ref()
             .and_then(|s| s.state().iter().map(|c| c.name_any()).min());
+        input.gpu_operator_namespace_missing = self
+            .namespace_missing
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .then(|| self.namespace.clone());
         input.eviction_blocked = self.eviction_blocked.lock().expect("eviction lock").clone();
         input.foreign_cordons = self.foreign_cordons.lock().expect("cordon lock").clone();
         input.namespaces = self

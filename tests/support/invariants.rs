@@ -15,6 +15,12 @@
 //!
 //! The first violation is kept with the history of that node; [`InvariantWatcher::check`]
 //! panics with it.
+//!
+//! A test that edits our objects by hand (deletes our ConfigMap, relabels a node) breaks the
+//! invariants itself; it says so first with [`InvariantWatcher::hand_edit`]: violations are then
+//! counted as excused until the watcher sees every node valid again (the operator repaired the
+//! edit), after which it is strict again. An operator write that breaks an invariant inside that
+//! window is not caught; every window must end in a repair.
 
 use std::collections::{BTreeMap, BinaryHeap};
 use std::sync::{Arc, Mutex};
@@ -92,6 +98,17 @@ fn layouts_of(data: &BTreeMap<String, String>) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A hand edit in progress: its name, when it began, the node states excused since.
+#[derive(Debug)]
+struct Excuse {
+    what: String,
+    since: Instant,
+    states: usize,
+}
+
+/// How long a hand edit that breaks nothing stays excused (its own event arrives well within).
+const EDIT_GRACE: Duration = Duration::from_secs(3);
+
 #[derive(Default)]
 struct State {
     nodes: BTreeMap<String, (u64, BTreeMap<String, String>)>,
@@ -101,6 +118,12 @@ struct State {
     checked: usize,
     synced: [bool; 2],
     heap: BinaryHeap<Pending>,
+    /// A hand edit in progress.
+    excused: Option<Excuse>,
+    /// The newest resourceVersion applied.
+    last_rv: u64,
+    /// Hand edits repaired: name, excused states, resourceVersion of the repair.
+    repaired: Vec<(String, usize, u64)>,
 }
 
 /// The labels the invariants read, as one line of a node's history.
@@ -183,10 +206,32 @@ impl State {
         out
     }
 
+    /// Inside a hand edit: counts the violating nodes; when there are none, the edit is
+    /// repaired and the watcher strict again.
+    fn check_excused(&mut self, rv: u64) {
+        let bad = self
+            .nodes
+            .values()
+            .filter(|(_, l)| !self.violations_of(l).is_empty())
+            .count();
+        self.checked += self.nodes.len();
+        let Some(e) = self.excused.as_mut() else {
+            return;
+        };
+        e.states += bad;
+        if bad == 0 && (e.states > 0 || e.since.elapsed() > EDIT_GRACE) {
+            self.repaired.push((e.what.clone(), e.states, rv));
+            self.excused = None;
+        }
+    }
+
     /// Checks every node (a ConfigMap change can break a label that did not change).
     fn check_all(&mut self, rv: u64, only: Option<&str>) {
         if self.violation.is_some() || !(self.synced[0] && self.synced[1]) {
             return;
+        }
+        if self.excused.is_some() {
+            return self.check_excused(rv);
         }
         let names: Vec<String> = match only {
             Some(n) => vec![n.to_string()],
@@ -219,6 +264,7 @@ impl State {
     }
 
     fn apply(&mut self, p: Pending) {
+        self.last_rv = self.last_rv.max(p.rv);
         match p.obj {
             Obj::Node(name, labels) => {
                 if self.nodes.get(&name).is_some_and(|(rv, _)| *rv >= p.rv) {
@@ -356,6 +402,57 @@ impl InvariantWatcher {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         w
+    }
+
+    /// The test is about to break the invariants itself with the edit `what` (see the module
+    /// documentation). Waits for the events in flight first, so that earlier states are judged
+    /// strictly.
+    pub async fn hand_edit(&self, what: &str) {
+        tokio::time::sleep(REORDER + Duration::from_millis(200)).await;
+        let mut st = self.state.lock().unwrap();
+        st.drain(true);
+        assert!(
+            st.excused.is_none(),
+            "hand edit {what:?} while {:?} is not repaired yet",
+            st.excused
+        );
+        st.excused = Some(Excuse {
+            what: what.to_string(),
+            since: Instant::now(),
+            states: 0,
+        });
+    }
+
+    /// Waits (up to `timeout`) until the last hand edit is repaired; returns the node states
+    /// it excused.
+    pub async fn repaired(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        loop {
+            {
+                let mut st = self.state.lock().unwrap();
+                st.drain(false);
+                if let Some(v) = &st.violation {
+                    panic!("{v}");
+                }
+                if st.excused.is_some() {
+                    let rv = st.last_rv;
+                    st.check_all(rv, None);
+                }
+                if st.excused.is_none() {
+                    let (what, n, rv) = st.repaired.last().cloned().expect("a hand edit");
+                    eprintln!(
+                        "hand edit {what:?} repaired at resourceVersion {rv} ({n} node states excused)"
+                    );
+                    return n;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "hand edit {:?} not repaired within {timeout:?}",
+                    st.excused
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Panics with the first violation (and that node's history) seen so far, after letting

@@ -341,8 +341,17 @@ func PlanMig(n *Node, hw Hardware, in MigInput, p *Patch) MigResult {
 		}
 		return res
 	}
+	// Done with this layout, unless a change to another one was started and the label came
+	// back before it was applied: the real MIG manager had already stopped the GPU operands
+	// for that change, so they restart (the device plugin reloads, GFD relabels), and it
+	// asserts the layout the GPUs already have and reports success (below); state pending
+	// would otherwise stay forever.
 	if n.Annotations[AnnAppliedMig] == desired {
-		return res
+		if n.Labels[LabelMigState] != StatePending {
+			return res
+		}
+		p.delAnn(n, AnnDPLoaded)
+		p.logf("MIG config %q: change undone before it was applied; operands restarted", desired)
 	}
 	finish := func(state, errMsg string) {
 		p.setLabel(n, LabelMigState, state)

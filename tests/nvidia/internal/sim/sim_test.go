@@ -252,6 +252,32 @@ func TestSelectConfig(t *testing.T) {
 	}
 }
 
+// A layout change undone before it was applied (the label put back by the operator): the
+// MIG manager finds the GPUs already in the layout and reports success.
+func TestMigChangeUndoneBeforeApplied(t *testing.T) {
+	n := a100Node()
+	step(t, n, MigInput{}, DPInput{})
+	applied := n.Labels[LabelMigConfig]
+	if n.Labels[LabelMigState] != StateSuccess || n.Annotations[AnnAppliedMig] != applied {
+		t.Fatalf("start: state %q applied %q", n.Labels[LabelMigState], n.Annotations[AnnAppliedMig])
+	}
+	n.Labels[LabelMigConfig] = "all-1g.10gb"
+	now := time.Now()
+	step(t, n, MigInput{Now: now, Delay: time.Second}, DPInput{})
+	if n.Labels[LabelMigState] != StatePending {
+		t.Fatalf("state %q, want pending", n.Labels[LabelMigState])
+	}
+	n.Labels[LabelMigConfig] = applied
+	due := now.Add(time.Second)
+	_, mr, _ := step(t, n, MigInput{Now: now.Add(100 * time.Millisecond), Due: &due, Delay: time.Second}, DPInput{})
+	if n.Labels[LabelMigState] != StateSuccess || !mr.ClearTimer {
+		t.Fatalf("state %q result %+v, want success", n.Labels[LabelMigState], mr)
+	}
+	if n.Annotations[AnnDPLoaded] != "" {
+		t.Fatalf("the device plugin was not restarted with the operands: %q", n.Annotations[AnnDPLoaded])
+	}
+}
+
 func TestMigReconfiguration(t *testing.T) {
 	n := a100Node()
 	step(t, n, MigInput{}, DPInput{})
