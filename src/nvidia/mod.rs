@@ -460,6 +460,7 @@ pub fn default_mig_configs() -> BTreeMap<String, serde_json::Value> {
     mig_configs_of_document(DEFAULT_MIG_PARTED_CONFIGMAP).expect("the embedded default parses")
 }
 
+/// The named layouts of a mig-parted config text.
 pub fn parse_mig_configs(
     text: &str,
 ) -> Result<BTreeMap<String, serde_json::Value>, serde_saphyr::Error> {
@@ -468,8 +469,36 @@ pub fn parse_mig_configs(
         #[serde(rename = "mig-configs", default)]
         mig_configs: BTreeMap<String, serde_json::Value>,
     }
-    let d: Doc = crate::api::yaml::from_str(text)?;
-    Ok(d.mig_configs)
+    thread_local!(static LAST: Memo = Memo::default());
+    LAST.with(|m| {
+        m.get_or_parse(text, || {
+            let d: Doc = crate::api::yaml::from_str(text)?;
+            Ok(d.mig_configs)
+        })
+    })
+}
+
+/// The last text parsed and its result, per thread: every planning pass reads the same
+/// (large) ConfigMap text again, and parsing it was most of a pass's time (found profiling
+/// the fuzz targets).
+#[derive(Default)]
+pub(crate) struct Memo(std::cell::RefCell<Option<(String, BTreeMap<String, serde_json::Value>)>>);
+
+impl Memo {
+    pub(crate) fn get_or_parse(
+        &self,
+        text: &str,
+        parse: impl FnOnce() -> Result<BTreeMap<String, serde_json::Value>, serde_saphyr::Error>,
+    ) -> Result<BTreeMap<String, serde_json::Value>, serde_saphyr::Error> {
+        if let Some((t, v)) = &*self.0.borrow()
+            && t == text
+        {
+            return Ok(v.clone());
+        }
+        let v = parse()?;
+        *self.0.borrow_mut() = Some((text.to_string(), v.clone()));
+        Ok(v)
+    }
 }
 
 #[cfg(test)]

@@ -159,8 +159,13 @@ pub fn parse_vgpu_configs(
         #[serde(rename = "vgpu-configs", default)]
         vgpu_configs: BTreeMap<String, serde_json::Value>,
     }
-    let d: Doc = crate::api::yaml::from_str(text)?;
-    Ok(d.vgpu_configs)
+    thread_local!(static LAST: super::Memo = super::Memo::default());
+    LAST.with(|m| {
+        m.get_or_parse(text, || {
+            let d: Doc = crate::api::yaml::from_str(text)?;
+            Ok(d.vgpu_configs)
+        })
+    })
 }
 
 /// The named entries of a vGPU-devices config given as a ConfigMap (its `config.yaml`) or as
