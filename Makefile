@@ -42,6 +42,25 @@ bench:
 	target/release/scale-bench $(BENCH_ARGS)
 	target/release/scale-bench $(ROLLOUT_ARGS)
 
+# Fuzzing (issue 16, part 3): each cargo-fuzz target of fuzz/ for FUZZ_SECONDS, adding what it
+# finds to fuzz/corpus/<target>/ (minimize with `cargo +nightly fuzz cmin <target>` before
+# committing). Needs nightly Rust and cargo-fuzz (`cargo install cargo-fuzz`). make test
+# replays the corpora and a seeded smoke run on stable (tests/fuzz_corpus.rs).
+FUZZ_SECONDS ?= 600
+FUZZ_TARGETS ?= policy_yaml render_mutated plan_labels
+.PHONY: fuzz chaos
+fuzz:
+	@command -v cargo-fuzz >/dev/null || { echo "make fuzz: cargo install cargo-fuzz (and rustup toolchain install nightly)"; exit 1; }
+	cd fuzz && for t in $(FUZZ_TARGETS); do \
+		cargo +nightly fuzz run -O $$t corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -max_len=16384 -print_final_stats=1 || exit 1; \
+	done
+
+# The chaos and hand-edit tests alone (they also run in make test).
+chaos:
+	bash tests/cluster/cluster.sh build
+	bash tests/nvidia/build.sh
+	cargo test --locked --test e2e_chaos -- --nocapture
+
 # The container image (Containerfile): with docker or podman when one can build, else the same
 # image as an OCI layout in target/image/ without a container engine (tests/image/build.sh).
 VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)

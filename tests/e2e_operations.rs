@@ -5,48 +5,14 @@ mod common;
 mod support;
 
 use std::io::{Read, Write};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
 use serde_json::json;
 use support::*;
-
-/// The operator binary as a child process; killed with the test.
-struct Proc(Child, std::path::PathBuf);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Proc {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.1).unwrap_or_default()
-    }
-}
-
-fn spawn_operator(cluster: &common::TestCluster, name: &str, args: &[&str]) -> Proc {
-    let log = cluster.dir.path().join(format!("{name}.log"));
-    let out = std::fs::File::create(&log).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
-        .arg("run")
-        .args(args)
-        .env("KUBECONFIG", &cluster.kubeconfig)
-        .env("POD_NAME", name)
-        .env("RUST_LOG", "info,kube=warn")
-        .stdin(Stdio::null())
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .spawn()
-        .expect("operator starts");
-    Proc(child, log)
-}
 
 fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
@@ -59,14 +25,6 @@ fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     s.read_to_string(&mut body).ok()?;
     let code = body.split_whitespace().nth(1)?.parse().ok()?;
     Some((code, body))
-}
-
-async fn lease_holder(c: &Client) -> Option<String> {
-    let lease = Api::<Lease>::namespaced(c.clone(), "default")
-        .get_opt("gpu-sharing-operator")
-        .await
-        .ok()??;
-    lease.spec?.holder_identity.filter(|h| !h.is_empty())
 }
 
 #[tokio::test]

@@ -186,24 +186,79 @@ pub async fn ready_on_or_log(
     })
 }
 
-/// The fixture's L4 node as YAML, renamed.
-pub fn l4_node(name: &str) -> String {
+/// The operator binary as a child process; killed with the test.
+pub struct Proc(pub std::process::Child, pub std::path::PathBuf);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.1).unwrap_or_default()
+    }
+}
+
+pub fn spawn_operator(cluster: &TestCluster, name: &str, args: &[&str]) -> Proc {
+    let log = cluster.dir.path().join(format!("{name}.log"));
+    let out = std::fs::File::create(&log).unwrap();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
+        .arg("run")
+        .args(args)
+        .env("KUBECONFIG", &cluster.kubeconfig)
+        .env("POD_NAME", name)
+        .env("RUST_LOG", "info,kube=warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .expect("operator starts");
+    Proc(child, log)
+}
+
+/// The holder of the operator's leader-election Lease, if any.
+pub async fn lease_holder(c: &Client) -> Option<String> {
+    let lease = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(c.clone(), "default")
+        .get_opt("gpu-sharing-operator")
+        .await
+        .ok()??;
+    lease.spec?.holder_identity.filter(|h| !h.is_empty())
+}
+
+/// The fixture's node `template` (e.g. `l4-node-0`) as YAML, renamed.
+pub fn fixture_node(template: &str, name: &str) -> String {
     let fixtures =
         std::fs::read_to_string(common::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
             .unwrap();
     fixtures
         .split("\n---\n")
-        .find(|d| d.contains("name: l4-node-0\n"))
-        .expect("an L4 node in the fixtures")
-        .replace("l4-node-0", name)
+        .find(|d| d.contains(&format!("name: {template}\n")))
+        .unwrap_or_else(|| panic!("{template} in the fixtures"))
+        .replace(template, name)
+}
+
+/// The fixture's L4 node as YAML, renamed.
+pub fn l4_node(name: &str) -> String {
+    fixture_node("l4-node-0", name)
+}
+
+/// A nodes file in `dir` with `n` copies of the fixture's node `template`, named
+/// `<prefix>-00`, `<prefix>-01`, ...
+pub fn fleet(dir: &std::path::Path, template: &str, prefix: &str, n: usize) -> std::path::PathBuf {
+    let docs: Vec<String> = (0..n)
+        .map(|i| fixture_node(template, &format!("{prefix}-{i:02}")))
+        .collect();
+    let path = dir.join(format!("{prefix}-fleet.yaml"));
+    std::fs::write(&path, docs.join("\n---\n")).unwrap();
+    path
 }
 
 /// A nodes file in `dir` with `n` copies of the fixture's L4 node, named `l4-00`, `l4-01`, ...
 pub fn l4_fleet(dir: &std::path::Path, n: usize) -> std::path::PathBuf {
-    let docs: Vec<String> = (0..n).map(|i| l4_node(&format!("l4-{i:02}"))).collect();
-    let path = dir.join("fleet.yaml");
-    std::fs::write(&path, docs.join("\n---\n")).unwrap();
-    path
+    fleet(dir, "l4-node-0", "l4", n)
 }
 
 /// resourceVersions of everything the operator may write.
