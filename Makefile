@@ -59,7 +59,7 @@ fuzz:
 chaos:
 	bash tests/cluster/cluster.sh build
 	bash tests/nvidia/build.sh
-	cargo test --locked --test e2e_chaos -- --nocapture
+	CHAOS_FULL=1 cargo test --locked --test e2e_chaos -- --nocapture
 
 # The container image (Containerfile): with docker or podman when one can build, else the same
 # image as an OCI layout in target/image/ without a container engine (tests/image/build.sh).
