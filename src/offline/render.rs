@@ -75,17 +75,24 @@ fn documents(path: &Path) -> Result<Vec<serde_json::Value>, RenderError> {
             path: file.clone(),
             source,
         })?;
-        let parsed: Vec<serde_json::Value> =
-            crate::api::yaml::documents(&text).map_err(|source| RenderError::Yaml {
-                path: file.clone(),
-                source: Box::new(source),
-            })?;
-        for v in parsed.into_iter().filter(|v| !v.is_null()) {
-            // Lists (kind: List, NodeList) are flattened.
-            match v.get("items").and_then(|i| i.as_array()) {
-                Some(items) => docs.extend(items.iter().cloned()),
-                None => docs.push(v),
-            }
+        docs.extend(text_documents(&text, &file)?);
+    }
+    Ok(docs)
+}
+
+/// The documents of one YAML text (`origin` names it in errors); lists (kind: List, NodeList)
+/// are flattened.
+fn text_documents(text: &str, origin: &Path) -> Result<Vec<serde_json::Value>, RenderError> {
+    let parsed: Vec<serde_json::Value> =
+        crate::api::yaml::documents(text).map_err(|source| RenderError::Yaml {
+            path: origin.to_path_buf(),
+            source: Box::new(source),
+        })?;
+    let mut docs = Vec::new();
+    for v in parsed.into_iter().filter(|v| !v.is_null()) {
+        match v.get("items").and_then(|i| i.as_array()) {
+            Some(items) => docs.extend(items.iter().cloned()),
+            None => docs.push(v),
         }
     }
     Ok(docs)
@@ -130,10 +137,55 @@ fn unknown_fields(
     }
 }
 
+/// The CRD's CEL rules on one policy, evaluated locally (what the API server would reject).
+/// As kube's `validate_cel`, with the CRD's schema generated once instead of on every call
+/// (generating it was a third of a fuzz input's time).
+fn validate_cel(p: &GpuSharingPolicy) -> Result<(), kube::core::cel::ValidationErrors> {
+    use kube::CustomResourceExt;
+    static SCHEMA: std::sync::LazyLock<serde_json::Value> = std::sync::LazyLock::new(|| {
+        let crd = GpuSharingPolicy::crd();
+        let schema = crd.spec.versions[0]
+            .schema
+            .as_ref()
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .expect("the derived CRD has an openAPIV3Schema");
+        serde_json::to_value(schema).expect("the schema serializes")
+    });
+    let object = serde_json::to_value(p).expect("a policy serializes");
+    kube::core::cel::Validator::new().validate(&SCHEMA, &object, None)
+}
+
+/// The field a deserialization error is about. serde reports a missing field at its parent
+/// (`.` for a missing `spec`), with the name only in the message: the path then names it
+/// (found by the `policy_yaml` fuzz target).
+fn serde_field_error(e: serde_path_to_error::Error<serde_json::Error>) -> (String, String) {
+    let path = e.path().to_string();
+    let message = e.into_inner().to_string();
+    let missing = message
+        .strip_prefix("missing field `")
+        .and_then(|r| r.split('`').next());
+    match missing {
+        Some(field) if path == "." || path.is_empty() => (field.to_string(), message),
+        Some(field) => (format!("{path}.{field}"), message),
+        None => (path, message),
+    }
+}
+
 /// Reads and validates the policies in a file or directory. Every invalid policy is an error
 /// naming the policy and the field.
 pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderError>> {
-    let docs = documents(path).map_err(|e| vec![e])?;
+    policies_of(documents(path).map_err(|e| vec![e])?)
+}
+
+/// [`load_policies`] of a YAML text; `origin` names it in YAML errors.
+pub fn policies_from_text(
+    text: &str,
+    origin: &Path,
+) -> Result<Vec<GpuSharingPolicy>, Vec<RenderError>> {
+    policies_of(text_documents(text, origin).map_err(|e| vec![e])?)
+}
+
+fn policies_of(docs: Vec<serde_json::Value>) -> Result<Vec<GpuSharingPolicy>, Vec<RenderError>> {
     let mut policies = Vec::new();
     let mut errors = Vec::new();
     for d in docs {
@@ -161,8 +213,8 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
         let p: GpuSharingPolicy = match serde_path_to_error::deserialize(d.clone()) {
             Ok(p) => p,
             Err(e) => {
-                let path = e.path().to_string();
-                errors.push(policy_error(&name, path, e.into_inner().to_string()));
+                let (path, message) = serde_field_error(e);
+                errors.push(policy_error(&name, path, message));
                 continue;
             }
         };
@@ -195,7 +247,7 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
             });
         }
         // The CRD's CEL rules, evaluated locally: what the API server would reject.
-        if let Err(e) = p.validate_cel() {
+        if let Err(e) = validate_cel(&p) {
             let known: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
             if known
                 .iter()
@@ -218,8 +270,17 @@ pub fn load_policies(path: &Path) -> Result<Vec<GpuSharingPolicy>, Vec<RenderErr
 
 /// Reads nodes (Node objects, or a NodeList) from a file.
 pub fn load_nodes(path: &Path) -> Result<Vec<NodeFacts>, RenderError> {
+    nodes_of(documents(path)?, path)
+}
+
+/// [`load_nodes`] of a YAML text; `origin` names it in errors.
+pub fn nodes_from_text(text: &str, origin: &Path) -> Result<Vec<NodeFacts>, RenderError> {
+    nodes_of(text_documents(text, origin)?, origin)
+}
+
+fn nodes_of(docs: Vec<serde_json::Value>, path: &Path) -> Result<Vec<NodeFacts>, RenderError> {
     let mut nodes = Vec::new();
-    for d in documents(path)? {
+    for d in docs {
         if d.get("kind").and_then(|k| k.as_str()) != Some("Node") {
             continue;
         }

@@ -53,4 +53,9 @@ if [[ -f $OUT/assets/default-mig-parted-config.yaml ]]; then
 fi
 # Nodes that the example policies select: the Node label writes are checked too.
 args+=(--nodes "$HERE/testdata/nodes.yaml")
+# The fuzz corpora's rendering cases, written by `cargo test --test fuzz_corpus` (make test runs
+# it first): NVIDIA's parsers load what render accepted of them.
+if [[ -d $TARGET/fuzz-cases ]]; then
+	args+=(--fuzz-cases "$TARGET/fuzz-cases")
+fi
 exec "$OUT/conformance" "${args[@]}" "$@"

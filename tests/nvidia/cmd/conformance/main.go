@@ -48,6 +48,7 @@ type options struct {
 	skipCorpus   bool
 	skipExamples bool
 	nodes        string
+	fuzzCases    string
 }
 
 func main() {
@@ -66,6 +67,7 @@ func main() {
 	flag.BoolVar(&o.skipCorpus, "skip-corpus", false, "skip the generated corpus")
 	flag.BoolVar(&o.skipExamples, "skip-examples", false, "skip the examples directory")
 	flag.StringVar(&o.nodes, "nodes", "", "optional: Nodes manifest; the examples are also rendered with --nodes and the Node label writes checked")
+	flag.StringVar(&o.fuzzCases, "fuzz-cases", "", "optional: directory of the fuzz corpora's rendering cases (target/fuzz-cases, written by tests/fuzz_corpus.rs); each must render to what NVIDIA's parsers accept or be refused naming a field")
 	flag.Parse()
 
 	if o.writeCorpus != "" {
@@ -207,6 +209,22 @@ func runAll(o *options) (passed, failed, skipped int, err error) {
 			continue
 		}
 		record(c.name, checkValidFile(o, c, defaults))
+	}
+	if o.fuzzCases != "" {
+		fcs, err := fuzzCases(o.fuzzCases)
+		if err != nil {
+			return 0, 0, 0, err
+		}
+		for _, c := range fcs {
+			if filter != nil && !filter.MatchString(c.name) {
+				continue
+			}
+			if r, ok := checkFuzzCase(o, c, defaults); ok {
+				record(c.name, r)
+			} else {
+				skipped++
+			}
+		}
 	}
 	if !o.skipInvalid {
 		for _, ic := range invalidCases() {

@@ -161,12 +161,14 @@ func ParseFile(data []byte) ([]Policy, error) {
 		if len(bytes.TrimSpace(doc)) == 0 {
 			continue
 		}
+		// Only GpuSharingPolicy documents are read (as render does): others may be anything.
+		var head map[string]any
+		if err := yaml.Unmarshal(doc, &head); err == nil && head["kind"] != Kind {
+			continue
+		}
 		var p Policy
 		if err := yaml.Unmarshal(doc, &p); err != nil {
 			return nil, err
-		}
-		if p.Kind != Kind {
-			continue
 		}
 		out = append(out, p)
 	}
