@@ -2,7 +2,9 @@
 //! observing every node and ConfigMap state from the start: the control plane (etcd and
 //! kube-apiserver) is killed and started again on the same etcd data in the middle of
 //! converging 200 nodes, twice, and again during an edit; the operator and the simulator
-//! reconnect on their own. Ends in full convergence and zero writes at rest.
+//! reconnect on their own. Ends in full convergence and zero writes at rest. Also: hand edits
+//! of what the operator owns, the leader killed mid-transition, and API errors injected by a
+//! TLS proxy between the operator and the API server (tests/faultproxy).
 
 mod common;
 mod support;
@@ -81,10 +83,10 @@ async fn converged(c: &kube::Client, generation: i64) -> serde_json::Value {
 #[tokio::test]
 async fn control_plane_restarts_mid_convergence_lose_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let (_g, mut cluster, _sim) =
+    let (g, mut cluster, _sim) =
         setup_with(common::ClusterOptions::default().nodes_file(l4_fleet(dir.path(), NODES))).await;
     let c = cluster.client.clone();
-    let watcher = InvariantWatcher::start(&c, NS).await;
+    let watcher = g.invariants();
     let op = Operator::start(c.clone(), None);
     let start = Instant::now();
     common::apply_yaml(
@@ -142,11 +144,12 @@ async fn control_plane_restarts_mid_convergence_lose_nothing() {
 }
 
 /// The watcher is not blind: hand-made violations (no operator running) are caught, with the
-/// node's history.
+/// node's history, and so are writes under our field manager to what we do not own.
 #[tokio::test]
 async fn the_invariant_watcher_catches_violations() {
     use futures::FutureExt;
-    let (_g, cluster, _sim) = setup().await;
+    let (mut g, cluster, _sim) = setup().await;
+    g.unwatched("this test makes violations on purpose, each caught by a watcher of its own");
     let c = cluster.client.clone();
     let caught = |w: InvariantWatcher| async move {
         let r = std::panic::AssertUnwindSafe(w.check()).catch_unwind().await;
@@ -185,6 +188,72 @@ async fn the_invariant_watcher_catches_violations() {
     label_node(&c, node, "nvidia.com/device-plugin.config", Some("mps-x")).await;
     let msg = caught(w).await;
     assert!(msg.contains("MPS on a node with MIG layout"), "{msg}");
+
+    label_node(&c, node, "nvidia.com/device-plugin.config", None).await;
+    label_node(&c, node, "nvidia.com/mig.config", Some("all-disabled")).await;
+
+    // Nothing we do not own: writes under our field manager, by hand.
+    use gpu_sharing_operator::api::names::MANAGER;
+    let nodes: Api<Node> = Api::all(c.clone());
+    let node = "l4-node-0";
+    // A label of someone else's, applied as ours.
+    let w = InvariantWatcher::start(&c, NS).await;
+    nodes
+        .patch(
+            node,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"team": "ours-now"}}})),
+        )
+        .await
+        .unwrap();
+    let msg = caught(w).await;
+    assert!(
+        msg.contains("something we do not own changed: Node l4-node-0")
+            && msg.contains("holds metadata.labels.team"),
+        "{msg}"
+    );
+    // (Applying nothing as ours gives it up again.)
+    nodes
+        .patch(
+            node,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})),
+        )
+        .await
+        .unwrap();
+    // A label of someone else's removed by a merge patch of ours (we never held it).
+    label_node(&c, node, "owner", Some("research")).await;
+    let w = InvariantWatcher::start(&c, NS).await;
+    let patch = json!({"metadata": {"labels": {"owner": null, "gpusharing.io/policy": "x"}}});
+    nodes
+        .patch(
+            node,
+            &PatchParams {
+                field_manager: Some(MANAGER.into()),
+                ..Default::default()
+            },
+            &Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    let msg = caught(w).await;
+    assert!(
+        msg.contains("changed metadata.labels.owner: \"research\" -> (none)"),
+        "{msg}"
+    );
+    // A ClusterPolicy setting that is not ours.
+    let w = InvariantWatcher::start(&c, NS).await;
+    let cps: Api<kube::api::DynamicObject> =
+        Api::all_with(c.clone(), &controller::cluster_policy_resource());
+    cps.patch(
+        "cluster-policy",
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(json!({"apiVersion": "nvidia.com/v1", "kind": "ClusterPolicy", "metadata": {"name": "cluster-policy"}, "spec": {"driver": {"enabled": false}}})),
+    )
+    .await
+    .unwrap();
+    let msg = caught(w).await;
+    assert!(msg.contains("holds spec.driver.enabled"), "{msg}");
 }
 
 /// Waits until both policies are Ready on their nodes, and returns the time-slicing policy's
@@ -220,7 +289,7 @@ async fn both_ready(c: &kube::Client) -> String {
 async fn hand_edits_while_running_are_repaired() {
     use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
     use kube::api::{DeleteParams, DynamicObject, PostParams};
-    let (_g, cluster, _sim) = setup().await;
+    let (g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let cms: Api<ConfigMap> = Api::namespaced(c.clone(), NS);
     let mig_cm = gpu_sharing_operator::api::names::MIG_PARTED_CONFIGMAP;
@@ -235,7 +304,7 @@ async fn hand_edits_while_running_are_repaired() {
     // The GPU Operator's namespace is missing when the operator starts (installed first). Its
     // default mig-parted config goes with it, so the fixture's `all-disabled` labels name no
     // layout until the GPU Operator is back: a hand edit for the watcher.
-    let w = InvariantWatcher::start(&c, NS).await;
+    let w = g.invariants();
     w.hand_edit("GPU Operator namespace deleted").await;
     let mut default_mig = cms.get("default-mig-parted-config").await.unwrap();
     let ns_api: Api<Namespace> = Api::all(c.clone());
@@ -445,9 +514,9 @@ async fn leader_killed_mid_transition_standby_takes_over() {
     let (nodes, kills) = kill_scale();
     let dir = tempfile::tempdir().unwrap();
     let fleet = fleet(dir.path(), "a100-node-0", "a100", nodes);
-    let (_g, cluster, _sim) = setup_with(common::ClusterOptions::default().nodes_file(fleet)).await;
+    let (g, cluster, _sim) = setup_with(common::ClusterOptions::default().nodes_file(fleet)).await;
     let c = cluster.client.clone();
-    let watcher = InvariantWatcher::start(&c, NS).await;
+    let watcher = g.invariants();
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -589,4 +658,182 @@ async fn leader_killed_mid_transition_standby_takes_over() {
     eprintln!(
         "kill test: converged; takeovers within {worst:?}; {checked} node states checked, no violation"
     );
+}
+
+/// `(nodes, transitions under faults)` of the API-error test: `CHAOS_FULL=1` runs 200 nodes.
+fn fault_scale() -> usize {
+    if std::env::var_os("CHAOS_FULL").is_some() {
+        200
+    } else {
+        30
+    }
+}
+
+/// The states of our part of every node written since `since` (see
+/// `InvariantWatcher::our_changes`), per node, with our annotations' values (times, the
+/// policy's generation) masked: a write that only stamps a new time still counts as a state.
+fn node_writes_since(
+    now: &std::collections::BTreeMap<String, Vec<String>>,
+    since: &std::collections::BTreeMap<String, Vec<String>>,
+) -> std::collections::BTreeMap<String, Vec<String>> {
+    now.iter()
+        .filter(|(k, _)| k.starts_with("Node/"))
+        .map(|(k, v)| {
+            let from = since.get(k).map_or(0, Vec::len);
+            let masked = v[from..]
+                .iter()
+                .map(|state| {
+                    state
+                        .split(' ')
+                        .map(|f| match f.split_once('=') {
+                            Some((k, _)) if k.starts_with("metadata.annotations.") => {
+                                format!("{k}=*")
+                            }
+                            _ => f.to_string(),
+                        })
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .collect();
+            (k.clone(), masked)
+        })
+        .collect()
+}
+
+/// API errors injected between the operator and the API server: the operator talks TLS to our
+/// test proxy (tests/faultproxy, its own certificate, trusted by the operator's kubeconfig
+/// only), which answers 20% of requests with 429, 500 or 409, drops the connection, or applies
+/// the request and loses the answer, and cuts watches after a few seconds. The same two
+/// transitions (time-slicing <-> MPS) run first without faults, then with them: every node
+/// goes through exactly the same states of what is ours (nothing lost, nothing written twice in
+/// a way that shows), and the operator, started afresh under faults, converges an edit too.
+/// Ends with nothing written at rest and few requests while faults continue.
+#[tokio::test]
+async fn api_errors_injected_operator_backs_off_and_converges() {
+    let nodes = fault_scale();
+    let dir = tempfile::tempdir().unwrap();
+    let (g, cluster, _sim) =
+        setup_with(common::ClusterOptions::default().nodes_file(l4_fleet(dir.path(), nodes))).await;
+    let c = cluster.client.clone();
+    let watcher = g.invariants();
+    let seed = std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16);
+    eprintln!("API error test: {nodes} nodes, CHAOS_SEED={seed}");
+    let proxy = FaultProxy::start(&cluster, 0.0, seed, "6s");
+    let mut op = Operator::start(proxy.client().await, None);
+    let policies: Api<GpuSharingPolicy> = Api::all(c.clone());
+    common::apply_yaml(
+        &c,
+        &format!(
+            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {POLICY}}}\nspec:\n  nodeSelector: {{matchLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}}}\n  strategy: timeSlicing\n  timeSlicing: {{replicas: 4}}\n  rollout: {{maxUnavailable: 100%}}\n"
+        ),
+    )
+    .await
+    .unwrap();
+    let mut generation = 1;
+    let converge = |generation: i64| {
+        let c = c.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(240);
+            loop {
+                if let Some(s) = ready_on(&c, POLICY, nodes as i64).await
+                    && s["observedGeneration"] == generation
+                {
+                    return s;
+                }
+                if Instant::now() > deadline {
+                    let status = policy_status(&c, POLICY).await;
+                    panic!(
+                        "{POLICY} not Ready on {nodes} nodes at generation {generation}: {}",
+                        serde_json::to_string_pretty(&status).unwrap()
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    };
+    let to_mps = json!({"spec": {"strategy": "mps", "mps": {"replicas": 4}, "timeSlicing": null}});
+    let to_ts =
+        json!({"spec": {"strategy": "timeSlicing", "timeSlicing": {"replicas": 4}, "mps": null}});
+    let flip = |patch: serde_json::Value| {
+        let policies = policies.clone();
+        async move {
+            policies
+                .patch(POLICY, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .unwrap();
+        }
+    };
+    converge(generation).await;
+
+    // The two transitions without faults, then with them.
+    let mut runs = Vec::new();
+    for rate in [0.0, 0.2] {
+        proxy.set_rate(rate).await;
+        let t = Instant::now();
+        let before = watcher.our_changes().await;
+        for patch in [&to_mps, &to_ts] {
+            flip(patch.clone()).await;
+            generation += 1;
+            converge(generation).await;
+        }
+        let writes = node_writes_since(&watcher.our_changes().await, &before);
+        eprintln!(
+            "rate {rate}: both transitions converged in {:?}; proxy {}",
+            t.elapsed(),
+            proxy.stats().await
+        );
+        runs.push(writes);
+    }
+    let (clean, faulty) = (&runs[0], &runs[1]);
+    assert_eq!(clean.len(), nodes, "{clean:?}");
+    let per_node = clean.values().map(Vec::len).sum::<usize>() as f64 / nodes as f64;
+    eprintln!("states of our part per node and transition pair: {per_node}");
+    assert!(
+        per_node >= 2.0,
+        "the transitions changed the nodes: {clean:?}"
+    );
+    for (node, states) in clean {
+        assert_eq!(
+            faulty.get(node),
+            Some(states),
+            "{node} went through other states under faults"
+        );
+    }
+
+    // A fresh operator under faults (its first lists and watches fail too), and an edit.
+    op.stop().await;
+    flip(json!({"spec": {"timeSlicing": {"replicas": 8}}})).await;
+    generation += 1;
+    op = Operator::start(proxy.client().await, None);
+    let s = converge(generation).await;
+    assert_eq!(
+        s["capacity"]["schedulableReplicas"],
+        s["capacity"]["physicalGpus"].as_i64().unwrap() * 8
+    );
+    let stats = proxy.stats().await;
+    eprintln!("after a restart under faults: proxy {stats}");
+    for kind in ["429", "500", "409", "dropped", "lost", "watchesCut"] {
+        assert!(
+            stats[kind].as_u64().unwrap() > 0,
+            "no {kind} injected: {stats}"
+        );
+    }
+
+    // At rest, faults still on: nothing written, and the operator does not spin on errors.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = resource_versions(&c).await;
+    let requests = proxy.stats().await["requests"].as_u64().unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let at_rest = proxy.stats().await["requests"].as_u64().unwrap() - requests;
+    assert_eq!(resource_versions(&c).await, before, "writes at rest");
+    eprintln!(
+        "at rest under faults: {at_rest} requests in 10 s (watches re-established after cuts)"
+    );
+    assert!(at_rest < 60, "{at_rest} requests in 10 s at rest");
+    let checked = watcher.check().await;
+    eprintln!("invariant watcher: {checked} node states checked, no violation");
+    op.stop().await;
 }

@@ -168,7 +168,7 @@ async fn time_slicing_profiles_by_node_label_and_relabel_moves_nodes() {
 
 #[tokio::test]
 async fn delete_cleans_up_and_drift_is_repaired() {
-    let (_g, cluster, _sim) = setup().await;
+    let (g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
@@ -183,6 +183,9 @@ async fn delete_cleans_up_and_drift_is_repaired() {
     assert!(p.finalizers().contains(&FINALIZER.to_string()));
 
     // Drift: a hand edit of the label, the key and the ClusterPolicy reference is put back.
+    g.invariants()
+        .hand_edit("label, config key and ClusterPolicy reference edited")
+        .await;
     label_node(
         &c,
         "h200-node-0",
@@ -216,6 +219,7 @@ async fn delete_cleans_up_and_drift_is_repaired() {
             .then_some(())
     })
     .await;
+    g.invariants().repaired(LONG).await;
     // A label we do not own stays.
     label_node(&c, "h200-node-0", "team", Some("research")).await;
 

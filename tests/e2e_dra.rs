@@ -30,8 +30,8 @@ fn mps_config(t: &serde_json::Value) -> serde_json::Value {
 
 #[tokio::test]
 async fn dra_templates_follow_the_policy() {
-    let (_g, cluster, _sim) = setup().await;
-    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
+    let (g, cluster, _sim) = setup().await;
+    let invariants = g.invariants();
     let c = cluster.client.clone();
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": TEAM}})).unwrap();
     Api::<Namespace>::all(c.clone())
@@ -191,8 +191,8 @@ async fn allocated_claim(c: &kube::Client, node: &str) {
 /// at once (a watch event, not the resync, which is set far beyond the wait here).
 #[tokio::test]
 async fn a_template_waits_for_its_namespace_and_follows_it_at_once() {
-    let (_g, cluster, _sim) = setup().await;
-    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
+    let (g, cluster, _sim) = setup().await;
+    let invariants = g.invariants();
     let c = cluster.client.clone();
     let op = Operator::start_with(
         c.clone(),
@@ -241,8 +241,8 @@ async fn a_template_waits_for_its_namespace_and_follows_it_at_once() {
 /// without touching the device-plugin switch (there is no device plugin).
 #[tokio::test]
 async fn a_gpu_cluster_is_reported_not_fought() {
-    let (_g, cluster, _sim) = setup().await;
-    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
+    let (g, cluster, _sim) = setup().await;
+    let invariants = g.invariants();
     let c = cluster.client.clone();
     common::apply_yaml(
         &c,

@@ -54,8 +54,8 @@ fn record_node_history(
 
 #[tokio::test]
 async fn mig_to_mps_goes_through_confirmed_all_disabled() {
-    let (_g, cluster, _sim) = setup().await;
-    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
+    let (g, cluster, _sim) = setup().await;
+    let invariants = g.invariants();
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
@@ -108,8 +108,8 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
 
 #[tokio::test]
 async fn an_overridden_policy_reports_the_winner_and_emits_an_event() {
-    let (_g, cluster, _sim) = setup().await;
-    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
+    let (g, cluster, _sim) = setup().await;
+    let invariants = g.invariants();
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, "h200-node-0", "gpusharing.io/profile", Some("shared")).await;
@@ -159,8 +159,8 @@ async fn an_overridden_policy_reports_the_winner_and_emits_an_event() {
 
 #[tokio::test]
 async fn mig_change_waits_for_idle_gpus() {
-    let (_g, cluster, _sim) = setup().await;
-    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
+    let (g, cluster, _sim) = setup().await;
+    let invariants = g.invariants();
     let c = cluster.client.clone();
     // A pod bound to the node, using a GPU (no kubelet: it stays Pending, but it is there).
     let pod: Pod = serde_json::from_value(serde_json::json!({
@@ -219,8 +219,8 @@ async fn mig_change_waits_for_idle_gpus() {
 
 #[tokio::test]
 async fn mig_manager_that_never_reports_is_degraded_after_the_timeout() {
-    let (_g, cluster, sim) = setup().await;
-    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
+    let (g, cluster, sim) = setup().await;
+    let invariants = g.invariants();
     // No MIG manager at all: the state we set to pending is never resolved.
     drop(sim);
     let c = cluster.client.clone();

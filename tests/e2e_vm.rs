@@ -55,8 +55,8 @@ async fn node_detail(c: &kube::Client, policy: &str, node: &str) -> Option<serde
 
 #[tokio::test]
 async fn a_node_goes_from_time_slicing_to_vgpu_and_back_never_both() {
-    let (_g, cluster, _sim) = setup().await;
-    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
+    let (g, cluster, _sim) = setup().await;
+    let invariants = g.invariants();
     let c = cluster.client.clone();
     // The user's part: the vGPU Manager (their own image) is enabled.
     common::cluster_policy_api(&c)
@@ -234,8 +234,8 @@ async fn api_delete(c: &kube::Client, name: &str) {
 /// Manager not enabled), and nothing changes on the nodes it selects.
 #[tokio::test]
 async fn bad_vgpu_input_is_refused_and_changes_nothing() {
-    let (_g, cluster, _sim) = setup().await;
-    let invariants = support::invariants::InvariantWatcher::start(&cluster.client, NS).await;
+    let (g, cluster, _sim) = setup().await;
+    let invariants = g.invariants();
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, NODE, "gpusharing.io/profile", Some("vdi")).await;

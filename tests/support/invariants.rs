@@ -11,7 +11,9 @@
 //!   layout is not yet confirmed by the MIG manager, and sharing of whole GPUs (MIG strategy
 //!   `none`) or MPS never on a node whose MIG layout is enabled;
 //! - a VM host (`nvidia.com/gpu.workload.config=vm-*`) never carries a container sharing config
-//!   or an enabled MIG layout.
+//!   or an enabled MIG layout;
+//! - nothing we do not own changed: every state of every Node, ConfigMap and ClusterPolicy is
+//!   judged by [`super::ownership`] from the API server's field-manager records.
 //!
 //! The first violation is kept with the history of that node; [`InvariantWatcher::check`]
 //! panics with it.
@@ -22,14 +24,18 @@
 //! edit), after which it is strict again. An operator write that breaks an invariant inside that
 //! window is not caught; every window must end in a repair.
 
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
-use kube::runtime::watcher;
+use kube::api::DynamicObject;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
+
+use super::ownership::{self, Kind};
+use gpu_sharing_operator::runtime::controller::cluster_policy_resource;
 
 use gpu_sharing_operator::api::names::*;
 
@@ -124,6 +130,8 @@ struct State {
     last_rv: u64,
     /// Hand edits repaired: name, excused states, resourceVersion of the repair.
     repaired: Vec<(String, usize, u64)>,
+    /// Our part of each object, each state once (see [`InvariantWatcher::our_changes`]).
+    our_changes: BTreeMap<String, Vec<String>>,
 }
 
 /// The labels the invariants read, as one line of a node's history.
@@ -254,10 +262,12 @@ impl State {
                             .join("\n")
                     })
                     .unwrap_or_default();
-                self.violation = Some(format!(
+                let msg = format!(
                     "invariant violated on node {name} at resourceVersion {rv}: {}\nhistory of {name}:\n{history}",
                     v.join("; ")
-                ));
+                );
+                eprintln!("INVARIANT WATCHER: {msg}");
+                self.violation = Some(msg);
                 return;
             }
         }
@@ -311,6 +321,47 @@ impl State {
     }
 }
 
+/// Judges one observed state for "nothing we do not own changed" (`diff`: `prev` holds the
+/// previous state of the same object from this watch, so a change can be attributed).
+fn judge<K: serde::Serialize + ResourceExt>(
+    s: &Mutex<State>,
+    kind: Kind,
+    prev: &mut HashMap<String, serde_json::Value>,
+    obj: &K,
+    diff: bool,
+) {
+    let name = obj.name_any();
+    let Ok(cur) = serde_json::to_value(obj) else {
+        return;
+    };
+    let before = if diff { prev.get(&name) } else { None };
+    let bad = ownership::not_ours(kind, before, &cur);
+    let part = ownership::our_part(kind, &cur);
+    {
+        let mut st = s.lock().unwrap();
+        let seen = st
+            .our_changes
+            .entry(format!("{kind:?}/{name}"))
+            .or_default();
+        if seen.last() != Some(&part) {
+            seen.push(part);
+        }
+    }
+    if !bad.is_empty() {
+        let mut st = s.lock().unwrap();
+        if st.violation.is_none() {
+            let msg = format!(
+                "something we do not own changed: {kind:?} {name} at resourceVersion {}: {}",
+                rv_of(&obj.meta().clone()),
+                bad.join("; ")
+            );
+            eprintln!("INVARIANT WATCHER: {msg}");
+            st.violation = Some(msg);
+        }
+    }
+    prev.insert(name, cur);
+}
+
 /// Watches from `start` until dropped; [`check`](Self::check) reports.
 pub struct InvariantWatcher {
     state: Arc<Mutex<State>>,
@@ -339,15 +390,23 @@ impl InvariantWatcher {
         let s = state.clone();
         let nodes: Api<Node> = Api::all(client.clone());
         let node_task = tokio::spawn(async move {
-            let mut stream = watcher(nodes, watcher::Config::default()).boxed();
+            let mut stream = watcher(nodes, watcher::Config::default())
+                .default_backoff()
+                .boxed();
+            let mut prev = HashMap::new();
             while let Some(ev) = stream.next().await {
                 match ev {
-                    Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n)) => push(
-                        &s,
-                        rv_of(&n.metadata),
-                        Obj::Node(n.name_any(), n.labels().clone()),
-                    ),
+                    Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n)) => {
+                        judge(&s, Kind::Node, &mut prev, &n, true);
+                        push(
+                            &s,
+                            rv_of(&n.metadata),
+                            Obj::Node(n.name_any(), n.labels().clone()),
+                        )
+                    }
+                    Ok(watcher::Event::Init) => prev.clear(),
                     Ok(watcher::Event::Delete(n)) => {
+                        prev.remove(&n.name_any());
                         push(&s, rv_of(&n.metadata), Obj::NodeGone(n.name_any()))
                     }
                     Ok(watcher::Event::InitDone) => s.lock().unwrap().synced[0] = true,
@@ -358,18 +417,49 @@ impl InvariantWatcher {
         let s = state.clone();
         let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
         let cm_task = tokio::spawn(async move {
-            let mut stream = watcher(cms, watcher::Config::default()).boxed();
+            let mut stream = watcher(cms, watcher::Config::default())
+                .default_backoff()
+                .boxed();
+            let mut prev = HashMap::new();
             while let Some(ev) = stream.next().await {
                 match ev {
-                    Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => push(
-                        &s,
-                        rv_of(&c.metadata),
-                        Obj::ConfigMap(c.name_any(), c.data.clone().unwrap_or_default()),
-                    ),
+                    Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
+                        judge(&s, Kind::ConfigMap, &mut prev, &c, true);
+                        push(
+                            &s,
+                            rv_of(&c.metadata),
+                            Obj::ConfigMap(c.name_any(), c.data.clone().unwrap_or_default()),
+                        )
+                    }
+                    Ok(watcher::Event::Init) => prev.clear(),
                     Ok(watcher::Event::Delete(c)) => {
+                        prev.remove(&c.name_any());
                         push(&s, rv_of(&c.metadata), Obj::ConfigMapGone(c.name_any()))
                     }
                     Ok(watcher::Event::InitDone) => s.lock().unwrap().synced[1] = true,
+                    _ => {}
+                }
+            }
+        });
+        let s = state.clone();
+        let cps: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
+        let cp_task = tokio::spawn(async move {
+            let mut stream = watcher(cps, watcher::Config::default())
+                .default_backoff()
+                .boxed();
+            let mut prev = HashMap::new();
+            while let Some(ev) = stream.next().await {
+                match ev {
+                    Ok(watcher::Event::Apply(cp)) => {
+                        judge(&s, Kind::ClusterPolicy, &mut prev, &cp, true)
+                    }
+                    Ok(watcher::Event::InitApply(cp)) => {
+                        judge(&s, Kind::ClusterPolicy, &mut prev, &cp, false)
+                    }
+                    Ok(watcher::Event::Init) => prev.clear(),
+                    Ok(watcher::Event::Delete(cp)) => {
+                        prev.remove(&cp.name_any());
+                    }
                     _ => {}
                 }
             }
@@ -383,7 +473,7 @@ impl InvariantWatcher {
         });
         let w = InvariantWatcher {
             state,
-            tasks: vec![node_task, cm_task, drain_task],
+            tasks: vec![node_task, cm_task, cp_task, drain_task],
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -459,6 +549,27 @@ impl InvariantWatcher {
     /// the events in flight arrive. Returns how many node states were checked.
     pub async fn check(&self) -> usize {
         tokio::time::sleep(REORDER + Duration::from_millis(200)).await;
+        let mut st = self.state.lock().unwrap();
+        st.drain(true);
+        if let Some(v) = &st.violation {
+            panic!("{v}");
+        }
+        st.checked
+    }
+}
+
+impl InvariantWatcher {
+    /// Every state of our part of each object (`Node/<name>`, `ConfigMap/<name>`,
+    /// `ClusterPolicy/<name>`) in the order seen, from its first sight: one entry per write of
+    /// ours that changed it (and per hand edit of it).
+    pub async fn our_changes(&self) -> BTreeMap<String, Vec<String>> {
+        tokio::time::sleep(REORDER + Duration::from_millis(200)).await;
+        self.state.lock().unwrap().our_changes.clone()
+    }
+
+    /// [`check`](Self::check) without waiting (for a guard's `Drop`): judges the events already
+    /// received.
+    pub fn check_now(&self) -> usize {
         let mut st = self.state.lock().unwrap();
         st.drain(true);
         if let Some(v) = &st.violation {

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod invariants;
+pub mod ownership;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -304,21 +305,64 @@ pub async fn resource_versions(c: &Client) -> BTreeMap<String, String> {
     out
 }
 
-/// A fresh control plane with our CRD, and the node simulator (GPU Feature Discovery's labels
-/// are what "applied" is checked against).
-pub async fn setup() -> (tokio::sync::MutexGuard<'static, ()>, TestCluster, Simulator) {
+/// Held for the whole of an end-to-end test: the tests run one at a time, and the invariant
+/// watcher (tests/support/invariants.rs) judges every state of every node, our ConfigMaps and
+/// the ClusterPolicy from the start of the test to its end. A violation is printed when seen
+/// and fails the test when this guard is dropped (or at [`InvariantWatcher::check`]).
+pub struct Serial {
+    _lock: tokio::sync::MutexGuard<'static, ()>,
+    invariants: Option<invariants::InvariantWatcher>,
+}
+
+impl Serial {
+    /// This test's invariant watcher (for hand edits and intermediate checks).
+    pub fn invariants(&self) -> &invariants::InvariantWatcher {
+        self.invariants
+            .as_ref()
+            .expect("the invariant watcher was turned off by this test")
+    }
+
+    /// Turns the watcher off, for a test that breaks the invariants on purpose and does not
+    /// repair them (the watcher's own test); says why in the test log.
+    pub fn unwatched(&mut self, why: &str) {
+        eprintln!("invariant watcher off: {why}");
+        self.invariants = None;
+    }
+}
+
+impl Drop for Serial {
+    fn drop(&mut self) {
+        if let Some(w) = self.invariants.take()
+            && !std::thread::panicking()
+        {
+            let n = w.check_now();
+            eprintln!("invariant watcher: {n} node states checked, no violation");
+        }
+    }
+}
+
+/// A fresh control plane with our CRD, the node simulator (GPU Feature Discovery's labels are
+/// what "applied" is checked against) and the invariant watcher.
+pub async fn setup() -> (Serial, TestCluster, Simulator) {
     setup_with(common::ClusterOptions::default()).await
 }
 
 /// [`setup`] with cluster options (e.g. another GPU Operator namespace).
-pub async fn setup_with(
-    opts: common::ClusterOptions,
-) -> (tokio::sync::MutexGuard<'static, ()>, TestCluster, Simulator) {
-    let guard = SERIAL.lock().await;
+pub async fn setup_with(opts: common::ClusterOptions) -> (Serial, TestCluster, Simulator) {
+    let lock = SERIAL.lock().await;
     let cluster = TestCluster::start_with(opts).await;
     install_crd(&cluster.client).await;
+    let invariants =
+        invariants::InvariantWatcher::start(&cluster.client, &cluster.gpu_operator_namespace).await;
     let sim = start_simulator(&cluster);
-    (guard, cluster, sim)
+    (
+        Serial {
+            _lock: lock,
+            invariants: Some(invariants),
+        },
+        cluster,
+        sim,
+    )
 }
 
 pub async fn until<F, Fut, T>(what: &str, timeout: Duration, mut f: F) -> T
@@ -612,5 +656,103 @@ impl LabelHistory {
 impl Drop for LabelHistory {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// The test-only fault-injecting TLS proxy (tests/faultproxy, Go standard library only; built
+/// here on first use into target/fault-proxy/): the operator talks to it, it talks to the API
+/// server as the control plane's admin, and a fraction of requests get 429/500/409, a dropped
+/// connection, or an answer lost after the request was applied.
+pub struct FaultProxy {
+    pub kubeconfig: std::path::PathBuf,
+    _proc: Proc,
+}
+
+impl FaultProxy {
+    pub fn start(cluster: &TestCluster, rate: f64, seed: u64, watch_cut: &str) -> FaultProxy {
+        let root = common::repo_root();
+        let bin = root.join("target/fault-proxy/fault-proxy");
+        let built = std::process::Command::new("go")
+            .args(["build", "-trimpath", "-o"])
+            .arg(&bin)
+            .arg(".")
+            .current_dir(root.join("tests/faultproxy"))
+            .status()
+            .expect("go builds the fault proxy");
+        assert!(built.success(), "go build tests/faultproxy");
+        let server = kube::config::Kubeconfig::read_from(&cluster.kubeconfig)
+            .unwrap()
+            .clusters[0]
+            .cluster
+            .as_ref()
+            .and_then(|c| c.server.clone())
+            .expect("the cluster's server");
+        let pki = cluster.kubeconfig.parent().unwrap().join("pki");
+        let dir = cluster.dir.path().join("fault-proxy");
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("fault-proxy.log");
+        let mut child = std::process::Command::new(&bin)
+            .arg(format!("--upstream={server}"))
+            .arg(format!("--pki={}", pki.display()))
+            .arg(format!("--dir={}", dir.display()))
+            .arg(format!("--rate={rate}"))
+            .arg(format!("--seed={seed}"))
+            .arg(format!("--watch-cut={watch_cut}"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("fault proxy starts");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let kubeconfig = line
+            .strip_prefix("READY ")
+            .unwrap_or_else(|| {
+                panic!(
+                    "fault proxy not ready: {line:?} {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            })
+            .trim()
+            .into();
+        FaultProxy {
+            kubeconfig,
+            _proc: Proc(child, log),
+        }
+    }
+
+    /// A client through the proxy (it trusts only the proxy's own CA).
+    pub async fn client(&self) -> Client {
+        common::client_from_kubeconfig(&self.kubeconfig)
+            .await
+            .expect("client of the fault proxy")
+    }
+
+    async fn control(&self, method: &str, path: &str) -> String {
+        let req = http::Request::builder()
+            .method(method)
+            .uri(path)
+            .body(Vec::new())
+            .unwrap();
+        self.client()
+            .await
+            .request_text(req)
+            .await
+            .expect("fault proxy control")
+    }
+
+    /// Sets the fraction of requests that get a fault.
+    pub async fn set_rate(&self, rate: f64) {
+        self.control("POST", &format!("/fault-proxy/rate?value={rate}"))
+            .await;
+    }
+
+    /// The proxy's counts (requests, forwarded, each fault, writes applied).
+    pub async fn stats(&self) -> serde_json::Value {
+        serde_json::from_str(&self.control("GET", "/fault-proxy/stats").await).unwrap()
     }
 }

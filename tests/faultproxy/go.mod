@@ -1,0 +1,3 @@
+module gpusharing.io/tests/faultproxy
+
+go 1.25.0
