@@ -29,11 +29,11 @@ generate:
 
 crd: generate
 
-# Scale benchmark (issue 6): operator vs. minimal direct writes on the local control plane,
-# then a staged rollout of 5000 nodes at maxUnavailable 10% against waves x confirmation time.
+# Scale benchmark (issues 6, 16): operator vs. minimal direct writes on the local control plane
+# (up to 20,000 nodes x 200 policies), then a staged rollout of 5000 nodes at maxUnavailable 10% against waves x confirmation time.
 # Results in target/bench/results.md and target/bench/rollout.md.
 # Subset: make bench BENCH_ARGS="--configs 100x1,1000x20" ROLLOUT_ARGS="--rollout 1000".
-BENCH_ARGS ?= --nodes 100,1000,5000 --policies 1,20,100
+BENCH_ARGS ?= --configs 100x1,100x20,100x100,1000x1,1000x20,1000x100,5000x1,5000x20,5000x100,20000x200
 ROLLOUT_ARGS ?= --rollout 5000 --rollout-max-unavailable 10%
 .PHONY: bench
 bench:

@@ -468,3 +468,55 @@ async fn a_controller_reverting_the_cluster_policy_is_reported() {
     assert!(msg.contains("spec.devicePlugin.config.name"), "{msg}");
     op.stop().await;
 }
+
+/// The node cache keeps only the labels the planner reads (NVIDIA's, ours, and the keys the
+/// policies select on). A policy that selects on a label no policy selected on before makes the
+/// operator list the nodes again, and plan only once it has: the new policy gets its node, and
+/// no other node's config changes on the way (a node missing the label would look unselected).
+#[tokio::test]
+async fn a_policy_selecting_on_a_new_label_key_gets_its_nodes_and_disturbs_none() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    // An admin's label the operator has never needed.
+    label_node(&c, "l4-node-1", "team.example.com/pool", Some("inference")).await;
+    let op = Operator::start(c.clone(), Some(NS));
+    common::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: l4-all}\nspec: {nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-L4}}, strategy: timeSlicing, timeSlicing: {replicas: 4}}",
+    )
+    .await
+    .unwrap();
+    let all_key = ready_on_or_log(&c, "l4-all", 2, &cluster.log).await["deviceConfigKey"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let kept = LabelHistory::start(&c, "l4-node-0").await;
+
+    common::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: inference-pool}\nspec: {priority: 10, nodeSelector: {matchLabels: {team.example.com/pool: inference}}, strategy: timeSlicing, timeSlicing: {replicas: 2}}",
+    )
+    .await
+    .unwrap();
+    let pool = ready_on_or_log(&c, "inference-pool", 1, &cluster.log).await;
+    let pool_key = pool["deviceConfigKey"].as_str().unwrap().to_string();
+    assert_ne!(pool_key, all_key);
+    until("l4-node-1 on the pool's config", LONG, || async {
+        (labels(&c, "l4-node-1")
+            .await
+            .get("nvidia.com/device-plugin.config")
+            == Some(&pool_key))
+        .then_some(())
+    })
+    .await;
+    ready_on_or_log(&c, "l4-all", 1, &cluster.log).await;
+    let states = kept.states();
+    assert!(
+        states.iter().all(
+            |l| l.get("nvidia.com/device-plugin.config") == Some(&all_key)
+                && l.get("gpusharing.io/policy").map(String::as_str) == Some("l4-all")
+        ),
+        "l4-node-0 left its policy on the way: {states:?}"
+    );
+    op.stop().await;
+}

@@ -25,6 +25,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
 use proptest::prelude::*;
 
 const PROFILES: [&str; 4] = ["a", "b", "c", "d"];
+/// Profiles are labelled under both keys; policies of profiles c and d select on the second (a
+/// label outside NVIDIA's and ours, which the node cache keeps only because it is selected).
+const PROFILE_KEYS: [&str; 2] = ["gpusharing.io/profile", "team.example.com/profile"];
+
+fn profile_key(p: &str) -> &'static str {
+    PROFILE_KEYS[usize::from(p == "c" || p == "d")]
+}
 
 fn node(name: &str, product: &str, mig_capable: bool, profile: Option<&str>) -> NodeFacts {
     let mut labels = Labels::default();
@@ -38,8 +45,13 @@ fn node(name: &str, product: &str, mig_capable: bool, profile: Option<&str>) -> 
     labels.insert("nvidia.com/gpu.memory", mem);
     labels.insert("nvidia.com/mig.capable", mig_capable.to_string());
     if let Some(p) = profile {
-        labels.insert("gpusharing.io/profile", p);
+        for k in PROFILE_KEYS {
+            labels.insert(k, p);
+        }
     }
+    // Labels the planner does not read (the node cache drops them).
+    labels.insert("kubernetes.io/hostname", name);
+    labels.insert("topology.kubernetes.io/zone", "us-east-1a");
     NodeFacts {
         name: name.into(),
         labels,
@@ -50,7 +62,7 @@ fn node(name: &str, product: &str, mig_capable: bool, profile: Option<&str>) -> 
 fn selector(profile: Option<&str>) -> LabelSelector {
     let mut sel = LabelSelector::default();
     if let Some(p) = profile {
-        sel.match_labels = Some([("gpusharing.io/profile".to_string(), p.to_string())].into());
+        sel.match_labels = Some([(profile_key(p).to_string(), p.to_string())].into());
     }
     sel
 }
@@ -585,6 +597,20 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
                 shuffled.policies.reverse();
                 shuffled.nodes.reverse();
                 assert_eq!(plan::plan(&shuffled), p, "plan depends on input order");
+                // The runtime's node cache keeps only the labels the planner reads: the same
+                // plan from those.
+                let filter = plan::LabelFilter::new(plan::selector_keys(&input.policies));
+                let mut filtered = input.clone();
+                for n in &mut filtered.nodes {
+                    let mut f = (**n).clone();
+                    f.labels = filter.apply(&f.labels);
+                    *n = std::sync::Arc::new(f);
+                }
+                assert_eq!(
+                    plan::plan(&filtered),
+                    p,
+                    "plan reads a label the cache drops"
+                );
                 for (n, labels) in &p.node_labels {
                     for k in labels
                         .iter()
@@ -603,12 +629,14 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
             Step::Gfd => w.gfd(),
             Step::Relabel(n, p) => match p {
                 Some(p) => {
-                    w.nodes[n]
-                        .labels
-                        .insert("gpusharing.io/profile", PROFILES[p]);
+                    for k in PROFILE_KEYS {
+                        w.nodes[n].labels.insert(k, PROFILES[p]);
+                    }
                 }
                 None => {
-                    w.nodes[n].labels.remove("gpusharing.io/profile");
+                    for k in PROFILE_KEYS {
+                        w.nodes[n].labels.remove(k);
+                    }
                 }
             },
             Step::Policies(g) => w.policies = build(&g),

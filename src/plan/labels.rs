@@ -1,11 +1,93 @@
 //! Node labels as the planner holds them (interned, sorted pairs) and label selectors over them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
+use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{LABEL_GPU_PRODUCT, SHARED_SUFFIX};
+
+/// The node label prefixes the planner reads on every node: NVIDIA's (GPU Feature Discovery's,
+/// the GPU Operator's, the ones we write) and ours. A node's other labels (the kubelet's, the
+/// cloud provider's, Node Feature Discovery's: most of a GPU node's ~58) matter only when a
+/// policy's node selector names them.
+pub const PLANNER_LABEL_PREFIXES: [&str; 2] = ["nvidia.com/", "gpusharing.io/"];
+
+/// The label keys the policies' node selectors read (`matchLabels` and `matchExpressions`).
+pub fn selector_keys<'a>(
+    policies: impl IntoIterator<Item = &'a GpuSharingPolicy>,
+) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    for p in policies {
+        let sel = &p.spec.node_selector;
+        keys.extend(sel.match_labels.iter().flatten().map(|(k, _)| k.clone()));
+        keys.extend(
+            sel.match_expressions
+                .iter()
+                .flatten()
+                .map(|e| e.key.clone()),
+        );
+    }
+    keys
+}
+
+/// The node labels a cache must keep for the planner to plan as it would with all of them:
+/// those under [`PLANNER_LABEL_PREFIXES`] and the keys given (the policies' selector keys).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LabelFilter {
+    keys: BTreeSet<String>,
+    all: bool,
+}
+
+impl LabelFilter {
+    pub fn new(keys: BTreeSet<String>) -> Self {
+        LabelFilter { keys, all: false }
+    }
+
+    /// Keeps every label (a one-off read that plans policies not known in advance).
+    pub fn everything() -> Self {
+        LabelFilter {
+            keys: BTreeSet::new(),
+            all: true,
+        }
+    }
+
+    pub fn keeps(&self, key: &str) -> bool {
+        self.all
+            || PLANNER_LABEL_PREFIXES.iter().any(|p| key.starts_with(p))
+            || self.keys.contains(key)
+    }
+
+    /// Every key of `keys` is kept.
+    pub fn covers(&self, keys: &BTreeSet<String>) -> bool {
+        keys.iter().all(|k| self.keeps(k))
+    }
+
+    /// Keeps `keys` too; whether that kept anything new.
+    pub fn extend(&mut self, keys: &BTreeSet<String>) -> bool {
+        let before = self.keys.len();
+        self.keys.extend(
+            keys.iter()
+                .filter(|k| !self.keeps(k))
+                .cloned()
+                .collect::<Vec<_>>(),
+        );
+        self.keys.len() != before
+    }
+
+    /// `labels` without what the planner does not read.
+    pub fn apply(&self, labels: &Labels) -> Labels {
+        Labels(
+            labels
+                .0
+                .iter()
+                .filter(|(k, _)| self.keeps(k))
+                .cloned()
+                .collect(),
+        )
+    }
+}
 
 /// A node's labels: (key, value) pairs sorted by key, as shared strings. The node cache interns
 /// them, so a key or value found on thousands of nodes (`nvidia.com/gpu.product=NVIDIA-H200`)

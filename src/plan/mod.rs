@@ -29,7 +29,8 @@ pub mod taint;
 pub mod vm;
 
 pub use labels::{
-    LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, selection_labels, selector_matches,
+    LabelFilter, LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, selection_labels,
+    selector_keys, selector_matches,
 };
 pub use status::MAX_NODE_DETAILS;
 

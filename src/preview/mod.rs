@@ -17,7 +17,7 @@ use crate::api::names::{
     DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP, DEVICE_PLUGIN_CONFIGMAP, MANAGER,
     MIG_PARTED_CONFIGMAP, VGPU_DEVICES_CONFIGMAP,
 };
-use crate::plan::PlanInput;
+use crate::plan::{LabelFilter, PlanInput};
 use crate::runtime::controller::{cluster_policy_resource, detect_namespace};
 use crate::runtime::input::{mig_configs, read_gpu_pods, sandbox_of, vgpu_configs};
 use crate::runtime::nodecache::{Interner, facts};
@@ -71,7 +71,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         .map_err(read("nodes"))?
         .items
         .into_iter()
-        .map(|n| facts(n, MANAGER, &mut strings))
+        .map(|n| facts(n, MANAGER, &LabelFilter::everything(), &mut strings))
         .collect();
     let policies: Vec<GpuSharingPolicy> = Api::<GpuSharingPolicy>::all(client.clone())
         .list(&lp)

@@ -324,7 +324,10 @@ fn record_plan_metrics(ctx: &Context, input: &PlanInput, plan: &Plan) {
 /// whether something is still in progress (then the caller re-checks soon even without watch
 /// events).
 pub async fn reconcile_all(ctx: &Context, report: &mut WriteReport) -> Result<bool, Error> {
-    let input = ctx.plan_input();
+    let Some(input) = ctx.plan_input() else {
+        // The node cache is listing nodes again (a new selector key); its last event wakes us.
+        return Ok(true);
+    };
     let plan = plan::plan(&input);
     record_plan_metrics(ctx, &input, &plan);
     // What the writes below need of the input, taken now: the pass then holds no node facts

@@ -14,7 +14,7 @@ use kube::runtime::reflector::ObjectRef;
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::*;
 use crate::nvidia::{self, MIG_PARTED_KEY};
-use crate::plan::{NodeFacts, PlanInput};
+use crate::plan::{NodeFacts, PlanInput, selector_keys};
 use crate::runtime::controller::Context;
 
 /// Drift repairs of the ClusterPolicy within this window that make it "contested".
@@ -170,7 +170,9 @@ impl Context {
         self.caches.policies.get(&ObjectRef::new(name))
     }
 
-    pub(crate) fn plan_input(&self) -> PlanInput {
+    /// The planner's input from the caches; `None` while the node cache is listing nodes again
+    /// for a label a policy newly selects on (see [`crate::runtime::nodecache`]).
+    pub(crate) fn plan_input(&self) -> Option<PlanInput> {
         let policies: Vec<GpuSharingPolicy> = self
             .caches
             .policies
@@ -178,6 +180,10 @@ impl Context {
             .iter()
             .map(|p| (**p).clone())
             .collect();
+        // Checked before the snapshot: the cache's listed labels only grow.
+        if !self.caches.nodes.require(&selector_keys(&policies)) {
+            return None;
+        }
         let mut input = PlanInput::new(policies, vec![]);
         input.nodes = self.caches.nodes.snapshot();
         input.current_device_config = self
@@ -237,7 +243,7 @@ impl Context {
         });
         input.device_configmap_name = self.config.device_configmap.clone();
         input.mig_configmap_name = self.config.mig_configmap.clone();
-        input
+        Some(input)
     }
 
     /// The oldest ClusterPolicy: the GPU Operator ignores the others.

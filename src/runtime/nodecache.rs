@@ -6,8 +6,15 @@
 //! copies were most of the operator's memory. Here the watch event is turned into facts and
 //! dropped, and a pass takes `Arc`s. Label keys and values are interned: GFD, NFD and cloud
 //! providers put tens of labels on every node, nearly all with the same keys and few values.
+//!
+//! Only the labels the planner reads are kept ([`LabelFilter`]: NVIDIA's and ours, and the keys
+//! the policies select on); the kubelet's, the cloud provider's and Node Feature Discovery's
+//! (most of a GPU node's ~58, some unique per node such as its hostname) are dropped. When a
+//! policy starts selecting on a label that was dropped, the filter grows and the node watch
+//! lists again; until that list is complete [`NodeCache::require`] says no and the controller
+//! does not plan (a node missing the label would look unselected and lose its config).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::core::v1::Node;
@@ -16,7 +23,7 @@ use kube::runtime::watcher;
 use tokio::sync::watch;
 
 use crate::api::names::MANAGED_ANNOTATIONS;
-use crate::plan::{Labels, NodeFacts, OwnedKeys};
+use crate::plan::{LabelFilter, Labels, NodeFacts, OwnedKeys};
 use crate::runtime::managed::owned_keys;
 
 /// Our managed labels a field manager owns through server-side apply, read from a node's
@@ -60,9 +67,10 @@ impl Interner {
     }
 }
 
-/// What the planner knows of a node: its metadata, and the allocatable count of NVIDIA's
-/// extended resources (the rest of the status, images and conditions, is dropped here).
-pub fn facts(node: Node, manager: &str, strings: &mut Interner) -> NodeFacts {
+/// What the planner knows of a node: its metadata (the labels `filter` keeps), and the
+/// allocatable count of NVIDIA's extended resources (the rest of the status, images and
+/// conditions, is dropped here).
+pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Interner) -> NodeFacts {
     let allocatable = node
         .status
         .and_then(|s| s.allocatable)
@@ -85,6 +93,7 @@ pub fn facts(node: Node, manager: &str, strings: &mut Interner) -> NodeFacts {
         .labels
         .unwrap_or_default()
         .iter()
+        .filter(|(k, _)| filter.keeps(k))
         .map(|(k, v)| (strings.intern(k), strings.intern(v)))
         .collect::<Vec<_>>();
     NodeFacts {
@@ -105,11 +114,17 @@ struct State {
     strings: Interner,
     /// Nodes replaced or removed since the last purge of unused strings.
     churn: usize,
+    /// The labels kept from now on.
+    filter: LabelFilter,
+    /// The filter of the list in progress.
+    relist_filter: Option<LabelFilter>,
+    /// The filter of the last complete list: every node in `nodes` has these labels.
+    listed: Option<LabelFilter>,
 }
 
 impl State {
     fn facts(&mut self, n: Node, manager: &str) -> Arc<NodeFacts> {
-        Arc::new(facts(n, manager, &mut self.strings))
+        Arc::new(facts(n, manager, &self.filter, &mut self.strings))
     }
 
     /// Purges unused strings once about as many nodes changed as there are: amortised O(1) per
@@ -128,16 +143,47 @@ pub struct NodeCache {
     manager: String,
     state: RwLock<State>,
     ready: watch::Sender<bool>,
+    /// Bumped when the filter grows: the node watch lists again.
+    relists: watch::Sender<u64>,
 }
 
 impl NodeCache {
-    /// An empty cache; `manager` is the field manager whose label ownership is recorded.
-    pub fn new(manager: &str) -> Self {
+    /// An empty cache keeping the labels of `filter`; `manager` is the field manager whose
+    /// label ownership is recorded.
+    pub fn new(manager: &str, filter: LabelFilter) -> Self {
         NodeCache {
             manager: manager.into(),
-            state: Default::default(),
+            state: RwLock::new(State {
+                filter,
+                ..Default::default()
+            }),
             ready: watch::Sender::new(false),
+            relists: watch::Sender::new(0),
         }
+    }
+
+    /// Whether every node in the cache has the labels `keys` (a complete list kept them). If
+    /// not, keeps them from now on and asks the node watch to list again (see
+    /// [`relists`](Self::relists)); the answer turns true once that list is complete.
+    pub fn require(&self, keys: &BTreeSet<String>) -> bool {
+        let mut s = self.state.write().expect("node cache lock");
+        if s.listed.as_ref().is_some_and(|l| l.covers(keys)) {
+            return true;
+        }
+        if s.filter.extend(keys) {
+            drop(s);
+            tracing::info!(
+                keys = ?keys,
+                "a policy selects on node labels the cache did not keep: listing nodes again"
+            );
+            self.relists.send_modify(|n| *n += 1);
+        }
+        false
+    }
+
+    /// Changes when the node watch must list again.
+    pub fn relists(&self) -> watch::Receiver<u64> {
+        self.relists.subscribe()
     }
 
     /// Applies one watch event. A relist (`Init` .. `InitDone`) replaces the whole content
@@ -158,7 +204,10 @@ impl NodeCache {
                     s.churned();
                 }
             }
-            watcher::Event::Init => s.relist = Some(HashMap::new()),
+            watcher::Event::Init => {
+                s.relist = Some(HashMap::new());
+                s.relist_filter = Some(s.filter.clone());
+            }
             watcher::Event::InitApply(n) => {
                 let f = s.facts(n, &self.manager);
                 s.relist
@@ -170,6 +219,7 @@ impl NodeCache {
                     s.nodes = fresh;
                     s.strings.purge();
                     s.churn = 0;
+                    s.listed = s.relist_filter.take();
                 }
                 drop(s);
                 self.ready.send_replace(true);
@@ -228,6 +278,7 @@ mod tests {
         let f = facts(
             node("a", "NVIDIA-L4", managed),
             "ours",
+            &LabelFilter::default(),
             &mut Interner::default(),
         );
         assert_eq!(f.name, "a");
@@ -243,7 +294,7 @@ mod tests {
 
     #[tokio::test]
     async fn relist_replaces_content_and_marks_ready() {
-        let c = NodeCache::new("ours");
+        let c = NodeCache::new("ours", LabelFilter::default());
         c.apply(watcher::Event::Init);
         c.apply(watcher::Event::InitApply(node("b", "L4", json!([]))));
         c.apply(watcher::Event::InitApply(node("a", "L4", json!([]))));
@@ -271,9 +322,83 @@ mod tests {
         assert_eq!(c.strings(), 2);
     }
 
+    fn labelled(name: &str, labels: &[(&str, &str)]) -> Node {
+        let mut n = node(name, "NVIDIA-L4", json!([]));
+        let l = n.metadata.labels.as_mut().unwrap();
+        for (k, v) in labels {
+            l.insert(k.to_string(), v.to_string());
+        }
+        n
+    }
+
+    #[tokio::test]
+    async fn only_planner_labels_are_kept_and_a_new_selector_key_lists_again() {
+        let keys = |k: &[&str]| k.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+        let c = NodeCache::new("ours", LabelFilter::new(keys(&["team"])));
+        let mut relists = c.relists();
+        let list = |c: &NodeCache| {
+            c.apply(watcher::Event::Init);
+            c.apply(watcher::Event::InitApply(labelled(
+                "a",
+                &[
+                    ("kubernetes.io/hostname", "a"),
+                    ("team", "ml"),
+                    ("topology.kubernetes.io/zone", "z1"),
+                    ("gpusharing.io/profile", "p"),
+                ],
+            )));
+            c.apply(watcher::Event::InitDone);
+        };
+        // Nothing listed yet: not even the seeded keys are there.
+        assert!(!c.require(&keys(&["team"])));
+        assert!(
+            !relists.has_changed().unwrap(),
+            "the first list is coming anyway"
+        );
+        list(&c);
+        assert!(c.require(&keys(&["team"])));
+        let labels = |c: &NodeCache| -> Vec<String> {
+            c.snapshot()[0]
+                .labels
+                .iter()
+                .map(|(k, _)| k.to_string())
+                .collect()
+        };
+        assert_eq!(
+            labels(&c),
+            ["gpusharing.io/profile", "nvidia.com/gpu.product", "team"],
+            "hostname and zone are not read by the planner"
+        );
+        // A policy now selects on the zone: no plan until the nodes are listed again with it.
+        assert!(!c.require(&keys(&["team", "topology.kubernetes.io/zone"])));
+        assert!(relists.has_changed().unwrap());
+        relists.mark_unchanged();
+        assert!(!c.require(&keys(&["topology.kubernetes.io/zone"])));
+        assert!(!relists.has_changed().unwrap(), "one relist per new key");
+        // An update before the list is complete already keeps it, but is not enough.
+        c.apply(watcher::Event::Apply(labelled(
+            "a",
+            &[("topology.kubernetes.io/zone", "z1")],
+        )));
+        assert!(!c.require(&keys(&["topology.kubernetes.io/zone"])));
+        list(&c);
+        assert!(c.require(&keys(&["topology.kubernetes.io/zone", "team"])));
+        assert_eq!(
+            labels(&c),
+            [
+                "gpusharing.io/profile",
+                "nvidia.com/gpu.product",
+                "team",
+                "topology.kubernetes.io/zone"
+            ]
+        );
+        // Keys under NVIDIA's and our prefixes are always there.
+        assert!(c.require(&keys(&["nvidia.com/gpu.family", "gpusharing.io/x"])));
+    }
+
     #[test]
     fn labels_are_shared_between_nodes_and_unused_strings_purged() {
-        let c = NodeCache::new("ours");
+        let c = NodeCache::new("ours", LabelFilter::default());
         c.apply(watcher::Event::Init);
         for i in 0..10 {
             c.apply(watcher::Event::InitApply(node(

@@ -16,6 +16,7 @@ use tracing::warn;
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{MANAGED_BY, MANAGER};
+use crate::plan::{LabelFilter, selector_keys};
 use crate::runtime::controller::cluster_policy_resource;
 use crate::runtime::nodecache::NodeCache;
 use crate::runtime::taints::Tainted;
@@ -133,30 +134,23 @@ pub async fn start(
     readiness_taint: Option<&str>,
     notify: Arc<Notify>,
 ) -> (Caches, impl std::future::Future<Output = ()> + use<>) {
-    let nodes = Arc::new(NodeCache::new(MANAGER));
+    // The node cache keeps the labels the policies select on: read them before the first list
+    // (otherwise the first pass would list every node a second time).
+    let selected = match Api::<GpuSharingPolicy>::all(client.clone())
+        .list(&Default::default())
+        .await
+    {
+        Ok(l) => selector_keys(l.items.iter()),
+        Err(_) => Default::default(),
+    };
+    let nodes = Arc::new(NodeCache::new(MANAGER, LabelFilter::new(selected)));
     let cp_api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
     let cluster_policy_served = cp_api.list(&Default::default()).await.is_ok();
     let (pods, podw) = reflector::store();
     let tainted = readiness_taint.map(|key| Arc::new(Tainted::new(key)));
     // Node cache: only what the planner reads, built from each event (see nodecache); the
     // readiness taint's set of nodes is fed by the same watch.
-    let node_stream = {
-        let (nodes, tainted) = (nodes.clone(), tainted.clone());
-        watcher(
-            Api::<Node>::all(client.clone()),
-            // Small list pages: a page of whole nodes (managedFields, status) is decoded at
-            // once before it is reduced to facts.
-            watcher::Config::default().page_size(NODE_LIST_PAGE),
-        )
-        .default_backoff()
-        .map_ok(move |ev| {
-            if let Some(t) = &tainted {
-                t.apply(&ev);
-            }
-            nodes.apply(ev)
-        })
-        .boxed()
-    };
+    let node_stream = node_watch(client, &nodes, tainted.clone());
     // Pods that may hold GPUs (MIG changes wait for idle GPUs): only bound, unfinished pods,
     // stripped to what the check needs.
     let pod_stream = reflector::reflector(
@@ -171,7 +165,7 @@ pub async fn start(
     .boxed();
     let mut streams: Streams = vec![
         pod_stream.map_ok(|_| ()).boxed(),
-        node_stream.map_ok(|_| ()).boxed(),
+        node_stream,
     ];
     let all = watcher::Config::default;
     let policies = cache(Api::all(client.clone()), all(), (), &mut streams);
@@ -226,6 +220,43 @@ pub async fn start(
         gpu_clusters,
     };
     (caches, events)
+}
+
+/// The node watch feeding the node cache (and the readiness taint's set of nodes): a new watch,
+/// so a new list, whenever the cache's label filter grows.
+fn node_watch(
+    client: &Client,
+    nodes: &Arc<NodeCache>,
+    tainted: Option<Arc<Tainted>>,
+) -> futures::stream::BoxStream<'static, Result<(), watcher::Error>> {
+    let (nodes, client) = (nodes.clone(), client.clone());
+    let relists = nodes.relists();
+    stream::unfold((), move |()| {
+        let mut grown = relists.clone();
+        grown.mark_unchanged();
+        let (nodes, tainted) = (nodes.clone(), tainted.clone());
+        let watch = watcher(
+            Api::<Node>::all(client.clone()),
+            // Small list pages: a page of whole nodes (managedFields, status) is decoded
+            // at once before it is reduced to facts.
+            watcher::Config::default().page_size(NODE_LIST_PAGE),
+        )
+        .default_backoff()
+        .take_until(async move {
+            if grown.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+        .map_ok(move |ev| {
+            if let Some(t) = &tainted {
+                t.apply(&ev);
+            }
+            nodes.apply(ev)
+        });
+        futures::future::ready(Some((watch, ())))
+    })
+    .flatten()
+    .boxed()
 }
 
 /// Namespaces, as metadata only (a template is created as soon as its namespace appears). An

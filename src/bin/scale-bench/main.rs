@@ -881,14 +881,79 @@ struct OperatorResult {
     cpu_apply: f64,
     cpu_edit: f64,
     apiserver_cpu_apply: f64,
+    apiserver_cpu_edit: f64,
+    /// The edit, seen on the edited policy's nodes: when the first and the last of them got the
+    /// new config label (from the edit), and how many did.
+    edit_first_write: Option<Duration>,
+    edit_last_write: Option<Duration>,
+    edit_nodes_written: usize,
+    /// The operator's passes during the edit (its `gpu_sharing_reconciles_total`).
+    edit_passes: Option<u64>,
     notes: Vec<String>,
+}
+
+/// The operator's passes so far, from its metrics endpoint (`gpu_sharing_reconciles_total`).
+async fn operator_passes(port: u16) -> Option<u64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // One request to a local endpoint; HTTP/1.0 so the server closes when done.
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .ok()?;
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await.ok()?;
+    body.lines()
+        .find_map(|l| l.strip_prefix("gpu_sharing_reconciles_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+/// Records, for the nodes of `group`, when each first carries a device-plugin config other than
+/// `old_key` (elapsed since `start`). Ends when dropped (abort the task).
+fn watch_relabels(
+    client: &Client,
+    group: usize,
+    old_key: String,
+    start: Instant,
+) -> (
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<std::sync::Mutex<BTreeMap<String, Duration>>>,
+) {
+    use kube::runtime::watcher;
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::new()));
+    let api: Api<PartialObjectMeta<Node>> = Api::all(client.clone());
+    let cfg = watcher::Config::default().labels(&format!("{GROUP_LABEL}=g{group}"));
+    let s = seen.clone();
+    let task = tokio::spawn(async move {
+        let mut events = watcher::watcher(api, cfg).boxed();
+        while let Some(ev) = events.next().await {
+            if let Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n)) = ev {
+                let key = n.labels().get(LABEL_DEVICE_PLUGIN_CONFIG).cloned();
+                if key.is_some_and(|k| k != old_key) {
+                    s.lock()
+                        .unwrap()
+                        .entry(n.name_any())
+                        .or_insert_with(|| start.elapsed());
+                }
+            }
+        }
+    });
+    (task, seen)
 }
 
 /// Starts `gpu-sharing-operator run` against the cluster, logging to `log`, and waits until its
 /// caches are ready (at most 120 s).
-async fn start_operator(op: &Path, kubeconfig: &Path, log: &Path) -> anyhow::Result<Child> {
+async fn start_operator(
+    op: &Path,
+    kubeconfig: &Path,
+    log: &Path,
+    metrics_port: u16,
+) -> anyhow::Result<Child> {
     let mut c = Command::new(op)
         .args(["run", "--namespace", NAMESPACE])
+        .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
         .env("KUBECONFIG", kubeconfig)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -940,7 +1005,10 @@ async fn run_operator(
         wait_idle(kl_pid, Duration::from_secs(60)).await;
         // Start the operator and let it settle (it may write the empty config first).
         let m0 = scrape(&client).await?;
-        let c = start_operator(op, &cluster.kubeconfig, &op_log).await?;
+        let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let c = start_operator(op, &cluster.kubeconfig, &op_log, metrics_port).await?;
         let pid = c.id();
         child = Some(c);
         let m1 = wait_quiet(&client, Duration::from_secs(3), Duration::from_secs(60)).await?;
@@ -982,7 +1050,15 @@ async fn run_operator(
             old_keys.get(&edited).cloned().unwrap_or_default(),
         );
         let cpu1 = proc_stats(pid).cpu_s;
+        let kcpu1 = proc_stats(kl_pid).cpu_s;
+        let passes1 = operator_passes(metrics_port).await;
         let start = Instant::now();
+        let (relabels, written) = watch_relabels(
+            &client,
+            0,
+            old_keys.get(&edited).cloned().unwrap_or_default(),
+            start,
+        );
         pol.patch(
             &edited,
             &PatchParams::default(),
@@ -998,6 +1074,18 @@ async fn run_operator(
         }
         let m3 = wait_quiet(&client, Duration::from_secs(3), Duration::from_secs(60)).await?;
         r.cpu_edit = proc_stats(pid).cpu_s - cpu1;
+        r.apiserver_cpu_edit = proc_stats(kl_pid).cpu_s - kcpu1;
+        r.edit_passes = match (passes1, operator_passes(metrics_port).await) {
+            (Some(a), Some(b)) => Some(b - a),
+            _ => None,
+        };
+        relabels.abort();
+        {
+            let w = written.lock().unwrap();
+            r.edit_first_write = w.values().min().copied();
+            r.edit_last_write = w.values().max().copied();
+            r.edit_nodes_written = w.len();
+        }
         r.edit = Writes::from(&diff(&m3, &m2), 1);
         // New key in, labels of the edited policy's nodes, old key out, its status.
         r.edit_min = 2 + per_group[0] as i64 + 1;
@@ -1094,6 +1182,34 @@ fn render_table(rows: &[Row], steady_secs: u64) -> String {
     s
 }
 
+/// The cost of one policy edit next to the cluster's size, and the API server's CPU next to
+/// the operator's.
+fn render_edit_table(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "\n| N | P | edit: nodes relabelled | first label write s | last label write s | operator passes | operator CPU s (per pass ms) | kube-local CPU s (apply / edit) | operator CPU s (apply) |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        let Ok(o) = &r.op else { continue };
+        let per_pass = o.edit_passes.filter(|p| *p > 0).map_or("-".into(), |p| {
+            format!("{:.0}", o.cpu_edit * 1000.0 / p as f64)
+        });
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {:.2} ({per_pass}) | {:.1} / {:.1} | {:.1} |\n",
+            r.n,
+            r.p,
+            o.edit_nodes_written,
+            secs(o.edit_first_write),
+            secs(o.edit_last_write),
+            o.edit_passes.map_or("?".into(), |p| p.to_string()),
+            o.cpu_edit,
+            o.apiserver_cpu_apply,
+            o.apiserver_cpu_edit,
+            o.cpu_apply,
+        ));
+    }
+    s
+}
+
 fn render_details(rows: &[Row]) -> String {
     let mut s = String::from("\n### Details\n");
     for r in rows {
@@ -1135,6 +1251,18 @@ fn render_details(rows: &[Row]) -> String {
             o.apiserver_cpu_apply,
             o.stats.hwm_kib as f64 / 1024.0,
             o.stats.rss_kib as f64 / 1024.0
+        ));
+        s.push_str(&format!(
+            "- edit of one policy ({} of its nodes relabelled): first label write {} s, last {} s after the edit; {} operator passes, operator CPU {:.2} s ({}), kube-local CPU {:.2} s\n",
+            o.edit_nodes_written,
+            secs(o.edit_first_write),
+            secs(o.edit_last_write),
+            o.edit_passes.map_or("?".into(), |p| p.to_string()),
+            o.cpu_edit,
+            o.edit_passes
+                .filter(|p| *p > 0)
+                .map_or("-".into(), |p| format!("{:.0} ms per pass", o.cpu_edit * 1000.0 / p as f64)),
+            o.apiserver_cpu_edit
         ));
         s.push_str(&format!(
             "- operator memory after the caches synced (nodes, no policy yet): RSS {:.1} MiB, peak {:.1} MiB\n",
@@ -1183,6 +1311,7 @@ fn write_results(args: &Args, rows: &[Row]) -> anyhow::Result<String> {
         machine()
     );
     md.push_str(&render_table(rows, args.steady_secs));
+    md.push_str(&render_edit_table(rows));
     md.push_str(&render_details(rows));
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("results.md"), &md)?;

@@ -131,7 +131,10 @@ pub async fn run(args: &Args, kl: &Path, op: &Path, n: usize) -> anyhow::Result<
         create_nodes_with(&client, n, 1, args.concurrency, &stamp).await?;
         wait_idle(cluster.pid(), Duration::from_secs(60)).await;
         let task = gfd.start(&client, delay);
-        let c = start_operator(op, &cluster.kubeconfig, &op_log).await?;
+        let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let c = start_operator(op, &cluster.kubeconfig, &op_log, metrics_port).await?;
         let pid = c.id();
         child = Some(c);
         wait_quiet(&client, Duration::from_secs(3), Duration::from_secs(60)).await?;
