@@ -1236,6 +1236,55 @@ fn a_device_plugin_config_counts_only_once_gfd_reported_after_our_write() {
     );
 }
 
+/// A node without a device-plugin config label already runs the default (whole GPUs): a DRA
+/// policy labelling it `default` (the device plugin shares nothing there) changes nothing GPU
+/// Feature Discovery would report, so it is not a change to wait for (GFD relabels only on its
+/// next period, 60 s by default). A node that ran a sharing config does wait for GFD.
+#[test]
+fn default_on_a_node_without_a_config_label_needs_no_gfd_report() {
+    let dra: GpuSharingPolicy =
+        gpu_sharing_operator::api::yaml::from_str(include_str!("../examples/dra-mps.yaml"))
+            .unwrap();
+    let name = dra.metadata.name.clone().unwrap();
+    let mut nodes = Vec::new();
+    for (n, label) in [("h200-0", None), ("h200-1", Some("someone-else-4x"))] {
+        let mut f = node(n, "NVIDIA-H200", false, None);
+        f.labels.insert("gpusharing.io/profile", "dra");
+        f.labels.insert(names::LABEL_GFD_TIMESTAMP, "1799999000");
+        f.labels.insert(names::LABEL_GPU_REPLICAS, "1");
+        if let Some(l) = label {
+            f.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG, l);
+        }
+        nodes.push(f);
+    }
+    let mut w = World::new(nodes, vec![dra]);
+    w.now = 1_800_000_000;
+    let mut p = plan::plan(&w.input());
+    for _ in 0..4 {
+        w.apply(&p);
+        p = plan::plan(&w.input());
+    }
+    for n in ["h200-0", "h200-1"] {
+        assert_eq!(p.node_labels[n][LABEL_DEVICE_PLUGIN_CONFIG], DEFAULT_KEY);
+    }
+    assert!(
+        !p.node_annotations["h200-0"].contains_key(names::ANNOTATION_CONFIG_WRITTEN),
+        "{:?}",
+        p.node_annotations["h200-0"]
+    );
+    assert_eq!(
+        p.node_annotations["h200-1"][names::ANNOTATION_CONFIG_WRITTEN],
+        w.now.to_string()
+    );
+    let details: BTreeMap<_, _> = p.statuses[&name]
+        .node_details
+        .iter()
+        .map(|d| (d.name.clone(), d.message.clone()))
+        .collect();
+    assert_eq!(p.statuses[&name].applied_nodes, 1, "{details:?}");
+    assert!(details["h200-1"].contains("gfd.timestamp"), "{details:?}");
+}
+
 #[test]
 fn nodes_labelled_before_the_write_time_existed_need_no_write() {
     let pol = policy("mps", 2, 4, false, Some("a"), 0, 0);

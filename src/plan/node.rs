@@ -571,10 +571,15 @@ fn written(
 }
 
 /// Our annotations: when the device-plugin config label last changed (kept while it stays), and
-/// which MIG layout content the node was labelled with.
+/// which MIG layout content the node was labelled with. A node without the label already runs
+/// the default config (the ClusterPolicy's `devicePlugin.config.default`, which is ours, and
+/// NVIDIA's own default otherwise, both whole GPUs): labelling it `default` changes nothing the
+/// device plugin or GPU Feature Discovery would report, so it is no config change to wait for.
 fn annotations(n: &NodeFacts, env: &Env, dp: &str, mig: Option<&str>) -> super::SmallMap {
     let mut a = super::SmallMap::default();
-    if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(dp) {
+    let current = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG);
+    let unchanged = current == Some(dp) || current.is_none() && dp == DEFAULT_KEY;
+    if !unchanged {
         a.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), env.now.to_string());
     } else if let Some(v) = n.annotations.get(ANNOTATION_CONFIG_WRITTEN) {
         a.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), v.to_string());

@@ -163,10 +163,7 @@ pub async fn start(
         .modify(strip_pod),
     )
     .boxed();
-    let mut streams: Streams = vec![
-        pod_stream.map_ok(|_| ()).boxed(),
-        node_stream,
-    ];
+    let mut streams: Streams = vec![pod_stream.map_ok(|_| ()).boxed(), node_stream];
     let all = watcher::Config::default;
     let policies = cache(Api::all(client.clone()), all(), (), &mut streams);
     let configmaps = cache(

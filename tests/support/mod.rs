@@ -352,9 +352,13 @@ pub async fn setup_with(opts: common::ClusterOptions) -> (Serial, TestCluster, S
     let lock = SERIAL.lock().await;
     let cluster = TestCluster::start_with(opts).await;
     install_crd(&cluster.client).await;
+    // The simulator first, as before the watcher existed: its device plugins load (and GFD
+    // stamps) about a second after it starts, and a test whose operator writes within that
+    // same second would wait for GFD's next periodic report, which the simulator does not
+    // play (README, Reliability: Known).
+    let sim = start_simulator(&cluster);
     let invariants =
         invariants::InvariantWatcher::start(&cluster.client, &cluster.gpu_operator_namespace).await;
-    let sim = start_simulator(&cluster);
     (
         Serial {
             _lock: lock,
