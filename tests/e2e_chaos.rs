@@ -60,10 +60,11 @@ async fn restart_after(cluster: &mut common::TestCluster, n: usize, not: Option<
     down
 }
 
-async fn converged(c: &kube::Client, generation: i64) -> serde_json::Value {
+/// Waits until the policy is Ready on `nodes` nodes at `generation`.
+async fn converged(c: &kube::Client, nodes: usize, generation: i64) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(240);
     loop {
-        if let Some(s) = ready_on(c, POLICY, NODES as i64).await
+        if let Some(s) = ready_on(c, POLICY, nodes as i64).await
             && s["observedGeneration"] == generation
         {
             return s;
@@ -72,12 +73,24 @@ async fn converged(c: &kube::Client, generation: i64) -> serde_json::Value {
             let status = policy_status(c, POLICY).await;
             let sample = labels(c, "l4-00").await;
             panic!(
-                "{POLICY} not Ready on {NODES} nodes at generation {generation}: status {}\nl4-00: {sample:?}",
+                "{POLICY} not Ready on {nodes} nodes at generation {generation}: status {}\nl4-00: {sample:?}",
                 serde_json::to_string_pretty(&status).unwrap()
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// The chaos tests' policy: time-slicing on every L4 node, in one wave.
+async fn apply_l4_policy(c: &kube::Client) {
+    common::apply_yaml(
+        c,
+        &format!(
+            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {POLICY}}}\nspec:\n  nodeSelector: {{matchLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}}}\n  strategy: timeSlicing\n  timeSlicing: {{replicas: 4}}\n  rollout: {{maxUnavailable: 100%}}\n"
+        ),
+    )
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
@@ -89,18 +102,11 @@ async fn control_plane_restarts_mid_convergence_lose_nothing() {
     let watcher = g.invariants();
     let op = Operator::start(c.clone(), None);
     let start = Instant::now();
-    common::apply_yaml(
-        &c,
-        &format!(
-            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {POLICY}}}\nspec:\n  nodeSelector: {{matchLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}}}\n  strategy: timeSlicing\n  timeSlicing: {{replicas: 4}}\n  rollout: {{maxUnavailable: 100%}}\n"
-        ),
-    )
-    .await
-    .unwrap();
+    apply_l4_policy(&c).await;
     // Twice while the 200 nodes converge.
     restart_after(&mut cluster, 20, None).await;
     restart_after(&mut cluster, 120, None).await;
-    let s = converged(&c, 1).await;
+    let s = converged(&c, NODES, 1).await;
     let key = s["deviceConfigKey"].as_str().unwrap().to_string();
     assert_eq!(labelled(&c, |k| k == key).await, Some(NODES));
     eprintln!("converged after two restarts in {:?}", start.elapsed());
@@ -115,7 +121,7 @@ async fn control_plane_restarts_mid_convergence_lose_nothing() {
         .await
         .unwrap();
     restart_after(&mut cluster, 50, Some(&key)).await;
-    let s = converged(&c, 2).await;
+    let s = converged(&c, NODES, 2).await;
     let new_key = s["deviceConfigKey"].as_str().unwrap().to_string();
     assert_ne!(new_key, key);
     assert_eq!(labelled(&c, |k| k == new_key).await, Some(NODES));
@@ -447,14 +453,7 @@ async fn hand_edits_while_running_are_repaired() {
     w.hand_edit("device-plugin label removed").await;
     label_node(&c, "l4-node-0", "nvidia.com/device-plugin.config", None).await;
     w.repaired(LONG).await;
-    until("the label put back", LONG, || async {
-        (labels(&c, "l4-node-0")
-            .await
-            .get("nvidia.com/device-plugin.config")
-            == Some(&key))
-        .then_some(())
-    })
-    .await;
+    until_labelled(&c, "l4-node-0", "nvidia.com/device-plugin.config", &key).await;
     // The label came back before NVIDIA's config manager acted on its removal, so the device
     // plugin did not restart and GPU Feature Discovery reports nothing new; the operator, which
     // stamped a new write time, waits for GFD's next periodic relabel (every 60 s by default),
@@ -721,39 +720,11 @@ async fn api_errors_injected_operator_backs_off_and_converges() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(16);
     eprintln!("API error test: {nodes} nodes, CHAOS_SEED={seed}");
-    let proxy = FaultProxy::start(&cluster, 0.0, seed, "6s");
-    let mut op = Operator::start(proxy.client().await, None);
+    let proxy = FaultProxy::start(&cluster, 0.0, seed, "6s").await;
+    let mut op = Operator::start(proxy.client.clone(), None);
     let policies: Api<GpuSharingPolicy> = Api::all(c.clone());
-    common::apply_yaml(
-        &c,
-        &format!(
-            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {POLICY}}}\nspec:\n  nodeSelector: {{matchLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}}}\n  strategy: timeSlicing\n  timeSlicing: {{replicas: 4}}\n  rollout: {{maxUnavailable: 100%}}\n"
-        ),
-    )
-    .await
-    .unwrap();
+    apply_l4_policy(&c).await;
     let mut generation = 1;
-    let converge = |generation: i64| {
-        let c = c.clone();
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(240);
-            loop {
-                if let Some(s) = ready_on(&c, POLICY, nodes as i64).await
-                    && s["observedGeneration"] == generation
-                {
-                    return s;
-                }
-                if Instant::now() > deadline {
-                    let status = policy_status(&c, POLICY).await;
-                    panic!(
-                        "{POLICY} not Ready on {nodes} nodes at generation {generation}: {}",
-                        serde_json::to_string_pretty(&status).unwrap()
-                    );
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-        }
-    };
     let to_mps = json!({"spec": {"strategy": "mps", "mps": {"replicas": 4}, "timeSlicing": null}});
     let to_ts =
         json!({"spec": {"strategy": "timeSlicing", "timeSlicing": {"replicas": 4}, "mps": null}});
@@ -766,7 +737,7 @@ async fn api_errors_injected_operator_backs_off_and_converges() {
                 .unwrap();
         }
     };
-    converge(generation).await;
+    converged(&c, nodes, generation).await;
 
     // The two transitions without faults, then with them.
     let mut runs = Vec::new();
@@ -777,7 +748,7 @@ async fn api_errors_injected_operator_backs_off_and_converges() {
         for patch in [&to_mps, &to_ts] {
             flip(patch.clone()).await;
             generation += 1;
-            converge(generation).await;
+            converged(&c, nodes, generation).await;
         }
         let writes = node_writes_since(&watcher.our_changes().await, &before);
         eprintln!(
@@ -807,8 +778,8 @@ async fn api_errors_injected_operator_backs_off_and_converges() {
     op.stop().await;
     flip(json!({"spec": {"timeSlicing": {"replicas": 8}}})).await;
     generation += 1;
-    op = Operator::start(proxy.client().await, None);
-    let s = converge(generation).await;
+    op = Operator::start(proxy.client.clone(), None);
+    let s = converged(&c, nodes, generation).await;
     assert_eq!(
         s["capacity"]["schedulableReplicas"],
         s["capacity"]["physicalGpus"].as_i64().unwrap() * 8

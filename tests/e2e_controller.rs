@@ -501,13 +501,12 @@ async fn a_policy_selecting_on_a_new_label_key_gets_its_nodes_and_disturbs_none(
     let pool = ready_on_or_log(&c, "inference-pool", 1, &cluster.log).await;
     let pool_key = pool["deviceConfigKey"].as_str().unwrap().to_string();
     assert_ne!(pool_key, all_key);
-    until("l4-node-1 on the pool's config", LONG, || async {
-        (labels(&c, "l4-node-1")
-            .await
-            .get("nvidia.com/device-plugin.config")
-            == Some(&pool_key))
-        .then_some(())
-    })
+    until_labelled(
+        &c,
+        "l4-node-1",
+        "nvidia.com/device-plugin.config",
+        &pool_key,
+    )
     .await;
     ready_on_or_log(&c, "l4-all", 1, &cluster.log).await;
     let states = kept.states();

@@ -321,45 +321,90 @@ impl State {
     }
 }
 
-/// Judges one observed state for "nothing we do not own changed" (`diff`: `prev` holds the
-/// previous state of the same object from this watch, so a change can be attributed).
+/// Judges one observed state for "nothing we do not own changed"; `prev` holds the previous
+/// state of each object from the same watch (cleared at a relist), so a change can be
+/// attributed.
 fn judge<K: serde::Serialize + ResourceExt>(
     s: &Mutex<State>,
     kind: Kind,
     prev: &mut HashMap<String, serde_json::Value>,
     obj: &K,
-    diff: bool,
 ) {
     let name = obj.name_any();
     let Ok(cur) = serde_json::to_value(obj) else {
         return;
     };
-    let before = if diff { prev.get(&name) } else { None };
-    let bad = ownership::not_ours(kind, before, &cur);
+    let bad = ownership::not_ours(kind, prev.get(&name), &cur);
     let part = ownership::our_part(kind, &cur);
-    {
-        let mut st = s.lock().unwrap();
-        let seen = st
-            .our_changes
-            .entry(format!("{kind:?}/{name}"))
-            .or_default();
-        if seen.last() != Some(&part) {
-            seen.push(part);
-        }
+    let mut st = s.lock().unwrap();
+    let seen = st
+        .our_changes
+        .entry(format!("{kind:?}/{name}"))
+        .or_default();
+    if seen.last() != Some(&part) {
+        seen.push(part);
     }
-    if !bad.is_empty() {
-        let mut st = s.lock().unwrap();
-        if st.violation.is_none() {
-            let msg = format!(
-                "something we do not own changed: {kind:?} {name} at resourceVersion {}: {}",
-                rv_of(&obj.meta().clone()),
-                bad.join("; ")
-            );
-            eprintln!("INVARIANT WATCHER: {msg}");
-            st.violation = Some(msg);
-        }
+    if !bad.is_empty() && st.violation.is_none() {
+        let msg = format!(
+            "something we do not own changed: {kind:?} {name} at resourceVersion {}: {}",
+            rv_of(obj.meta()),
+            bad.join("; ")
+        );
+        eprintln!("INVARIANT WATCHER: {msg}");
+        st.violation = Some(msg);
     }
+    drop(st);
     prev.insert(name, cur);
+}
+
+/// Watches `api`: every state is judged (`judge`), and what `replay` makes of it (`deleted`:
+/// the object is gone) is queued for the invariants in resourceVersion order; `synced` is the
+/// index of the flag its first complete list sets, if the watcher waits for it.
+fn spawn_watch<K>(
+    api: Api<K>,
+    kind: Kind,
+    state: Arc<Mutex<State>>,
+    synced: Option<usize>,
+    replay: impl Fn(&K, bool) -> Option<Obj> + Send + Sync + 'static,
+) -> tokio::task::JoinHandle<()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+    K: Send + Sync + 'static,
+{
+    tokio::spawn(async move {
+        let mut stream = watcher(api, watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        let mut prev = HashMap::new();
+        let queue = |o: &K, deleted: bool| {
+            if let Some(obj) = replay(o, deleted) {
+                state.lock().unwrap().heap.push(Pending {
+                    rv: rv_of(o.meta()),
+                    at: Instant::now(),
+                    obj,
+                });
+            }
+        };
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                    judge(&state, kind, &mut prev, &o);
+                    queue(&o, false);
+                }
+                Ok(watcher::Event::Init) => prev.clear(),
+                Ok(watcher::Event::Delete(o)) => {
+                    prev.remove(&o.name_any());
+                    queue(&o, true);
+                }
+                Ok(watcher::Event::InitDone) => {
+                    if let Some(i) = synced {
+                        state.lock().unwrap().synced[i] = true;
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+    })
 }
 
 /// Watches from `start` until dropped; [`check`](Self::check) reports.
@@ -380,90 +425,40 @@ impl InvariantWatcher {
     /// lists are in.
     pub async fn start(client: &Client, ns: &str) -> InvariantWatcher {
         let state = Arc::new(Mutex::new(State::default()));
-        let push = |s: &Arc<Mutex<State>>, rv: u64, obj: Obj| {
-            s.lock().unwrap().heap.push(Pending {
-                rv,
-                at: Instant::now(),
-                obj,
-            });
-        };
-        let s = state.clone();
-        let nodes: Api<Node> = Api::all(client.clone());
-        let node_task = tokio::spawn(async move {
-            let mut stream = watcher(nodes, watcher::Config::default())
-                .default_backoff()
-                .boxed();
-            let mut prev = HashMap::new();
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n)) => {
-                        judge(&s, Kind::Node, &mut prev, &n, true);
-                        push(
-                            &s,
-                            rv_of(&n.metadata),
-                            Obj::Node(n.name_any(), n.labels().clone()),
-                        )
-                    }
-                    Ok(watcher::Event::Init) => prev.clear(),
-                    Ok(watcher::Event::Delete(n)) => {
-                        prev.remove(&n.name_any());
-                        push(&s, rv_of(&n.metadata), Obj::NodeGone(n.name_any()))
-                    }
-                    Ok(watcher::Event::InitDone) => s.lock().unwrap().synced[0] = true,
-                    _ => {}
-                }
-            }
-        });
-        let s = state.clone();
-        let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
-        let cm_task = tokio::spawn(async move {
-            let mut stream = watcher(cms, watcher::Config::default())
-                .default_backoff()
-                .boxed();
-            let mut prev = HashMap::new();
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
-                        judge(&s, Kind::ConfigMap, &mut prev, &c, true);
-                        push(
-                            &s,
-                            rv_of(&c.metadata),
-                            Obj::ConfigMap(c.name_any(), c.data.clone().unwrap_or_default()),
-                        )
-                    }
-                    Ok(watcher::Event::Init) => prev.clear(),
-                    Ok(watcher::Event::Delete(c)) => {
-                        prev.remove(&c.name_any());
-                        push(&s, rv_of(&c.metadata), Obj::ConfigMapGone(c.name_any()))
-                    }
-                    Ok(watcher::Event::InitDone) => s.lock().unwrap().synced[1] = true,
-                    _ => {}
-                }
-            }
-        });
-        let s = state.clone();
-        let cps: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
-        let cp_task = tokio::spawn(async move {
-            let mut stream = watcher(cps, watcher::Config::default())
-                .default_backoff()
-                .boxed();
-            let mut prev = HashMap::new();
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    Ok(watcher::Event::Apply(cp)) => {
-                        judge(&s, Kind::ClusterPolicy, &mut prev, &cp, true)
-                    }
-                    Ok(watcher::Event::InitApply(cp)) => {
-                        judge(&s, Kind::ClusterPolicy, &mut prev, &cp, false)
-                    }
-                    Ok(watcher::Event::Init) => prev.clear(),
-                    Ok(watcher::Event::Delete(cp)) => {
-                        prev.remove(&cp.name_any());
-                    }
-                    _ => {}
-                }
-            }
-        });
+        let node_task = spawn_watch(
+            Api::<Node>::all(client.clone()),
+            Kind::Node,
+            state.clone(),
+            Some(0),
+            |n, deleted| {
+                Some(if deleted {
+                    Obj::NodeGone(n.name_any())
+                } else {
+                    Obj::Node(n.name_any(), n.labels().clone())
+                })
+            },
+        );
+        let cm_task = spawn_watch(
+            Api::<ConfigMap>::namespaced(client.clone(), ns),
+            Kind::ConfigMap,
+            state.clone(),
+            Some(1),
+            |c, deleted| {
+                Some(if deleted {
+                    Obj::ConfigMapGone(c.name_any())
+                } else {
+                    Obj::ConfigMap(c.name_any(), c.data.clone().unwrap_or_default())
+                })
+            },
+        );
+        // The ClusterPolicy only for ownership (its CRD may not be served: not waited for).
+        let cp_task = spawn_watch(
+            Api::<DynamicObject>::all_with(client.clone(), &cluster_policy_resource()),
+            Kind::ClusterPolicy,
+            state.clone(),
+            None,
+            |_, _| None,
+        );
         let s = state.clone();
         let drain_task = tokio::spawn(async move {
             loop {

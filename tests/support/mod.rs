@@ -395,6 +395,14 @@ pub async fn labels(client: &Client, node: &str) -> BTreeMap<String, String> {
         .clone()
 }
 
+/// Waits (up to [`LONG`]) until `node` carries `key=value`.
+pub async fn until_labelled(client: &Client, node: &str, key: &str, value: &str) {
+    until(&format!("{node} labelled {key}={value}"), LONG, || async {
+        (labels(client, node).await.get(key).map(String::as_str) == Some(value)).then_some(())
+    })
+    .await
+}
+
 pub async fn label_node(client: &Client, node: &str, key: &str, value: Option<&str>) {
     let patch = json!({"metadata": {"labels": {key: value}}});
     Api::<Node>::all(client.clone())
@@ -669,11 +677,13 @@ impl Drop for LabelHistory {
 /// connection, or an answer lost after the request was applied.
 pub struct FaultProxy {
     pub kubeconfig: std::path::PathBuf,
+    /// A client through the proxy (it trusts only the proxy's own CA).
+    pub client: Client,
     _proc: Proc,
 }
 
 impl FaultProxy {
-    pub fn start(cluster: &TestCluster, rate: f64, seed: u64, watch_cut: &str) -> FaultProxy {
+    pub async fn start(cluster: &TestCluster, rate: f64, seed: u64, watch_cut: &str) -> FaultProxy {
         let root = common::repo_root();
         let bin = root.join("target/fault-proxy/fault-proxy");
         let built = std::process::Command::new("go")
@@ -713,7 +723,7 @@ impl FaultProxy {
             &mut line,
         )
         .unwrap();
-        let kubeconfig = line
+        let kubeconfig: std::path::PathBuf = line
             .strip_prefix("READY ")
             .unwrap_or_else(|| {
                 panic!(
@@ -723,17 +733,14 @@ impl FaultProxy {
             })
             .trim()
             .into();
+        let client = common::client_from_kubeconfig(&kubeconfig)
+            .await
+            .expect("client of the fault proxy");
         FaultProxy {
             kubeconfig,
+            client,
             _proc: Proc(child, log),
         }
-    }
-
-    /// A client through the proxy (it trusts only the proxy's own CA).
-    pub async fn client(&self) -> Client {
-        common::client_from_kubeconfig(&self.kubeconfig)
-            .await
-            .expect("client of the fault proxy")
     }
 
     async fn control(&self, method: &str, path: &str) -> String {
@@ -742,8 +749,7 @@ impl FaultProxy {
             .uri(path)
             .body(Vec::new())
             .unwrap();
-        self.client()
-            .await
+        self.client
             .request_text(req)
             .await
             .expect("fault proxy control")
