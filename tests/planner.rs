@@ -271,6 +271,14 @@ fn base_layouts() -> BTreeMap<String, serde_json::Value> {
     m
 }
 
+/// The config the device plugin loads: its config manager reads a node without the label as
+/// the ClusterPolicy's default (`default`), so labelling such a node `default` reloads nothing.
+fn loaded_config(labels: &Labels) -> &str {
+    labels
+        .get(LABEL_DEVICE_PLUGIN_CONFIG)
+        .unwrap_or(DEFAULT_KEY)
+}
+
 struct World {
     nodes: Vec<NodeFacts>,
     policies: Vec<GpuSharingPolicy>,
@@ -328,7 +336,7 @@ impl World {
         self.mig_layouts.extend(self.mig_config.keys().cloned());
         for n in &mut self.nodes {
             let old_mig = n.labels.get(LABEL_MIG_CONFIG).map(str::to_string);
-            let old_dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(str::to_string);
+            let old_dp = loaded_config(&n.labels).to_string();
             let was_vm = plan::vm::is_vm_host(n);
             gpu_sharing_operator::plan::converge::apply_to_node(
                 n,
@@ -338,7 +346,7 @@ impl World {
             // A new config restarts the device plugin and GFD; a VM host going back to
             // containers gets them deployed again: either way GFD labels it anew.
             let back_from_vm = was_vm && !plan::vm::is_vm_host(n);
-            if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != old_dp.as_deref() || back_from_vm {
+            if loaded_config(&n.labels) != old_dp || back_from_vm {
                 self.gfd_pending.insert(n.name.clone());
             }
             if back_from_vm {
@@ -382,8 +390,7 @@ impl World {
             if managed(old) == managed(&n.labels) {
                 continue;
             }
-            let dp_changed =
-                old.get(LABEL_DEVICE_PLUGIN_CONFIG) != n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG);
+            let dp_changed = loaded_config(old) != loaded_config(&n.labels);
             match n.labels.get(names::LABEL_POLICY) {
                 Some(p) => {
                     let gfd = dp_changed || self.unconfirmed.get(&n.name).is_some_and(|(_, g)| *g);
@@ -1369,5 +1376,33 @@ fn drain_mode_cordons_evicts_but_never_protected_pods_and_lifts_only_its_cordon(
     assert!(
         !done.node_annotations["a100-0"].contains_key(names::ANNOTATION_CORDONED),
         "our cordon is lifted once confirmed"
+    );
+}
+
+/// Found by the random histories in CI: every node on a time-sliced MIG layout, then every node
+/// exclusive. The A100 that waited for its turn was labelled `default` (no sharing while MIG
+/// was pending) and so reloaded nothing when it got the label: once the MIG manager confirmed
+/// it, it counts as available and the other A100 may go. The model had counted the `default`
+/// label on an unlabelled node as a reload waiting for GFD.
+#[test]
+fn mig_to_exclusive_keeps_the_budget() {
+    let g = |kind| PolicyGen {
+        kind,
+        replicas: 2,
+        mixed: false,
+        profile: None,
+        priority: 0,
+        age: 0,
+    };
+    run_history(
+        vec![g(3)],
+        vec![
+            Step::Apply,
+            Step::Gfd,
+            Step::Apply,
+            Step::MigManager,
+            Step::Policies(vec![g(0)]),
+            Step::Apply,
+        ],
     );
 }
