@@ -21,7 +21,7 @@ struct Cli {
 enum Command {
     /// Print the GpuSharingPolicy CustomResourceDefinition (YAML).
     Crd {
-        /// Print the field reference as a Markdown table instead (the README's CRD reference).
+        /// Print the field reference as a Markdown table instead (docs/crd-reference.md).
         #[arg(long)]
         markdown: bool,
     },
@@ -151,7 +151,12 @@ struct RunArgs {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let client = kube::Client::try_default().await?;
+    let kube_config = kube::Config::infer().await?;
+    let client = kube::Client::try_from(kube_config.clone())?;
+    // Evictions without kube's retry of 429: that answer is a PodDisruptionBudget's refusal.
+    let mut no_retry = kube_config;
+    no_retry.default_retry = false;
+    let eviction_client = kube::Client::try_from(no_retry)?;
     let metrics = std::sync::Arc::new(gpu_sharing_operator::telemetry::metrics::Metrics::default());
     if !args.metrics_addr.is_empty() {
         let listener = tokio::net::TcpListener::bind(&args.metrics_addr).await?;
@@ -175,6 +180,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         mig_timeout: std::time::Duration::from_secs(args.mig_timeout_seconds),
         pause_rollouts: args.pause_rollouts,
         readiness_taint: args.readiness_taint,
+        eviction_client: Some(controller::EvictionClient(eviction_client)),
         ..Default::default()
     };
     if !args.leader_elect {

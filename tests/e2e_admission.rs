@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
+use support::allowed::{self, sorted};
 use support::*;
 
 const POLICY_FILE: &str = "config/node-admission-policy.yaml";
@@ -47,12 +48,29 @@ fn the_policy_lists_exactly_what_the_operator_manages() {
             .unwrap()
             .to_string()
     };
-    assert_eq!(cel_strings(&var("managedLabels")), MANAGED_LABELS);
-    assert_eq!(cel_strings(&var("managedAnnotations")), MANAGED_ANNOTATIONS);
+    // Both the policy and the operator's constants against the reviewed list, written once in
+    // the test support (neither is compared with the other).
+    let sorted_cel = |name: &str| {
+        let mut v = cel_strings(&var(name));
+        v.sort();
+        v
+    };
+    assert_eq!(sorted_cel("managedLabels"), sorted(&allowed::NODE_LABELS));
     assert_eq!(
-        cel_strings(&var("readinessTaint")),
-        [gpu_sharing_operator::api::names::DEFAULT_READINESS_TAINT]
+        sorted_cel("managedAnnotations"),
+        sorted(&allowed::NODE_ANNOTATIONS)
     );
+    assert_eq!(sorted(&MANAGED_LABELS), sorted(&allowed::NODE_LABELS));
+    assert_eq!(sorted(&MANAGED_ANNOTATIONS), sorted(&allowed::NODE_ANNOTATIONS));
+    let taint = cel_strings(&var("readinessTaint"));
+    assert_eq!(taint, ["gpusharing.io/unconfigured"]);
+    assert!(taint[0].starts_with(allowed::TAINT_PREFIX));
+    assert_eq!(
+        gpu_sharing_operator::api::names::DEFAULT_READINESS_TAINT,
+        taint[0]
+    );
+    assert_eq!(gpu_sharing_operator::api::names::MANAGER, allowed::FIELD_MANAGER);
+    assert_eq!(gpu_sharing_operator::api::names::MANAGED_BY, allowed::CONFIGMAP_OWNER_LABEL);
     assert_eq!(docs[1]["spec"]["policyName"], vap["metadata"]["name"]);
     assert_eq!(docs[1]["spec"]["validationActions"], json!(["Deny"]));
 }
@@ -111,11 +129,11 @@ async fn the_operator_account_may_change_only_what_it_manages_on_nodes() {
     .await;
 
     // Its own labels and annotations: set, changed, removed.
-    for key in MANAGED_LABELS {
+    for key in allowed::NODE_LABELS {
         allowed(&sa, NODE, json!({"metadata": {"labels": {key: "x"}}})).await;
         allowed(&sa, NODE, json!({"metadata": {"labels": {key: null}}})).await;
     }
-    for key in MANAGED_ANNOTATIONS {
+    for key in allowed::NODE_ANNOTATIONS {
         allowed(&sa, NODE, json!({"metadata": {"annotations": {key: "x"}}})).await;
         allowed(&sa, NODE, json!({"metadata": {"annotations": {key: null}}})).await;
     }

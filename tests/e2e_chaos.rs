@@ -16,7 +16,8 @@ use gpu_sharing_operator::runtime::controller;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
-use support::invariants::InvariantWatcher;
+use kube::ResourceExt;
+use support::invariants::{self, InvariantWatcher, MigRecord};
 use support::*;
 
 const NODES: usize = 200;
@@ -154,7 +155,7 @@ async fn control_plane_restarts_mid_convergence_lose_nothing() {
 #[tokio::test]
 async fn the_invariant_watcher_catches_violations() {
     use futures::FutureExt;
-    let (mut g, cluster, _sim) = setup().await;
+    let (mut g, cluster, sim) = setup().await;
     g.unwatched("this test makes violations on purpose, each caught by a watcher of its own");
     let c = cluster.client.clone();
     let caught = |w: InvariantWatcher| async move {
@@ -167,7 +168,7 @@ async fn the_invariant_watcher_catches_violations() {
     let node = "a100-node-0";
 
     // A label naming a key our ConfigMap does not have.
-    let w = InvariantWatcher::start(&c, NS).await;
+    let w = InvariantWatcher::start(&cluster.kubeconfig, NS).await;
     label_node(
         &c,
         node,
@@ -184,17 +185,47 @@ async fn the_invariant_watcher_catches_violations() {
     common::apply_yaml(
         &c,
         &format!(
-            "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: gpu-sharing-device-plugin-config, namespace: {NS}}}\ndata:\n  mps-x: |\n    version: v1\n    flags: {{migStrategy: none}}\n    sharing: {{mps: {{resources: [{{name: nvidia.com/gpu, replicas: 2}}]}}}}\n"
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: gpu-sharing-device-plugin-config, namespace: {NS}}}\ndata:\n  mps-x: |\n    version: v1\n    flags: {{migStrategy: none}}\n    sharing: {{mps: {{resources: [{{name: nvidia.com/gpu, replicas: 2}}]}}}}\n  ts-mixed: |\n    version: v1\n    flags: {{migStrategy: mixed}}\n    sharing: {{timeSlicing: {{resources: [{{name: nvidia.com/mig-1g.10gb, replicas: 2}}]}}}}\n"
         ),
     )
     .await
     .unwrap();
-    let w = InvariantWatcher::start(&c, NS).await;
+    let w = InvariantWatcher::start(&cluster.kubeconfig, NS).await;
     label_node(&c, node, "nvidia.com/mig.config", Some("all-1g.10gb")).await;
     label_node(&c, node, "nvidia.com/device-plugin.config", Some("mps-x")).await;
     let msg = caught(w).await;
     assert!(msg.contains("MPS on a node with MIG layout"), "{msg}");
 
+    label_node(&c, node, "nvidia.com/device-plugin.config", None).await;
+    label_node(&c, node, "nvidia.com/mig.config", Some("all-disabled")).await;
+    until("the MIG manager to apply all-disabled", LONG, || async {
+        let n = Api::<Node>::all(c.clone()).get(node).await.ok()?;
+        let l = n.labels().clone().into_iter().collect();
+        let record = MigRecord::of(&l, &invariants::sim_annotations(&n));
+        record.confirms(Some("all-disabled")).then_some(())
+    })
+    .await;
+
+    // A stale `success` (the state label is ours to write): a new MIG layout with time-slicing
+    // of MIG devices at once, before the MIG manager applied it. Only the MIG manager's own
+    // record can tell that the layout is not confirmed (the simulated MIG manager is stopped
+    // first, so no later `pending` of its own gives it away).
+    drop(sim);
+    let w = InvariantWatcher::start(&cluster.kubeconfig, NS).await;
+    let stale = json!({"metadata": {"labels": {
+        "nvidia.com/mig.config": "all-1g.10gb",
+        "nvidia.com/mig.config.state": "success",
+        "nvidia.com/device-plugin.config": "ts-mixed",
+    }}});
+    Api::<Node>::all(c.clone())
+        .patch(node, &PatchParams::default(), &Patch::Merge(&stale))
+        .await
+        .unwrap();
+    let msg = caught(w).await;
+    assert!(
+        msg.contains("is not confirmed by the MIG manager") && msg.contains("all-1g.10gb"),
+        "{msg}"
+    );
     label_node(&c, node, "nvidia.com/device-plugin.config", None).await;
     label_node(&c, node, "nvidia.com/mig.config", Some("all-disabled")).await;
 
@@ -203,7 +234,7 @@ async fn the_invariant_watcher_catches_violations() {
     let nodes: Api<Node> = Api::all(c.clone());
     let node = "l4-node-0";
     // A label of someone else's, applied as ours.
-    let w = InvariantWatcher::start(&c, NS).await;
+    let w = InvariantWatcher::start(&cluster.kubeconfig, NS).await;
     nodes
         .patch(
             node,
@@ -229,7 +260,7 @@ async fn the_invariant_watcher_catches_violations() {
         .unwrap();
     // A label of someone else's removed by a merge patch of ours (we never held it).
     label_node(&c, node, "owner", Some("research")).await;
-    let w = InvariantWatcher::start(&c, NS).await;
+    let w = InvariantWatcher::start(&cluster.kubeconfig, NS).await;
     let patch = json!({"metadata": {"labels": {"owner": null, "gpusharing.io/policy": "x"}}});
     nodes
         .patch(
@@ -247,8 +278,38 @@ async fn the_invariant_watcher_catches_violations() {
         msg.contains("changed metadata.labels.owner: \"research\" -> (none)"),
         "{msg}"
     );
+    // A taint of someone else's removed under our field manager (as the readiness taint's
+    // removal is written: a JSON patch of the atomic taint list). Another taint stays: a write
+    // that leaves our manager owning nothing has no managedFields entry to be seen by.
+    let taint = json!({"spec": {"taints": [
+        {"key": "example.com/maintenance", "effect": "NoSchedule"},
+        {"key": "example.com/other", "effect": "PreferNoSchedule"},
+    ]}});
+    nodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&taint))
+        .await
+        .unwrap();
+    let w = InvariantWatcher::start(&cluster.kubeconfig, NS).await;
+    let remove: json_patch::Patch =
+        serde_json::from_value(json!([{"op": "remove", "path": "/spec/taints/0"}])).unwrap();
+    nodes
+        .patch(
+            node,
+            &PatchParams {
+                field_manager: Some(MANAGER.into()),
+                ..Default::default()
+            },
+            &Patch::Json::<()>(remove),
+        )
+        .await
+        .unwrap();
+    let msg = caught(w).await;
+    assert!(
+        msg.contains("changed taints it does not own") && msg.contains("example.com/maintenance"),
+        "{msg}"
+    );
     // A ClusterPolicy setting that is not ours.
-    let w = InvariantWatcher::start(&c, NS).await;
+    let w = InvariantWatcher::start(&cluster.kubeconfig, NS).await;
     let cps: Api<kube::api::DynamicObject> =
         Api::all_with(c.clone(), &controller::cluster_policy_resource());
     cps.patch(

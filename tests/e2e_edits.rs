@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, VersionMatch};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use support::*;
@@ -46,6 +46,11 @@ async fn converged(c: &Client, name: &str) -> Option<Value> {
         .get(name)
         .await
         .ok()?;
+    converged_of(p)
+}
+
+/// The policy's status if it reports Ready for its current generation.
+fn converged_of(p: GpuSharingPolicy) -> Option<Value> {
     let generation = p.metadata.generation?;
     let s = serde_json::to_value(p.status?).ok()?;
     let ready = condition(&s, "Ready")?;
@@ -67,9 +72,50 @@ async fn allocatable(c: &Client, node: &str) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Waits until the policy is Ready for its generation and the node runs `want` (allocatable
-/// NVIDIA resources, non-zero ones; resources not named must be 0 or absent) with the given GFD
-/// labels.
+/// The node `node` as it was at `resource_version` (a list at exactly that version).
+async fn node_at(c: &Client, node: &str, resource_version: &str) -> Node {
+    let lp = ListParams::default()
+        .fields(&format!("metadata.name={node}"))
+        .at(resource_version)
+        .matching(VersionMatch::Exact);
+    let mut list = Api::<Node>::all(c.clone()).list(&lp).await.unwrap();
+    list.items.pop().expect("the node existed then")
+}
+
+/// Whether the node runs `want` (its non-zero allocatable NVIDIA resources; resources not named
+/// must be 0 or absent) with the GFD labels `gfd`; else what it runs.
+fn runs(n: &Node, want: &[(&str, &str)], gfd: &[(&str, &str)]) -> Result<(), String> {
+    let nonzero: BTreeMap<String, String> = n
+        .status
+        .as_ref()
+        .and_then(|s| s.allocatable.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, v)| k.starts_with("nvidia.com/") && v.0 != "0")
+        .map(|(k, v)| (k, v.0))
+        .collect();
+    let want: BTreeMap<String, String> = want
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let l = n.labels();
+    let labels_ok = gfd
+        .iter()
+        .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v));
+    if nonzero == want && labels_ok {
+        return Ok(());
+    }
+    let shown: BTreeMap<&String, &String> = l
+        .iter()
+        .filter(|(k, _)| gfd.iter().any(|(g, _)| *k == g))
+        .collect();
+    Err(format!("allocatable {nonzero:?}, labels {shown:?}"))
+}
+
+/// Waits until the policy is Ready for its generation, then checks that the node already ran
+/// `want` (allocatable NVIDIA resources, non-zero ones; resources not named must be 0 or absent)
+/// with the given GFD labels at the moment the policy said so: the node as of the status's
+/// resourceVersion. A Ready reported before the node runs the new config fails here.
 async fn node_runs(
     c: &Client,
     policy: &str,
@@ -77,23 +123,22 @@ async fn node_runs(
     want: &[(&str, &str)],
     gfd: &[(&str, &str)],
 ) {
-    let what = format!("{policy} Ready with {node} running {want:?} {gfd:?}");
-    until(&what, LONG, || async {
-        converged(c, policy).await?;
-        let alloc = allocatable(c, node).await;
-        let nonzero: BTreeMap<&str, &str> = alloc
-            .iter()
-            .filter(|(_, v)| v.as_str() != "0")
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect();
-        let want: BTreeMap<&str, &str> = want.iter().copied().collect();
-        let l = labels(c, node).await;
-        let labels_ok = gfd
-            .iter()
-            .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v));
-        (nonzero == want && labels_ok).then_some(())
+    let what = format!("{policy} Ready for its generation (then {node} running {want:?} {gfd:?})");
+    let rv = until(&what, LONG, || async {
+        let p = Api::<GpuSharingPolicy>::all(c.clone())
+            .get(policy)
+            .await
+            .ok()?;
+        let rv = p.resource_version()?;
+        converged_of(p).map(|_| rv)
     })
     .await;
+    let at_ready = node_at(c, node, &rv).await;
+    if let Err(ran) = runs(&at_ready, want, gfd) {
+        panic!(
+            "{policy} reported Ready for its generation at resourceVersion {rv} while {node} ran {ran}, not {want:?} {gfd:?}"
+        );
+    }
 }
 
 async fn edit(c: &Client, name: &str, patch: Value) {

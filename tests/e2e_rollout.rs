@@ -10,6 +10,7 @@ mod support;
 use std::time::Duration;
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+use gpu_sharing_operator::runtime::controller;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 use support::*;
@@ -394,7 +395,17 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
     })
     .await;
 
-    let op = Operator::start(c.clone(), None);
+    let no_retries = common::client_without_retries(&cluster.kubeconfig)
+        .await
+        .unwrap();
+    let op = Operator::start_with(
+        c.clone(),
+        gpu_sharing_operator::runtime::controller::Config {
+            resync: Duration::from_secs(30),
+            eviction_client: Some(controller::EvictionClient(no_retries)),
+            ..Default::default()
+        },
+    );
     common::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: a100-mig}\nspec:\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mig\n  mig: {migStrategy: single, layout: all-1g.10gb}\n  rollout: {maxUnavailable: 100%}\n  disruption: {mode: drain}\n",
@@ -410,15 +421,22 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
     .await;
     assert!(message.contains("500"), "{message}");
     pdbs.delete("train-too", &Default::default()).await.unwrap();
-    // One budget that allows no disruption: a100-node-0 stays cordoned by us and its evictions
-    // are refused (429), which the status says, naming the pods.
+    // One budget that allows no disruption (in this control plane its status is never
+    // computed: no disruption controller runs): a100-node-0 stays cordoned by us and its
+    // evictions are refused with 429, which the status reports as the API server said it.
     let (_, message, _) = until("a blocked drain", LONG, || async {
         let p = progressing_of(&c, "a100-mig").await?;
-        (p.0 == "Draining" && p.1.contains("refused by a PodDisruptionBudget (429")).then_some(p)
+        (p.0 == "Draining" && p.1.contains("eviction refused (429 TooManyRequests)")).then_some(p)
     })
     .await;
     assert!(
         message.contains("default/train-0") && message.contains("a100-node-0"),
+        "{message}"
+    );
+    // The API server's own words, its message and the budget it names.
+    assert!(
+        message.contains("Cannot evict pod as it would violate the pod's disruption budget")
+            && message.contains("The disruption budget train"),
         "{message}"
     );
     let n0 = nodes.get("a100-node-0").await.unwrap();
@@ -467,5 +485,56 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
         unschedulable(&nodes.get("a100-node-1").await.unwrap()),
         "not our cordon"
     );
+    op.stop().await;
+
+    // A slow answer is not a refusal: every eviction through a proxy that delays it by 3 s
+    // (longer than the old inference from a timeout allowed) goes through and nothing reports
+    // it as refused.
+    let proxy = FaultProxy::start(&cluster, 0.0, 1, "0s").await;
+    proxy.set_delay("/eviction", Duration::from_secs(3)).await;
+    pods.create(&PostParams::default(), &gpu_pod("slow-0", "a100-node-0", "slow"))
+        .await
+        .unwrap();
+    until("slow-0 runs", LONG, || async {
+        let p = pods.get("slow-0").await.ok()?;
+        (p.status?.phase.as_deref() == Some("Running")).then_some(())
+    })
+    .await;
+    let op = Operator::start_with(
+        proxy.client.clone(),
+        gpu_sharing_operator::runtime::controller::Config {
+            resync: Duration::from_secs(30),
+            eviction_client: Some(controller::EvictionClient(
+                proxy.client_without_retries().await,
+            )),
+            ..Default::default()
+        },
+    );
+    let layout = json!({"spec": {"mig": {"layout": "all-2g.20gb"}}});
+    Api::<gpu_sharing_operator::api::crd::GpuSharingPolicy>::all(c.clone())
+        .patch("a100-mig", &PatchParams::default(), &Patch::Merge(&layout))
+        .await
+        .unwrap();
+    let s = until("a100-mig Ready on all-2g.20gb", Duration::from_secs(90), || async {
+        let s = ready_on(&c, "a100-mig", 2).await?;
+        (s["migConfig"] == "all-2g.20gb").then_some(s)
+    })
+    .await;
+    assert_eq!(s["migConfig"], "all-2g.20gb");
+    assert!(pods.get_opt("slow-0").await.unwrap().is_none(), "evicted");
+    let delayed = proxy.stats().await["delayed"].as_u64().unwrap();
+    assert!(delayed >= 1, "the eviction went through the delay: {delayed}");
+    let events = Api::<k8s_openapi::api::events::v1::Event>::all(c.clone())
+        .list(&Default::default())
+        .await
+        .unwrap();
+    let refused: Vec<_> = events
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("EvictionBlocked"))
+        .filter_map(|e| e.note.clone())
+        .filter(|m| m.contains("slow-0"))
+        .collect();
+    assert!(refused.is_empty(), "a slow eviction reported as refused: {refused:?}");
     op.stop().await;
 }

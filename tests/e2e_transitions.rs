@@ -10,7 +10,9 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
+use kube::ResourceExt;
+use support::invariants::{self, MigRecord};
 use support::*;
 
 const NODE: &str = "a100-node-0";
@@ -27,29 +29,66 @@ fn mps_policy(name: &str, profile: &str, priority: i32) -> String {
     )
 }
 
-/// Records every label set the node goes through, until `stop` fires (or 50 s pass).
-fn record_node_history(
+/// A node's labels and the simulator's own record on it (its `simulator.gpusharing.io/`
+/// annotations).
+type Seen = (BTreeMap<String, String>, BTreeMap<String, String>);
+
+/// Records every state (labels and the simulator's record) the node goes through, until it has
+/// recorded a state whose device-plugin config is the key `last` sends (or 50 s pass).
+/// Returns once the watch has its initial list, so no later change is missed.
+async fn record_node_history(
     client: kube::Client,
     node: &'static str,
-    stop: tokio::sync::oneshot::Receiver<()>,
-) -> tokio::task::JoinHandle<Vec<BTreeMap<String, String>>> {
-    tokio::spawn(async move {
+    last: tokio::sync::oneshot::Receiver<String>,
+) -> tokio::task::JoinHandle<Vec<Seen>> {
+    let (synced_tx, synced) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
         let api: Api<Node> = Api::all(client);
         let cfg = watcher::Config::default().fields(&format!("metadata.name={node}"));
-        let mut history = Vec::new();
-        let stream = watcher(api, cfg).applied_objects().take_until(async move {
-            tokio::select! { _ = stop => {}, _ = tokio::time::sleep(Duration::from_secs(50)) => {} }
-        });
+        let mut history: Vec<Seen> = Vec::new();
+        let stream = watcher(api, cfg)
+            .take_until(tokio::time::sleep(Duration::from_secs(50)));
         futures::pin_mut!(stream);
-        while let Some(Ok(n)) = stream.next().await {
-            let l: BTreeMap<String, String> =
-                n.metadata.labels.unwrap_or_default().into_iter().collect();
-            if history.last() != Some(&l) {
-                history.push(l);
+        let (mut synced_tx, mut last, mut key) = (Some(synced_tx), last, None::<String>);
+        loop {
+            let done = |h: &[Seen], key: &Option<String>| {
+                key.is_some()
+                    && h.last().and_then(|(l, _)| l.get("nvidia.com/device-plugin.config"))
+                        == key.as_ref()
+            };
+            if done(&history, &key) {
+                break;
+            }
+            let ev = tokio::select! {
+                k = &mut last, if key.is_none() => {
+                    key = Some(k.expect("the last key"));
+                    continue;
+                }
+                ev = stream.next() => ev,
+            };
+            let Some(ev) = ev else { break };
+            let n = match ev.expect("node watch") {
+                watcher::Event::Apply(n) | watcher::Event::InitApply(n) => n,
+                watcher::Event::InitDone => {
+                    if let Some(tx) = synced_tx.take() {
+                        tx.send(()).ok();
+                    }
+                    continue;
+                }
+                watcher::Event::Init | watcher::Event::Delete(_) => continue,
+            };
+            let seen = (
+                n.labels().clone().into_iter().collect(),
+                invariants::sim_annotations(&n),
+            );
+            if history.last() != Some(&seen) {
+                history.push(seen);
             }
         }
         history
-    })
+    });
+    synced.await.expect("the node watch lists the node");
+    task
 }
 
 #[tokio::test]
@@ -70,8 +109,7 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
 
     // Switch the node to MPS: record every label state it passes through.
     let (stop, stopped) = tokio::sync::oneshot::channel();
-    let history = record_node_history(c.clone(), NODE, stopped);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let history = record_node_history(c.clone(), NODE, stopped).await;
     Api::<gpu_sharing_operator::api::crd::GpuSharingPolicy>::all(c.clone())
         .delete("mig-inference", &DeleteParams::default())
         .await
@@ -81,17 +119,24 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
         .unwrap();
     let s = until("MPS Ready", LONG, || ready_on(&c, "mps-inference", 1)).await;
     let mps_key = s["deviceConfigKey"].as_str().unwrap().to_string();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.send(()).ok();
+    // The history ends at the first state with the MPS key.
+    stop.send(mps_key.clone()).ok();
     let history = history.await.unwrap();
-    // Invariant over the whole transition: the MPS config is never selected while MIG may be on.
+    // Invariant over the whole transition: the MPS config is never selected while MIG may be
+    // on. "Off" is what the MIG manager (the simulator) recorded: it applied all-disabled, did
+    // not fail, and no GPU has MIG on; never the state label, which the operator writes too.
     let mut saw_disabled_confirmed = false;
-    for l in &history {
+    for (l, record) in &history {
+        let mig = MigRecord::of(l, record);
         let mig_off = l.get("nvidia.com/mig.config").map(String::as_str) == Some("all-disabled")
-            && l.get("nvidia.com/mig.config.state").map(String::as_str) == Some("success");
+            && mig.confirms(Some("all-disabled"))
+            && mig.mig_on_gpus == 0;
         saw_disabled_confirmed |= mig_off;
         if l.get("nvidia.com/device-plugin.config") == Some(&mps_key) {
-            assert!(mig_off, "MPS selected while MIG not confirmed off: {l:?}");
+            assert!(
+                mig_off,
+                "MPS selected while MIG not confirmed off: {l:?} {mig:?}"
+            );
         }
     }
     assert!(

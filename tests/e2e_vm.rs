@@ -154,12 +154,6 @@ async fn a_node_goes_from_time_slicing_to_vgpu_and_back_never_both() {
         .unwrap();
     until("time-slicing again", LONG, || async {
         let a = allocatable(&c, NODE).await;
-        eprintln!(
-            "DEBUG {:?} {:?} {:?}",
-            labels(&c, NODE).await,
-            a,
-            node_detail(&c, "l4-time-slicing", NODE).await
-        );
         let s = ready(&c, "l4-time-slicing").await?;
         (s["appliedNodes"] == 2
             && a.get("nvidia.com/gpu").map(String::as_str) == Some("16")

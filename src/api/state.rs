@@ -98,7 +98,7 @@ string_enum!(
 );
 
 string_enum!(
-    /// Why a condition has its status (every reason is documented in the README).
+    /// Why a condition has its status (every reason is documented in docs/status.md).
     Reason {
         // Accepted
         Valid,

@@ -327,8 +327,8 @@ fn plan_nodes<'n>(
         outcome: o,
     } in entries
     {
-        if let Some(t) = input.readiness_taint.as_ref().filter(|t| t.tolerated)
-            && t.tainted.contains(&n.name)
+        if let Some(t) = input.readiness_taint.as_ref()
+            && t.tolerated_on(&n.name)
             && taint::ready_to_untaint(n, wi.is_some(), o.state)
         {
             out.untaint.push(n.name.clone());
@@ -402,7 +402,7 @@ pub fn plan(input: &PlanInput) -> Plan {
         untolerated_taint: input
             .readiness_taint
             .as_ref()
-            .filter(|t| !t.tolerated)
+            .filter(|t| t.untolerated())
             .map(|t| t.key.as_str()),
         gpu_cluster: input.gpu_cluster.as_deref(),
         gpu_operator_namespace_missing: input.gpu_operator_namespace_missing.as_deref(),

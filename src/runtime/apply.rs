@@ -550,38 +550,63 @@ pub async fn remove_readiness_taints(
     Ok(())
 }
 
-/// How long an eviction may take. kube's client retries 429 (with the server's Retry-After),
-/// and 429 is the Eviction API's answer while a PodDisruptionBudget forbids the eviction: an
-/// eviction still unanswered after this is reported as refused by a budget, and the next pass
-/// tries again.
-const EVICTION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long an eviction may wait for its answer before the pass goes on (the next pass tries
+/// again). Only a 429 the API server sent is reported as a refusal, never a slow answer.
+pub const EVICTION_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// An eviction's node, policy, pod and result (`None`: done; else why not).
 type Evicted = (String, String, String, Result<Option<String>, Error>);
 
-/// One eviction: `None` when it went through (or the pod is gone), else why not.
+/// What the API server said when it refused an eviction: its code, reason and message, and
+/// the causes it gave (for a PodDisruptionBudget: which budget, and why).
+fn refusal(e: &kube::core::Status) -> String {
+    let causes: Vec<String> = e
+        .details
+        .as_ref()
+        .map(|d| {
+            d.causes
+                .iter()
+                .map(|c| {
+                    if c.reason.is_empty() {
+                        c.message.clone()
+                    } else {
+                        format!("{}: {}", c.reason, c.message)
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out = format!("eviction refused ({} {}): {}", e.code, e.reason, e.message);
+    if !causes.is_empty() {
+        out.push_str(&format!(" ({})", causes.join("; ")));
+    }
+    out
+}
+
+/// One eviction: `None` when it went through (or the pod is gone), else why not, as the API
+/// server said it (429 while a PodDisruptionBudget forbids it or its status is not computed
+/// yet, 500 when several budgets select the pod).
 async fn evict_pod(ctx: &Context, id: &str) -> Result<Option<String>, Error> {
     let Some((ns, name)) = id.split_once('/') else {
         return Ok(None);
     };
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let client = ctx
+        .config
+        .eviction_client
+        .as_ref()
+        .map_or(&ctx.client, |c| &c.0);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
     let params = kube::api::EvictParams::default();
     let call = pods.evict(name, &params);
     match tokio::time::timeout(EVICTION_WAIT, call).await {
         Ok(Ok(_)) => Ok(None),
         Ok(Err(kube::Error::Api(e))) if e.code == 404 => Ok(None),
-        Ok(Err(kube::Error::Api(e))) if e.code == 429 => Ok(Some(format!(
-            "eviction refused by a PodDisruptionBudget (429: {})",
-            e.message
-        ))),
-        Ok(Err(kube::Error::Api(e))) if e.code == 500 => Ok(Some(format!(
-            "eviction refused: more than one PodDisruptionBudget selects the pod (500: {})",
-            e.message
-        ))),
+        Ok(Err(kube::Error::Api(e))) if matches!(e.code, 429 | 500) => Ok(Some(refusal(&e))),
         Ok(Err(e)) => Err(e.into()),
-        Err(_) => Ok(Some(
-            "eviction refused by a PodDisruptionBudget (429 Too Many Requests: the budget allows no disruption now, or its status is not computed yet)".into(),
-        )),
+        Err(_) => Ok(Some(format!(
+            "the Eviction API did not answer within {}s; trying again",
+            EVICTION_WAIT.as_secs()
+        ))),
     }
 }
 

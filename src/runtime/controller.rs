@@ -68,6 +68,22 @@ pub struct Config {
     pub pause_rollouts: bool,
     /// The readiness taint's key (`--readiness-taint`), removed from nodes once configured.
     pub readiness_taint: Option<String>,
+    /// The client for evictions: one built with `kube::Config::default_retry` off. The Eviction
+    /// API answers 429 while a PodDisruptionBudget forbids an eviction, and kube's default
+    /// client retries 429 (honouring Retry-After), so through it a refusal only looks slow.
+    /// Without one, evictions go through the main client and an eviction still unanswered
+    /// after [`EVICTION_WAIT`](crate::runtime::apply::EVICTION_WAIT) is reported as unanswered.
+    pub eviction_client: Option<EvictionClient>,
+}
+
+/// A client built with kube's default retry off, for evictions ([`Config::eviction_client`]).
+#[derive(Clone)]
+pub struct EvictionClient(pub Client);
+
+impl std::fmt::Debug for EvictionClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EvictionClient")
+    }
 }
 
 impl Default for Config {
@@ -82,6 +98,7 @@ impl Default for Config {
             mig_timeout: Duration::from_secs(600),
             pause_rollouts: false,
             readiness_taint: None,
+            eviction_client: None,
         }
     }
 }

@@ -237,7 +237,7 @@ impl Context {
                 .and_then(|c| c.data.get("spec")?.get("daemonsets")?.get("tolerations"));
             crate::plan::taint::ReadinessTaint {
                 key: t.key().to_string(),
-                tolerated: crate::plan::taint::tolerates(tolerations, t.key()),
+                tolerations: crate::plan::taint::tolerations(tolerations),
                 tainted: t.snapshot(),
             }
         });

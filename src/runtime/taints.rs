@@ -1,7 +1,7 @@
-//! The readiness taint: which nodes carry it, fed by the node watch (only the names of tainted
-//! nodes are kept), and its removal.
+//! The readiness taint: which nodes carry it, fed by the node watch (only the tainted nodes'
+//! names and that taint are kept), and its removal.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -10,12 +10,15 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 
+use crate::api::names::MANAGER;
+use crate::plan::taint::Taint;
+
 /// Nodes carrying the readiness taint.
 pub struct Tainted {
     key: String,
-    set: Mutex<BTreeSet<String>>,
+    set: Mutex<BTreeMap<String, Taint>>,
     /// Nodes of a (re)list in progress.
-    listing: Mutex<BTreeSet<String>>,
+    listing: Mutex<BTreeMap<String, Taint>>,
     ready: AtomicBool,
 }
 
@@ -33,7 +36,7 @@ impl Tainted {
         &self.key
     }
 
-    pub fn snapshot(&self) -> BTreeSet<String> {
+    pub fn snapshot(&self) -> BTreeMap<String, Taint> {
         self.set.lock().expect("taint set").clone()
     }
 
@@ -41,8 +44,15 @@ impl Tainted {
         self.ready.load(Ordering::Relaxed)
     }
 
-    fn has(&self, n: &Node) -> bool {
-        taint_index(n, &self.key).is_some()
+    /// The node's readiness taint, if it has one.
+    fn of(&self, n: &Node) -> Option<Taint> {
+        let spec = n.spec.as_ref()?;
+        let t = &spec.taints.as_ref()?[taint_index(n, &self.key)?];
+        Some(Taint {
+            key: t.key.clone(),
+            value: t.value.clone().unwrap_or_default(),
+            effect: t.effect.clone(),
+        })
     }
 
     /// Applies a watch event; returns whether the set of tainted nodes changed.
@@ -51,20 +61,19 @@ impl Tainted {
         match ev {
             watcher::Event::Apply(n) => {
                 let name = n.name_any();
-                if self.has(n) {
-                    set.insert(name)
-                } else {
-                    set.remove(&name)
+                match self.of(n) {
+                    Some(t) => set.insert(name, t.clone()).as_ref() != Some(&t),
+                    None => set.remove(&name).is_some(),
                 }
             }
-            watcher::Event::Delete(n) => set.remove(&n.name_any()),
+            watcher::Event::Delete(n) => set.remove(&n.name_any()).is_some(),
             watcher::Event::Init => {
                 self.listing.lock().expect("listing").clear();
                 false
             }
             watcher::Event::InitApply(n) => {
-                if self.has(n) {
-                    self.listing.lock().expect("listing").insert(n.name_any());
+                if let Some(t) = self.of(n) {
+                    self.listing.lock().expect("listing").insert(n.name_any(), t);
                 }
                 false
             }
@@ -103,7 +112,11 @@ pub async fn remove(client: &Client, node: &str, key: &str) -> Result<bool, kube
         {"op": "remove", "path": format!("/spec/taints/{i}")},
     ]))
     .expect("a valid JSON patch");
-    api.patch(node, &PatchParams::default(), &Patch::Json::<()>(patch))
-        .await?;
+    // Under our field manager, as every write of ours, so the API server records it as ours.
+    let params = PatchParams {
+        field_manager: Some(MANAGER.into()),
+        ..Default::default()
+    };
+    api.patch(node, &params, &Patch::Json::<()>(patch)).await?;
     Ok(true)
 }

@@ -256,6 +256,15 @@ pub async fn client_from_kubeconfig(path: &Path) -> anyhow::Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
+/// Builds a client from a kubeconfig file with kube's default retry (of 429, 503, 504) off, as
+/// the operator's eviction client is built.
+pub async fn client_without_retries(path: &Path) -> anyhow::Result<Client> {
+    let kc = Kubeconfig::read_from(path).with_context(|| format!("read {}", path.display()))?;
+    let mut config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+    config.default_retry = false;
+    Ok(Client::try_from(config)?)
+}
+
 /// A private control plane for one test. Dropping it kills kube-local and
 /// removes its directory.
 pub struct TestCluster {
@@ -270,6 +279,17 @@ pub struct TestCluster {
     pub dir: TempDir,
     args: Vec<String>,
     restarts: u32,
+    /// Run when the cluster is dropped, before the control plane is stopped (last added,
+    /// first run): a final check that still needs the API server.
+    before_stop: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        while let Some(f) = self.before_stop.pop() {
+            f();
+        }
+    }
 }
 
 impl TestCluster {
@@ -306,7 +326,13 @@ impl TestCluster {
             dir,
             args,
             restarts: 0,
+            before_stop: Vec::new(),
         })
+    }
+
+    /// Runs `f` when the cluster is dropped, while the control plane still runs.
+    pub fn before_stop(&mut self, f: impl FnOnce() + Send + 'static) {
+        self.before_stop.push(Box::new(f));
     }
 
     /// Stops the control plane (SIGKILL: etcd and kube-apiserver die at once, mid-request, as

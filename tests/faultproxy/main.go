@@ -19,7 +19,9 @@
 // Watches get only 429, 500 and drop when they start and, while the rate is
 // not 0, are cut after 50-100% of --watch-cut, as a restarting API server or a
 // load balancer would. POST /fault-proxy/rate?value=F changes the rate at run
-// time; GET /fault-proxy/stats returns the counts as JSON. It prints
+// time; POST /fault-proxy/delay?suffix=S&value=D delays every request whose
+// path ends with S by D before it goes on (value 0 removes it: a slow answer,
+// not an error); GET /fault-proxy/stats returns the counts as JSON. It prints
 // "READY <kubeconfig>" on stdout once it listens.
 package main
 
@@ -63,6 +65,7 @@ type stats struct {
 	Dropped       int `json:"dropped"`
 	Lost          int `json:"lost"`
 	WritesApplied int `json:"writesApplied"`
+	Delayed       int `json:"delayed"`
 }
 
 type proxy struct {
@@ -73,8 +76,22 @@ type proxy struct {
 
 	mu   sync.Mutex
 	rng  *mrand.Rand
-	rate float64
-	st   stats
+	rate   float64
+	st     stats
+	delays map[string]time.Duration
+}
+
+// delay is how long a request to path waits before it is handled (and counts it).
+func (p *proxy) delay(path string) time.Duration {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for suffix, d := range p.delays {
+		if strings.HasSuffix(path, suffix) {
+			p.st.Delayed++
+			return d
+		}
+	}
+	return 0
 }
 
 func isWrite(m string) bool {
@@ -142,6 +159,9 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.control(w, r)
 		return
 	}
+	if d := p.delay(r.URL.Path); d > 0 {
+		time.Sleep(d)
+	}
 	fault, cut := p.pick(r)
 	switch fault {
 	case "429":
@@ -203,6 +223,22 @@ func (p *proxy) control(w http.ResponseWriter, r *http.Request) {
 		}
 		p.rate = v
 		fmt.Fprintf(w, "rate %v\n", v)
+	case "/fault-proxy/delay":
+		suffix := r.URL.Query().Get("suffix")
+		d, err := time.ParseDuration(r.URL.Query().Get("value"))
+		if err != nil || d < 0 || suffix == "" {
+			http.Error(w, "suffix: a path suffix; value: a duration", http.StatusBadRequest)
+			return
+		}
+		if p.delays == nil {
+			p.delays = map[string]time.Duration{}
+		}
+		if d == 0 {
+			delete(p.delays, suffix)
+		} else {
+			p.delays[suffix] = d
+		}
+		fmt.Fprintf(w, "delay %s %v\n", suffix, d)
 	case "/fault-proxy/stats":
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(p.st)

@@ -9,7 +9,11 @@
 //!   NVIDIA's default mig-parted config);
 //! - a device-plugin config with sharing (time-slicing or MPS) is never on a node whose MIG
 //!   layout is not yet confirmed by the MIG manager, and sharing of whole GPUs (MIG strategy
-//!   `none`) or MPS never on a node whose MIG layout is enabled;
+//!   `none`) or MPS never on a node whose MIG layout is enabled or whose GPUs have MIG on.
+//!   "Confirmed" and "MIG on" come from the simulated MIG manager's own record on the node
+//!   (its `simulator.gpusharing.io/` annotations: the layout it last applied, its error, each
+//!   GPU's MIG state), never from a label the operator's field manager writes
+//!   (`nvidia.com/mig.config.state` is one of those);
 //! - a VM host (`nvidia.com/gpu.workload.config=vm-*`) never carries a container sharing config
 //!   or an enabled MIG layout;
 //! - nothing we do not own changed: every state of every Node, ConfigMap and ClusterPolicy is
@@ -31,7 +35,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
 use kube::api::DynamicObject;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 
 use super::ownership::{self, Kind};
@@ -45,7 +49,8 @@ const REORDER: Duration = Duration::from_millis(600);
 
 #[derive(Debug, Clone)]
 enum Obj {
-    Node(String, BTreeMap<String, String>),
+    /// A node's labels, and its annotations written by the simulator.
+    Node(String, BTreeMap<String, String>, BTreeMap<String, String>),
     NodeGone(String),
     ConfigMap(String, BTreeMap<String, String>),
     ConfigMapGone(String),
@@ -115,9 +120,12 @@ struct Excuse {
 /// How long a hand edit that breaks nothing stays excused (its own event arrives well within).
 const EDIT_GRACE: Duration = Duration::from_secs(3);
 
+/// A node's labels and the simulator's annotations on it.
+type NodeSeen = (BTreeMap<String, String>, BTreeMap<String, String>);
+
 #[derive(Default)]
 struct State {
-    nodes: BTreeMap<String, (u64, BTreeMap<String, String>)>,
+    nodes: BTreeMap<String, (u64, NodeSeen)>,
     configmaps: BTreeMap<String, (u64, BTreeMap<String, String>)>,
     history: BTreeMap<String, Vec<(u64, String)>>,
     violation: Option<String>,
@@ -132,11 +140,88 @@ struct State {
     repaired: Vec<(String, usize, u64)>,
     /// Our part of each object, each state once (see [`InvariantWatcher::our_changes`]).
     our_changes: BTreeMap<String, Vec<String>>,
+    /// Watch errors not yet followed by a complete re-list of that watch, by watch.
+    unrecovered: BTreeMap<&'static str, String>,
+    /// Watch errors seen (each followed by a re-list).
+    watch_errors: usize,
 }
 
-/// The labels the invariants read, as one line of a node's history.
-fn summary(labels: &BTreeMap<String, String>) -> String {
-    [
+/// The simulated MIG manager's own record on a node (`tests/nvidia/internal/sim`): these
+/// annotations are written only by the simulator, never by the operator.
+pub const SIM_ANNOTATIONS: &str = "simulator.gpusharing.io/";
+const SIM_HARDWARE: &str = "simulator.gpusharing.io/hardware";
+const SIM_APPLIED_MIG: &str = "simulator.gpusharing.io/applied-mig-config";
+const SIM_MIG_GEOMETRY: &str = "simulator.gpusharing.io/mig-geometry";
+const SIM_MIG_ERROR: &str = "simulator.gpusharing.io/mig-manager-error";
+
+/// What the MIG manager (the simulator) says about a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigRecord {
+    /// The GPUs can do MIG (the simulator's recorded hardware, else GFD's
+    /// `nvidia.com/mig.capable` label, which the operator never writes).
+    pub capable: bool,
+    /// The `nvidia.com/mig.config` value it last acted on, success or failure.
+    pub applied: Option<String>,
+    /// Its last action failed.
+    pub failed: bool,
+    /// GPUs with MIG mode on, from its geometry (none before its first successful apply).
+    pub mig_on_gpus: usize,
+}
+
+impl MigRecord {
+    pub fn of(labels: &BTreeMap<String, String>, annotations: &BTreeMap<String, String>) -> Self {
+        let json = |k: &str| {
+            annotations
+                .get(k)
+                .and_then(|v| serde_json::from_str::<serde_json::Value>(v).ok())
+        };
+        let capable = match json(SIM_HARDWARE) {
+            Some(hw) => hw["migCapable"] == true,
+            None => labels.get("nvidia.com/mig.capable").map(String::as_str) == Some("true"),
+        };
+        let mig_on_gpus = json(SIM_MIG_GEOMETRY)
+            .and_then(|g| g.as_array().cloned())
+            .map(|gpus| gpus.iter().filter(|g| g["e"] == true).count())
+            .unwrap_or(0);
+        MigRecord {
+            capable,
+            applied: annotations.get(SIM_APPLIED_MIG).cloned(),
+            failed: annotations.contains_key(SIM_MIG_ERROR),
+            mig_on_gpus,
+        }
+    }
+
+    /// The MIG manager is done with the node's `nvidia.com/mig.config` value `layout`: it
+    /// applied exactly that layout and did not fail. A node without the label is confirmed
+    /// only while no GPU has MIG on; a GPU that cannot do MIG has nothing to confirm.
+    pub fn confirms(&self, layout: Option<&str>) -> bool {
+        if !self.capable {
+            return true;
+        }
+        match layout {
+            None => self.mig_on_gpus == 0,
+            Some(l) => self.applied.as_deref() == Some(l) && !self.failed,
+        }
+    }
+}
+
+/// The simulator's annotations of a node (the MIG manager's and device plugin's record).
+pub fn sim_annotations(n: &Node) -> BTreeMap<String, String> {
+    n.annotations()
+        .iter()
+        .filter(|(k, _)| k.starts_with(SIM_ANNOTATIONS))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// The labels and records the invariants read, as one line of a node's history.
+fn summary(labels: &BTreeMap<String, String>, annotations: &BTreeMap<String, String>) -> String {
+    let m = MigRecord::of(labels, annotations);
+    let record = format!(
+        " [MIG manager: applied={:?} failed={} mig-on GPUs={}]",
+        m.applied, m.failed, m.mig_on_gpus
+    );
+    let labels = [
         LABEL_DEVICE_PLUGIN_CONFIG,
         LABEL_MIG_CONFIG,
         LABEL_MIG_STATE,
@@ -147,11 +232,12 @@ fn summary(labels: &BTreeMap<String, String>) -> String {
     .iter()
     .filter_map(|k| labels.get(*k).map(|v| format!("{k}={v}")))
     .collect::<Vec<_>>()
-    .join(" ")
+    .join(" ");
+    labels + &record
 }
 
 impl State {
-    fn violations_of(&self, labels: &BTreeMap<String, String>) -> Vec<String> {
+    fn violations_of(&self, (labels, annotations): &NodeSeen) -> Vec<String> {
         let mut out = Vec::new();
         let empty = BTreeMap::new();
         let device = self
@@ -161,8 +247,10 @@ impl State {
             .unwrap_or(&empty);
         let mig = labels.get(LABEL_MIG_CONFIG).map(String::as_str);
         let mig_state = labels.get(LABEL_MIG_STATE).map(String::as_str);
-        let mig_enabled = mig.is_some_and(|m| m != DISABLED);
-        let mig_confirmed = mig.is_none() || mig_state.is_none_or(|s| s == "success");
+        let record = MigRecord::of(labels, annotations);
+        // MIG on: asked for (the label) or still there (the MIG manager's geometry).
+        let mig_enabled = mig.is_some_and(|m| m != DISABLED) || record.mig_on_gpus > 0;
+        let mig_confirmed = record.confirms(mig);
         let mut sharing = None;
         if let Some(key) = labels.get(LABEL_DEVICE_PLUGIN_CONFIG) {
             match device.get(key) {
@@ -188,15 +276,19 @@ impl State {
         if let Some(s) = sharing {
             if (s.mps || s.time_slicing) && !mig_confirmed {
                 out.push(format!(
-                    "sharing on while MIG layout {mig:?} is not confirmed ({LABEL_MIG_STATE}={mig_state:?})"
+                    "sharing on while MIG layout {mig:?} is not confirmed by the MIG manager ({record:?}; {LABEL_MIG_STATE}={mig_state:?})"
                 ));
             }
             if s.mps && mig_enabled {
-                out.push(format!("MPS on a node with MIG layout {mig:?}"));
+                out.push(format!(
+                    "MPS on a node with MIG layout {mig:?} ({} GPUs with MIG on)",
+                    record.mig_on_gpus
+                ));
             }
             if s.time_slicing && s.mig_strategy_none && mig_enabled {
                 out.push(format!(
-                    "time-slicing of whole GPUs on a node with MIG layout {mig:?}"
+                    "time-slicing of whole GPUs on a node with MIG layout {mig:?} ({} GPUs with MIG on)",
+                    record.mig_on_gpus
                 ));
             }
         }
@@ -208,7 +300,10 @@ impl State {
                 out.push("a VM host with a container sharing config".into());
             }
             if mig_enabled {
-                out.push(format!("a VM host with MIG layout {mig:?}"));
+                out.push(format!(
+                    "a VM host with MIG layout {mig:?} ({} GPUs with MIG on)",
+                    record.mig_on_gpus
+                ));
             }
         }
         out
@@ -220,7 +315,7 @@ impl State {
         let bad = self
             .nodes
             .values()
-            .filter(|(_, l)| !self.violations_of(l).is_empty())
+            .filter(|(_, seen)| !self.violations_of(seen).is_empty())
             .count();
         self.checked += self.nodes.len();
         let Some(e) = self.excused.as_mut() else {
@@ -246,11 +341,11 @@ impl State {
             None => self.nodes.keys().cloned().collect(),
         };
         for name in names {
-            let Some((_, labels)) = self.nodes.get(&name) else {
+            let Some((_, seen)) = self.nodes.get(&name) else {
                 continue;
             };
             self.checked += 1;
-            let v = self.violations_of(labels);
+            let v = self.violations_of(seen);
             if !v.is_empty() {
                 let history = self
                     .history
@@ -276,16 +371,16 @@ impl State {
     fn apply(&mut self, p: Pending) {
         self.last_rv = self.last_rv.max(p.rv);
         match p.obj {
-            Obj::Node(name, labels) => {
+            Obj::Node(name, labels, annotations) => {
                 if self.nodes.get(&name).is_some_and(|(rv, _)| *rv >= p.rv) {
                     return;
                 }
-                let line = summary(&labels);
+                let line = summary(&labels, &annotations);
                 let h = self.history.entry(name.clone()).or_default();
                 if h.last().is_none_or(|(_, l)| *l != line) {
                     h.push((p.rv, line));
                 }
-                self.nodes.insert(name.clone(), (p.rv, labels));
+                self.nodes.insert(name.clone(), (p.rv, (labels, annotations)));
                 self.check_all(p.rv, Some(&name));
             }
             Obj::NodeGone(name) => {
@@ -359,7 +454,9 @@ fn judge<K: serde::Serialize + ResourceExt>(
 
 /// Watches `api`: every state is judged (`judge`), and what `replay` makes of it (`deleted`:
 /// the object is gone) is queued for the invariants in resourceVersion order; `synced` is the
-/// index of the flag its first complete list sets, if the watcher waits for it.
+/// index of the flag its first complete list sets, if the watcher waits for it. A watch error
+/// is never ignored: the watch is started again from a fresh list, and the error counts as
+/// unrecovered (failing [`InvariantWatcher::check`]) until that list is complete.
 fn spawn_watch<K>(
     api: Api<K>,
     kind: Kind,
@@ -371,10 +468,12 @@ where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
     K: Send + Sync + 'static,
 {
+    let name: &'static str = match kind {
+        Kind::Node => "nodes",
+        Kind::ConfigMap => "configmaps",
+        Kind::ClusterPolicy => "clusterpolicies",
+    };
     tokio::spawn(async move {
-        let mut stream = watcher(api, watcher::Config::default())
-            .default_backoff()
-            .boxed();
         let mut prev = HashMap::new();
         let queue = |o: &K, deleted: bool| {
             if let Some(obj) = replay(o, deleted) {
@@ -385,32 +484,53 @@ where
                 });
             }
         };
-        while let Some(ev) = stream.next().await {
-            match ev {
-                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
-                    judge(&state, kind, &mut prev, &o);
-                    queue(&o, false);
-                }
-                Ok(watcher::Event::Init) => prev.clear(),
-                Ok(watcher::Event::Delete(o)) => {
-                    prev.remove(&o.name_any());
-                    queue(&o, true);
-                }
-                Ok(watcher::Event::InitDone) => {
-                    if let Some(i) = synced {
-                        state.lock().unwrap().synced[i] = true;
+        loop {
+            let mut stream = watcher(api.clone(), watcher::Config::default()).boxed();
+            while let Some(ev) = stream.next().await {
+                match ev {
+                    Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                        judge(&state, kind, &mut prev, &o);
+                        queue(&o, false);
+                    }
+                    Ok(watcher::Event::Init) => prev.clear(),
+                    Ok(watcher::Event::Delete(o)) => {
+                        prev.remove(&o.name_any());
+                        queue(&o, true);
+                    }
+                    Ok(watcher::Event::InitDone) => {
+                        let mut st = state.lock().unwrap();
+                        if let Some(i) = synced {
+                            st.synced[i] = true;
+                        }
+                        st.unrecovered.remove(name);
+                    }
+                    // The ClusterPolicy watch (not waited for) may have no CRD to watch.
+                    Err(_) if synced.is_none() => break,
+                    Err(e) => {
+                        eprintln!("invariant watcher: {name} watch error: {e}; listing again");
+                        let mut st = state.lock().unwrap();
+                        st.watch_errors += 1;
+                        st.unrecovered.insert(name, e.to_string());
+                        break;
                     }
                 }
-                Err(_) => {}
             }
+            // The CRD of the ClusterPolicy may not be served, and a restarting API server
+            // refuses connections for a while: do not spin.
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
     })
 }
 
-/// Watches from `start` until dropped; [`check`](Self::check) reports.
+/// Watches from `start` until dropped; [`check`](Self::check) reports. The watches run on a
+/// thread and runtime of their own with a client of their own, so they go on receiving while
+/// the test's runtime is blocked (in a `Drop`, for the final check).
 pub struct InvariantWatcher {
     state: Arc<Mutex<State>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    stop: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Turned off by the test ([`InvariantWatcher::turn_off`]): no final check.
+    off: std::sync::atomic::AtomicBool,
 }
 
 fn rv_of(meta: &kube::api::ObjectMeta) -> u64 {
@@ -420,55 +540,88 @@ fn rv_of(meta: &kube::api::ObjectMeta) -> u64 {
         .unwrap_or(0)
 }
 
+/// Starts the watches on the current runtime; returns their tasks.
+async fn watch_all(
+    client: Client,
+    ns: String,
+    state: Arc<Mutex<State>>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let node_task = spawn_watch(
+        Api::<Node>::all(client.clone()),
+        Kind::Node,
+        state.clone(),
+        Some(0),
+        |n, deleted| {
+            Some(if deleted {
+                Obj::NodeGone(n.name_any())
+            } else {
+                Obj::Node(n.name_any(), n.labels().clone(), sim_annotations(n))
+            })
+        },
+    );
+    let cm_task = spawn_watch(
+        Api::<ConfigMap>::namespaced(client.clone(), &ns),
+        Kind::ConfigMap,
+        state.clone(),
+        Some(1),
+        |c, deleted| {
+            Some(if deleted {
+                Obj::ConfigMapGone(c.name_any())
+            } else {
+                Obj::ConfigMap(c.name_any(), c.data.clone().unwrap_or_default())
+            })
+        },
+    );
+    // The ClusterPolicy only for ownership (its CRD may not be served: not waited for, and
+    // its watch errors do not count).
+    let cp_task = spawn_watch(
+        Api::<DynamicObject>::all_with(client.clone(), &cluster_policy_resource()),
+        Kind::ClusterPolicy,
+        state.clone(),
+        None,
+        |_, _| None,
+    );
+    let s = state.clone();
+    let drain_task = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            s.lock().unwrap().drain(false);
+        }
+    });
+    vec![node_task, cm_task, cp_task, drain_task]
+}
+
 impl InvariantWatcher {
-    /// Starts watching Nodes and the ConfigMaps of namespace `ns`; returns once both initial
-    /// lists are in.
-    pub async fn start(client: &Client, ns: &str) -> InvariantWatcher {
+    /// Starts watching Nodes and the ConfigMaps of namespace `ns` of the control plane that
+    /// `kubeconfig` reaches; returns once both initial lists are in.
+    pub async fn start(kubeconfig: &std::path::Path, ns: &str) -> InvariantWatcher {
         let state = Arc::new(Mutex::new(State::default()));
-        let node_task = spawn_watch(
-            Api::<Node>::all(client.clone()),
-            Kind::Node,
-            state.clone(),
-            Some(0),
-            |n, deleted| {
-                Some(if deleted {
-                    Obj::NodeGone(n.name_any())
-                } else {
-                    Obj::Node(n.name_any(), n.labels().clone())
-                })
-            },
-        );
-        let cm_task = spawn_watch(
-            Api::<ConfigMap>::namespaced(client.clone(), ns),
-            Kind::ConfigMap,
-            state.clone(),
-            Some(1),
-            |c, deleted| {
-                Some(if deleted {
-                    Obj::ConfigMapGone(c.name_any())
-                } else {
-                    Obj::ConfigMap(c.name_any(), c.data.clone().unwrap_or_default())
-                })
-            },
-        );
-        // The ClusterPolicy only for ownership (its CRD may not be served: not waited for).
-        let cp_task = spawn_watch(
-            Api::<DynamicObject>::all_with(client.clone(), &cluster_policy_resource()),
-            Kind::ClusterPolicy,
-            state.clone(),
-            None,
-            |_, _| None,
-        );
-        let s = state.clone();
-        let drain_task = tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                s.lock().unwrap().drain(false);
-            }
-        });
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (kubeconfig, ns, st) = (kubeconfig.to_path_buf(), ns.to_string(), state.clone());
+        let thread = std::thread::Builder::new()
+            .name("invariant-watcher".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("the invariant watcher's runtime");
+                rt.block_on(async move {
+                    let client = crate::common::client_from_kubeconfig(&kubeconfig)
+                        .await
+                        .expect("the invariant watcher's client");
+                    let tasks = watch_all(client, ns, st).await;
+                    stopped.await.ok();
+                    for t in tasks {
+                        t.abort();
+                    }
+                });
+            })
+            .expect("the invariant watcher's thread");
         let w = InvariantWatcher {
             state,
-            tasks: vec![node_task, cm_task, cp_task, drain_task],
+            stop: Mutex::new(Some(stop)),
+            thread: Mutex::new(Some(thread)),
+            off: Default::default(),
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -487,6 +640,11 @@ impl InvariantWatcher {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         w
+    }
+
+    /// No final check (the test breaks the invariants on purpose and does not repair them).
+    pub fn turn_off(&self) {
+        self.off.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The test is about to break the invariants itself with the edit `what` (see the module
@@ -516,7 +674,8 @@ impl InvariantWatcher {
             {
                 let mut st = self.state.lock().unwrap();
                 st.drain(false);
-                if let Some(v) = &st.violation {
+                if let Some(v) = st.violation.clone() {
+                    drop(st);
                     panic!("{v}");
                 }
                 if st.excused.is_some() {
@@ -544,10 +703,32 @@ impl InvariantWatcher {
     /// the events in flight arrive. Returns how many node states were checked.
     pub async fn check(&self) -> usize {
         tokio::time::sleep(REORDER + Duration::from_millis(200)).await;
+        self.verdict()
+    }
+
+    /// Judges everything received: the first violation, or a watch error whose watch has not
+    /// listed again (states were missed and never judged), fails.
+    fn verdict(&self) -> usize {
         let mut st = self.state.lock().unwrap();
         st.drain(true);
-        if let Some(v) = &st.violation {
-            panic!("{v}");
+        // Panics after the lock is released: the watches go on (and a later check works).
+        let failure = st.violation.clone().or_else(|| {
+            (!st.unrecovered.is_empty()).then(|| {
+                format!(
+                    "invariant watcher: watch errors without a complete re-list since: {:?}",
+                    st.unrecovered
+                )
+            })
+        });
+        if let Some(f) = failure {
+            drop(st);
+            panic!("{f}");
+        }
+        if st.watch_errors > 0 {
+            eprintln!(
+                "invariant watcher: {} watch errors, each followed by a complete re-list",
+                st.watch_errors
+            );
         }
         st.checked
     }
@@ -562,22 +743,26 @@ impl InvariantWatcher {
         self.state.lock().unwrap().our_changes.clone()
     }
 
-    /// [`check`](Self::check) without waiting (for a guard's `Drop`): judges the events already
-    /// received.
-    pub fn check_now(&self) -> usize {
-        let mut st = self.state.lock().unwrap();
-        st.drain(true);
-        if let Some(v) = &st.violation {
-            panic!("{v}");
+    /// The final check, from a `Drop` while the control plane still runs (see
+    /// [`crate::common::TestCluster::before_stop`]): blocks the calling thread through the
+    /// reorder window (the watches run on their own thread meanwhile), then judges. Returns
+    /// `None` when the test turned the watcher off.
+    pub fn final_check(&self) -> Option<usize> {
+        if self.off.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
         }
-        st.checked
+        std::thread::sleep(REORDER + Duration::from_millis(200));
+        Some(self.verdict())
     }
 }
 
 impl Drop for InvariantWatcher {
     fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
+        if let Some(stop) = self.stop.lock().unwrap().take() {
+            stop.send(()).ok();
+        }
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            t.join().ok();
         }
     }
 }

@@ -2,10 +2,12 @@
 //! small queries. Each test gets its own control plane (tests/common) and they run one at a time.
 #![allow(dead_code)]
 
+pub mod allowed;
 pub mod invariants;
 pub mod ownership;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::{self, TestCluster};
@@ -311,7 +313,7 @@ pub async fn resource_versions(c: &Client) -> BTreeMap<String, String> {
 /// and fails the test when this guard is dropped (or at [`InvariantWatcher::check`]).
 pub struct Serial {
     _lock: tokio::sync::MutexGuard<'static, ()>,
-    invariants: Option<invariants::InvariantWatcher>,
+    invariants: Option<Arc<invariants::InvariantWatcher>>,
 }
 
 impl Serial {
@@ -326,16 +328,22 @@ impl Serial {
     /// repair them (the watcher's own test); says why in the test log.
     pub fn unwatched(&mut self, why: &str) {
         eprintln!("invariant watcher off: {why}");
-        self.invariants = None;
+        if let Some(w) = self.invariants.take() {
+            w.turn_off();
+        }
     }
 }
 
+/// The final check runs when the test's cluster is dropped, before its control plane stops
+/// (the watcher waits out its reorder window then, and events in flight still arrive); a
+/// cluster that outlives this guard is checked here instead.
 impl Drop for Serial {
     fn drop(&mut self) {
         if let Some(w) = self.invariants.take()
             && !std::thread::panicking()
+            && let Some(n) = w.final_check()
         {
-            let n = w.check_now();
+            w.turn_off();
             eprintln!("invariant watcher: {n} node states checked, no violation");
         }
     }
@@ -355,10 +363,22 @@ pub async fn setup_with(opts: common::ClusterOptions) -> (Serial, TestCluster, S
     // The simulator first, as before the watcher existed: its device plugins load (and GFD
     // stamps) about a second after it starts, and a test whose operator writes within that
     // same second would wait for GFD's next periodic report, which the simulator does not
-    // play (README, Reliability: Known).
+    // play (docs/reliability.md, Known).
     let sim = start_simulator(&cluster);
-    let invariants =
-        invariants::InvariantWatcher::start(&cluster.client, &cluster.gpu_operator_namespace).await;
+    let invariants = Arc::new(
+        invariants::InvariantWatcher::start(&cluster.kubeconfig, &cluster.gpu_operator_namespace)
+            .await,
+    );
+    let mut cluster = cluster;
+    let w = invariants.clone();
+    cluster.before_stop(move || {
+        if !std::thread::panicking()
+            && let Some(n) = w.final_check()
+        {
+            w.turn_off();
+            eprintln!("invariant watcher: {n} node states checked, no violation");
+        }
+    });
     (
         Serial {
             _lock: lock,
@@ -761,7 +781,24 @@ impl FaultProxy {
             .await;
     }
 
-    /// The proxy's counts (requests, forwarded, each fault, writes applied).
+    /// Delays every request whose path ends with `suffix` by `delay` (a slow answer, not an
+    /// error); a zero delay removes it.
+    pub async fn set_delay(&self, suffix: &str, delay: Duration) {
+        self.control(
+            "POST",
+            &format!("/fault-proxy/delay?suffix={suffix}&value={}ms", delay.as_millis()),
+        )
+        .await;
+    }
+
+    /// A client through the proxy that does not retry 429 (as the operator's eviction client).
+    pub async fn client_without_retries(&self) -> Client {
+        common::client_without_retries(&self.kubeconfig)
+            .await
+            .expect("client of the fault proxy")
+    }
+
+    /// The proxy's counts (requests, forwarded, each fault, writes applied, delayed).
     pub async fn stats(&self) -> serde_json::Value {
         serde_json::from_str(&self.control("GET", "/fault-proxy/stats").await).unwrap()
     }

@@ -5,19 +5,26 @@
 //!
 //! - the fields our manager (`gpu-sharing-operator`, by server-side apply or any other
 //!   operation) holds must all be ours: on a node the labels and annotations in
-//!   `MANAGED_LABELS`/`MANAGED_ANNOTATIONS`, its taints (the readiness taint) and
-//!   `spec.unschedulable`; ConfigMaps only those labelled as ours; in the ClusterPolicy only the
-//!   settings that point NVIDIA's components at our configs;
+//!   the reviewed list of [`super::allowed`] (written there literally, not taken from the
+//!   operator's constants), its taints (the readiness taint) and `spec.unschedulable`;
+//!   ConfigMaps only those labelled as ours; in the ClusterPolicy only the settings that point
+//!   NVIDIA's components at our configs;
 //! - a change made by our manager (its entry has a new time, or holds a new field, between two
 //!   consecutive states of the object) changed nothing else: every changed field outside `status` must be one of ours.
 //!   A write that removes a field it never owned (a JSON patch, an update) shows up here.
 //!   Taints are one atomic list: only taints under `gpusharing.io/` may differ.
+//!
+//! Known limit: a write of ours that leaves our manager owning no field at all (removing the
+//! last taint of a node, say) leaves no `managedFields` entry, so it cannot be attributed.
 
 use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use gpu_sharing_operator::api::names::{MANAGED_ANNOTATIONS, MANAGED_BY, MANAGED_LABELS, MANAGER};
+use super::allowed::{
+    CLUSTER_POLICY_FIELDS, CONFIGMAP_OWNER_LABEL as MANAGED_BY, FIELD_MANAGER as MANAGER,
+    NODE_ANNOTATIONS, NODE_LABELS, NODE_SPEC_FIELDS, TAINT_PREFIX as OUR_TAINTS,
+};
 
 /// The kinds the watcher judges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,21 +33,6 @@ pub enum Kind {
     ConfigMap,
     ClusterPolicy,
 }
-
-/// The ClusterPolicy settings of ours (src/plan/outputs.rs `cluster_policy_spec`).
-const CLUSTER_POLICY_FIELDS: [&str; 7] = [
-    "spec.devicePlugin.config.name",
-    "spec.devicePlugin.config.default",
-    "spec.migManager.config.name",
-    "spec.mig.strategy",
-    "spec.sandboxWorkloads.enabled",
-    "spec.vgpuDeviceManager.config.name",
-    "spec.vgpuDeviceManager.config.default",
-];
-
-/// Taints under this prefix are ours (the readiness taint, `gpusharing.io/unconfigured` by
-/// default, is configurable).
-const OUR_TAINTS: &str = "gpusharing.io/";
 
 /// Leaf paths of a `fieldsV1` set (`metadata.labels.nvidia.com/mig.config`). A list entry
 /// (`k:`, `v:`, `i:`) ends the path at its list.
@@ -123,13 +115,13 @@ fn ours(kind: Kind, obj: &Value, path: &str) -> bool {
         }
         Kind::ClusterPolicy if CLUSTER_POLICY_FIELDS.iter().any(|l| holder(l)) => true,
         Kind::Node => {
-            MANAGED_LABELS
+            NODE_LABELS
                 .iter()
                 .any(|l| path == format!("metadata.labels.{l}"))
-                || MANAGED_ANNOTATIONS
+                || NODE_ANNOTATIONS
                     .iter()
                     .any(|a| path == format!("metadata.annotations.{a}"))
-                || path == "spec.unschedulable"
+                || NODE_SPEC_FIELDS.contains(&path)
                 || path == "spec.taints"
         }
         Kind::ConfigMap => obj["metadata"]["labels"][MANAGED_BY.0] == MANAGED_BY.1,
