@@ -1,14 +1,26 @@
 //! Planner properties over random policy sets, node label sets and histories (no cluster).
 //!
-//! A small model of the cluster plays the other side: applying a plan sets the labels it asks
-//! for; the MIG manager model moves `nvidia.com/mig.config.state` through pending to success (or
-//! failed for a layout it does not know). After every step we check the invariants:
+//! A small model of the cluster plays the other side (`planner_model`, NVIDIA's components
+//! written from NVIDIA's behaviour, not from the operator's own `plan::converge`): applying a
+//! plan is a server-side apply of its labels, ConfigMaps and ClusterPolicy part; the MIG manager
+//! reconfigures the GPUs on a layout change and reports `nvidia.com/mig.config.state`; the
+//! device plugin and GPU Feature Discovery load the labelled config and relabel the node; on VM
+//! hosts the vGPU Device Manager and the sandbox device plugin answer. After every step we check
+//! the invariants:
 //! - no node ever runs MPS or time-slicing of full GPUs while MIG is (or may be) enabled;
 //! - a node only leaves MIG for sharing through `all-disabled` confirmed by the MIG manager;
 //! - every label value the plan writes names a key the plan's ConfigMap holds;
 //! - a node is never a VM host (`nvidia.com/gpu.workload.config=vm-*`) and a container-sharing
 //!   node (a sharing config, or MIG possibly on) at once;
-//! - planning is deterministic (same input, any order) and idempotent once converged.
+//! - planning is deterministic (same input, any order) and idempotent once converged;
+//! - on the GPUs themselves: no MPS or full-GPU time-slicing loaded while a GPU has MIG on, no
+//!   VM host with MIG on, every config the plan labels is one NVIDIA's parser accepts, and no
+//!   device plugin refuses (or crash-loops on) what it was given;
+//! - once converged, nothing waits (no node `Queued` or `Pending`) and a node is `Rejected` only
+//!   for what it is (the same nodes as before any write), not for what NVIDIA's components
+//!   report about our own changes.
+
+mod planner_model;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -19,9 +31,12 @@ use gpu_sharing_operator::api::crd::{
 use gpu_sharing_operator::api::names::{
     self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE,
 };
-use gpu_sharing_operator::nvidia::{DEFAULT_KEY, DevicePluginConfig, MIG_DISABLED_LAYOUT};
+use gpu_sharing_operator::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use gpu_sharing_operator::plan::{self, Labels, NodeFacts, Plan, PlanInput};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
+use planner_model::{
+    Cluster, Loaded, Nvidia, device_plugin_error, parse_device_plugin_config, server_side_apply,
+};
 use proptest::prelude::*;
 
 const PROFILES: [&str; 4] = ["a", "b", "c", "d"];
@@ -279,14 +294,37 @@ fn loaded_config(labels: &Labels) -> &str {
         .unwrap_or(DEFAULT_KEY)
 }
 
+/// The node is a VM host by its label (what the invariants are about).
+fn vm_label(n: &NodeFacts) -> bool {
+    n.labels
+        .get(names::LABEL_WORKLOAD)
+        .is_some_and(|w| w.starts_with("vm-"))
+}
+
+/// What NVIDIA's components read from the world (disjoint borrows of its fields).
+macro_rules! cluster {
+    ($w:expr) => {
+        Cluster {
+            cluster_policy: &$w.cluster_policy,
+            configmaps: &$w.configmaps,
+            default_mig: &$w.base,
+        }
+    };
+}
+
 struct World {
     nodes: Vec<NodeFacts>,
     policies: Vec<GpuSharingPolicy>,
     /// ConfigMap data as last applied (the controller writes it before labels).
     config: BTreeMap<String, String>,
-    mig_layouts: BTreeSet<String>,
-    /// Our mig-parted ConfigMap's layouts as last applied.
+    /// Our mig-parted ConfigMap's layouts as last applied, as the operator reads them back.
     mig_config: BTreeMap<String, serde_json::Value>,
+    /// Our ConfigMaps as last applied, by name (what NVIDIA's components read).
+    configmaps: BTreeMap<String, BTreeMap<String, String>>,
+    /// Our part of the ClusterPolicy `spec` as last applied.
+    cluster_policy: serde_json::Value,
+    /// NVIDIA's components on the nodes.
+    nv: Nvidia,
     /// The clock passed to the planner.
     now: i64,
     /// The GPU Operator's default mig-parted config (named layouts).
@@ -295,9 +333,6 @@ struct World {
     /// confirmed yet, with the policy they were changed for and whether GFD still has to
     /// relabel them (the rollout budget's "unavailable" nodes).
     unconfirmed: BTreeMap<String, (String, bool)>,
-    /// Nodes whose device-plugin config label changed since GFD last labelled them (each
-    /// change restarts the device plugin and GFD).
-    gfd_pending: BTreeSet<String>,
 }
 
 impl World {
@@ -306,12 +341,20 @@ impl World {
             nodes,
             policies,
             config: BTreeMap::new(),
-            mig_layouts: base_layouts().keys().cloned().collect(),
             mig_config: BTreeMap::new(),
+            configmaps: BTreeMap::new(),
+            cluster_policy: serde_json::json!({}),
+            nv: Nvidia::default(),
             now: 1_800_000_000,
             base: base_layouts(),
             unconfirmed: BTreeMap::new(),
-            gfd_pending: BTreeSet::new(),
+        }
+    }
+
+    /// NVIDIA's components start on nodes they do not run on yet, from the nodes' state.
+    fn boot(&mut self) {
+        for n in &self.nodes {
+            self.nv.boot(n, &cluster!(self));
         }
     }
 
@@ -326,37 +369,41 @@ impl World {
     }
 
     fn apply(&mut self, plan: &Plan) {
+        self.boot();
+        let cp_before =
+            std::mem::replace(&mut self.cluster_policy, plan.cluster_policy_spec.clone());
         self.config = plan.device_config.clone();
-        self.mig_layouts = self.base.keys().cloned().collect();
+        self.configmaps.insert(
+            names::DEVICE_PLUGIN_CONFIGMAP.into(),
+            plan.device_config.clone(),
+        );
+        for (name, text) in [
+            (names::MIG_PARTED_CONFIGMAP, &plan.mig_config),
+            (names::VGPU_DEVICES_CONFIGMAP, &plan.vgpu_config),
+        ] {
+            match text {
+                Some(t) => self
+                    .configmaps
+                    .insert(name.into(), [("config.yaml".to_string(), t.clone())].into()),
+                None => self.configmaps.remove(name),
+            };
+        }
+        // What the operator's runtime reads back from its ConfigMap.
         self.mig_config = plan
             .mig_config
             .as_deref()
             .map(|t| gpu_sharing_operator::nvidia::parse_mig_configs(t).unwrap())
             .unwrap_or_default();
-        self.mig_layouts.extend(self.mig_config.keys().cloned());
         for n in &mut self.nodes {
-            let old_mig = n.labels.get(LABEL_MIG_CONFIG).map(str::to_string);
-            let old_dp = loaded_config(&n.labels).to_string();
-            let was_vm = plan::vm::is_vm_host(n);
-            gpu_sharing_operator::plan::converge::apply_to_node(
+            let before = n.labels.clone();
+            server_side_apply(
                 n,
                 &plan.node_labels[&n.name],
                 &plan.node_annotations[&n.name],
             );
-            // A new config restarts the device plugin and GFD; a VM host going back to
-            // containers gets them deployed again: either way GFD labels it anew.
-            let back_from_vm = was_vm && !plan::vm::is_vm_host(n);
-            if loaded_config(&n.labels) != old_dp || back_from_vm {
-                self.gfd_pending.insert(n.name.clone());
-            }
-            if back_from_vm {
-                // The sandbox device plugin is undeployed and the kubelet withdraws what it
-                // advertised (in seconds, here at once: a node made a VM host again within
-                // that window could be confirmed by the stale allocatable).
-                n.allocatable = Labels::default();
-            }
+            self.nv.observe(&before, &cp_before, n, &cluster!(self));
             assert!(
-                n.labels.get(LABEL_MIG_CONFIG) == old_mig.as_deref()
+                n.labels.get(LABEL_MIG_CONFIG) == before.get(LABEL_MIG_CONFIG)
                     || n.labels.get(LABEL_MIG_STATE) == Some("pending"),
                 "{}: MIG layout changed without marking the state pending: {:?}",
                 n.name,
@@ -444,31 +491,14 @@ impl World {
         }
     }
 
-    /// GPU Feature Discovery: relabels a node whose device plugin got a new config (replicas,
-    /// strategy, a timestamp after our write).
+    /// GPU Feature Discovery's periodic run on every node it runs on (and the device plugin
+    /// advertising what it serves).
     fn gfd(&mut self) {
+        self.boot();
         for n in &mut self.nodes {
-            // GFD does not run on a VM host.
-            if plan::vm::is_vm_host(n) {
-                continue;
-            }
-            let dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(str::to_string);
-            if !self.gfd_pending.remove(&n.name)
-                && n.labels.get(names::LABEL_GFD_TIMESTAMP).is_some()
+            if self.nv.gfd(n, &cluster!(self), self.now)
+                && let Some((_, gfd)) = self.unconfirmed.get_mut(&n.name)
             {
-                continue;
-            }
-            let config = dp.as_ref().and_then(|k| self.config.get(k)).and_then(|t| {
-                gpu_sharing_operator::api::yaml::from_str::<DevicePluginConfig>(t).ok()
-            });
-            let (replicas, strategy) =
-                gpu_sharing_operator::plan::converge::gfd_report(config.as_ref());
-            n.labels
-                .insert(names::LABEL_GPU_REPLICAS, replicas.to_string());
-            n.labels.insert(names::LABEL_GPU_SHARING_STRATEGY, strategy);
-            n.labels
-                .insert(names::LABEL_GFD_TIMESTAMP, self.now.to_string());
-            if let Some((_, gfd)) = self.unconfirmed.get_mut(&n.name) {
                 *gfd = false;
             }
         }
@@ -476,43 +506,17 @@ impl World {
     }
 
     /// The MIG manager, and on VM hosts the vGPU Device Manager and the sandbox device plugin
-    /// (which advertises the GPUs to VMs; it stops on container nodes).
+    /// (which advertises the GPUs to VMs).
     fn mig_manager(&mut self) {
+        self.boot();
         for n in &mut self.nodes {
-            if n.labels.get(names::LABEL_VGPU_STATE) == Some("pending") {
-                let known = n.labels.get(names::LABEL_VGPU_CONFIG).is_some_and(|c| {
-                    gpu_sharing_operator::nvidia::vgpu::default_vgpu_configs().contains_key(c)
-                });
-                n.labels.insert(
-                    names::LABEL_VGPU_STATE,
-                    if known { "success" } else { "failed" },
-                );
-                n.owned.remove(names::LABEL_VGPU_STATE);
-            }
-            n.allocatable = if plan::vm::is_vm_host(n) {
-                // GFD does not run on a VM host: the sandbox device plugin advertising the GPUs
-                // is what confirms it.
-                self.gfd_pending.remove(&n.name);
-                if let Some((_, gfd)) = self.unconfirmed.get_mut(&n.name) {
-                    *gfd = false;
-                }
-                [("nvidia.com/GA100_A100_SXM4_80GB", "8")]
-                    .into_iter()
-                    .collect()
-            } else {
-                Labels::default()
-            };
-            if n.labels.get(LABEL_MIG_STATE) == Some("pending") {
-                let layout = n
-                    .labels
-                    .get(LABEL_MIG_CONFIG)
-                    .map(str::to_string)
-                    .unwrap_or_default();
-                let ok = self.mig_layouts.contains(&layout) || layout == MIG_DISABLED_LAYOUT;
-                n.labels
-                    .insert(LABEL_MIG_STATE, if ok { "success" } else { "failed" });
-                // Its update takes the field over from us.
-                n.owned.remove(LABEL_MIG_STATE);
+            self.nv.node_daemons(n, &cluster!(self));
+            // GFD does not run on a VM host: the sandbox device plugin advertising the GPUs is
+            // what confirms it.
+            if vm_label(n)
+                && let Some((_, gfd)) = self.unconfirmed.get_mut(&n.name)
+            {
+                *gfd = false;
             }
         }
     }
@@ -530,24 +534,33 @@ impl World {
     }
 
     fn check_invariants(&self) {
+        let cluster = cluster!(self);
+        let parsed = |key: &str| {
+            let text = self.config.get(key)?;
+            Some(parse_device_plugin_config(text).unwrap_or_else(|e| {
+                panic!("config {key} is rejected by the device plugin: {e}\n{text}")
+            }))
+        };
         for n in &self.nodes {
-            let sharing = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).is_some_and(|k| {
-                self.config.get(k).is_some_and(|t| {
-                    gpu_sharing_operator::api::yaml::from_str::<DevicePluginConfig>(t)
-                        .is_ok_and(|c| c.sharing.is_some())
-                })
-            });
+            let sharing = n
+                .labels
+                .get(LABEL_DEVICE_PLUGIN_CONFIG)
+                .and_then(parsed)
+                .is_some_and(|c| c.sharing.is_some());
             assert!(
-                !(plan::vm::is_vm_host(n) && (sharing || Self::mig_maybe_on(n))),
+                !(vm_label(n) && (sharing || Self::mig_maybe_on(n))),
                 "{}: a VM host and a container-sharing node at once: {:?}",
                 n.name,
                 n.labels
             );
         }
+        let layouts = cluster
+            .mig_layouts()
+            .unwrap_or_else(|e| panic!("MIG config: {e}"));
         for n in &self.nodes {
             if let Some(l) = n.labels.get(LABEL_MIG_CONFIG) {
                 assert!(
-                    self.mig_layouts.contains(l),
+                    layouts.contains_key(l),
                     "{}: label names MIG layout {l}, which no config the MIG manager reads has",
                     n.name
                 );
@@ -557,18 +570,13 @@ impl World {
             let Some(key) = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) else {
                 continue;
             };
-            let text = self
-                .config
-                .get(key)
-                .unwrap_or_else(|| panic!("{}: label names missing key {key}", n.name));
-            let cfg: DevicePluginConfig = gpu_sharing_operator::api::yaml::from_str(text).unwrap();
-            let sharing = cfg.sharing.as_ref();
-            let mps = sharing.is_some_and(|s| s.mps.is_some());
-            let full_gpu_ts = sharing
-                .and_then(|s| s.time_slicing.as_ref())
-                .is_some_and(|_| cfg.flags.mig_strategy == "none");
+            let cfg =
+                parsed(key).unwrap_or_else(|| panic!("{}: label names missing key {key}", n.name));
+            let mps = cfg.has_mps;
+            let full_gpu_ts =
+                cfg.has_time_slicing && cfg.file_mig_strategy.as_deref() == Some("none");
             assert!(
-                !(mps && sharing.unwrap().time_slicing.is_some()),
+                !(mps && cfg.has_time_slicing),
                 "both MPS and time-slicing in {key}"
             );
             if Self::mig_maybe_on(n) {
@@ -584,6 +592,44 @@ impl World {
                 );
             }
         }
+        // The same on the GPUs: what the device plugin runs and the MIG mode the MIG manager set.
+        for n in &self.nodes {
+            let Some(side) = self.nv.nodes.get(&n.name) else {
+                continue;
+            };
+            let mig_on = side.hw.gpus.iter().any(Option::is_some);
+            if cluster.workload(n) != "container" {
+                assert!(
+                    !mig_on,
+                    "{}: a VM host with MIG enabled on its GPUs: {:?}",
+                    n.name, n.labels
+                );
+                continue;
+            }
+            let c = match &side.loaded {
+                Loaded::Config(c) => c,
+                Loaded::Crash(why) => panic!(
+                    "{}: the device plugin and GFD crash-loop: {why}: {:?}",
+                    n.name, n.labels
+                ),
+            };
+            let strategy = cluster.mig_strategy(c);
+            if let Some(e) = device_plugin_error(c, &side.hw, &strategy) {
+                panic!(
+                    "{}: the device plugin refuses its config ({e}; MIG strategy {strategy}): {:?}",
+                    n.name, n.labels
+                );
+            }
+            let full_gpus = c.sharing.as_ref().is_some_and(|s| {
+                s.mps || s.resources.contains_key("nvidia.com/gpu") && strategy == "none"
+            });
+            assert!(
+                !(mig_on && full_gpus),
+                "{}: the device plugin shares full GPUs ({c:?}) while MIG is on: {:?}",
+                n.name,
+                n.labels
+            );
+        }
     }
 }
 
@@ -594,6 +640,7 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
     w.nodes[0].labels.insert(LABEL_MIG_STATE, "success");
     // GFD runs on every node: it has labelled each once already.
     w.gfd();
+    let pristine = w.nodes.clone();
     for s in steps {
         match s {
             Step::Apply => {
@@ -679,13 +726,48 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
         for d in &s.node_details {
             assert!(
                 !["Queued", "Pending"].contains(&d.state.as_str()),
-                "policy {policy}: {} still {} after convergence: {}",
+                "policy {policy}: {} still {} after convergence: {}; labels {:?}",
                 d.name,
                 d.state,
-                d.message
+                d.message,
+                w.nodes.iter().find(|n| n.name == d.name).map(|n| &n.labels)
             );
         }
     }
+    // A node is rejected for what it is, not for what NVIDIA's components report about our
+    // own changes: the same policies reject the same nodes as on the nodes before any write
+    // (their first GFD labels, with the profile labels they have now).
+    let mut before = w.input();
+    before.nodes = pristine
+        .iter()
+        .zip(&w.nodes)
+        .map(|(p, n)| {
+            let mut f = p.clone();
+            for k in PROFILE_KEYS {
+                match n.labels.get(k) {
+                    Some(v) => f.labels.insert(k, v),
+                    None => drop(f.labels.remove(k)),
+                }
+            }
+            std::sync::Arc::new(f)
+        })
+        .collect();
+    let rejected = |p: &Plan| -> BTreeMap<String, String> {
+        p.statuses
+            .iter()
+            .flat_map(|(policy, s)| {
+                s.node_details
+                    .iter()
+                    .filter(|d| d.state.as_str() == "Rejected")
+                    .map(move |d| (format!("{policy}/{}", d.name), d.message.clone()))
+            })
+            .collect()
+    };
+    assert_eq!(
+        rejected(&p),
+        rejected(&plan::plan(&before)),
+        "rejections after convergence differ from the nodes' own"
+    );
 }
 
 proptest! {
@@ -1104,7 +1186,6 @@ fn a_node_on_the_pre_upgrade_custom_name_keeps_it_only_while_the_content_is_the_
     .into();
     let mut w = World::new(vec![n], vec![pol]);
     w.mig_config.insert("custom-split".into(), same);
-    w.mig_layouts.insert("custom-split".into());
     let p = plan::plan(&w.input());
     assert_eq!(
         p.node_labels["a100-0"][LABEL_MIG_CONFIG], "custom-split",
@@ -1404,5 +1485,75 @@ fn mig_to_exclusive_keeps_the_budget() {
             Step::Policies(vec![g(0)]),
             Step::Apply,
         ],
+    );
+}
+
+// Disagreements between the operator and NVIDIA's components found by the model (issue 26,
+// item 5). Each is a minimal case; they fail until the operator is fixed.
+
+/// MIG with time-slicing and the `mixed` strategy: the device plugin config time-slices
+/// `nvidia.com/mig-1g.10gb`, so GPU Feature Discovery reports the replicas under
+/// `nvidia.com/mig-1g.10gb.replicas`; `nvidia.com/gpu.replicas` is 0 on MIG-enabled GPUs (GFD
+/// labels them without sharing). The operator waits for `nvidia.com/gpu.replicas=2` forever.
+#[test]
+fn time_sliced_mixed_mig_is_confirmed_by_gfd() {
+    let mut w = World::new(
+        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
+        vec![policy("mig", 3, 2, true, Some("a"), 0, 0)],
+    );
+    let p = w.converge();
+    let labels = &w.nodes[0].labels;
+    assert_eq!(labels.get("nvidia.com/mig-1g.10gb.replicas"), Some("2"));
+    assert_eq!(labels.get("nvidia.com/gpu.replicas"), Some("0"));
+    assert_eq!(
+        condition(&p, "mig", "Ready").0,
+        "True",
+        "{:?}",
+        p.statuses["mig"].node_details
+    );
+}
+
+/// The cluster-wide MIG strategy reaches every node's device plugin (the GPU Operator sets
+/// `MIG_STRATEGY` from `ClusterPolicy.spec.mig.strategy`, and it overrides the config file's
+/// `flags.migStrategy`): a MIG policy with `mixed` on one node makes the device plugin of a node
+/// still running an MPS config exit (`using --mig-strategy=mixed is not supported with MPS`).
+/// The operator marks the MPS policy not accepted and leaves its node as it was.
+#[test]
+fn a_mixed_mig_policy_does_not_break_a_running_mps_node() {
+    let mut w = World::new(
+        vec![
+            node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a")),
+            node("h200-0", "NVIDIA-H200", false, Some("b")),
+        ],
+        vec![policy("mps", 2, 4, false, Some("b"), 0, 0)],
+    );
+    let p = w.converge();
+    assert_eq!(condition(&p, "mps", "Ready").0, "True");
+    w.policies.push(policy("mig", 3, 2, true, Some("a"), 0, 5));
+    // Panics in the invariants: h200-0's device plugin refuses its config.
+    w.converge();
+}
+
+/// From a custom (mixed) layout to a named layout under the `single` strategy: the ClusterPolicy
+/// switches to `single` at once, and GFD labels a node whose GPUs are not all split alike
+/// `<product>-MIG-INVALID` with `count`, `replicas` and `memory` 0. The operator reads that
+/// memory as the GPU's and rejects the node ("MIG profile 1g.10gb does not exist ... (0 MiB per
+/// GPU)"), so it never leaves the custom layout.
+#[test]
+fn a_node_leaves_a_custom_layout_for_a_single_strategy_layout() {
+    let mut w = World::new(
+        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
+        vec![policy("split", 4, 2, true, Some("a"), 0, 0)],
+    );
+    let p = w.converge();
+    assert_eq!(condition(&p, "split", "Ready").0, "True");
+    w.policies = vec![policy("single", 3, 2, false, Some("a"), 0, 0)];
+    let p = w.converge();
+    assert_eq!(
+        condition(&p, "single", "Ready").0,
+        "True",
+        "{:?} {:?}",
+        p.statuses["single"].node_details,
+        w.nodes[0].labels
     );
 }

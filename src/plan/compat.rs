@@ -49,7 +49,11 @@ pub fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<S
                     "{product} does not support MIG (nvidia.com/mig.capable is not true)"
                 ));
             }
-            let gpus = label_i64(node, LABEL_GPU_COUNT);
+            // Under the `single` strategy GFD describes the MIG devices on `nvidia.com/gpu.*`
+            // (product `<GPU>-MIG-<profile>`, or `-MIG-INVALID` with count and memory 0 while
+            // the GPUs are not all split alike): count and memory are not the GPUs' then.
+            let physical = !product.contains("-MIG-");
+            let gpus = label_i64(node, LABEL_GPU_COUNT).filter(|_| physical);
             if let (Some(groups), Some(gpus)) = (&mig.custom_layout, gpus) {
                 let mut covered = BTreeSet::new();
                 for g in groups {
@@ -78,7 +82,7 @@ pub fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<S
                     ));
                 }
             }
-            if let Some(mem) = label_i64(node, LABEL_GPU_MEMORY) {
+            if let Some(mem) = label_i64(node, LABEL_GPU_MEMORY).filter(|_| physical) {
                 for p in nvidia::layout_profiles(mig).unwrap_or_default() {
                     if let Some(prof) = mig::parse_mig_profile(&p)
                         && !profile_fits_memory(&prof, mem)

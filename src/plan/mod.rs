@@ -369,6 +369,32 @@ fn plan_nodes<'n>(
     out
 }
 
+/// The first node (by name) whose device-plugin config label names an MPS config of our
+/// ConfigMap as it is now: a node whose device plugin runs MPS.
+fn mps_running<'a>(input: &PlanInput, nodes: &[&'a NodeFacts]) -> Option<&'a str> {
+    let mps_keys: BTreeSet<&str> = input
+        .current_device_config
+        .iter()
+        .filter(|(_, text)| {
+            text.contains("mps:")
+                && crate::api::yaml::from_str::<serde_json::Value>(text)
+                    .is_ok_and(|v| v["sharing"]["mps"].is_object())
+        })
+        .map(|(k, _)| k.as_str())
+        .collect();
+    if mps_keys.is_empty() {
+        return None;
+    }
+    nodes
+        .iter()
+        .find(|n| {
+            n.labels
+                .get(LABEL_DEVICE_PLUGIN_CONFIG)
+                .is_some_and(|k| mps_keys.contains(k))
+        })
+        .map(|n| n.name.as_str())
+}
+
 /// Computes the desired state.
 pub fn plan(input: &PlanInput) -> Plan {
     let mut prepared = policies::prepare_all(&input.policies, input.base_mig_configs.as_ref());
@@ -377,7 +403,15 @@ pub fn plan(input: &PlanInput) -> Plan {
     let mut nodes: Vec<&NodeFacts> = input.nodes.iter().map(|n| &**n).collect();
     nodes.sort_by(|a, b| a.name.cmp(&b.name));
     let assignment = policies::assign(&prepared, &nodes);
-    let cluster_mig = policies::cluster_mig_strategy(&mut prepared, &assignment.winner);
+    let mut cluster_mig = policies::cluster_mig_strategy(&mut prepared, &assignment.winner);
+    // `mixed` waits until no node runs MPS any more: NVIDIA's device plugin refuses MPS under
+    // mixed, so the MPS nodes go back to exclusive first (their policy is blocked and they are
+    // released, see `policies::cluster_mig_strategy`), then the cluster-wide setting changes.
+    if cluster_mig == Some(crate::api::crd::MigStrategy::Mixed)
+        && mps_running(input, &nodes).is_some()
+    {
+        cluster_mig = None;
+    }
     let mut np = plan_nodes(input, &prepared, &nodes, &assignment.winner);
 
     let device_config = outputs::device_config(&prepared, input, &np.used_keys);

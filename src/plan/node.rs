@@ -15,7 +15,7 @@
 //!   works) and counts as `Applied` only once the device plugin's allocatable is gone; it gets
 //!   the device plugin back only when no allocated `gpu.nvidia.com` ResourceClaim remains on it.
 
-use crate::api::crd::{Backend, Strategy};
+use crate::api::crd::{Backend, MigStrategy, Strategy};
 use crate::api::names::*;
 use crate::api::state::NodeState;
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
@@ -212,6 +212,9 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
     let Some(w) = policy else {
         return Decision::Release;
     };
+    if !w.accepted() && w.release_when_blocked && w.errors.is_empty() {
+        return Decision::Release;
+    }
     if !w.accepted() {
         return hold(
             NodeState::Rejected,
@@ -647,6 +650,29 @@ fn unconfirmed(
         .mig
         .as_ref()
         .is_some_and(|m| m.time_slicing.is_some());
+    let mixed = w
+        .spec
+        .mig
+        .as_ref()
+        .is_some_and(|m| m.mig_strategy == MigStrategy::Mixed);
+    if w.spec.strategy == Strategy::Mig && mig_time_sliced && mixed {
+        // Under `mixed` GFD reports each MIG profile's replicas on its own resource
+        // (`nvidia.com/mig-<profile>.replicas`); the MIG-enabled GPUs themselves are labelled
+        // without sharing (`nvidia.com/gpu.replicas=0`).
+        let wrong: Vec<String> = n
+            .labels
+            .iter()
+            .filter(|(k, _)| k.starts_with("nvidia.com/mig-") && k.ends_with(".replicas"))
+            .filter(|(_, v)| v.parse::<i64>().ok() != Some(expected))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        return (!wrong.is_empty()).then(|| {
+            format!(
+                "GPU Feature Discovery reports {}, expected {expected}",
+                wrong.join(", ")
+            )
+        });
+    }
     let ok = match (w.spec.strategy, label_i64(n, LABEL_GPU_REPLICAS)) {
         // Without time-slicing GFD reports 0 or 1 for MIG: nothing to compare.
         (Strategy::Mig, _) if !mig_time_sliced => true,

@@ -28,6 +28,9 @@ pub struct Prepared<'a> {
     pub custom: Option<(Vec<MigConfigEntry>, String)>,
     /// Why the policy is refused cluster-wide (it conflicts with the cluster's MIG strategy).
     pub blocked: Option<String>,
+    /// A blocked policy whose nodes are released (back to exclusive) rather than held: MPS under
+    /// a cluster-wide `mixed`, which NVIDIA's device plugin refuses to run.
+    pub release_when_blocked: bool,
     /// The same conflict for a policy that governs no node yet: a warning only.
     pub latent: Option<String>,
     /// `strategy: vgpu`: the vGPU Device Manager config its nodes are labelled with
@@ -152,6 +155,7 @@ fn prepare<'a>(
         layout,
         custom,
         blocked: None,
+        release_when_blocked: false,
         latent: None,
         vgpu_config,
         vgpu_custom,
@@ -308,8 +312,11 @@ pub fn cluster_mig_strategy(
         }
         if p.spec.strategy == Strategy::Mps && cm == MigStrategy::Mixed {
             conflict = Some(format!(
-                "MPS does not work with the cluster-wide MIG strategy mixed set by policy {owner}"
+                "MPS does not work with the cluster-wide MIG strategy mixed set by policy {owner}: its nodes are switched off MPS"
             ));
+            // Held as they are, its nodes' device plugins would refuse MPS once the
+            // ClusterPolicy says mixed: they go back to exclusive first (see `plan`).
+            p.release_when_blocked = true;
         }
         if governing.contains(&i) {
             p.blocked = conflict;
