@@ -300,3 +300,92 @@ async fn mig_manager_that_never_reports_is_degraded_after_the_timeout() {
     op.stop().await;
     invariants.check().await;
 }
+
+/// A `mixed` MIG policy that wins the cluster-wide MIG strategy over a running MPS policy: the
+/// MPS policy is reported conflicting and its node goes back to exclusive *before* the
+/// ClusterPolicy says mixed (NVIDIA's device plugin refuses MPS under mixed: the simulator's
+/// device plugin does too). Judged from one ordered history of the node and the ClusterPolicy.
+#[tokio::test]
+async fn mixed_waits_until_no_node_runs_mps() {
+    let (g, cluster, _sim) = setup().await;
+    let invariants = g.invariants();
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, "h200-node-0", "gpusharing.io/profile", Some("shared")).await;
+    common::apply_yaml(&c, &mps_policy("mps-h200", "shared", 0))
+        .await
+        .unwrap();
+    let s = until("MPS Ready", LONG, || ready_on(&c, "mps-h200", 1)).await;
+    let mps_key = s["deviceConfigKey"].as_str().unwrap().to_string();
+
+    // From here on: every state of the node and of the ClusterPolicy, with resourceVersions.
+    let history = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(u64, String, String)>::new()));
+    let listed = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let watch = |api: Api<kube::api::DynamicObject>, what: &'static str| {
+        let (history, listed) = (history.clone(), listed.clone());
+        tokio::spawn(async move {
+            let mut s = watcher(api, watcher::Config::default()).boxed();
+            while let Some(Ok(ev)) = s.next().await {
+                if let watcher::Event::InitDone = ev {
+                    listed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                if let watcher::Event::Apply(o) | watcher::Event::InitApply(o) = ev {
+                    let rv = o.resource_version().unwrap_or_default().parse().unwrap_or(0);
+                    let value = match what {
+                        "node" => o.labels().get("nvidia.com/device-plugin.config").cloned(),
+                        _ => o.data["spec"]["mig"]["strategy"].as_str().map(String::from),
+                    };
+                    let name = format!("{what}/{}", o.name_any());
+                    history
+                        .lock()
+                        .unwrap()
+                        .push((rv, name, value.unwrap_or_default()));
+                }
+            }
+        })
+    };
+    let node_res = kube::api::ApiResource::erase::<Node>(&());
+    let nodes = watch(Api::all_with(c.clone(), &node_res), "node");
+    let cps = watch(common::cluster_policy_api(&c), "cp");
+    until("both watches listed", LONG, || async {
+        (listed.load(std::sync::atomic::Ordering::SeqCst) >= 2).then_some(())
+    })
+    .await;
+    common::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: a100-mixed}\nspec:\n  priority: 10\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mig\n  mig: {migStrategy: mixed, layout: all-1g.10gb}\n",
+    )
+    .await
+    .unwrap();
+    until("a100-mixed Ready", LONG, || ready(&c, "a100-mixed")).await;
+    let s = policy_status(&c, "mps-h200").await.unwrap();
+    let accepted = condition(&s, "Accepted").unwrap();
+    assert_eq!(accepted["reason"], "ClusterWideConflict", "{accepted}");
+    assert_eq!(cluster_policy(&c).await["spec"]["mig"]["strategy"], "mixed");
+    assert_ne!(
+        labels(&c, "h200-node-0").await.get("nvidia.com/device-plugin.config"),
+        Some(&mps_key)
+    );
+    nodes.abort();
+    cps.abort();
+    let mut h = history.lock().unwrap().clone();
+    h.sort();
+    // Replay in etcd order: the node's config when the ClusterPolicy first said mixed.
+    let mut node_key = String::new();
+    let mut mixed_at = None;
+    for (rv, name, value) in &h {
+        if name == "node/h200-node-0" {
+            node_key = value.clone();
+        } else if name.starts_with("cp/") && value == "mixed" {
+            mixed_at = Some((*rv, node_key.clone()));
+            break;
+        }
+    }
+    let (rv, key) = mixed_at.expect("the ClusterPolicy says mixed");
+    assert_ne!(
+        key, mps_key,
+        "mig.strategy mixed at resourceVersion {rv} while h200-node-0 still ran MPS"
+    );
+    op.stop().await;
+    invariants.check().await;
+}

@@ -131,6 +131,10 @@ func EvaluateNode(cfg *spec.Config, hw NodeHardware) (*NodeOutcome, error) {
 
 	// MPS checks (internal/plugin/mps.go, cmd/mps-control-daemon/mps).
 	if sharingStrategy == spec.SharingStrategyMPS {
+		// The plugin's flag validation (cmd/nvidia-device-plugin validateFlags).
+		if strategy == spec.MigStrategyMixed {
+			return nil, fmt.Errorf("using --mig-strategy=mixed is not supported with MPS")
+		}
 		if strategy == spec.MigStrategySingle && migEnabled > 0 {
 			return nil, fmt.Errorf("sharing using MPS is not supported for MIG devices")
 		}
