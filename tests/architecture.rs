@@ -1,7 +1,18 @@
 //! The module layout is a rule, not a habit: every module of `src/` may depend only on the
 //! modules below it, so that the flow reads one way (api <- nvidia <- validate <- plan <-
 //! runtime / offline <- preview; telemetry beside, depending on api only). This test reads the sources and
-//! fails on any `crate::` path that goes back up or sideways.
+//! fails on any path into the crate that goes back up or sideways.
+//!
+//! The sources are read with a small tokenizer (comments, string, raw-string, byte-string and
+//! char literals skipped; lifetimes told apart from chars), not with text search, and every path
+//! that starts at `crate`, `$crate`, `super` or `self` is resolved against the module it is
+//! written in: the file's module (`src/plan/node.rs` is `crate::plan::node`, `src/plan/mod.rs`
+//! is `crate::plan`) plus any inline `mod x { .. }` around it (`#[cfg(test)] mod tests`).
+//! Paths are read wherever they stand: `use` trees of any shape (`pub use`, `pub(crate) use`,
+//! nested `{..}` groups, `self`, `as` renames, globs) and inline in code
+//! (`crate::plan::plan(..)`, `super::super::Labels`, types, macros).
+//! A path to the crate root itself (`use super::*;` in `src/api/mod.rs`) is a violation too: the
+//! names it brings in would then hide which module they come from.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -27,36 +38,428 @@ fn allowed() -> BTreeMap<&'static str, &'static [&'static str]> {
     .into()
 }
 
-/// The top-level modules a source text names through `crate::`.
-fn crate_refs(text: &str) -> Vec<String> {
+// ---------------------------------------------------------------------------------------------
+// Tokenizer
+
+#[derive(Debug, Clone, PartialEq)]
+enum Kind {
+    /// An identifier or keyword (a raw identifier `r#x` without its `r#`).
+    Ident,
+    /// `::` or a single punctuation character.
+    Punct,
+    /// A string, char or number literal (its text is not kept), or a lifetime.
+    Lit,
+}
+
+#[derive(Debug, Clone)]
+struct Tok {
+    kind: Kind,
+    text: String,
+    line: usize,
+}
+
+fn is_ident_start(c: char) -> bool {
+    c == '_' || c.is_alphabetic()
+}
+
+fn is_ident_char(c: char) -> bool {
+    c == '_' || c.is_alphanumeric()
+}
+
+/// Rust source text as tokens, without comments; literals become one `Lit` token each.
+fn tokenize(src: &str) -> Vec<Tok> {
+    let c: Vec<char> = src.chars().collect();
+    let at = |k: usize| c.get(k).copied().unwrap_or('\0');
     let mut out = Vec::new();
-    let mut rest = text;
-    while let Some(i) = rest.find("crate::") {
-        rest = &rest[i + "crate::".len()..];
-        if let Some(group) = rest.strip_prefix('{') {
-            // `use crate::{a::x, b};`
-            let end = group.find('}').unwrap_or(group.len());
-            for item in group[..end].split(',') {
-                let name: String = item
-                    .trim()
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                if !name.is_empty() {
-                    out.push(name);
+    let mut line = 1;
+    let mut i = 0;
+    let lit = |line: usize| Tok {
+        kind: Kind::Lit,
+        text: String::new(),
+        line,
+    };
+    while i < c.len() {
+        let ch = c[i];
+        let start_line = line;
+        if ch == '\n' {
+            line += 1;
+            i += 1;
+        } else if ch.is_whitespace() {
+            i += 1;
+        } else if ch == '/' && at(i + 1) == '/' {
+            // Line comments, doc comments included.
+            while i < c.len() && c[i] != '\n' {
+                i += 1;
+            }
+        } else if ch == '/' && at(i + 1) == '*' {
+            // Block comments nest.
+            let mut depth = 1;
+            i += 2;
+            while i < c.len() && depth > 0 {
+                if c[i] == '/' && at(i + 1) == '*' {
+                    depth += 1;
+                    i += 2;
+                } else if c[i] == '*' && at(i + 1) == '/' {
+                    depth -= 1;
+                    i += 2;
+                } else {
+                    if c[i] == '\n' {
+                        line += 1;
+                    }
+                    i += 1;
                 }
             }
-        } else {
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect();
-            if !name.is_empty() {
-                out.push(name);
+        } else if let Some(end) = raw_string_end(&c, i) {
+            // r"..", r#".."#, br#".."#, cr".."
+            line += c[i..end].iter().filter(|&&x| x == '\n').count();
+            i = end;
+            out.push(lit(start_line));
+        } else if ch == '"' || ((ch == 'b' || ch == 'c') && at(i + 1) == '"') {
+            // "..", b"..", c"..": escapes skipped, so an escaped quote does not end it.
+            i += if ch == '"' { 1 } else { 2 };
+            while i < c.len() && c[i] != '"' {
+                if c[i] == '\\' {
+                    i += 1;
+                }
+                if at(i) == '\n' {
+                    line += 1;
+                }
+                i += 1;
             }
+            i += 1;
+            out.push(lit(start_line));
+        } else if ch == '\'' || (ch == 'b' && at(i + 1) == '\'') {
+            // 'x', '\n', '\u{..}', b'x' -- or a lifetime / label 'a.
+            if ch == 'b' {
+                i += 1;
+            }
+            if at(i + 1) == '\\' {
+                i += 3; // the quote, the backslash, the escaped char (maybe a quote)
+                while i < c.len() && c[i] != '\'' {
+                    i += 1;
+                }
+                i += 1;
+            } else if at(i + 2) == '\'' {
+                i += 3;
+            } else {
+                i += 1;
+                while i < c.len() && is_ident_char(c[i]) {
+                    i += 1;
+                }
+            }
+            out.push(lit(start_line));
+        } else if is_ident_start(ch) {
+            let mut s = i;
+            if ch == 'r' && at(i + 1) == '#' && is_ident_start(at(i + 2)) {
+                s = i + 2; // raw identifier r#type
+            }
+            i = s;
+            while i < c.len() && is_ident_char(c[i]) {
+                i += 1;
+            }
+            out.push(Tok {
+                kind: Kind::Ident,
+                text: c[s..i].iter().collect(),
+                line,
+            });
+        } else if ch.is_ascii_digit() {
+            // 1, 0x1f, 1_000u32, 1.5e3 (but not the `.` of `x.0.1` or of a range `0..n`)
+            while i < c.len()
+                && (is_ident_char(c[i]) || (c[i] == '.' && at(i + 1).is_ascii_digit()))
+            {
+                i += 1;
+            }
+            out.push(lit(start_line));
+        } else if ch == ':' && at(i + 1) == ':' {
+            out.push(Tok {
+                kind: Kind::Punct,
+                text: "::".into(),
+                line,
+            });
+            i += 2;
+        } else {
+            out.push(Tok {
+                kind: Kind::Punct,
+                text: ch.to_string(),
+                line,
+            });
+            i += 1;
         }
     }
     out
+}
+
+/// If a raw string literal starts at `i`, the index just after it.
+fn raw_string_end(c: &[char], i: usize) -> Option<usize> {
+    let at = |k: usize| c.get(k).copied().unwrap_or('\0');
+    let mut j = i;
+    if (at(j) == 'b' || at(j) == 'c') && at(j + 1) == 'r' {
+        j += 1;
+    }
+    if at(j) != 'r' {
+        return None;
+    }
+    j += 1;
+    let mut hashes = 0;
+    while at(j) == '#' {
+        hashes += 1;
+        j += 1;
+    }
+    if at(j) != '"' {
+        return None; // an identifier, or a raw identifier r#x
+    }
+    j += 1;
+    while j < c.len() {
+        if c[j] == '"' && (1..=hashes).all(|h| at(j + h) == '#') {
+            return Some(j + 1 + hashes);
+        }
+        j += 1;
+    }
+    Some(c.len())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paths
+
+/// A path into the crate found in a file.
+#[derive(Debug, Clone, PartialEq)]
+struct Ref {
+    line: usize,
+    /// As written (a `use` tree item with its group prefixes), e.g. `super::super::runtime::Y`.
+    written: String,
+    /// Resolved from the crate root, e.g. `["runtime", "Y"]`; empty for the crate root itself;
+    /// `Err` when it cannot resolve (`super` above the crate root).
+    target: Result<Vec<String>, String>,
+}
+
+/// Whether a path's first segment makes it a path into this crate.
+fn is_crate_anchor(seg: &str) -> bool {
+    matches!(seg, "crate" | "$crate" | "super" | "self")
+}
+
+/// `segs` (starting at `crate`, `$crate`, `super` or `self`) written inside `module`, resolved
+/// from the crate root.
+fn resolve(module: &[String], segs: &[String]) -> Result<Vec<String>, String> {
+    let mut path: Vec<String> = match segs[0].as_str() {
+        "crate" | "$crate" => Vec::new(),
+        _ => module.to_vec(),
+    };
+    let rest = if matches!(segs[0].as_str(), "crate" | "$crate") {
+        &segs[1..]
+    } else {
+        segs
+    };
+    for s in rest {
+        match s.as_str() {
+            "super" => {
+                if path.pop().is_none() {
+                    return Err("`super` goes above the crate root".into());
+                }
+            }
+            "self" | "*" => {}
+            "crate" | "$crate" => return Err("`crate` in the middle of a path".into()),
+            _ => path.push(s.clone()),
+        }
+    }
+    Ok(path)
+}
+
+struct Parser {
+    toks: Vec<Tok>,
+    i: usize,
+}
+
+impl Parser {
+    fn is(&self, k: usize, text: &str) -> bool {
+        self.toks
+            .get(self.i + k)
+            .is_some_and(|t| t.kind != Kind::Lit && t.text == text)
+    }
+
+    fn ident(&self, k: usize) -> Option<&Tok> {
+        self.toks.get(self.i + k).filter(|t| t.kind == Kind::Ident)
+    }
+
+    /// A path segment here (`$crate` and other `$x` metavariables count as one), consumed.
+    fn segment(&mut self) -> Option<(String, usize)> {
+        if let Some(t) = self.ident(0) {
+            let r = (t.text.clone(), t.line);
+            self.i += 1;
+            Some(r)
+        } else if self.is(0, "$") && self.ident(1).is_some() {
+            let t = self.ident(1).unwrap();
+            let r = (format!("${}", t.text), t.line);
+            self.i += 2;
+            Some(r)
+        } else {
+            None
+        }
+    }
+
+    /// One path or `use` tree from here; every complete path it names goes to `out` (a group
+    /// `a::{b, c::{d, self}}` names `a::b`, `a::c::d` and `a::c`). In a `use` tree `as x` is
+    /// consumed; in code it is left alone (it is a cast).
+    fn tree(&mut self, prefix: Vec<String>, in_use: bool, out: &mut Vec<(Vec<String>, usize)>) {
+        let mut path = prefix;
+        let mut line = self.toks.get(self.i).map_or(0, |t| t.line);
+        if in_use && path.is_empty() && self.is(0, "::") {
+            self.i += 1;
+            path.push("::".into()); // `use ::other_crate::x;`: never this crate
+        }
+        loop {
+            if self.is(0, "{") {
+                self.i += 1;
+                while self.i < self.toks.len() && !self.is(0, "}") && !self.is(0, ";") {
+                    let before = self.i;
+                    self.tree(path.clone(), in_use, out);
+                    if self.is(0, ",") {
+                        self.i += 1;
+                    } else if self.i == before {
+                        self.i += 1; // something unexpected: never loop on it
+                    }
+                }
+                if self.is(0, "}") {
+                    self.i += 1;
+                }
+                return;
+            }
+            if self.is(0, "*") {
+                self.i += 1;
+                path.push("*".into());
+                out.push((path, line));
+                return;
+            }
+            let Some((seg, l)) = self.segment() else {
+                if !path.is_empty() {
+                    out.push((path, line));
+                }
+                return;
+            };
+            path.push(seg);
+            line = l;
+            if self.is(0, "::") {
+                self.i += 1;
+                continue;
+            }
+            if in_use && self.is(0, "as") {
+                self.i += 2;
+            }
+            out.push((path, line));
+            return;
+        }
+    }
+}
+
+/// Every path into the crate in the source text of the module `module` (e.g. `["plan", "node"]`
+/// for `src/plan/node.rs`), resolved.
+fn references(module: &[String], text: &str) -> Vec<Ref> {
+    let mut p = Parser {
+        toks: tokenize(text),
+        i: 0,
+    };
+    let mut out = Vec::new();
+    // Inline modules around the current token: name, and the brace depth inside them.
+    let mut inline: Vec<(String, usize)> = Vec::new();
+    let mut depth = 0usize;
+    while p.i < p.toks.len() {
+        let mut found = Vec::new();
+        if p.is(0, "{") {
+            depth += 1;
+            p.i += 1;
+            continue;
+        }
+        if p.is(0, "}") {
+            depth = depth.saturating_sub(1);
+            if inline.last().is_some_and(|(_, d)| *d > depth) {
+                inline.pop();
+            }
+            p.i += 1;
+            continue;
+        }
+        if p.is(0, "mod") && p.ident(1).is_some() && p.is(2, "{") {
+            depth += 1;
+            inline.push((p.ident(1).unwrap().text.clone(), depth));
+            p.i += 3;
+            continue;
+        }
+        let prev_is = |t: &str, k: usize| {
+            p.i >= k
+                && p.toks
+                    .get(p.i - k)
+                    .is_some_and(|x| x.kind != Kind::Lit && x.text == t)
+        };
+        if p.is(0, "use") && p.toks[p.i].kind == Kind::Ident && !p.is(1, "<") {
+            // `use`, `pub use`, `pub(crate) use`, in any block (not `impl Trait + use<'a>`).
+            p.i += 1;
+            p.tree(Vec::new(), true, &mut found);
+        } else if (p.ident(0).is_some_and(|t| is_crate_anchor(&t.text)) && p.is(1, "::")
+            || p.is(0, "$") && p.ident(1).is_some_and(|t| t.text == "crate") && p.is(2, "::"))
+            && !prev_is("::", 1)
+        {
+            // Inline: `crate::plan::plan(..)`, `super::super::Labels`, `$crate::api::x!()`.
+            // `pub(in crate::x)` only restricts visibility (to an ancestor): not a dependency.
+            let visibility = prev_is("in", 1) && prev_is("(", 2) && prev_is("pub", 3);
+            p.tree(Vec::new(), false, &mut found);
+            if visibility {
+                found.clear();
+            }
+        } else {
+            p.i += 1;
+        }
+        let mut here = module.to_vec();
+        here.extend(inline.iter().map(|(m, _)| m.clone()));
+        for (segs, line) in found {
+            if !is_crate_anchor(&segs[0]) {
+                continue; // std::.., another crate, or a name in scope (its `use` is checked)
+            }
+            out.push(Ref {
+                line,
+                written: segs.join("::"),
+                target: resolve(&here, &segs),
+            });
+        }
+    }
+    out
+}
+
+/// The module a file under `src/` is: `plan/node.rs` -> `plan::node`, `plan/mod.rs` -> `plan`.
+fn module_of(rel: &str) -> Vec<String> {
+    let mut m: Vec<String> = rel
+        .trim_end_matches(".rs")
+        .split('/')
+        .map(String::from)
+        .collect();
+    if m.last().is_some_and(|x| x == "mod") {
+        m.pop();
+    }
+    m
+}
+
+/// The layout violations of one file, `rel` being its path under `src/` (`/`-separated).
+fn check(rel: &str, text: &str) -> Vec<String> {
+    let module = module_of(rel);
+    let top = module[0].as_str();
+    let allowed = allowed();
+    let Some(may) = allowed.get(top) else {
+        return vec![format!(
+            "src/{rel}: src/{top}/ is not in the layout: add it to tests/architecture.rs"
+        )];
+    };
+    let mut violations = Vec::new();
+    for r in references(&module, text) {
+        let why = match &r.target {
+            Err(e) => Some(e.clone()),
+            Ok(t) if t.is_empty() => Some("names the crate root itself".into()),
+            Ok(t) if t[0] != top && !may.contains(&t[0].as_str()) => {
+                Some(format!("reaches crate::{} from {top}", t.join("::")))
+            }
+            Ok(_) => None,
+        };
+        if let Some(why) = why {
+            violations.push(format!("src/{rel}:{}: `{}` {why}", r.line, r.written));
+        }
+    }
+    violations
 }
 
 fn visit(dir: &Path, files: &mut Vec<std::path::PathBuf>) {
@@ -73,31 +476,31 @@ fn visit(dir: &Path, files: &mut Vec<std::path::PathBuf>) {
 #[test]
 fn modules_depend_one_way() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let allowed = allowed();
     let mut files = Vec::new();
     visit(&src, &mut files);
+    files.sort();
     let mut violations = Vec::new();
     let mut checked = 0;
+    let mut refs = 0;
     for f in files {
         let rel = f.strip_prefix(&src).unwrap();
-        let mut parts = rel.components();
-        let first = parts.next().unwrap().as_os_str().to_str().unwrap();
+        let rel: Vec<&str> = rel.iter().map(|c| c.to_str().unwrap()).collect();
         // lib.rs, main.rs and src/bin/ are the entry points: they may use everything.
-        if parts.next().is_none() || first == "bin" {
+        if rel.len() == 1 || rel[0] == "bin" {
             continue;
         }
-        let may = allowed
-            .get(first)
-            .unwrap_or_else(|| panic!("src/{first}/ is not in the layout: add it to this test"));
-        checked += 1;
+        let rel = rel.join("/");
         let text = std::fs::read_to_string(&f).unwrap();
-        for r in crate_refs(&text) {
-            if r != first && !may.contains(&r.as_str()) {
-                violations.push(format!("{}: uses crate::{r}", rel.display()));
-            }
-        }
+        assert!(
+            !text.contains("#[path"),
+            "src/{rel}: #[path] moves modules where this test cannot follow"
+        );
+        checked += 1;
+        refs += references(&module_of(&rel), &text).len();
+        violations.extend(check(&rel, &text));
     }
     assert!(checked >= 10, "only {checked} files checked");
+    assert!(refs >= 100, "only {refs} paths into the crate found");
     assert!(
         violations.is_empty(),
         "imports that go against the layout:\n{}",
@@ -105,12 +508,200 @@ fn modules_depend_one_way() {
     );
 }
 
+// ---------------------------------------------------------------------------------------------
+// The checker itself
+
+fn targets(module: &str, text: &str) -> Vec<String> {
+    let module: Vec<String> = module.split("::").map(String::from).collect();
+    references(&module, text)
+        .into_iter()
+        .map(|r| match r.target {
+            Ok(t) => format!("crate::{}", t.join("::")),
+            Err(e) => e,
+        })
+        .collect()
+}
+
 #[test]
-fn the_reference_scanner_sees_every_form() {
+fn use_trees_are_read_whole() {
     assert_eq!(
-        crate_refs(
-            "use crate::plan::{a, b};\nuse crate::{api::names, nvidia};\nx = crate::runtime::f();"
+        targets(
+            "api::x",
+            "use crate::{plan::{node::{X, self as n}, rollout::*}, api};\n\
+             pub use crate::nvidia::Y as Z;\n\
+             pub(crate) use self::inner::W;\n\
+             pub(super) use super::{self as parent, names::*};\n\
+             use {crate::validate::V, std::fmt};\n\
+             use ::serde::Deserialize;\n\
+             fn f() -> impl Sized + use<> {}"
         ),
-        ["plan", "api", "nvidia", "runtime"]
+        [
+            "crate::plan::node::X",
+            "crate::plan::node",
+            "crate::plan::rollout",
+            "crate::api",
+            "crate::nvidia::Y",
+            "crate::api::x::inner::W",
+            "crate::api",
+            "crate::api::names",
+            "crate::validate::V",
+        ]
     );
+}
+
+#[test]
+fn super_and_self_resolve_against_the_file_and_inline_modules() {
+    // src/plan/node.rs is crate::plan::node: `super` is crate::plan.
+    assert_eq!(targets("plan::node", "use super::X;"), ["crate::plan::X"]);
+    // src/plan/mod.rs is crate::plan: `super` is the crate root.
+    assert_eq!(module_of("plan/mod.rs"), ["plan"]);
+    assert_eq!(module_of("plan/node.rs"), ["plan", "node"]);
+    assert_eq!(targets("plan", "use super::api::X;"), ["crate::api::X"]);
+    // Inline modules count, and end at their closing brace.
+    assert_eq!(
+        targets(
+            "plan::node",
+            "fn a() { if x { self::b() } }\n\
+             #[cfg(test)]\nmod tests {\n  use super::*;\n  fn t() { let _: super::super::Labels = g(); }\n  \
+             mod deeper { use super::super::super::super::runtime::R; }\n}\n\
+             use self::c;"
+        ),
+        [
+            "crate::plan::node::b",
+            "crate::plan::node",
+            "crate::plan::Labels",
+            "crate::runtime::R",
+            "crate::plan::node::c",
+        ]
+    );
+    assert_eq!(
+        targets("api", "use super::super::x;"),
+        ["`super` goes above the crate root"]
+    );
+}
+
+#[test]
+fn inline_paths_are_found_and_comments_and_literals_are_not() {
+    assert_eq!(
+        targets(
+            "preview::diff",
+            r###"
+            // use crate::telemetry::A;
+            /// crate::telemetry::B in a doc comment
+            /* crate::telemetry::C /* nested */ crate::telemetry::D */
+            let s = "crate::telemetry::E \" crate::telemetry::F";
+            let r = r#"crate::telemetry::G " still raw"#;
+            let b = br"crate::telemetry::H";
+            let q = '"'; let e = '\''; let l: &'static str = "";
+            let x = crate::runtime::apply::f::<u8>(crate::plan::Plan { a: 1 }) as crate::api::T;
+            let r#type = 1;
+            macro_rules! m { () => { $crate::nvidia::emit() } }
+            pub(in crate::preview) fn g() {}
+            let y = Self::new(); let z = self.0; let w = other::crate_like::x;
+            "###
+        ),
+        [
+            "crate::runtime::apply::f",
+            "crate::plan::Plan",
+            "crate::api::T",
+            "crate::nvidia::emit",
+        ]
+    );
+}
+
+#[test]
+fn the_checker_catches_a_back_import_written_each_way() {
+    // Each of these makes src/api/ depend on a module above it.
+    let bad = [
+        ("api/x.rs", "use crate::{plan::{node::X}, api};"),
+        (
+            "api/x.rs",
+            "use crate::{\n    api::names,\n    plan::node::{self},\n};",
+        ),
+        ("api/x.rs", "use super::super::runtime::Y;"),
+        ("api/mod.rs", "pub(crate) use super::runtime::Y;"),
+        (
+            "api/x.rs",
+            "mod tests { use super::super::super::runtime::Y; }",
+        ),
+        ("api/x.rs", "fn f() { crate::runtime::foo(); }"),
+        ("api/x.rs", "fn f() -> super::super::plan::Plan { todo!() }"),
+        ("api/x.rs", "pub use crate::validate as v;"),
+        ("api/x.rs", "use crate::telemetry::*;"),
+        (
+            "api/x.rs",
+            "macro_rules! m { () => { $crate::runtime::f() } }",
+        ),
+        // The crate root itself: its glob would bring every module in unseen.
+        (
+            "api/mod.rs",
+            "#[cfg(test)]\nmod tests { use super::super::*; }",
+        ),
+        ("api/mod.rs", "use super::*;"),
+        // Sideways: telemetry depends on api only.
+        ("telemetry/metrics.rs", "use crate::plan::Plan;"),
+        ("offline/render.rs", "let r = crate::runtime::apply::x;"),
+    ];
+    for (rel, text) in bad {
+        let v = check(rel, text);
+        assert_eq!(v.len(), 1, "src/{rel}: {text:?} gave {v:?}");
+        println!("{}", v[0]);
+    }
+    assert_eq!(
+        check("api/x.rs", "\n\nuse crate::{api, plan::P};"),
+        ["src/api/x.rs:3: `crate::plan::P` reaches crate::plan::P from api"]
+    );
+    assert_eq!(
+        check("api/x.rs", "use super::super::runtime::Y;"),
+        ["src/api/x.rs:1: `super::super::runtime::Y` reaches crate::runtime::Y from api"]
+    );
+    assert!(check("newmod/x.rs", "")[0].contains("not in the layout"));
+}
+
+#[test]
+fn the_checker_accepts_legal_imports() {
+    let good = [
+        (
+            "api/x.rs",
+            "use crate::api::names::{self, *};\nuse super::state::S;",
+        ),
+        // In src/api/x.rs `super::runtime` is crate::api::runtime, not crate::runtime.
+        ("api/x.rs", "use super::runtime::Y;"),
+        (
+            "api/x.rs",
+            "mod tests { use super::super::runtime::Y; use super::*; }",
+        ),
+        (
+            "api/x.rs",
+            "// use crate::runtime::X;\nlet s = \"crate::runtime::x\";",
+        ),
+        (
+            "api/x.rs",
+            "use std::{fmt, collections::BTreeMap}; use serde::Serialize;",
+        ),
+        (
+            "nvidia/mod.rs",
+            "use crate::{api::names, nvidia::mig}; use super::api::X;",
+        ),
+        (
+            "plan/node.rs",
+            "use super::super::validate::V; let l: super::Labels;",
+        ),
+        (
+            "runtime/apply.rs",
+            "use crate::{api, nvidia, validate, plan::Plan, telemetry::m};",
+        ),
+        (
+            "preview/diff.rs",
+            "let c = crate::runtime::controller::run();",
+        ),
+        ("telemetry/metrics.rs", "use crate::api::names::X;"),
+    ];
+    for (rel, text) in good {
+        assert_eq!(
+            check(rel, text),
+            Vec::<String>::new(),
+            "src/{rel}: {text:?}"
+        );
+    }
 }

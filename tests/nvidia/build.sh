@@ -7,11 +7,14 @@
 # else ../shared/fixtures).
 #
 #   build.sh          build if the sources changed (prints nothing when up to date)
-#   build.sh test     go test ./... (the decision logic and the parsers)
+#   build.sh test     go test ./... (the decision logic and the parsers, and the
+#                     simulator end to end against tests/cluster's kube-local)
 #   build.sh path     build, then print the output directory
 #
-# Environment: NVIDIA_TESTS_OUT (default <repo>/target/nvidia); GOFLAGS,
-# GOCACHE, GOMODCACHE... are passed to go as usual.
+# Environment: NVIDIA_TESTS_OUT (default <repo>/target/nvidia); KUBE_LOCAL
+# (test: the kube-local binary; default KUBE_LOCAL_BIN, else what
+# `tests/cluster/cluster.sh path` builds and prints); GOFLAGS, GOCACHE,
+# GOMODCACHE... are passed to go as usual.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -98,7 +101,17 @@ main() {
 	case ${1:-build} in
 	build) build; assets ;;
 	path) build; assets; echo "$OUT" ;;
-	test) cd "$HERE" && go test "${BUILD_FLAGS[@]}" ./... ;;
+	test)
+		# cmd/gpu-node-simulator/e2e_test.go starts the local control plane from
+		# KUBE_LOCAL (it would skip without it). cluster.sh path only checks the
+		# source hash when make test has built it already.
+		if [[ -z ${KUBE_LOCAL:-} ]]; then
+			KUBE_LOCAL=${KUBE_LOCAL_BIN:-$(bash "$REPO/tests/cluster/cluster.sh" path)}
+		fi
+		[[ -x $KUBE_LOCAL ]] || { log "KUBE_LOCAL=$KUBE_LOCAL is not an executable"; exit 1; }
+		export KUBE_LOCAL
+		cd "$HERE" && go test "${BUILD_FLAGS[@]}" ./...
+		;;
 	*) log "usage: build.sh [build|path|test]"; exit 2 ;;
 	esac
 }

@@ -1,8 +1,10 @@
 package main
 
 // End-to-end test of the simulator against the local control plane of
-// tests/cluster (kube-local). Skipped unless KUBE_LOCAL names the kube-local
-// binary (tests/cluster/cluster.sh path prints it).
+// tests/cluster (kube-local), started from the binary KUBE_LOCAL names
+// (tests/cluster/cluster.sh path prints it; `tests/nvidia/build.sh test`,
+// which `make test` runs, sets it). Without KUBE_LOCAL it is skipped, except
+// under CI (CI=true), where it fails.
 
 import (
 	"bufio"
@@ -11,6 +13,8 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -29,7 +33,24 @@ import (
 func startKubeLocal(t *testing.T) string {
 	bin := os.Getenv("KUBE_LOCAL")
 	if bin == "" {
+		if ci, _ := strconv.ParseBool(os.Getenv("CI")); ci {
+			t.Fatal("KUBE_LOCAL (path to tests/cluster's kube-local binary) not set: under CI this test must run (tests/nvidia/build.sh test sets it)")
+		}
 		t.Skip("KUBE_LOCAL (path to tests/cluster's kube-local binary) not set")
+	}
+	logPath := filepath.Join(t.TempDir(), "kube-local.log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logFile.Close() // the child has its own copy
+	logTail := func() string {
+		b, _ := os.ReadFile(logPath)
+		lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+		if len(lines) > 40 {
+			lines = lines[len(lines)-40:]
+		}
+		return strings.Join(lines, "\n")
 	}
 	cmd := exec.Command(bin, "--dir", t.TempDir(), "--watch-parent=false")
 	stdin, err := cmd.StdinPipe() // kube-local exits when stdin closes
@@ -40,34 +61,44 @@ func startKubeLocal(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd.Stderr = nil
+	cmd.Stderr = logFile
 	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+		t.Fatalf("start %s: %v", bin, err)
 	}
-	t.Cleanup(func() {
-		stdin.Close()
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(30 * time.Second):
-			_ = cmd.Process.Kill()
-		}
-	})
 	ready := make(chan string, 1)
+	exited := make(chan struct{})
 	go func() {
 		sc := bufio.NewScanner(stdout)
 		for sc.Scan() {
 			if kc, ok := strings.CutPrefix(sc.Text(), "READY "); ok {
-				ready <- kc
+				select {
+				case ready <- kc:
+				default:
+				}
 			}
 		}
+		_ = cmd.Wait() // after stdout is drained, as os/exec requires
+		close(exited)
 	}()
+	t.Cleanup(func() {
+		stdin.Close()
+		select {
+		case <-exited:
+		case <-time.After(30 * time.Second):
+			_ = cmd.Process.Kill()
+			<-exited
+		}
+		if t.Failed() {
+			t.Logf("kube-local stderr (last lines):\n%s", logTail())
+		}
+	})
 	select {
 	case kc := <-ready:
 		return kc
+	case <-exited:
+		t.Fatalf("kube-local exited before it was ready: %v", cmd.ProcessState)
 	case <-time.After(150 * time.Second):
-		t.Fatal("kube-local not ready")
+		t.Fatal("kube-local not ready within 150s")
 	}
 	return ""
 }
