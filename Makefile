@@ -17,15 +17,17 @@ test:
 	bash tests/nvidia/build.sh test
 	bash tests/nvidia/conformance.sh
 
-# Regenerate crds/ (and the chart's copy) and the README's CRD reference from the Rust types, and
-# the README's chart values table from charts/gpu-sharing-operator/values.yaml.
+# Regenerate crds/ (and the chart's copy) and the CRD reference (docs/crd-reference.md) from the
+# Rust types, the chart values table (docs/install.md) from charts/gpu-sharing-operator/values.yaml,
+# and the figures of docs/figures.md counted from the tree.
 generate:
 	mkdir -p target
 	cargo run --quiet -- crd > crds/gpusharingpolicies.gpusharing.io.yaml
 	cp crds/gpusharingpolicies.gpusharing.io.yaml charts/gpu-sharing-operator/crds/
 	cargo run --quiet -- crd --markdown > target/crd-reference.md
-	python3 -c 'r=open("README.md").read(); t=open("target/crd-reference.md").read(); s="<!-- crd-reference:start -->\n"; e="<!-- crd-reference:end -->"; a=r.index(s)+len(s); b=r.index(e); open("README.md","w").write(r[:a]+t+r[b:])'
-	GENERATE=1 cargo test --quiet --test helm_chart readme_values_table_is_current
+	python3 -c 'r=open("docs/crd-reference.md").read(); t=open("target/crd-reference.md").read(); s="<!-- crd-reference:start -->\n"; e="<!-- crd-reference:end -->"; a=r.index(s)+len(s); b=r.index(e); open("docs/crd-reference.md","w").write(r[:a]+t+r[b:])'
+	GENERATE=1 cargo test --quiet --test helm_chart docs_values_table_is_current
+	GENERATE=1 cargo test --quiet --test docs counted_figures_are_current
 
 crd: generate
 

@@ -485,19 +485,22 @@ fn crd_in_repo_is_current() {
 }
 
 #[test]
-fn readme_crd_reference_is_current() {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let start = readme
+fn docs_crd_reference_is_current() {
+    let page = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/crd-reference.md"
+    ))
+    .unwrap();
+    let start = page
         .find("<!-- crd-reference:start -->\n")
-        .expect("start marker")
+        .expect("start marker in docs/crd-reference.md")
         + "<!-- crd-reference:start -->\n".len();
-    let end = readme
+    let end = page
         .find("<!-- crd-reference:end -->")
-        .expect("end marker");
+        .expect("end marker in docs/crd-reference.md");
     assert!(
-        readme[start..end] == gpu_sharing_operator::offline::docs::crd_reference(),
-        "README CRD reference is stale: regenerate it with `gpu-sharing-operator crd --markdown`"
+        page[start..end] == gpu_sharing_operator::offline::docs::crd_reference(),
+        "docs/crd-reference.md is stale: run `make generate` (it writes `gpu-sharing-operator crd --markdown` between the markers)"
     );
 }
 
@@ -851,12 +854,11 @@ fn every_condition_reason_is_in_the_crd_schema_and_documented() {
         reasons.contains(&"HigherPriorityPolicy") && reasons.len() >= 20,
         "{reasons:?}"
     );
-    let readme = include_str!("../README.md");
-    let status = &readme[readme.find("## Status").unwrap()..readme.find("## Validation").unwrap()];
+    let status = include_str!("../docs/status.md");
     for r in reasons {
         assert!(
             status.contains(&format!("`{r}`")),
-            "reason {r} is not documented in the README's Status section"
+            "reason {r} is not documented in docs/status.md"
         );
     }
 }

@@ -464,7 +464,7 @@ fn chart_crd_is_the_generated_crd() {
     );
 }
 
-/// The README's values table, from values.yaml's `# --` comments (as helm-docs writes them):
+/// The values table of docs/install.md, from values.yaml's `# --` comments (as helm-docs writes them):
 /// one row per documented key, its default as JSON.
 fn values_table() -> String {
     let text = std::fs::read_to_string(repo().join(CHART).join("values.yaml")).unwrap();
@@ -539,23 +539,25 @@ fn values_table() -> String {
 }
 
 #[test]
-fn readme_values_table_is_current() {
+fn docs_values_table_is_current() {
     let table = values_table();
-    let path = repo().join("README.md");
-    let readme = std::fs::read_to_string(&path).unwrap();
+    let path = repo().join("docs/install.md");
+    let page = std::fs::read_to_string(&path).unwrap();
     let (start, end) = ("<!-- helm-values:start -->\n", "<!-- helm-values:end -->");
-    let a = readme
+    let a = page
         .find(start)
-        .expect("README has the helm-values markers")
+        .expect("docs/install.md has the helm-values markers")
         + start.len();
-    let b = readme.find(end).unwrap();
+    let b = page
+        .find(end)
+        .expect("docs/install.md has the helm-values end marker");
     if std::env::var_os("GENERATE").is_some() {
-        std::fs::write(&path, format!("{}{table}{}", &readme[..a], &readme[b..])).unwrap();
+        std::fs::write(&path, format!("{}{table}{}", &page[..a], &page[b..])).unwrap();
         return;
     }
     assert!(
-        readme[a..b] == table,
-        "the README's values table is stale: run `make generate`\n{table}"
+        page[a..b] == table,
+        "the values table of docs/install.md is stale: run `make generate`\n{table}"
     );
 }
 

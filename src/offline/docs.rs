@@ -1,5 +1,5 @@
-//! The CRD reference table in the README, generated from the CRD's OpenAPI schema (and so from
-//! the Rust types and their doc comments). A test keeps the README in sync.
+//! The CRD reference table of docs/crd-reference.md, generated from the CRD's OpenAPI schema (and
+//! so from the Rust types and their doc comments). A test keeps the page in sync.
 
 use kube::CustomResourceExt;
 use serde_json::Value;

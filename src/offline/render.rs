@@ -1,7 +1,7 @@
 //! Offline rendering: read policies (and optionally nodes) from files, plan, and print every
 //! object the operator would write as multi-document YAML.
 //!
-//! The output is an interface (documented in the README, parsed by the conformance test):
+//! The output is an interface (documented in docs/plan-and-render.md, parsed by the conformance test):
 //! the device-plugin ConfigMap; the mig-parted ConfigMap (only with custom MIG layouts); the
 //! ClusterPolicy patch; ResourceClaimTemplates of DRA policies; with nodes, one Node document
 //! each with the labels the operator manages on it; one GpuSharingPolicy document per policy
