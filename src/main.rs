@@ -119,9 +119,21 @@ struct RunArgs {
     /// Seconds between full resyncs (watches catch changes in between).
     #[arg(long, default_value_t = 300)]
     resync_seconds: u64,
-    /// Address of /metrics, /healthz and /readyz ("" to disable).
-    #[arg(long, default_value = "0.0.0.0:8080")]
+    /// Address of /metrics ("" to disable): HTTPS, answered only for a bearer token that passes
+    /// a TokenReview and whose user may `get` the non-resource URL /metrics (SubjectAccessReview).
+    #[arg(long, default_value = "0.0.0.0:8443")]
     metrics_addr: String,
+    /// Serve /metrics over plain HTTP to anyone, without authentication (local use).
+    #[arg(long)]
+    metrics_insecure: bool,
+    /// Directory with tls.crt and tls.key for /metrics (e.g. a mounted cert-manager Secret),
+    /// read again when they change; without it a self-signed certificate is made at start.
+    #[arg(long, conflicts_with = "metrics_insecure")]
+    metrics_cert_dir: Option<PathBuf>,
+    /// Address of /healthz and /readyz, plain HTTP without authentication, for probes ("" to
+    /// disable).
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    health_addr: String,
     /// Run several replicas: only the holder of a coordination.k8s.io Lease writes.
     #[arg(long)]
     leader_elect: bool,
@@ -158,13 +170,16 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     no_retry.default_retry = false;
     let eviction_client = kube::Client::try_from(no_retry)?;
     let metrics = std::sync::Arc::new(gpu_sharing_operator::telemetry::metrics::Metrics::default());
-    if !args.metrics_addr.is_empty() {
-        let listener = tokio::net::TcpListener::bind(&args.metrics_addr).await?;
-        tokio::spawn(gpu_sharing_operator::telemetry::metrics::serve(
-            listener,
-            metrics.clone(),
-        ));
-    }
+    let endpoints = gpu_sharing_operator::telemetry::server::Config {
+        metrics_addr: Some(args.metrics_addr).filter(|a| !a.is_empty()),
+        metrics_insecure: args.metrics_insecure,
+        metrics_cert_dir: args.metrics_cert_dir,
+        health_addr: Some(args.health_addr).filter(|a| !a.is_empty()),
+    };
+    // Served until `run` returns.
+    let _endpoints =
+        gpu_sharing_operator::telemetry::server::start(&endpoints, metrics.clone(), client.clone())
+            .await?;
     let signal = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .expect("signal handler");

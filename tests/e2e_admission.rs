@@ -1,27 +1,51 @@
-//! End-to-end: field-level least privilege on nodes. With `config/node-admission-policy.yaml`
-//! (a ValidatingAdmissionPolicy) on the local control plane, the operator's ServiceAccount may
-//! change its own labels and annotations, remove its readiness taint and set
-//! `spec.unschedulable`; every other label, annotation, taint, finalizer or the creation of a node
-//! is refused with the policy's message. Other users are unaffected, and the operator, run as
-//! that ServiceAccount, still converges an example.
+//! End-to-end: field-level least privilege on nodes and on the GPU Operator's ClusterPolicy.
+//! With `config/node-admission-policy.yaml` (a ValidatingAdmissionPolicy) on the local control
+//! plane, the operator's ServiceAccount may change its own labels and annotations, remove its
+//! readiness taint and set `spec.unschedulable`; every other label, annotation, taint, finalizer
+//! or the creation of a node is refused with the policy's message. With
+//! `config/clusterpolicy-admission-policy.yaml` it may change only the ClusterPolicy fields it
+//! manages (`allowed::CLUSTER_POLICY_FIELDS`, which is also exactly what the operator's output
+//! code writes); any other spec or metadata change, creating, deleting or a status write is
+//! refused naming what changed. Other users are unaffected, and the operator, run as that
+//! ServiceAccount under both policies, still converges the examples and releases the
+//! ClusterPolicy when the last policy goes.
 
 mod common;
 mod support;
 
+use std::collections::BTreeSet;
+
 use gpu_sharing_operator::api::names::{MANAGED_ANNOTATIONS, MANAGED_LABELS};
+use gpu_sharing_operator::plan::outputs::{Owned, cluster_policy_spec};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use support::allowed::{self, sorted};
 use support::*;
 
 const POLICY_FILE: &str = "config/node-admission-policy.yaml";
+const CP_POLICY_FILE: &str = "config/clusterpolicy-admission-policy.yaml";
+const CP_POLICY: &str = "gpu-sharing-operator-clusterpolicy-fields";
 const NODE: &str = "h200-node-0";
+const CP: &str = "cluster-policy";
 
-fn policy_docs() -> Vec<Value> {
-    let text = std::fs::read_to_string(common::repo_root().join(POLICY_FILE)).unwrap();
+fn policy_docs(file: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(common::repo_root().join(file)).unwrap();
     common::parse_yaml_documents(&text).unwrap()
+}
+
+/// The expression of the policy's variable `name`.
+fn variable(vap: &Value, name: &str) -> String {
+    vap["spec"]["variables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == name)
+        .unwrap_or_else(|| panic!("no variable {name}"))["expression"]
+        .as_str()
+        .unwrap()
+        .to_string()
 }
 
 /// A CEL list literal of strings, as the policy's variables write them.
@@ -33,21 +57,43 @@ fn cel_strings(expr: &str) -> Vec<String> {
         .collect()
 }
 
+/// Leaf paths of a JSON object (`spec.mig.strategy`); an empty object is no leaf.
+fn leaf_paths(v: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    match v.as_object() {
+        Some(m) => {
+            for (k, c) in m {
+                leaf_paths(c, &format!("{prefix}.{k}"), out);
+            }
+        }
+        None => {
+            out.insert(prefix.trim_start_matches('.').to_string());
+        }
+    }
+}
+
+/// Every output of `cluster_policy_spec` on: a policy, our mig-parted ConfigMap, a cluster MIG
+/// strategy, VM hosts and our vGPU-devices ConfigMap.
+fn every_output() -> Owned {
+    Owned {
+        any_policy: true,
+        mig_config: true,
+        cluster_mig: Some(gpu_sharing_operator::api::crd::MigStrategy::Mixed),
+        vm_nodes: true,
+        vgpu_config: true,
+    }
+}
+
+/// What the operator writes into the ClusterPolicy when every output is on.
+fn operator_spec() -> Value {
+    let input = gpu_sharing_operator::plan::PlanInput::new(vec![], vec![]);
+    cluster_policy_spec(&input, every_output())
+}
+
 #[test]
 fn the_policy_lists_exactly_what_the_operator_manages() {
-    let docs = policy_docs();
+    let docs = policy_docs(POLICY_FILE);
     let vap = &docs[0];
-    let var = |name: &str| {
-        vap["spec"]["variables"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|v| v["name"] == name)
-            .unwrap()["expression"]
-            .as_str()
-            .unwrap()
-            .to_string()
-    };
+    let var = |name: &str| variable(vap, name);
     // Both the policy and the operator's constants against the reviewed list, written once in
     // the test support (neither is compared with the other).
     let sorted_cel = |name: &str| {
@@ -61,7 +107,10 @@ fn the_policy_lists_exactly_what_the_operator_manages() {
         sorted(&allowed::NODE_ANNOTATIONS)
     );
     assert_eq!(sorted(&MANAGED_LABELS), sorted(&allowed::NODE_LABELS));
-    assert_eq!(sorted(&MANAGED_ANNOTATIONS), sorted(&allowed::NODE_ANNOTATIONS));
+    assert_eq!(
+        sorted(&MANAGED_ANNOTATIONS),
+        sorted(&allowed::NODE_ANNOTATIONS)
+    );
     let taint = cel_strings(&var("readinessTaint"));
     assert_eq!(taint, ["gpusharing.io/unconfigured"]);
     assert!(taint[0].starts_with(allowed::TAINT_PREFIX));
@@ -69,8 +118,14 @@ fn the_policy_lists_exactly_what_the_operator_manages() {
         gpu_sharing_operator::api::names::DEFAULT_READINESS_TAINT,
         taint[0]
     );
-    assert_eq!(gpu_sharing_operator::api::names::MANAGER, allowed::FIELD_MANAGER);
-    assert_eq!(gpu_sharing_operator::api::names::MANAGED_BY, allowed::CONFIGMAP_OWNER_LABEL);
+    assert_eq!(
+        gpu_sharing_operator::api::names::MANAGER,
+        allowed::FIELD_MANAGER
+    );
+    assert_eq!(
+        gpu_sharing_operator::api::names::MANAGED_BY,
+        allowed::CONFIGMAP_OWNER_LABEL
+    );
     assert_eq!(docs[1]["spec"]["policyName"], vap["metadata"]["name"]);
     assert_eq!(docs[1]["spec"]["validationActions"], json!(["Deny"]));
 }
@@ -310,7 +365,12 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("operator.log");
     let mut op = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
-        .args(["run", "--namespace=gpu-operator", "--metrics-addr="])
+        .args([
+            "run",
+            "--namespace=gpu-operator",
+            "--metrics-addr=",
+            "--health-addr=",
+        ])
         .env("KUBECONFIG", &kubeconfig)
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -327,4 +387,643 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
         "the operator hit the policy:\n{text}"
     );
     op.kill().await.unwrap();
+}
+
+#[test]
+fn the_clusterpolicy_policy_allows_exactly_what_the_operator_writes() {
+    let cp_docs = policy_docs(CP_POLICY_FILE);
+    let vap = &cp_docs[0];
+    // The policy's list against the reviewed list, written once in the test support.
+    let mut owned = cel_strings(&variable(vap, "ownedFields"));
+    owned.sort();
+    assert_eq!(owned, sorted(&allowed::CLUSTER_POLICY_FIELDS));
+    // The policy compares three levels under `spec`: every field it lets through is within.
+    for f in allowed::CLUSTER_POLICY_FIELDS {
+        let depth = f.split('.').count() - 1;
+        assert!(
+            (1..=3).contains(&depth),
+            "{f}: the policy's CEL compares 3 levels"
+        );
+    }
+    // The operator's output code, every output on, writes exactly the reviewed list.
+    let mut written = BTreeSet::new();
+    leaf_paths(&json!({"spec": operator_spec()}), "", &mut written);
+    assert_eq!(
+        written.into_iter().collect::<Vec<_>>(),
+        sorted(&allowed::CLUSTER_POLICY_FIELDS),
+        "src/plan/outputs.rs writes other ClusterPolicy fields than tests/support/allowed.rs lists"
+    );
+    // And so does the whole planner for examples that need every output: a device-plugin
+    // config (MPS), a custom MIG layout with the mixed strategy, and a custom vGPU layout on a
+    // VM host.
+    let mut policies = Vec::new();
+    for e in ["mps-h200.yaml", "mig-custom-split.yaml", "vgpu-vdi.yaml"] {
+        let path = common::repo_root().join("examples").join(e);
+        policies.extend(gpu_sharing_operator::offline::render::load_policies(&path).unwrap());
+    }
+    let fixtures =
+        std::fs::read_to_string(common::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
+            .unwrap();
+    let mut nodes = common::parse_yaml_documents(&fixtures).unwrap();
+    for n in &mut nodes {
+        let profile = match n["metadata"]["name"].as_str() {
+            Some("a100-node-0") => "mig-split",
+            Some("a100-node-1") => "vgpu-split",
+            _ => continue,
+        };
+        n["metadata"]["labels"]["gpusharing.io/profile"] = json!(profile);
+    }
+    let text: String = nodes
+        .iter()
+        .map(|n| format!("---\n{}", serde_saphyr::to_string(n).unwrap()))
+        .collect();
+    let nodes = gpu_sharing_operator::offline::render::nodes_from_text(
+        &text,
+        std::path::Path::new("nodes.yaml"),
+    )
+    .unwrap();
+    let options = gpu_sharing_operator::offline::render::RenderOptions {
+        namespace: NS.into(),
+        base_mig_configs: Default::default(),
+        single_pass: false,
+    };
+    let rendered =
+        gpu_sharing_operator::offline::render::render_text(policies, Some(nodes), &options)
+            .unwrap_or_else(|e| panic!("{e:?}"));
+    let docs = common::parse_yaml_documents(&rendered.text).unwrap();
+    let cp = docs.iter().find(|d| d["kind"] == "ClusterPolicy").unwrap();
+    let mut written = BTreeSet::new();
+    leaf_paths(&json!({"spec": cp["spec"]}), "", &mut written);
+    assert_eq!(
+        written.into_iter().collect::<Vec<_>>(),
+        sorted(&allowed::CLUSTER_POLICY_FIELDS),
+        "{}",
+        cp["spec"]
+    );
+    assert_eq!(cp["spec"], operator_spec());
+
+    // The same ServiceAccount as the node policy's, refused the same way, bound to deny.
+    let node = &policy_docs(POLICY_FILE)[0];
+    assert_eq!(
+        vap["spec"]["matchConditions"],
+        node["spec"]["matchConditions"]
+    );
+    assert_eq!(vap["spec"]["failurePolicy"], "Fail");
+    assert_eq!(vap["metadata"]["name"], CP_POLICY);
+    assert_eq!(cp_docs[1]["spec"]["policyName"], CP_POLICY);
+    assert_eq!(cp_docs[1]["spec"]["validationActions"], json!(["Deny"]));
+    let kustomization =
+        std::fs::read_to_string(common::repo_root().join("config/kustomization.yaml")).unwrap();
+    assert!(kustomization.contains("- clusterpolicy-admission-policy.yaml"));
+}
+
+/// The chart's admission policies are config/'s (the chart templates the ServiceAccount's
+/// name and namespace, and each can be turned off).
+#[test]
+fn the_charts_admission_policies_are_configs() {
+    let out = std::process::Command::new("bash")
+        .arg(common::repo_root().join("tests/tools/build.sh"))
+        .arg("path")
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "tests/tools/build.sh failed");
+    let helm = std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join("helm");
+    let home = common::repo_root().join("target/helm-home");
+    let render = |release: &str, namespace: &str, extra: &[&str]| {
+        let out = std::process::Command::new(&helm)
+            .args([
+                "template",
+                release,
+                "charts/gpu-sharing-operator",
+                "--namespace",
+                namespace,
+            ])
+            .args(extra)
+            .current_dir(common::repo_root())
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        common::parse_yaml_documents(&String::from_utf8(out.stdout).unwrap()).unwrap()
+    };
+    let find = |docs: &[Value], kind: &str, name: &str| -> Value {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("the chart renders no {kind} {name}"))
+            .clone()
+    };
+    let chart = render("gpu-sharing-operator", "gpu-sharing-system", &[]);
+    for (file, name) in [
+        (POLICY_FILE, "gpu-sharing-operator-node-fields"),
+        (CP_POLICY_FILE, CP_POLICY),
+    ] {
+        let config = policy_docs(file);
+        assert_eq!(
+            find(&chart, "ValidatingAdmissionPolicy", name)["spec"],
+            config[0]["spec"],
+            "the chart's {name} differs from {file}"
+        );
+        assert_eq!(
+            find(&chart, "ValidatingAdmissionPolicyBinding", name)["spec"],
+            config[1]["spec"]
+        );
+    }
+    let custom = render("gso", "ops", &["--values", "tests/helm/values-custom.yaml"]);
+    let vap = find(
+        &custom,
+        "ValidatingAdmissionPolicy",
+        "gso-gpu-sharing-operator-clusterpolicy-fields",
+    );
+    assert_eq!(
+        vap["spec"]["matchConditions"][0]["expression"],
+        "request.userInfo.username == 'system:serviceaccount:ops:gso'"
+    );
+    assert_eq!(
+        find(
+            &custom,
+            "ValidatingAdmissionPolicyBinding",
+            "gso-gpu-sharing-operator-clusterpolicy-fields"
+        )["spec"]["policyName"],
+        vap["metadata"]["name"]
+    );
+    let names = |docs: &[Value]| -> Vec<String> {
+        docs.iter()
+            .filter(|d| d["kind"] == "ValidatingAdmissionPolicy")
+            .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let off = render(
+        "gpu-sharing-operator",
+        "gpu-sharing-system",
+        &["--set", "clusterPolicyAdmissionPolicy.enabled=false"],
+    );
+    assert_eq!(names(&off), ["gpu-sharing-operator-node-fields"]);
+    let off = render(
+        "gpu-sharing-operator",
+        "gpu-sharing-system",
+        &["--set", "nodeAdmissionPolicy.enabled=false"],
+    );
+    assert_eq!(names(&off), [CP_POLICY]);
+}
+
+async fn cp_patch(c: &Client, p: &Value, dry_run: bool) -> Result<DynamicObject, kube::Error> {
+    let pp = PatchParams {
+        dry_run,
+        ..Default::default()
+    };
+    common::cluster_policy_api(c)
+        .patch(CP, &pp, &Patch::Merge(p))
+        .await
+}
+
+/// `r` was refused by the ClusterPolicy admission policy, with a message containing `says`.
+fn assert_refused<T: std::fmt::Debug>(what: &str, r: Result<T, kube::Error>, says: &str) {
+    match r {
+        Err(kube::Error::Api(e)) => assert!(
+            e.message.contains(CP_POLICY) && e.message.contains(says),
+            "{what}: refused, but with {:?} (wanted {says:?})",
+            e.message
+        ),
+        other => panic!("{what} was not refused: {other:?}"),
+    }
+}
+
+async fn cp_refused(c: &Client, p: Value, says: &str) {
+    assert_refused(&p.to_string(), cp_patch(c, &p, false).await, says);
+}
+
+async fn cp_allowed(c: &Client, p: Value) -> Value {
+    cp_patch(c, &p, false)
+        .await
+        .unwrap_or_else(|e| panic!("{p} was refused: {e}"))
+        .data
+}
+
+/// `{"spec": {"mig": {"strategy": v}}}` for `spec.mig.strategy`.
+fn at(path: &str, v: Value) -> Value {
+    path.rsplit('.').fold(v, |acc, k| json!({ k: acc }))
+}
+
+fn lookup<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.').try_fold(v, |acc, k| acc.get(k))
+}
+
+/// `spec` without the fields the operator manages (and without the maps left empty).
+fn foreign_spec(data: &Value) -> Value {
+    fn strip(v: &mut Value, prefix: &str) {
+        let Some(m) = v.as_object_mut() else { return };
+        m.retain(|k, c| {
+            let p = format!("{prefix}.{k}");
+            if allowed::CLUSTER_POLICY_FIELDS.contains(&p.as_str()) {
+                return false;
+            }
+            strip(c, &p);
+            !c.as_object().is_some_and(|o| o.is_empty())
+        });
+    }
+    let mut spec = data["spec"].clone();
+    strip(&mut spec, "spec");
+    spec
+}
+
+/// The `spec` leaves our field manager holds, from the ClusterPolicy's managedFields.
+fn held_by_us(cp: &DynamicObject) -> BTreeSet<String> {
+    fn walk(v: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+        let children: Vec<(&str, &Value)> = v
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, c)| Some((k.strip_prefix("f:")?, c)))
+            .collect();
+        if children.is_empty() {
+            out.insert(prefix.trim_start_matches('.').to_string());
+        }
+        for (k, c) in children {
+            walk(c, &format!("{prefix}.{k}"), out);
+        }
+    }
+    let mut out = BTreeSet::new();
+    for e in cp.metadata.managed_fields.iter().flatten() {
+        if e.manager.as_deref() == Some(allowed::FIELD_MANAGER)
+            && let Some(f) = &e.fields_v1
+        {
+            walk(&f.0, "", &mut out);
+        }
+    }
+    out.retain(|p| p.starts_with("spec."));
+    out
+}
+
+fn as_cluster_policy(spec: Value) -> Value {
+    json!({"apiVersion": "nvidia.com/v1", "kind": "ClusterPolicy", "metadata": {"name": CP},
+        "spec": spec})
+}
+
+#[tokio::test]
+async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
+    let (_g, cluster, _sim) = setup().await;
+    let admin = cluster.client.clone();
+    apply_config(&admin, &[POLICY_FILE, CP_POLICY_FILE]).await;
+    let sa = service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
+    let sa_cps = common::cluster_policy_api(&sa);
+    let original = common::cluster_policy_api(&admin)
+        .get(CP)
+        .await
+        .unwrap()
+        .data;
+    // What the operator writes, every output on, as leaf paths.
+    let spec = operator_spec();
+    let mut want = BTreeSet::new();
+    leaf_paths(&json!({ "spec": spec }), "", &mut want);
+
+    // The policy takes effect once the API server has loaded it: dry-run until it refuses.
+    until(
+        "the ClusterPolicy admission policy to be active",
+        LONG,
+        || {
+            let sa = sa.clone();
+            async move {
+                let p = json!({"metadata": {"labels": {"team": "a"}}});
+                match cp_patch(&sa, &p, true).await {
+                    Err(kube::Error::Api(e)) if e.message.contains(CP_POLICY) => Some(()),
+                    Err(e) => panic!("{e}"),
+                    Ok(_) => None,
+                }
+            }
+        },
+    )
+    .await;
+
+    // The operator, as that ServiceAccount under both policies, converges examples that write
+    // every field it manages (time-slicing: the device-plugin config; a custom MIG layout: the
+    // MIG manager's config and the mixed strategy; a custom vGPU layout on a VM host: sandbox
+    // workloads and the vGPU Device Manager's config; not MPS, which the mixed strategy
+    // excludes: the node policy's test converges it)...
+    for (n, profile) in [("a100-node-0", "mig-split"), ("a100-node-1", "vgpu-split")] {
+        label_node(&admin, n, "gpusharing.io/profile", Some(profile)).await;
+    }
+    // (the user's part for vGPU: their vGPU Manager is on)
+    cp_patch(
+        &admin,
+        &json!({"spec": {"vgpuManager": {"enabled": true}}}),
+        false,
+    )
+    .await
+    .unwrap();
+    let kubeconfig =
+        service_account_kubeconfig_file(&cluster, "gpu-sharing-system", "gpu-sharing-operator")
+            .await;
+    let log = cluster.dir.path().join("operator.log");
+    let mut op = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
+        .args([
+            "run",
+            "--namespace=gpu-operator",
+            "--metrics-addr=",
+            "--health-addr=",
+        ])
+        .env("KUBECONFIG", &kubeconfig)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    for example in [
+        include_str!("../examples/time-slicing-l4.yaml"),
+        include_str!("../examples/mig-custom-split.yaml"),
+        include_str!("../examples/vgpu-vdi.yaml"),
+    ] {
+        common::apply_yaml(&admin, example).await.unwrap();
+    }
+    for (policy, nodes) in [
+        ("l4-time-slicing", 2),
+        ("a100-mig-split", 1),
+        ("vgpu-a100-split", 1),
+    ] {
+        ready_on_or_log(&admin, policy, nodes, &log).await;
+    }
+    let cp = common::cluster_policy_api(&admin).get(CP).await.unwrap();
+    assert_eq!(held_by_us(&cp), want);
+    for f in &want {
+        assert_eq!(
+            lookup(&cp.data, f),
+            lookup(&json!({ "spec": spec }), f),
+            "{f}"
+        );
+    }
+    // ...and releases the ClusterPolicy when the last policy goes.
+    Api::<gpu_sharing_operator::api::crd::GpuSharingPolicy>::all(admin.clone())
+        .delete_collection(&DeleteParams::default(), &Default::default())
+        .await
+        .unwrap();
+    let released = tokio::time::timeout(LONG, async {
+        loop {
+            let cp = common::cluster_policy_api(&admin).get(CP).await.unwrap();
+            if held_by_us(&cp).is_empty() {
+                return cp;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
+    })
+    .await;
+    let cp = released.unwrap_or_else(|_| {
+        panic!(
+            "the ClusterPolicy was not released:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        )
+    });
+    assert_ne!(
+        lookup(&cp.data, "spec.devicePlugin.config.name"),
+        Some(&json!(DP_CM))
+    );
+    assert_eq!(foreign_spec(&cp.data)["driver"], original["spec"]["driver"]);
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    for policy in [CP_POLICY, "gpu-sharing-operator-node-fields"] {
+        assert!(!text.contains(policy), "the operator hit {policy}:\n{text}");
+    }
+    op.kill().await.unwrap();
+
+    // By hand, as that ServiceAccount: a server-side apply as the operator writes (its own
+    // output, every field on), and the release, an apply of an empty spec.
+    let before = common::cluster_policy_api(&admin)
+        .get(CP)
+        .await
+        .unwrap()
+        .data;
+    let ssa = PatchParams::apply(allowed::FIELD_MANAGER).force();
+    let cp = sa_cps
+        .patch(CP, &ssa, &Patch::Apply(as_cluster_policy(spec.clone())))
+        .await
+        .expect("applying its own fields");
+    assert_eq!(held_by_us(&cp), want);
+    for f in &want {
+        assert_eq!(
+            lookup(&cp.data, f),
+            lookup(&json!({ "spec": spec }), f),
+            "{f}"
+        );
+    }
+    let cp = sa_cps
+        .patch(CP, &ssa, &Patch::Apply(as_cluster_policy(json!({}))))
+        .await
+        .expect("releasing its own fields");
+    assert_eq!(held_by_us(&cp), BTreeSet::new());
+    for f in [
+        "spec.devicePlugin.config.name",
+        "spec.sandboxWorkloads.enabled",
+    ] {
+        assert_eq!(lookup(&cp.data, f), None, "{f} released");
+    }
+
+    // Each field by merge patch: set, removed and put back as it was. (After the applies: on
+    // Kubernetes 1.35 an apply that removes the last child of a map an Update manager holds
+    // leaves the map `null`, which the CRD's schema refuses, kubernetes/kubernetes#117447.)
+    for f in allowed::CLUSTER_POLICY_FIELDS {
+        let v = match f.rsplit('.').next() {
+            Some("strategy") => json!("mixed"),
+            Some("enabled") => json!(true),
+            _ => json!("gso-test"),
+        };
+        let was = lookup(&before, f).cloned().unwrap_or(Value::Null);
+        let cp = cp_allowed(&sa, at(f, v.clone())).await;
+        assert_eq!(lookup(&cp, f), Some(&v), "{f} set");
+        let cp = cp_allowed(&sa, at(f, Value::Null)).await;
+        assert_ne!(lookup(&cp, f), Some(&v), "{f} removed");
+        cp_allowed(&sa, at(f, was)).await;
+    }
+
+    // Anything else is refused, naming the field.
+    let toolkit_env =
+        json!([{"name": "ACCEPT_NVIDIA_VISIBLE_DEVICES_AS_VOLUME_MOUNTS", "value": "false"}]);
+    for (p, says) in [
+        (
+            json!({"spec": {"driver": {"image": "example.com/driver"}}}),
+            "may change only its own ClusterPolicy fields; refused: spec.driver.image",
+        ),
+        (
+            json!({"spec": {"devicePlugin": {"image": "example.com/device-plugin"}}}),
+            "refused: spec.devicePlugin.image",
+        ),
+        (
+            json!({"spec": {"toolkit": {"env": toolkit_env}}}),
+            "refused: spec.toolkit.env",
+        ),
+        // A top-level field the ClusterPolicy did not have.
+        (
+            json!({"spec": {"hostPaths": {"driverInstallDir": "/opt/driver"}}}),
+            "refused: spec.hostPaths",
+        ),
+        // Siblings of the managed fields.
+        (
+            json!({"spec": {"sandboxWorkloads": {"defaultWorkload": "vm-passthrough"}}}),
+            "refused: spec.sandboxWorkloads.defaultWorkload",
+        ),
+        (
+            json!({"spec": {"migManager": {"config": {"default": ""}}}}),
+            "refused: spec.migManager.config.default",
+        ),
+        (
+            json!({"metadata": {"labels": {"team": "a"}}}),
+            "may not change ClusterPolicy metadata; refused: metadata.labels.team",
+        ),
+        (
+            json!({"metadata": {"labels": {"app.kubernetes.io/managed-by": null}}}),
+            "refused: metadata.labels.app.kubernetes.io/managed-by",
+        ),
+        (
+            json!({"metadata": {"annotations": {"example.com/note": "x"}}}),
+            "refused: metadata.annotations.example.com/note",
+        ),
+        (
+            json!({"metadata": {"finalizers": ["example.com/hold"]}}),
+            "refused: metadata.finalizers",
+        ),
+    ] {
+        cp_refused(&sa, p, says).await;
+    }
+    // A managed field does not carry another along, and only the other is named.
+    let p = json!({"spec": {"devicePlugin": {"config": {"name": "x"}}, "driver": {"image": "x"}}});
+    match cp_patch(&sa, &p, false).await {
+        Err(kube::Error::Api(e)) => assert!(
+            e.message.ends_with("refused: spec.driver.image"),
+            "{}",
+            e.message
+        ),
+        other => panic!("{p} was not refused: {other:?}"),
+    }
+    // An apply as the operator writes, with one field more.
+    let mut more = operator_spec();
+    more["driver"] = json!({"image": "example.com/driver"});
+    assert_refused(
+        "an apply with spec.driver.image",
+        sa_cps
+            .patch(CP, &ssa, &Patch::Apply(as_cluster_policy(more)))
+            .await,
+        "refused: spec.driver.image",
+    );
+    let now = common::cluster_policy_api(&admin).get(CP).await.unwrap();
+    assert_eq!(
+        foreign_spec(&now.data),
+        foreign_spec(&before),
+        "nothing else changed"
+    );
+    assert_eq!(
+        now.metadata.labels.unwrap_or_default()["app.kubernetes.io/managed-by"],
+        "Helm"
+    );
+
+    // Deleting, creating and status writes: RBAC refuses them, and the policy too where RBAC
+    // is broader.
+    let dry = DeleteParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    match sa_cps.delete(CP, &dry).await {
+        Err(kube::Error::Api(e)) => assert!(e.message.contains("cannot delete"), "{e:?}"),
+        other => panic!("deleting the ClusterPolicy was not refused: {other:?}"),
+    }
+    common::apply_yaml(
+        &admin,
+        r#"
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: test-clusterpolicy-admin}
+rules:
+  - {apiGroups: [nvidia.com], resources: [clusterpolicies], verbs: [create, delete]}
+  - {apiGroups: [nvidia.com], resources: [clusterpolicies/status], verbs: [patch]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: test-clusterpolicy-admin}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: test-clusterpolicy-admin}
+subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sharing-system}]
+"#,
+    )
+    .await
+    .unwrap();
+    let denial = until(
+        "the admission policy to refuse deleting the ClusterPolicy",
+        LONG,
+        || async {
+            match sa_cps.delete(CP, &dry).await {
+                Err(kube::Error::Api(e)) if e.message.contains(CP_POLICY) => Some(e),
+                Err(kube::Error::Api(e)) if e.message.contains("cannot delete") => None,
+                other => panic!("deleting the ClusterPolicy was not refused: {other:?}"),
+            }
+        },
+    )
+    .await;
+    assert!(
+        denial
+            .message
+            .contains("may not create or delete ClusterPolicies"),
+        "{denial:?}"
+    );
+    let another: DynamicObject = serde_json::from_value(json!({"apiVersion": "nvidia.com/v1",
+        "kind": "ClusterPolicy", "metadata": {"name": "another"}, "spec": before["spec"]}))
+    .unwrap();
+    let post = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    assert_refused(
+        "creating a ClusterPolicy",
+        sa_cps.create(&post, &another).await,
+        "may not create or delete ClusterPolicies",
+    );
+    assert_refused(
+        "creating a ClusterPolicy by server-side apply",
+        sa_cps
+            .patch(
+                "another",
+                &PatchParams {
+                    dry_run: true,
+                    ..ssa.clone()
+                },
+                &Patch::Apply(
+                    json!({"apiVersion": "nvidia.com/v1", "kind": "ClusterPolicy",
+                    "metadata": {"name": "another"}, "spec": before["spec"]}),
+                ),
+            )
+            .await,
+        "may not create or delete ClusterPolicies",
+    );
+    let status = json!({"status": {"state": "notReady"}});
+    assert_refused(
+        "writing the ClusterPolicy's status",
+        sa_cps
+            .patch_status(
+                CP,
+                &PatchParams {
+                    dry_run: true,
+                    ..Default::default()
+                },
+                &Patch::Merge(&status),
+            )
+            .await,
+        "never writes a ClusterPolicy's status",
+    );
+    Api::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>::all(admin.clone())
+        .delete("test-clusterpolicy-admin", &Default::default())
+        .await
+        .unwrap();
+
+    // Other users are not affected.
+    cp_patch(
+        &admin,
+        &json!({"metadata": {"labels": {"team": "a"}}, "spec": {"driver": {"image": "x"}}}),
+        true,
+    )
+    .await
+    .expect("the admin may change the ClusterPolicy");
+    common::cluster_policy_api(&admin)
+        .delete(CP, &dry)
+        .await
+        .expect("the admin may delete the ClusterPolicy");
 }

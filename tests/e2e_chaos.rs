@@ -603,11 +603,18 @@ async fn leader_killed_mid_transition_standby_takes_over() {
         "--namespace",
         NS,
     ];
-    // Each replica serves its metrics on a port of its own (the default port would be taken).
+    // Each replica serves its metrics and health endpoints on ports of its own (the default
+    // ports would be taken).
     let spawn = |name: &str| {
         let addr = format!("127.0.0.1:{}", free_port());
+        let health = format!("127.0.0.1:{}", free_port());
         let mut a = args.to_vec();
-        a.extend(["--metrics-addr", addr.as_str()]);
+        a.extend([
+            "--metrics-addr",
+            addr.as_str(),
+            "--health-addr",
+            health.as_str(),
+        ]);
         (name.to_string(), spawn_operator(&cluster, name, &a))
     };
     let mut procs: Vec<(String, Proc)> = (0..2).map(|i| spawn(&format!("replica-{i}"))).collect();

@@ -1,5 +1,6 @@
 //! End-to-end: running the operator in production shape — the real binary with leader election
-//! and failover, /metrics and health endpoints, and the least-privilege RBAC of config/.
+//! and failover, /metrics and health endpoints, /metrics behind authentication (TokenReview and
+//! SubjectAccessReview, over HTTPS), and the least-privilege RBAC of config/.
 
 mod common;
 mod support;
@@ -32,6 +33,7 @@ async fn leader_failover_and_metrics() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let ports = [free_port(), free_port()];
+    let health_ports = [free_port(), free_port()];
     let lease_args = [
         "--leader-elect",
         "--lease-duration-seconds",
@@ -39,13 +41,22 @@ async fn leader_failover_and_metrics() {
         "--lease-renew-seconds",
         "1",
     ];
+    // Plain HTTP metrics (--metrics-insecure, as `make demo` runs it): the authenticated HTTPS
+    // endpoint is `metrics_need_a_token_allowed_to_get_metrics`'s.
     let mut procs: Vec<Proc> = ["replica-a", "replica-b"]
         .iter()
-        .zip(ports)
-        .map(|(name, port)| {
+        .zip(ports.into_iter().zip(health_ports))
+        .map(|(name, (port, health))| {
             let addr = format!("127.0.0.1:{port}");
+            let health = format!("127.0.0.1:{health}");
             let mut args: Vec<&str> = lease_args.to_vec();
-            args.extend(["--metrics-addr", addr.as_str()]);
+            args.extend([
+                "--metrics-addr",
+                addr.as_str(),
+                "--metrics-insecure",
+                "--health-addr",
+                health.as_str(),
+            ]);
             spawn_operator(&cluster, name, &args)
         })
         .collect();
@@ -73,10 +84,10 @@ async fn leader_failover_and_metrics() {
         procs[standby].log()
     );
 
-    // Metrics and health on the leader.
-    let (code, _) = http_get(ports[leader], "/healthz").unwrap();
+    // Metrics and health (on a port of its own) on the leader.
+    let (code, _) = http_get(health_ports[leader], "/healthz").unwrap();
     assert_eq!(code, 200);
-    let (code, _) = http_get(ports[leader], "/readyz").unwrap();
+    let (code, _) = http_get(health_ports[leader], "/readyz").unwrap();
     assert_eq!(code, 200);
     let (code, metrics) = http_get(ports[leader], "/metrics").unwrap();
     assert_eq!(code, 200);
@@ -188,4 +199,217 @@ async fn least_privilege_rbac_is_enough_and_no_more() {
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(sa.clone(), NS);
     assert!(forbidden(secrets.list(&Default::default()).await));
     op.stop().await;
+}
+
+/// A CA, and a directory with the `tls.crt` (with the CA after it) and `tls.key` it issued for
+/// `name`, as a cert-manager Secret is mounted.
+fn issue_certificate(
+    name: &str,
+) -> (
+    tokio_rustls::rustls::pki_types::CertificateDer<'static>,
+    tempfile::TempDir,
+) {
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = rcgen::CertifiedIssuer::self_signed(ca, rcgen::KeyPair::generate().unwrap()).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec![name.to_string()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("tls.crt"),
+        format!("{}{}", cert.pem(), ca.pem()),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("tls.key"), key.serialize_pem()).unwrap();
+    (ca.der().clone(), dir)
+}
+
+/// `/metrics` as `run` serves it by default (`telemetry::server::start`, here in-process with
+/// the operator's ServiceAccount and config/'s RBAC making the reviews): over HTTPS, and only for
+/// a bearer token the API server authenticates (TokenReview) whose user may `get` the
+/// non-resource URL /metrics (SubjectAccessReview). The health endpoints stay plain and open on
+/// a port of their own.
+#[tokio::test]
+async fn metrics_need_a_token_allowed_to_get_metrics() {
+    use gpu_sharing_operator::telemetry::{metrics::Metrics, server};
+    use support::https::{self, Trust};
+
+    let (_g, cluster, _sim) = setup().await;
+    let admin = cluster.client.clone();
+    apply_config(&admin, &[]).await;
+    // A Prometheus-like ServiceAccount bound to config/'s metrics-reader ClusterRole (as the
+    // chart ships it), and one without any permission.
+    common::apply_yaml(
+        &admin,
+        r#"
+apiVersion: v1
+kind: Namespace
+metadata: {name: monitoring}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: prometheus, namespace: monitoring}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: nosy, namespace: monitoring}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: prometheus-gpu-sharing-operator-metrics}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: gpu-sharing-operator-metrics-reader}
+subjects: [{kind: ServiceAccount, name: prometheus, namespace: monitoring}]
+"#,
+    )
+    .await
+    .unwrap();
+    let prometheus = service_account_token(&cluster, "monitoring", "prometheus").await;
+    let nosy = service_account_token(&cluster, "monitoring", "nosy").await;
+    let operator =
+        service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
+    let metrics = std::sync::Arc::new(Metrics::default());
+    metrics.set_leader(true);
+    metrics.count_writes("Node", 3);
+    let loopback = || Some("127.0.0.1:0".to_string());
+    let defaults = server::Config {
+        metrics_addr: loopback(),
+        health_addr: loopback(),
+        ..Default::default()
+    };
+    let ep = server::start(&defaults, metrics.clone(), operator.clone())
+        .await
+        .unwrap();
+    let (m, h) = (ep.metrics_addr.unwrap(), ep.health_addr.unwrap());
+    let scrape = async |token: Option<&str>| {
+        https::get(m, "localhost", "/metrics", token, &Trust::Any)
+            .await
+            .unwrap()
+    };
+
+    // Anonymous: 401, naming the scheme to use.
+    let r = scrape(None).await;
+    assert_eq!(r.status, 401, "{r:?}");
+    assert!(
+        r.headers
+            .to_ascii_lowercase()
+            .contains("www-authenticate: bearer"),
+        "{r:?}"
+    );
+    // A token the API server does not know: 401.
+    let r = scrape(Some("made-up")).await;
+    assert_eq!(r.status, 401, "{r:?}");
+    // A ServiceAccount the API server knows, but which may not get /metrics: 403.
+    let r = scrape(Some(&nosy)).await;
+    assert_eq!(r.status, 403, "{r:?}");
+    // The Prometheus-like ServiceAccount: the OpenMetrics exposition (again from the cache).
+    for _ in 0..2 {
+        let r = scrape(Some(&prometheus)).await;
+        assert_eq!(r.status, 200, "{r:?}");
+        assert!(r.headers.contains("application/openmetrics-text"), "{r:?}");
+        for want in [
+            "gpu_sharing_leader 1",
+            "gpu_sharing_api_writes_total{kind=\"Node\"} 3",
+            "# EOF",
+        ] {
+            assert!(r.body.contains(want), "missing {want:?} in\n{}", r.body);
+        }
+    }
+    // The token is still refused after an allowed scrape.
+    assert_eq!(scrape(Some(&nosy)).await.status, 403);
+    // Plain HTTP on the metrics port is no way around it.
+    let plain = https::get_plain(m, "/metrics").await;
+    assert!(plain.as_ref().is_err(), "{plain:?}");
+    // Health: plain HTTP, no token, on its own port, where /metrics is not.
+    for (path, code) in [("/healthz", 200), ("/readyz", 503), ("/metrics", 404)] {
+        let r = https::get_plain(h, path).await.unwrap();
+        assert_eq!(r.status, code, "{path}: {r:?}");
+    }
+    metrics.set_ready();
+    assert_eq!(https::get_plain(h, "/readyz").await.unwrap().status, 200);
+    drop(ep);
+
+    // Reviews the operator may not make (RBAC without config/'s grants) refuse every scrape.
+    let unprivileged = service_account_client(&cluster, "monitoring", "nosy").await;
+    let ep = server::start(&defaults, metrics.clone(), unprivileged)
+        .await
+        .unwrap();
+    let r = https::get(
+        ep.metrics_addr.unwrap(),
+        "localhost",
+        "/metrics",
+        Some(&prometheus),
+        &Trust::Any,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 500, "{r:?}");
+    drop(ep);
+
+    // A certificate from --metrics-cert-dir (as cert-manager issues it): verified by a scraper
+    // that trusts only its CA, for the name it was issued for.
+    let (ca, dir) = issue_certificate("localhost");
+    let ep = server::start(
+        &server::Config {
+            metrics_addr: loopback(),
+            metrics_cert_dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        },
+        metrics.clone(),
+        operator.clone(),
+    )
+    .await
+    .unwrap();
+    let m = ep.metrics_addr.unwrap();
+    assert_eq!(ep.health_addr, None);
+    let r = https::get(
+        m,
+        "localhost",
+        "/metrics",
+        Some(&prometheus),
+        &Trust::Ca(ca.clone()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let (other_ca, _other) = issue_certificate("localhost");
+    let r = https::get(m, "localhost", "/metrics", None, &Trust::Ca(other_ca)).await;
+    assert!(r.is_err(), "trusted by a CA that did not issue it: {r:?}");
+    let r = https::get(m, "elsewhere.example", "/metrics", None, &Trust::Ca(ca)).await;
+    assert!(
+        r.is_err(),
+        "trusted for a name it was not issued for: {r:?}"
+    );
+    drop(ep);
+    // Without its files the start fails (rather than serving something else).
+    let missing = server::Config {
+        metrics_addr: loopback(),
+        metrics_cert_dir: Some(dir.path().join("absent")),
+        ..Default::default()
+    };
+    let err = server::start(&missing, metrics.clone(), operator.clone())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("absent"), "{err}");
+
+    // --metrics-insecure (local use): plain HTTP, open to anyone.
+    let insecure = server::Config {
+        metrics_addr: loopback(),
+        metrics_insecure: true,
+        ..Default::default()
+    };
+    let ep = server::start(&insecure, metrics.clone(), operator)
+        .await
+        .unwrap();
+    let r = https::get_plain(ep.metrics_addr.unwrap(), "/metrics")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(r.body.contains("gpu_sharing_leader 1"), "{}", r.body);
 }

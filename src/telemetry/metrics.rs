@@ -1,18 +1,17 @@
-//! Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` endpoints.
+//! Prometheus metrics and the handlers of the `/metrics`, `/healthz`, `/readyz` endpoints.
 //!
 //! Metrics use `prometheus-client`, the Prometheus project's Rust client (as kube-rs's
 //! controller-rs does), exposed in the OpenMetrics text format; the endpoints are served by
-//! `axum` on the hyper stack kube already depends on.
+//! `axum` on the hyper stack kube already depends on ([`super::server`]: `/metrics` behind
+//! authentication over HTTPS, the health endpoints on a port of their own).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
-use axum::routing::get;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -20,8 +19,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
-use tracing::{info, warn};
 
 use crate::api::crd::GpuSharingPolicyStatus;
 use crate::api::state::ConditionStatus;
@@ -300,6 +297,10 @@ impl Metrics {
         self.ready.load(Ordering::Relaxed)
     }
 
+    pub fn is_leader(&self) -> bool {
+        self.leader.get() == 1
+    }
+
     /// The OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut s = String::new();
@@ -308,7 +309,7 @@ impl Metrics {
     }
 }
 
-async fn exposition(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
+pub(super) async fn exposition(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
     (
         [(
             header::CONTENT_TYPE,
@@ -318,35 +319,35 @@ async fn exposition(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
     )
 }
 
-async fn readyz(State(m): State<Arc<Metrics>>) -> (StatusCode, &'static str) {
+pub(super) async fn readyz(State(m): State<Arc<Metrics>>) -> (StatusCode, &'static str) {
     if m.is_ready() {
         (StatusCode::OK, "ok\n")
+    } else if !m.is_leader() {
+        // A standby never runs a pass: it is ready to take over, and a Deployment's rollout
+        // (maxUnavailable 0) or `helm install --wait` waits for every replica to be Ready.
+        (StatusCode::OK, "standby\n")
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "caches not synced\n")
-    }
-}
-
-/// The endpoints: `/metrics`, `/healthz` (the process is alive) and `/readyz` (caches synced
-/// and a first pass done; a standby replica is ready too, so rollouts are not blocked).
-pub fn router(metrics: Arc<Metrics>) -> Router {
-    Router::new()
-        .route("/metrics", get(exposition))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .with_state(metrics)
-}
-
-/// Serves [`router`] on the listener until the process ends.
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
-    info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "serving /metrics, /healthz, /readyz");
-    if let Err(e) = axum::serve(listener, router(metrics)).await {
-        warn!(error = %e, "metrics endpoint stopped");
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_standby_is_ready_and_a_leader_after_its_first_pass() {
+        let m = Arc::new(Metrics::default());
+        let code = |m: &Arc<Metrics>| {
+            let m = m.clone();
+            async move { readyz(State(m)).await.0 }
+        };
+        assert_eq!(code(&m).await, StatusCode::OK, "a standby");
+        m.set_leader(true);
+        assert_eq!(code(&m).await, StatusCode::SERVICE_UNAVAILABLE, "no pass yet");
+        m.set_ready();
+        assert_eq!(code(&m).await, StatusCode::OK);
+    }
 
     #[test]
     fn exposition_names_every_metric_the_alerts_and_dashboards_use() {

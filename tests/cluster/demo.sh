@@ -76,8 +76,10 @@ say "Starting the node simulator (stands in for the device plugin, GPU Feature D
 	<"$WORK/stdin" >"$WORK/simulator.log" 2>&1 &
 PIDS+=($!)
 
-say "Starting gpu-sharing-operator (log: $WORK/operator.log)"
-"$OPERATOR" run <"$WORK/stdin" >"$WORK/operator.log" 2>&1 &
+say "Starting gpu-sharing-operator (log: $WORK/operator.log; metrics: curl localhost:8080/metrics)"
+# Plain HTTP metrics for local use (the default is HTTPS for callers allowed to get /metrics).
+"$OPERATOR" run --metrics-insecure --metrics-addr=127.0.0.1:8080 --health-addr=127.0.0.1:8081 \
+	<"$WORK/stdin" >"$WORK/operator.log" 2>&1 &
 PIDS+=($!)
 
 say "Admins pick profiles with node labels, then apply examples/"

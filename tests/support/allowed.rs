@@ -35,7 +35,9 @@ pub const TAINT_PREFIX: &str = "gpusharing.io/";
 /// drain.
 pub const NODE_SPEC_FIELDS: [&str; 1] = ["spec.unschedulable"];
 
-/// ClusterPolicy settings that point NVIDIA's components at our configs.
+/// ClusterPolicy settings that point NVIDIA's components at our configs: all the operator may
+/// change in a ClusterPolicy (`config/clusterpolicy-admission-policy.yaml` lets its
+/// ServiceAccount change nothing else).
 pub const CLUSTER_POLICY_FIELDS: [&str; 7] = [
     "spec.devicePlugin.config.name",
     "spec.devicePlugin.config.default",

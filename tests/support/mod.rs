@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod allowed;
+pub mod https;
 pub mod invariants;
 pub mod ownership;
 

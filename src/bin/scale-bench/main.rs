@@ -954,6 +954,8 @@ async fn start_operator(
     let mut c = Command::new(op)
         .args(["run", "--namespace", NAMESPACE])
         .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
+        // Scraped over plain HTTP (operator_passes); no health endpoint.
+        .args(["--metrics-insecure", "--health-addr="])
         .env("KUBECONFIG", kubeconfig)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
