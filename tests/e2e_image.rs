@@ -10,7 +10,7 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use support::*;
 
@@ -19,36 +19,6 @@ const MAX_COMPRESSED_MIB: f64 = 25.0;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Builds the image (cached by cargo and go); returns its output directory.
-fn build_image() -> PathBuf {
-    let mut cmd = Command::new("bash");
-    // Without the variables `cargo test` sets for test binaries (some make build scripts, e.g.
-    // ring's, rerun): the build is then the one `make test` already did, not a second one.
-    for (k, _) in std::env::vars() {
-        let cargo_var = k.starts_with("CARGO") && k != "CARGO_HOME" && k != "CARGO_TERM_COLOR";
-        if cargo_var || k.starts_with("RUSTC") || k.starts_with("RUSTDOC") || k == "OUT_DIR" {
-            cmd.env_remove(&k);
-        }
-    }
-    let out = cmd
-        .arg(repo().join("tests/image/build.sh"))
-        .arg("path")
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("tests/image/build.sh");
-    assert!(out.status.success(), "tests/image/build.sh failed");
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-}
-
-fn blob(layout: &Path, digest: &str) -> Vec<u8> {
-    let hex = digest.strip_prefix("sha256:").expect("sha256 digest");
-    std::fs::read(layout.join("blobs/sha256").join(hex)).unwrap()
-}
-
-fn json(bytes: &[u8]) -> serde_json::Value {
-    serde_json::from_slice(bytes).unwrap()
 }
 
 /// What the Containerfile's final stage says, read here independently of the image builder:
@@ -94,24 +64,10 @@ fn final_stage() -> (
     (user, entrypoint, cmd, labels)
 }
 
-fn is_root() -> bool {
-    let out = Command::new("id").arg("-u").output().unwrap();
-    String::from_utf8_lossy(&out.stdout).trim() == "0"
-}
-
 #[tokio::test]
 async fn the_image_is_the_containerfile_and_runs_the_operator_in_cluster() {
-    let out = build_image();
-    let layout = out.join("gpu-sharing-operator");
-    let index = json(&std::fs::read(layout.join("index.json")).unwrap());
-    let manifest = json(&blob(
-        &layout,
-        index["manifests"][0]["digest"].as_str().unwrap(),
-    ));
-    let config = json(&blob(
-        &layout,
-        manifest["config"]["digest"].as_str().unwrap(),
-    ));
+    let image = image::Image::built();
+    let (index, manifest, config) = (&image.index, &image.manifest, &image.config);
     let layers = manifest["layers"].as_array().unwrap();
     assert_eq!(layers.len(), 1, "one layer: {manifest}");
     let compressed = layers[0]["size"].as_u64().unwrap() as f64 / (1024.0 * 1024.0);
@@ -156,27 +112,14 @@ async fn the_image_is_the_containerfile_and_runs_the_operator_in_cluster() {
         .prefix("image-rootfs-")
         .tempdir()
         .unwrap();
-    let layer = layout.join("blobs/sha256").join(
-        layers[0]["digest"]
-            .as_str()
-            .unwrap()
-            .trim_start_matches("sha256:"),
-    );
-    let st = Command::new("tar")
-        .arg("-xzf")
-        .arg(&layer)
-        .arg("-C")
-        .arg(rootfs.path())
-        .status()
-        .unwrap();
-    assert!(st.success());
+    image.unpack(rootfs.path());
     let mut files: Vec<String> = walk(rootfs.path());
     files.sort();
     assert_eq!(files, ["etc/group", "etc/passwd", "gpu-sharing-operator"]);
     let passwd = std::fs::read_to_string(rootfs.path().join("etc/passwd")).unwrap();
     assert!(passwd.contains(":65532:65532:"), "{passwd}");
 
-    if !is_root() {
+    if !image::is_root() {
         panic!(
             "running the image's root filesystem needs root (chroot); the test machines run as root"
         );
@@ -184,22 +127,37 @@ async fn the_image_is_the_containerfile_and_runs_the_operator_in_cluster() {
     run_in_cluster(rootfs.path()).await;
 }
 
-/// `args` of the operator container in `config/deployment.yaml`, `--metrics-addr` replaced.
-fn deployment_args(metrics: &str) -> Vec<String> {
+/// `args` of the operator container in `config/deployment.yaml`, `--metrics-addr` and
+/// `--health-addr` replaced.
+fn deployment_args(metrics: &str, health: &str) -> Vec<String> {
     let text = std::fs::read_to_string(repo().join("config/deployment.yaml")).unwrap();
     let d: serde_json::Value = gpu_sharing_operator::api::yaml::from_str(&text).unwrap();
     let args: Vec<String> =
         serde_json::from_value(d["spec"]["template"]["spec"]["containers"][0]["args"].clone())
             .unwrap();
+    assert!(
+        args.iter().any(|a| a.starts_with("--health-addr=")),
+        "{args:?}"
+    );
     args.into_iter()
         .map(|a| {
             if a.starts_with("--metrics-addr=") {
                 format!("--metrics-addr={metrics}")
+            } else if a.starts_with("--health-addr=") {
+                format!("--health-addr={health}")
             } else {
                 a
             }
         })
         .collect()
+}
+
+fn free_loopback_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// The HTTP status of `GET path` on a loopback port.
@@ -209,25 +167,6 @@ fn http_status(port: u16, path: &str) -> u16 {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or_else(|| panic!("{resp}"))
-}
-
-fn base64_decode(data: &str) -> Vec<u8> {
-    use std::io::Write;
-    let mut child = Command::new("base64")
-        .arg("-d")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(data.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    out.stdout
 }
 
 fn walk(root: &Path) -> Vec<String> {
@@ -254,69 +193,21 @@ async fn run_in_cluster(rootfs: &Path) {
     let admin = cluster.client.clone();
     apply_config(&admin, &[]).await;
     let token = service_account_token(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
-    let kc = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
-    let named = &kc.clusters[0];
-    let c = named.cluster.as_ref().unwrap();
-    let ca = match (&c.certificate_authority_data, &c.certificate_authority) {
-        (Some(data), _) => base64_decode(data),
-        (None, Some(path)) => std::fs::read(path).unwrap(),
-        _ => panic!("the test cluster's kubeconfig has no CA"),
-    };
-    // https://<host>:<port>
-    let server = c.server.as_ref().unwrap();
-    let (host, port) = server
-        .trim_start_matches("https://")
-        .trim_end_matches('/')
-        .rsplit_once(':')
-        .expect("host:port");
-    let sa = rootfs.join("var/run/secrets/kubernetes.io/serviceaccount");
-    std::fs::create_dir_all(&sa).unwrap();
-    std::fs::write(sa.join("token"), &token).unwrap();
-    std::fs::write(sa.join("ca.crt"), &ca).unwrap();
-    std::fs::write(sa.join("namespace"), "gpu-sharing-system").unwrap();
-    // The device nodes every container gets from its runtime (the OCI runtime spec's default
-    // devices): the operator reads randomness from /dev/urandom where the static binary cannot
-    // reach the getrandom() call through glibc's dynamic lookup.
-    let dev = rootfs.join("dev");
-    std::fs::create_dir_all(&dev).unwrap();
-    for (name, minor) in [
-        ("null", 3),
-        ("zero", 5),
-        ("full", 7),
-        ("random", 8),
-        ("urandom", 9),
-    ] {
-        let st = Command::new("mknod")
-            .args(["-m", "666"])
-            .arg(dev.join(name))
-            .args(["c", "1", &minor.to_string()])
-            .status()
-            .unwrap();
-        assert!(st.success(), "mknod /dev/{name}");
-    }
-    // Readable by uid 65532, as the kubelet's projected volume is.
-    let st = Command::new("chmod")
-        .args(["-R", "a+rX"])
-        .arg(rootfs.join("var"))
-        .status()
-        .unwrap();
-    assert!(st.success());
+    let (host, port, ca) = image::api_server(&cluster.kubeconfig);
+    image::write_service_account(rootfs, &token, &ca, "gpu-sharing-system");
+    image::add_default_devices(rootfs);
 
-    // The Deployment's arguments (config/deployment.yaml), metrics on a free loopback port.
-    let probe_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let args = deployment_args(&format!("127.0.0.1:{probe_port}"));
+    // The Deployment's arguments (config/deployment.yaml), metrics and health on free loopback
+    // ports.
+    let (probe_port, metrics_port) = (free_loopback_port(), free_loopback_port());
+    let args = deployment_args(
+        &format!("127.0.0.1:{metrics_port}"),
+        &format!("127.0.0.1:{probe_port}"),
+    );
     assert!(args.iter().any(|a| a == "--leader-elect"), "{args:?}");
     let log = tempfile::NamedTempFile::new().unwrap();
-    // env_clear drops PATH: find chroot first.
-    let chroot = ["/usr/sbin/chroot", "/usr/bin/chroot", "/sbin/chroot"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-        .expect("chroot (coreutils)");
-    let mut child = tokio::process::Command::new(chroot)
+    // env_clear drops PATH: chroot is found first.
+    let mut child = tokio::process::Command::new(image::chroot())
         .arg("--userspec=65532:65532")
         .arg("--groups=65532")
         .arg(rootfs)
@@ -324,7 +215,7 @@ async fn run_in_cluster(rootfs: &Path) {
         .args(&args)
         .env_clear()
         .env("KUBERNETES_SERVICE_HOST", host)
-        .env("KUBERNETES_SERVICE_PORT", port)
+        .env("KUBERNETES_SERVICE_PORT", port.to_string())
         .env("POD_NAME", "gpu-sharing-operator-image-test")
         .env("POD_NAMESPACE", "gpu-sharing-system")
         .env("RUST_LOG", "info")
@@ -360,6 +251,17 @@ async fn run_in_cluster(rootfs: &Path) {
     assert_eq!(s["capacity"]["schedulableReplicas"], 32);
     // The Deployment's readiness probe would pass.
     assert_eq!(http_status(probe_port, "/readyz"), 200);
+    // The static image serves /metrics over TLS, and only with a token.
+    let anonymous = support::https::get(
+        ([127, 0, 0, 1], metrics_port).into(),
+        "localhost",
+        "/metrics",
+        None,
+        &support::https::Trust::Any,
+    )
+    .await
+    .expect("a TLS answer from /metrics");
+    assert_eq!(anonymous.status, 401, "{anonymous:?}");
     // It really ran as 65532, from the image's files.
     let pid = child.id().unwrap();
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

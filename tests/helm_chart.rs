@@ -1,10 +1,14 @@
 //! The Helm chart (`charts/gpu-sharing-operator`), with Helm v4 built from its Go module
 //! (tests/tools/build.sh): lint and render for the default and a non-default set of values, bad
 //! values refused naming the value, the same RBAC as `config/`, the generated CRD and values
-//! table, and end to end: `helm install` on the local control plane, the operator run with the
-//! chart's ServiceAccount token and arguments until an example converges, the metrics its alerts
-//! and dashboard name scraped from it, `helm upgrade`, and the uninstall hook's `cleanup` run with
-//! the hook's own ServiceAccount, releasing every node.
+//! table, and end to end through Helm's own code paths on the local control plane, with the test
+//! pod runner (tests/support/podrunner.rs) playing the Deployment, ReplicaSet and Job
+//! controllers and the kubelet, so that the chart's pod specs run from the built image:
+//! `helm install --wait` (both operator pods Ready; one leads and converges an example; the
+//! metrics its alerts and dashboard name scraped from it), `helm upgrade --wait` with a changed
+//! pod template (the new ReplicaSet's pods replace the old, whose processes stop; the new leader
+//! converges an edit), and `helm uninstall` with its pre-delete hook Job run and waited for by
+//! Helm, releasing every node.
 
 mod common;
 mod support;
@@ -15,6 +19,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
 use k8s_openapi::api::apps::v1::Deployment;
+use kube::ResourceExt;
 use kube::api::Api;
 use serde_json::Value;
 use support::*;
@@ -156,10 +161,15 @@ fn chart_lints_and_renders_default_and_custom_values() {
         "--namespace=gpu-operator",
         "--log-format=json",
         "--leader-elect",
-        "--metrics-addr=0.0.0.0:8080",
+        "--metrics-addr=0.0.0.0:8443",
+        "--health-addr=0.0.0.0:8081",
     ] {
         assert!(args.contains(&a.to_string()), "{a} in {args:?}");
     }
+    // /metrics over HTTPS with authentication by default; the probes on the plain health port.
+    assert!(!args.iter().any(|a| a == "--metrics-insecure"), "{args:?}");
+    assert_eq!(c["readinessProbe"]["httpGet"]["port"], "health");
+    assert_eq!(c["livenessProbe"]["httpGet"]["port"], "health");
     assert_eq!(env_value(c, "RUST_LOG").as_deref(), Some("info,kube=warn"));
     let spec = &d["spec"]["template"]["spec"];
     assert_eq!(spec["securityContext"]["runAsUser"], 65532);
@@ -213,6 +223,7 @@ fn chart_lints_and_renders_default_and_custom_values() {
             "--namespace=nvidia-gpu-operator",
             "--log-format=pretty",
             "--metrics-addr=0.0.0.0:9090",
+            "--health-addr=0.0.0.0:8081",
             "--leader-elect",
             "--lease-duration-seconds=30",
             "--lease-renew-seconds=10",
@@ -396,7 +407,7 @@ fn chart_rbac_grants_exactly_what_config_grants() {
     let text = std::fs::read_to_string(repo().join("config/rbac.yaml")).unwrap();
     let config = common::parse_yaml_documents(&text).unwrap();
     let (chart, config) = (grants(&chart), grants(&config));
-    assert_eq!(chart.len(), 6, "{:?}", chart.keys());
+    assert_eq!(chart.len(), 7, "{:?}", chart.keys());
     assert_eq!(chart, config, "charts/ and config/ grant differently");
     // The ServiceAccount is the one the Deployment runs as, in both.
     let sa = std::fs::read_to_string(repo().join("config/serviceaccount.yaml")).unwrap();
@@ -444,7 +455,9 @@ fn chart_node_admission_policy_is_configs() {
     assert!(
         !kinds(&off)
             .iter()
-            .any(|k| k.starts_with("ValidatingAdmissionPolicy"))
+            .any(|k| k.starts_with("ValidatingAdmissionPolicy") && k.ends_with("-node-fields")),
+        "{:?}",
+        kinds(&off)
     );
 }
 
@@ -611,139 +624,237 @@ fn metrics_the_chart_names() -> BTreeMap<String, String> {
     names
 }
 
-/// Runs the operator binary as a pod of `deploy` would: its arguments (metrics on a loopback
-/// port), its RUST_LOG, as its ServiceAccount.
-async fn run_like(
-    cluster: &common::TestCluster,
-    deploy: &Deployment,
-    metrics_port: u16,
-    log: &Path,
-) -> tokio::process::Child {
-    let spec = deploy
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .as_ref()
-        .unwrap();
-    let c = &spec.containers[0];
-    let sa = spec.service_account_name.as_deref().unwrap();
-    let kubeconfig = service_account_kubeconfig_file(cluster, RELEASE_NS, sa).await;
-    let args: Vec<String> = c
-        .args
-        .clone()
-        .unwrap()
-        .into_iter()
-        .map(|a| {
-            if a.starts_with("--metrics-addr=") {
-                format!("--metrics-addr=127.0.0.1:{metrics_port}")
-            } else {
-                a
-            }
-        })
-        .collect();
-    let rust_log = c
-        .env
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|e| e.name == "RUST_LOG")
-        .and_then(|e| e.value.clone())
-        .unwrap();
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
-        .args(&args)
-        .env("KUBECONFIG", kubeconfig)
-        .env("RUST_LOG", rust_log)
-        .env("POD_NAME", "gpu-sharing-operator-helm-test")
-        .env("POD_NAMESPACE", RELEASE_NS)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap()
-}
+/// The release's objects, for the test pod runner.
+const RELEASE_SELECTOR: &str = "app.kubernetes.io/instance=gpu-sharing-operator";
 
-/// The hook Job's `cleanup`, run with the hook's ServiceAccount and arguments.
-async fn run_cleanup(cluster: &common::TestCluster, job: &Value, timeout: Option<&str>) -> Output {
-    let sa = job["spec"]["template"]["spec"]["serviceAccountName"]
-        .as_str()
-        .unwrap();
-    let kubeconfig = service_account_kubeconfig_file(cluster, RELEASE_NS, sa).await;
-    let mut args = strings(&container(job)["args"]);
-    if let Some(t) = timeout {
-        for a in &mut args {
-            if a.starts_with("--timeout-seconds=") {
-                *a = format!("--timeout-seconds={t}");
-            }
-        }
-    }
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
-        .args(&args)
-        .env("KUBECONFIG", kubeconfig)
-        .output()
+/// `helm` with the test cluster's kubeconfig and the release namespace, off the runtime's
+/// threads: the pod runner keeps playing the pods while Helm waits for them.
+async fn helm_on(cluster: &common::TestCluster, args: &[&str]) -> Output {
+    let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    all.extend([
+        "--kubeconfig".into(),
+        cluster.kubeconfig.display().to_string(),
+        "--namespace".into(),
+        RELEASE_NS.into(),
+    ]);
+    tokio::task::spawn_blocking(move || helm(&all.iter().map(String::as_str).collect::<Vec<_>>()))
         .await
         .unwrap()
 }
 
-#[tokio::test]
-async fn helm_install_runs_the_operator_and_uninstall_releases_every_node() {
+/// Waits up to [`LONG`] for `f`; on timeout panics with what the pod runner did and its pods'
+/// logs.
+async fn wait_for<T, F, Fut>(runner: &podrunner::PodRunner, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let found = tokio::time::timeout(LONG, async {
+        loop {
+            if let Some(v) = f().await {
+                return v;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
+    })
+    .await;
+    found.unwrap_or_else(|_| panic!("timed out waiting for {what}\n{}", runner.describe()))
+}
+
+fn ok_or_describe(out: &Output, what: &str, runner: &podrunner::PodRunner) -> String {
+    assert!(
+        out.status.success(),
+        "{what}:\n{}{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        runner.describe()
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+/// The operator pods the API shows (not the hook's), by name: (pod-template-hash, Ready).
+async fn operator_pods(admin: &kube::Client) -> BTreeMap<String, (String, bool)> {
+    use k8s_openapi::api::core::v1::Pod;
+    let lp = kube::api::ListParams::default().labels(RELEASE_SELECTOR);
+    Api::<Pod>::namespaced(admin.clone(), RELEASE_NS)
+        .list(&lp)
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|p| {
+            let hash = p
+                .metadata
+                .labels
+                .as_ref()?
+                .get("pod-template-hash")?
+                .clone();
+            let ready = p
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            Some((p.metadata.name?, (hash, ready)))
+        })
+        .collect()
+}
+
+/// The holder of the operator's Lease in the release namespace (`<pod name>-<pid>`).
+async fn leader(admin: &kube::Client) -> Option<String> {
+    let lease =
+        Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(admin.clone(), RELEASE_NS)
+            .get_opt("gpu-sharing-operator")
+            .await
+            .ok()??;
+    lease.spec?.holder_identity.filter(|h| !h.is_empty())
+}
+
+/// What a running process is: its uids, environment and arguments (from /proc).
+fn process(pid: u32) -> (String, BTreeMap<String, String>, Vec<String>) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid = status
+        .lines()
+        .find(|l| l.starts_with("Uid:"))
+        .unwrap()
+        .to_string();
+    let split = |f: &str| -> Vec<String> {
+        std::fs::read(format!("/proc/{pid}/{f}"))
+            .unwrap()
+            .split(|b| *b == 0)
+            .filter(|s| !s.is_empty())
+            .map(|s| String::from_utf8_lossy(s).into_owned())
+            .collect()
+    };
+    let env = split("environ")
+        .into_iter()
+        .filter_map(|e| e.split_once('=').map(|(k, v)| (k.into(), v.into())))
+        .collect();
+    (uid, env, split("cmdline"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_runs_the_charts_pods_through_install_upgrade_and_uninstall() {
+    let image = support::image::Image::built();
     let (_g, cluster, _sim) = setup().await;
     let admin = cluster.client.clone();
-    let kubeconfig = cluster.kubeconfig.display().to_string();
-    let kc = [
-        "--kubeconfig",
-        kubeconfig.as_str(),
-        "--namespace",
-        RELEASE_NS,
-    ];
+    // The Deployment, ReplicaSet and Job controllers and the kubelet, for the release's objects.
+    let runner = podrunner::PodRunner::start(&cluster, RELEASE_NS, RELEASE_SELECTOR, image);
 
     // Bad values fail at install and create nothing.
-    let out = helm(
+    let out = helm_on(
+        &cluster,
         &[
-            &[
-                "install",
-                RELEASE,
-                CHART,
-                "--create-namespace",
-                "--set",
-                "replicaCount=0",
-            ][..],
-            &kc[..],
-        ]
-        .concat(),
-    );
+            "install",
+            RELEASE,
+            CHART,
+            "--create-namespace",
+            "--set",
+            "replicaCount=0",
+        ],
+    )
+    .await;
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/replicaCount"));
     let deployments: Api<Deployment> = Api::namespaced(admin.clone(), RELEASE_NS);
     assert!(deployments.get_opt(RELEASE).await.unwrap().is_none());
 
-    let out = helm(
+    // helm install --wait: Helm's own readiness check passes only once both pods of the chart's
+    // Deployment run from the image and their readiness probes pass.
+    let out = helm_on(
+        &cluster,
         &[
-            &["install", RELEASE, CHART, "--create-namespace"][..],
-            &kc[..],
-        ]
-        .concat(),
-    );
-    let notes = ok(&out, "helm install");
+            "install",
+            RELEASE,
+            CHART,
+            "--create-namespace",
+            "--wait",
+            "--timeout",
+            "120s",
+        ],
+    )
+    .await;
+    let notes = ok_or_describe(&out, "helm install --wait", &runner);
     assert!(notes.contains("kubectl get gsp"), "NOTES.txt: {notes}");
+    let pods = operator_pods(&admin).await;
+    assert_eq!(pods.len(), 2, "{pods:?}");
+    assert!(pods.values().all(|(_, ready)| *ready), "{pods:?}");
+    let first_hash = pods.values().next().unwrap().0.clone();
+    // Each runs the chart's pod spec: its uid, its arguments, its env with the downward API's
+    // values, from the image's root filesystem.
     let deploy = deployments.get(RELEASE).await.unwrap();
+    let container = &deploy.spec.unwrap().template.spec.unwrap().containers[0];
+    let chart_args = container.args.clone().unwrap();
+    let metrics_port = container
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .unwrap()
+        .container_port as u16;
+    for name in pods.keys() {
+        let run = runner.pod(name).unwrap_or_else(|| panic!("{name} not run"));
+        let (uid, env, argv) = process(run.pid.unwrap());
+        assert!(
+            uid.split_whitespace().skip(1).all(|u| u == "65532"),
+            "{uid}"
+        );
+        assert_eq!(env["POD_NAME"], *name);
+        assert_eq!(env["POD_NAMESPACE"], RELEASE_NS);
+        assert_eq!(env["RUST_LOG"], "info,kube=warn");
+        assert!(!env.contains_key("KUBECONFIG"), "{env:?}");
+        assert_eq!(argv[0], "/gpu-sharing-operator", "the image's entrypoint");
+        assert_eq!(argv[1..], chart_args[..], "the chart's arguments");
+        for a in ["run", "--namespace=gpu-operator", "--leader-elect"] {
+            assert!(argv.contains(&a.to_string()), "{a} in {argv:?}");
+        }
+    }
+    let first_leader = wait_for(&runner, "a leader among the pods", || async {
+        let h = leader(&admin).await?;
+        pods.keys()
+            .find(|p| h.starts_with(&format!("{p}-")))
+            .cloned()
+    })
+    .await;
 
     // The operator, with the chart's ServiceAccount, RBAC and arguments, converges an example.
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let port = free_port();
-    let mut operator = run_like(&cluster, &deploy, port, log.path()).await;
     common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
-    let s = ready_on_or_log(&admin, "h200-mps", 1, log.path()).await;
+    let s = wait_for(&runner, "h200-mps Ready on 1 node", || {
+        ready_on(&admin, "h200-mps", 1)
+    })
+    .await;
     assert_eq!(s["capacity"]["schedulableReplicas"], 32);
     let node = "h200-node-0";
     let key = labels(&admin, node).await["nvidia.com/device-plugin.config"].clone();
     assert!(key.starts_with("h200-mps-"), "{key}");
 
-    // Every metric the alerts and the dashboard name is in its exposition, with samples.
-    let metrics = http_get_raw(port, "/metrics");
+    // Every metric the alerts and the dashboard name is in the leader's exposition, scraped as
+    // Prometheus would: on the chart's metrics port inside its pod, over TLS, with the token of a
+    // ServiceAccount bound to the chart's metrics-reader ClusterRole (anonymous: 401).
+    common::apply_yaml(
+        &admin,
+        &format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata: {{name: monitoring}}\n---\n\
+             apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: prometheus, namespace: monitoring}}\n---\n\
+             apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata: {{name: prometheus-gso}}\n\
+             roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: {RELEASE}-metrics-reader}}\n\
+             subjects: [{{kind: ServiceAccount, name: prometheus, namespace: monitoring}}]\n"
+        ),
+    )
+    .await
+    .unwrap();
+    let prometheus = service_account_token(&cluster, "monitoring", "prometheus").await;
+    let scrape = async |token: Option<&str>| {
+        let tcp = runner.connect(&first_leader, metrics_port).await.unwrap();
+        https::get_over(tcp, "localhost", "/metrics", token, &https::Trust::Any)
+            .await
+            .unwrap()
+    };
+    assert_eq!(scrape(None).await.status, 401);
+    let r = scrape(Some(&prometheus)).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let metrics = r.body;
     let named = metrics_the_chart_names();
     assert!(named.len() >= 10, "{named:?}");
     for (m, used) in &named {
@@ -760,110 +871,197 @@ async fn helm_install_runs_the_operator_and_uninstall_releases_every_node() {
         "{metrics}"
     );
 
-    // helm upgrade with a changed value: the Deployment follows, the CRD and the policy stay.
-    let out = helm(
+    // helm upgrade --wait with a value that changes the pod template: a new ReplicaSet's pods
+    // replace the old ones, which are stopped.
+    let out = helm_on(
+        &cluster,
         &[
-            &[
-                "upgrade",
-                RELEASE,
-                CHART,
-                "--reuse-values",
-                "--set",
-                "logging.level=debug",
-            ][..],
-            &kc[..],
-        ]
-        .concat(),
-    );
-    ok(&out, "helm upgrade");
-    let upgraded = deployments.get(RELEASE).await.unwrap();
-    let env = upgraded.spec.unwrap().template.spec.unwrap().containers[0]
-        .env
-        .clone()
-        .unwrap();
-    assert!(
-        env.iter()
-            .any(|e| e.name == "RUST_LOG" && e.value.as_deref() == Some("debug"))
-    );
-    assert!(ready(&admin, "h200-mps").await.is_some());
-
-    // The uninstall hook, as Helm would create it: its ServiceAccount and RBAC, then its Job's
-    // command. With no operator running it times out and says what is left.
-    let hooks = common::parse_yaml_documents(&ok(
-        &helm(&[&["get", "hooks", RELEASE][..], &kc[..]].concat()),
-        "helm get hooks",
-    ))
-    .unwrap();
-    let job = hooks
-        .iter()
-        .find(|d| d["kind"] == "Job")
-        .expect("a pre-delete Job")
-        .clone();
-    assert_eq!(job["metadata"]["annotations"]["helm.sh/hook"], "pre-delete");
-    for h in hooks.iter().filter(|d| d["kind"] != "Job") {
-        common::apply_yaml(&admin, &serde_json::to_string(h).unwrap())
-            .await
-            .unwrap();
+            "upgrade",
+            RELEASE,
+            CHART,
+            "--reuse-values",
+            "--set",
+            "logging.level=debug",
+            "--wait",
+            "--timeout",
+            "120s",
+        ],
+    )
+    .await;
+    ok_or_describe(&out, "helm upgrade --wait", &runner);
+    let new_pods = wait_for(&runner, "only the new ReplicaSet's pods, Ready", || async {
+        let p = operator_pods(&admin).await;
+        (p.len() == 2 && p.values().all(|(h, r)| *h != first_hash && *r)).then_some(p)
+    })
+    .await;
+    for (name, (hash, _)) in &new_pods {
+        assert!(
+            admin_get_rs(&admin, &format!("{RELEASE}-{hash}")).await,
+            "{name}: no ReplicaSet for {hash}"
+        );
+        let run = runner.pod(name).unwrap();
+        let (_, env, _) = process(run.pid.unwrap());
+        assert_eq!(env["RUST_LOG"], "debug");
+        assert_eq!(env["POD_NAME"], *name);
     }
-    operator.kill().await.unwrap();
-    let out = run_cleanup(&cluster, &job, Some("3")).await;
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "cleanup without an operator cannot finish: {err}"
-    );
-    assert!(
-        err.contains("timed out") && err.contains("h200-mps") && err.contains(node),
-        "{err}"
-    );
-    assert_eq!(
-        labels(&admin, node).await["nvidia.com/device-plugin.config"],
-        key,
-        "nothing released yet"
-    );
+    wait_for(
+        &runner,
+        "the old pods' processes stopped and their objects gone",
+        || async {
+            let stopped = pods.keys().all(|name| {
+                let r = runner.pod(name).unwrap();
+                r.stopped && r.pid.is_none()
+            });
+            let gone = operator_pods(&admin)
+                .await
+                .keys()
+                .all(|n| !pods.contains_key(n));
+            (stopped && gone).then_some(())
+        },
+    )
+    .await;
+    for name in pods.keys() {
+        let r = runner.pod(name).unwrap();
+        assert_eq!(
+            r.exits,
+            ["exit status: 0"],
+            "{name} ended on SIGTERM: {r:?}"
+        );
+    }
+    let new_leader = wait_for(&runner, "a new pod leading", || async {
+        let h = leader(&admin).await?;
+        new_pods
+            .keys()
+            .find(|p| h.starts_with(&format!("{p}-")))
+            .cloned()
+    })
+    .await;
 
-    // With the operator running, cleanup deletes the policies and waits until the nodes are free.
-    let _operator = run_like(&cluster, &deploy, free_port(), log.path()).await;
-    let out = run_cleanup(&cluster, &job, None).await;
+    // The new operator converges an edit: the node runs 2 MPS clients per GPU.
+    use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+    let policies: Api<GpuSharingPolicy> = Api::all(admin.clone());
+    let edited = policies
+        .patch(
+            "h200-mps",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"mps": {"replicas": 2}}})),
+        )
+        .await
+        .unwrap();
+    let generation = edited.metadata.generation;
+    wait_for(&runner, "h200-node-0 running the edit", || async {
+        let n = Api::<k8s_openapi::api::core::v1::Node>::all(admin.clone())
+            .get(node)
+            .await
+            .ok()?;
+        let gpus = n
+            .status
+            .as_ref()?
+            .allocatable
+            .as_ref()?
+            .get("nvidia.com/gpu")?
+            .0
+            .clone();
+        let l = n.metadata.labels.clone().unwrap_or_default();
+        let s = ready(&admin, "h200-mps").await?;
+        (gpus == "16"
+            && l.get("nvidia.com/gpu.replicas").map(String::as_str) == Some("2")
+            && l.get("nvidia.com/device-plugin.config") != Some(&key)
+            && s["observedGeneration"].as_i64() == generation)
+            .then_some(())
+    })
+    .await;
     assert!(
-        out.status.success(),
-        "cleanup: {}",
-        String::from_utf8_lossy(&out.stderr)
+        leader(&admin)
+            .await
+            .unwrap()
+            .starts_with(&format!("{new_leader}-")),
+        "the new pod led throughout"
     );
-    let policies: Api<gpu_sharing_operator::api::crd::GpuSharingPolicy> = Api::all(admin.clone());
+    // Our configs: the policy's keys in our ConfigMap (before and after the edit).
+    let new_key = labels(&admin, node).await["nvidia.com/device-plugin.config"].clone();
+    let mut keys: BTreeSet<String> = configmap_data(&admin, DP_CM)
+        .await
+        .unwrap_or_default()
+        .into_keys()
+        .filter(|k| k.starts_with("h200-mps-"))
+        .collect();
+    assert!(keys.contains(&new_key), "{new_key} in {keys:?}");
+    keys.insert(key.clone());
+
+    // helm uninstall --wait, hooks and all: Helm creates the pre-delete hook's ServiceAccount,
+    // RBAC and Job, waits for the Job to complete (its `cleanup` deletes the policies and waits
+    // until the still running operator has released their nodes), then removes the release.
+    let out = helm_on(
+        &cluster,
+        &["uninstall", RELEASE, "--wait", "--timeout", "120s"],
+    )
+    .await;
+    ok_or_describe(&out, "helm uninstall --wait", &runner);
+    let hook_pods: Vec<podrunner::RunPod> = runner
+        .pods()
+        .into_values()
+        .filter(|p| p.name.starts_with(&format!("{RELEASE}-cleanup-")))
+        .collect();
+    assert_eq!(hook_pods.len(), 1, "{}", runner.describe());
+    assert_eq!(
+        hook_pods[0].exits,
+        ["exit status: 0"],
+        "{}",
+        runner.describe()
+    );
+    let left = policies.list(&Default::default()).await.unwrap().items;
     assert!(
-        policies
-            .list(&Default::default())
+        left.is_empty(),
+        "the hook deleted every policy: {:?} left",
+        left.iter().map(|p| p.name_any()).collect::<Vec<_>>()
+    );
+    for n in Api::<k8s_openapi::api::core::v1::Node>::all(admin.clone())
+        .list(&Default::default())
+        .await
+        .unwrap()
+    {
+        let l = n.metadata.labels.clone().unwrap_or_default();
+        assert!(
+            !l.keys().any(|k| k.starts_with("gpusharing.io/")),
+            "{}: {l:?}",
+            n.name_any()
+        );
+        let dp = l.get("nvidia.com/device-plugin.config");
+        assert!(
+            dp.is_none_or(|v| !keys.contains(v)),
+            "{}: {l:?}",
+            n.name_any()
+        );
+    }
+    let cm = configmap_data(&admin, DP_CM).await.unwrap_or_default();
+    assert!(cm.keys().all(|k| !keys.contains(k)), "{cm:?}");
+    let cp = cluster_policy(&admin).await;
+    assert_ne!(
+        cp["spec"]["devicePlugin"]["config"]["name"], DP_CM,
+        "the ClusterPolicy no longer points at our ConfigMap: {}",
+        cp["spec"]
+    );
+    // The release's objects go (the succeeded hook's too), the CRD stays; the garbage collector
+    // removes the ReplicaSets and pods, whose containers the runner stops.
+    assert!(deployments.get_opt(RELEASE).await.unwrap().is_none());
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(admin.clone(), RELEASE_NS);
+    assert!(
+        jobs.list(&Default::default())
             .await
             .unwrap()
             .items
             .is_empty()
     );
-    let l = labels(&admin, node).await;
-    assert!(!l.contains_key("gpusharing.io/policy"), "{l:?}");
-    assert!(
-        l.get("nvidia.com/device-plugin.config") != Some(&key),
-        "{l:?}"
-    );
-    let cm = configmap_data(&admin, "gpu-sharing-device-plugin-config")
-        .await
-        .unwrap_or_default();
-    assert!(!cm.contains_key(&key), "{cm:?}");
-    let cp = cluster_policy(&admin).await;
-    assert_ne!(
-        cp["spec"]["devicePlugin"]["config"]["name"], "gpu-sharing-device-plugin-config",
-        "the ClusterPolicy no longer points at our ConfigMap: {}",
-        cp["spec"]
-    );
-
-    // helm uninstall (the hook already ran above): the release's objects go, the CRD stays.
-    ok(
-        &helm(&[&["uninstall", RELEASE, "--no-hooks", "--wait"][..], &kc[..]].concat()),
-        "helm uninstall",
-    );
-    assert!(deployments.get_opt(RELEASE).await.unwrap().is_none());
     let roles: Api<k8s_openapi::api::rbac::v1::ClusterRole> = Api::all(admin.clone());
     assert!(roles.get_opt(RELEASE).await.unwrap().is_none());
+    assert!(
+        roles
+            .get_opt(&format!("{RELEASE}-cleanup"))
+            .await
+            .unwrap()
+            .is_none()
+    );
     let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
         Api::all(admin.clone());
     assert!(
@@ -872,4 +1070,18 @@ async fn helm_install_runs_the_operator_and_uninstall_releases_every_node() {
             .unwrap()
             .is_some()
     );
+    wait_for(&runner, "every pod gone and stopped", || async {
+        let left = operator_pods(&admin).await;
+        let running = runner.pods().values().any(|p| p.running());
+        (left.is_empty() && !running).then_some(())
+    })
+    .await;
+}
+
+async fn admin_get_rs(admin: &kube::Client, name: &str) -> bool {
+    Api::<k8s_openapi::api::apps::v1::ReplicaSet>::namespaced(admin.clone(), RELEASE_NS)
+        .get_opt(name)
+        .await
+        .unwrap()
+        .is_some()
 }

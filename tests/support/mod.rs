@@ -4,8 +4,10 @@
 
 pub mod allowed;
 pub mod https;
+pub mod image;
 pub mod invariants;
 pub mod ownership;
+pub mod podrunner;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
