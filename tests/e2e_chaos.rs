@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use gpu_sharing_operator::runtime::controller;
 use k8s_openapi::api::core::v1::Node;
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
-use kube::ResourceExt;
 use support::invariants::{self, InvariantWatcher, MigRecord};
 use support::*;
 

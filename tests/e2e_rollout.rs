@@ -492,9 +492,12 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
     // it as refused.
     let proxy = FaultProxy::start(&cluster, 0.0, 1, "0s").await;
     proxy.set_delay("/eviction", Duration::from_secs(3)).await;
-    pods.create(&PostParams::default(), &gpu_pod("slow-0", "a100-node-0", "slow"))
-        .await
-        .unwrap();
+    pods.create(
+        &PostParams::default(),
+        &gpu_pod("slow-0", "a100-node-0", "slow"),
+    )
+    .await
+    .unwrap();
     until("slow-0 runs", LONG, || async {
         let p = pods.get("slow-0").await.ok()?;
         (p.status?.phase.as_deref() == Some("Running")).then_some(())
@@ -515,15 +518,22 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
         .patch("a100-mig", &PatchParams::default(), &Patch::Merge(&layout))
         .await
         .unwrap();
-    let s = until("a100-mig Ready on all-2g.20gb", Duration::from_secs(90), || async {
-        let s = ready_on(&c, "a100-mig", 2).await?;
-        (s["migConfig"] == "all-2g.20gb").then_some(s)
-    })
+    let s = until(
+        "a100-mig Ready on all-2g.20gb",
+        Duration::from_secs(90),
+        || async {
+            let s = ready_on(&c, "a100-mig", 2).await?;
+            (s["migConfig"] == "all-2g.20gb").then_some(s)
+        },
+    )
     .await;
     assert_eq!(s["migConfig"], "all-2g.20gb");
     assert!(pods.get_opt("slow-0").await.unwrap().is_none(), "evicted");
     let delayed = proxy.stats().await["delayed"].as_u64().unwrap();
-    assert!(delayed >= 1, "the eviction went through the delay: {delayed}");
+    assert!(
+        delayed >= 1,
+        "the eviction went through the delay: {delayed}"
+    );
     let events = Api::<k8s_openapi::api::events::v1::Event>::all(c.clone())
         .list(&Default::default())
         .await
@@ -535,6 +545,9 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
         .filter_map(|e| e.note.clone())
         .filter(|m| m.contains("slow-0"))
         .collect();
-    assert!(refused.is_empty(), "a slow eviction reported as refused: {refused:?}");
+    assert!(
+        refused.is_empty(),
+        "a slow eviction reported as refused: {refused:?}"
+    );
     op.stop().await;
 }

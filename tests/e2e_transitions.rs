@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher;
-use kube::ResourceExt;
 use support::invariants::{self, MigRecord};
 use support::*;
 
@@ -46,14 +46,14 @@ async fn record_node_history(
         let api: Api<Node> = Api::all(client);
         let cfg = watcher::Config::default().fields(&format!("metadata.name={node}"));
         let mut history: Vec<Seen> = Vec::new();
-        let stream = watcher(api, cfg)
-            .take_until(tokio::time::sleep(Duration::from_secs(50)));
+        let stream = watcher(api, cfg).take_until(tokio::time::sleep(Duration::from_secs(50)));
         futures::pin_mut!(stream);
         let (mut synced_tx, mut last, mut key) = (Some(synced_tx), last, None::<String>);
         loop {
             let done = |h: &[Seen], key: &Option<String>| {
                 key.is_some()
-                    && h.last().and_then(|(l, _)| l.get("nvidia.com/device-plugin.config"))
+                    && h.last()
+                        .and_then(|(l, _)| l.get("nvidia.com/device-plugin.config"))
                         == key.as_ref()
             };
             if done(&history, &key) {
@@ -330,7 +330,11 @@ async fn mixed_waits_until_no_node_runs_mps() {
                     listed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 }
                 if let watcher::Event::Apply(o) | watcher::Event::InitApply(o) = ev {
-                    let rv = o.resource_version().unwrap_or_default().parse().unwrap_or(0);
+                    let rv = o
+                        .resource_version()
+                        .unwrap_or_default()
+                        .parse()
+                        .unwrap_or(0);
                     let value = match what {
                         "node" => o.labels().get("nvidia.com/device-plugin.config").cloned(),
                         _ => o.data["spec"]["mig"]["strategy"].as_str().map(String::from),
@@ -363,7 +367,9 @@ async fn mixed_waits_until_no_node_runs_mps() {
     assert_eq!(accepted["reason"], "ClusterWideConflict", "{accepted}");
     assert_eq!(cluster_policy(&c).await["spec"]["mig"]["strategy"], "mixed");
     assert_ne!(
-        labels(&c, "h200-node-0").await.get("nvidia.com/device-plugin.config"),
+        labels(&c, "h200-node-0")
+            .await
+            .get("nvidia.com/device-plugin.config"),
         Some(&mps_key)
     );
     nodes.abort();

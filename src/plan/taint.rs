@@ -161,7 +161,11 @@ mod tests {
         let equal_true = json!([{"key": KEY, "value": "true"}]);
         let r = readiness(
             equal_true.clone(),
-            &[("a", "true", "NoSchedule"), ("b", "", "NoSchedule"), ("c", "false", "NoSchedule")],
+            &[
+                ("a", "true", "NoSchedule"),
+                ("b", "", "NoSchedule"),
+                ("c", "false", "NoSchedule"),
+            ],
         );
         assert!(r.tolerated_on("a"));
         assert!(!r.tolerated_on("b"), "no value is not the value 'true'");
@@ -170,7 +174,10 @@ mod tests {
         let only_a = readiness(equal_true, &[("a", "true", "NoSchedule")]);
         assert!(!only_a.untolerated());
         let equal_empty = json!([{"key": KEY, "operator": "Equal", "effect": "NoSchedule"}]);
-        let r = readiness(equal_empty, &[("a", "", "NoSchedule"), ("b", "true", "NoSchedule")]);
+        let r = readiness(
+            equal_empty,
+            &[("a", "", "NoSchedule"), ("b", "true", "NoSchedule")],
+        );
         assert!(r.tolerated_on("a"));
         assert!(!r.tolerated_on("b"));
         // An empty effect matches every effect; an unknown operator tolerates nothing.

@@ -73,7 +73,10 @@ impl Tainted {
             }
             watcher::Event::InitApply(n) => {
                 if let Some(t) = self.of(n) {
-                    self.listing.lock().expect("listing").insert(n.name_any(), t);
+                    self.listing
+                        .lock()
+                        .expect("listing")
+                        .insert(n.name_any(), t);
                 }
                 false
             }

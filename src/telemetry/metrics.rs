@@ -344,7 +344,11 @@ mod tests {
         };
         assert_eq!(code(&m).await, StatusCode::OK, "a standby");
         m.set_leader(true);
-        assert_eq!(code(&m).await, StatusCode::SERVICE_UNAVAILABLE, "no pass yet");
+        assert_eq!(
+            code(&m).await,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no pass yet"
+        );
         m.set_ready();
         assert_eq!(code(&m).await, StatusCode::OK);
     }

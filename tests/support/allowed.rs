@@ -49,7 +49,8 @@ pub const CLUSTER_POLICY_FIELDS: [&str; 7] = [
 ];
 
 /// The label marking a ConfigMap as ours (only such ConfigMaps may be written).
-pub const CONFIGMAP_OWNER_LABEL: (&str, &str) = ("app.kubernetes.io/managed-by", "gpu-sharing-operator");
+pub const CONFIGMAP_OWNER_LABEL: (&str, &str) =
+    ("app.kubernetes.io/managed-by", "gpu-sharing-operator");
 
 /// Our field manager.
 pub const FIELD_MANAGER: &str = "gpu-sharing-operator";

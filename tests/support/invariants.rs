@@ -380,7 +380,8 @@ impl State {
                 if h.last().is_none_or(|(_, l)| *l != line) {
                     h.push((p.rv, line));
                 }
-                self.nodes.insert(name.clone(), (p.rv, (labels, annotations)));
+                self.nodes
+                    .insert(name.clone(), (p.rv, (labels, annotations)));
                 self.check_all(p.rv, Some(&name));
             }
             Obj::NodeGone(name) => {

@@ -789,7 +789,10 @@ impl FaultProxy {
     pub async fn set_delay(&self, suffix: &str, delay: Duration) {
         self.control(
             "POST",
-            &format!("/fault-proxy/delay?suffix={suffix}&value={}ms", delay.as_millis()),
+            &format!(
+                "/fault-proxy/delay?suffix={suffix}&value={}ms",
+                delay.as_millis()
+            ),
         )
         .await;
     }
