@@ -414,51 +414,66 @@ fn chart_rbac_grants_exactly_what_config_grants() {
     assert!(sa.contains("name: gpu-sharing-operator"), "{sa}");
 }
 
+/// Both admission policies (nodes, ClusterPolicy): the chart's copy is config's, follows another
+/// release, namespace and ServiceAccount, and each value switches off only its own policy.
 #[test]
-fn chart_node_admission_policy_is_configs() {
-    let text = std::fs::read_to_string(repo().join("config/node-admission-policy.yaml")).unwrap();
-    let config = common::parse_yaml_documents(&text).unwrap();
+fn chart_admission_policies_are_configs() {
+    let policies = [
+        (
+            "config/node-admission-policy.yaml",
+            "node-fields",
+            "nodeAdmissionPolicy",
+        ),
+        (
+            "config/clusterpolicy-admission-policy.yaml",
+            "clusterpolicy-fields",
+            "clusterPolicyAdmissionPolicy",
+        ),
+    ];
     let chart = render(RELEASE, RELEASE_NS, &[]);
-    let name = "gpu-sharing-operator-node-fields";
-    assert_eq!(
-        find(&chart, "ValidatingAdmissionPolicy", name)["spec"],
-        config[0]["spec"]
-    );
-    assert_eq!(
-        find(&chart, "ValidatingAdmissionPolicyBinding", name)["spec"],
-        config[1]["spec"]
-    );
-    // Another release, namespace, ServiceAccount and readiness taint: the policy follows them.
+    // Another release, namespace, ServiceAccount and readiness taint: the policies follow them.
     let custom = render("gso", "ops", &["--values", CUSTOM_VALUES]);
-    let vap = find(
-        &custom,
-        "ValidatingAdmissionPolicy",
-        "gso-gpu-sharing-operator-node-fields",
-    );
-    assert_eq!(
-        vap["spec"]["matchConditions"][0]["expression"],
-        "request.userInfo.username == 'system:serviceaccount:ops:gso'"
-    );
-    assert_eq!(
-        find(
-            &custom,
-            "ValidatingAdmissionPolicyBinding",
-            "gso-gpu-sharing-operator-node-fields"
-        )["spec"]["policyName"],
-        vap["metadata"]["name"]
-    );
-    let off = render(
-        RELEASE,
-        RELEASE_NS,
-        &["--set", "nodeAdmissionPolicy.enabled=false"],
-    );
-    assert!(
-        !kinds(&off)
+    let policy_names = |docs: &[Value]| -> Vec<String> {
+        docs.iter()
+            .filter(|d| d["kind"] == "ValidatingAdmissionPolicy")
+            .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    for (file, suffix, value) in policies {
+        let text = std::fs::read_to_string(repo().join(file)).unwrap();
+        let config = common::parse_yaml_documents(&text).unwrap();
+        let name = format!("gpu-sharing-operator-{suffix}");
+        assert_eq!(
+            find(&chart, "ValidatingAdmissionPolicy", &name)["spec"],
+            config[0]["spec"],
+            "the chart's {name} differs from {file}"
+        );
+        assert_eq!(
+            find(&chart, "ValidatingAdmissionPolicyBinding", &name)["spec"],
+            config[1]["spec"]
+        );
+        let name = format!("gso-gpu-sharing-operator-{suffix}");
+        let vap = find(&custom, "ValidatingAdmissionPolicy", &name);
+        assert_eq!(
+            vap["spec"]["matchConditions"][0]["expression"],
+            "request.userInfo.username == 'system:serviceaccount:ops:gso'"
+        );
+        assert_eq!(
+            find(&custom, "ValidatingAdmissionPolicyBinding", &name)["spec"]["policyName"],
+            vap["metadata"]["name"]
+        );
+        let off = render(
+            RELEASE,
+            RELEASE_NS,
+            &["--set", &format!("{value}.enabled=false")],
+        );
+        let others: Vec<String> = policies
             .iter()
-            .any(|k| k.starts_with("ValidatingAdmissionPolicy") && k.ends_with("-node-fields")),
-        "{:?}",
-        kinds(&off)
-    );
+            .filter(|(_, s, _)| *s != suffix)
+            .map(|(_, s, _)| format!("gpu-sharing-operator-{s}"))
+            .collect();
+        assert_eq!(policy_names(&off), others, "{value}.enabled=false");
+    }
 }
 
 #[test]
