@@ -260,8 +260,14 @@ fn mps_capacity_on_h200() {
         first.device_config.contains_key(&key),
         "the key exists before a label points to it"
     );
-    // Once labelled, the node is applied and the capacity is computed.
+    // Labelled, but the device plugin still advertises whole GPUs: not applied yet.
     node.labels.extend(labels.clone());
+    node.allocatable = [("nvidia.com/gpu", "8")].into_iter().collect();
+    let labelled = plan::plan(&PlanInput::new(vec![p.clone()], vec![node.clone()]));
+    assert_eq!(labelled.statuses["h200-mps"].applied_nodes, 0);
+    // Once the device plugin advertises 8 x 4 clients, the node is applied and the capacity is
+    // computed.
+    node.allocatable = [("nvidia.com/gpu", "32")].into_iter().collect();
     let second = plan::plan(&PlanInput::new(vec![p], vec![node]));
     let status = &second.statuses["h200-mps"];
     let cap = status.capacity.as_ref().unwrap();

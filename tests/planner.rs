@@ -243,8 +243,12 @@ enum Step {
     Apply,
     /// The MIG manager finishes what is pending.
     MigManager,
-    /// GPU Feature Discovery relabels nodes whose device-plugin config changed.
+    /// GPU Feature Discovery relabels nodes whose device-plugin config changed (and the
+    /// kubelet takes what the device plugin serves).
     Gfd,
+    /// GPU Feature Discovery relabels, but the kubelet has not taken the device plugin's new
+    /// devices yet (the node's labels and its status are two writes).
+    GfdBeforeKubelet,
     /// An admin relabels a node's profile.
     Relabel(usize, Option<usize>),
     /// The policy set changes.
@@ -256,6 +260,7 @@ fn step_gen() -> impl Strategy<Value = Step> {
         4 => Just(Step::Apply),
         3 => Just(Step::MigManager),
         3 => Just(Step::Gfd),
+        2 => Just(Step::GfdBeforeKubelet),
         1 => (0usize..4, proptest::option::of(0usize..4)).prop_map(|(n, p)| Step::Relabel(n, p)),
         1 => proptest::collection::vec(policy_gen(), 0..4).prop_map(Step::Policies),
     ]
@@ -505,6 +510,37 @@ impl World {
         self.now += 1;
     }
 
+    /// GPU Feature Discovery's run, with the node's allocatable as it was: the kubelet has not
+    /// taken the device plugin's new devices yet.
+    fn gfd_before_kubelet(&mut self) {
+        let before: Vec<Labels> = self.nodes.iter().map(|n| n.allocatable.clone()).collect();
+        self.gfd();
+        for (n, a) in self.nodes.iter_mut().zip(before) {
+            n.allocatable = a;
+        }
+    }
+
+    /// The device plugin alone (no GFD run) advertises what it serves on container nodes: for
+    /// tests that stamp GFD's labels by hand.
+    fn advertise(&mut self) {
+        self.boot();
+        let cluster = cluster!(self);
+        for n in &mut self.nodes {
+            let Some(serves) = self.nv.serves(n, &cluster) else {
+                continue;
+            };
+            let mut alloc: Labels = n
+                .allocatable
+                .iter()
+                .filter(|(r, _)| !plan::is_device_plugin_resource(r))
+                .collect();
+            for (r, c) in serves {
+                alloc.insert(r, c.to_string());
+            }
+            n.allocatable = alloc;
+        }
+    }
+
     /// The MIG manager, and on VM hosts the vGPU Device Manager and the sandbox device plugin
     /// (which advertises the GPUs to VMs).
     fn mig_manager(&mut self) {
@@ -530,6 +566,31 @@ impl World {
                 .get(LABEL_MIG_STATE)
                 .is_some_and(|s| s != "success"),
             Some(_) => true,
+        }
+    }
+
+    /// A node the plan reports `Applied` already has in its allocatable what the device plugin
+    /// serves from the GPUs as the MIG manager left them and the config it runs: Ready is not
+    /// claimed while the kubelet still holds the old devices.
+    fn applied_nodes_advertise(&self, plan: &Plan) {
+        let cluster = cluster!(self);
+        for (policy, status) in &plan.statuses {
+            for d in status.node_details.iter().filter(|d| d.state == "Applied") {
+                let n = self.nodes.iter().find(|n| n.name == d.name).unwrap();
+                let Some(serves) = self.nv.serves(n, &cluster) else {
+                    continue;
+                };
+                let advertised: BTreeMap<String, i64> = n
+                    .device_plugin_resources()
+                    .into_iter()
+                    .map(|(r, c)| (r.to_string(), c))
+                    .collect();
+                assert_eq!(
+                    advertised, serves,
+                    "policy {policy}: {} Applied while its allocatable {advertised:?} is not what the device plugin serves now {serves:?}; labels {:?}",
+                    d.name, n.labels
+                );
+            }
         }
     }
 
@@ -677,10 +738,12 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
                         );
                     }
                 }
+                w.applied_nodes_advertise(&p);
                 w.apply_within_budget(&p);
             }
             Step::MigManager => w.mig_manager(),
             Step::Gfd => w.gfd(),
+            Step::GfdBeforeKubelet => w.gfd_before_kubelet(),
             Step::Relabel(n, p) => match p {
                 Some(p) => {
                     for k in PROFILE_KEYS {
@@ -830,7 +893,18 @@ fn mig_to_mps_goes_through_confirmed_all_disabled() {
     assert!(p.node_labels["a100-0"][LABEL_DEVICE_PLUGIN_CONFIG].starts_with("mps-"));
     w.apply(&p);
     let p = plan::plan(&w.input());
-    assert_eq!(p.statuses["mps"].applied_nodes, 1);
+    assert_eq!(
+        p.statuses["mps"].applied_nodes, 0,
+        "the device plugin still advertises the MIG devices"
+    );
+    w.now += 1;
+    w.gfd();
+    let p = plan::plan(&w.input());
+    assert_eq!(
+        p.statuses["mps"].applied_nodes, 1,
+        "{:?}",
+        p.statuses["mps"].node_details
+    );
 }
 
 #[test]
@@ -1184,6 +1258,11 @@ fn a_node_on_the_pre_upgrade_custom_name_keeps_it_only_while_the_content_is_the_
     ]
     .map(String::from)
     .into();
+    // The device plugin advertises what the applied layout holds: GPUs 0-3 with
+    // {1g.10gb: 3, 2g.20gb: 2} each, GPUs 4-7 whole.
+    n.allocatable.insert("nvidia.com/gpu", "4");
+    n.allocatable.insert("nvidia.com/mig-1g.10gb", "12");
+    n.allocatable.insert("nvidia.com/mig-2g.20gb", "8");
     let mut w = World::new(vec![n], vec![pol]);
     w.mig_config.insert("custom-split".into(), same);
     let p = plan::plan(&w.input());
@@ -1192,7 +1271,11 @@ fn a_node_on_the_pre_upgrade_custom_name_keeps_it_only_while_the_content_is_the_
         "same content: no MIG reconfiguration for a new name"
     );
     assert!(!p.node_labels["a100-0"].contains_key(LABEL_MIG_STATE));
-    assert_eq!(p.statuses["split"].applied_nodes, 1);
+    assert_eq!(
+        p.statuses["split"].applied_nodes, 1,
+        "{:?} {:?}",
+        p.statuses["split"].node_details, w.nodes[0].allocatable
+    );
     let layouts =
         gpu_sharing_operator::nvidia::parse_mig_configs(p.mig_config.as_ref().unwrap()).unwrap();
     assert!(
@@ -1294,6 +1377,7 @@ fn a_device_plugin_config_counts_only_once_gfd_reported_after_our_write() {
         w.now.to_string()
     );
     w.apply(&p);
+    w.advertise();
     let p = plan::plan(&w.input());
     assert_eq!(
         p.statuses["mps"].applied_nodes, 0,
@@ -1387,6 +1471,8 @@ fn nodes_labelled_before_the_write_time_existed_need_no_write() {
     n.owned = [LABEL_DEVICE_PLUGIN_CONFIG, "gpusharing.io/policy"]
         .map(String::from)
         .into();
+    // The device plugin advertises 8 GPUs x 4 MPS clients.
+    n.allocatable.insert("nvidia.com/gpu", "32");
     let w = World::new(vec![n], vec![pol]);
     let p = plan::plan(&w.input());
     assert!(p.node_annotations["h200-0"].is_empty());

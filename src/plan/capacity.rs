@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::api::crd::{Capacity, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Strategy};
+use crate::api::crd::{
+    Capacity, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Strategy, TimeSlicing,
+};
 use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT};
 use crate::nvidia::mig::{self, MigProfile};
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
@@ -48,13 +50,24 @@ fn total(devices: &[(MigProfile, i64)]) -> i64 {
     devices.iter().map(|(_, c)| c).sum()
 }
 
-/// MIG-instance counts per GPU of a node under a MIG policy, when known.
+/// MIG-instance counts of a node under a MIG policy, when known.
 fn mig_instances(
     mig: &Mig,
     base: Option<&BTreeMap<String, serde_json::Value>>,
     gpus: i64,
     memory_mib: Option<i64>,
 ) -> Option<Vec<(MigProfile, i64)>> {
+    mig_instances_known(mig, base, gpus, memory_mib).map(|(i, _)| i)
+}
+
+/// MIG-instance counts of a node under a MIG policy, when known, and whether they are exact:
+/// `false` when a named layout's entry for the node's GPU model was inferred from memory.
+fn mig_instances_known(
+    mig: &Mig,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+    gpus: i64,
+    memory_mib: Option<i64>,
+) -> Option<(Vec<(MigProfile, i64)>, bool)> {
     let mut out = Vec::new();
     if let Some(groups) = &mig.custom_layout {
         let listed = listed_gpus(groups);
@@ -67,11 +80,11 @@ fn mig_instances(
                 out.push((mig::parse_mig_profile(p)?, n * *c as i64));
             }
         }
-        return Some(out);
+        return Some((out, true));
     }
     // Named layout: only when it is a single "devices: all" entry we can read.
     if mig.layout.as_deref()? == MIG_DISABLED_LAYOUT {
-        return Some(out);
+        return Some((out, true));
     }
     // Entries per GPU model (device-filter, by PCI device ID, which node labels do not carry):
     // all the same (the `all-<profile>` layouts of one GPU family), or else the one that fits
@@ -84,7 +97,8 @@ fn mig_instances(
                 .flatten()
         })
         .collect::<Option<_>>()?;
-    let chosen = if candidates.windows(2).all(|w| w[0] == w[1]) {
+    let exact = candidates.windows(2).all(|w| w[0] == w[1]);
+    let chosen = if exact {
         candidates.into_iter().next()?
     } else {
         let mem = memory_mib?;
@@ -93,7 +107,8 @@ fn mig_instances(
             .filter(|c| entry_fits(c, mem))
             .max_by_key(|c| total(c))?
     };
-    Some(chosen.into_iter().map(|(p, n)| (p, gpus * n)).collect())
+    let instances = chosen.into_iter().map(|(p, n)| (p, gpus * n)).collect();
+    Some((instances, exact))
 }
 
 /// The node's physical GPUs under a MIG policy. With the `single` strategy GPU Feature Discovery
@@ -251,6 +266,98 @@ fn cap(
     }
 }
 
+/// Replicas of each device of `res` under time-slicing settings (1: not replicated). Without
+/// per-resource entries `replicas` covers every resource; with them, only those they name.
+fn ts_replicas(ts: &TimeSlicing, res: &str) -> i64 {
+    let listed = || {
+        ts.resources
+            .iter()
+            .find(|x| nvidia::qualify_resource(&x.name) == res)
+            .map(|x| x.replicas)
+    };
+    let r = if ts.resources.is_empty() {
+        ts.replicas
+    } else {
+        listed()
+    };
+    r.unwrap_or(1) as i64
+}
+
+/// The name the device plugin advertises `res` under: `<res>.shared` when replicated and renamed
+/// by default (a per-resource `rename` is ignored at runtime by the device plugin).
+fn advertised_name(res: &str, replicas: i64, rename_by_default: bool) -> String {
+    if replicas > 1 && rename_by_default {
+        format!("{res}.shared")
+    } else {
+        res.to_string()
+    }
+}
+
+/// What NVIDIA's device plugin advertises (the node's allocatable) once it runs a policy's
+/// config on this node: units per resource, devices x replicas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Advertised {
+    pub resources: BTreeMap<String, i64>,
+    /// The counts follow from the spec and GPU Feature Discovery's GPU count. `false` for a
+    /// named MIG layout whose entry for this GPU model is inferred from the GPUs' memory: only
+    /// the resources' presence is then expected.
+    pub exact: bool,
+}
+
+/// What the device plugin advertises on `node` under a device-plugin policy, when we know it:
+/// `None` without GPU Feature Discovery's GPU count, for VM and DRA policies, and for a MIG
+/// layout we cannot read. Under MIG `mixed` only the MIG profiles' resources are named.
+pub fn device_plugin_advertises(
+    spec: &GpuSharingPolicySpec,
+    node: &NodeFacts,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+) -> Option<Advertised> {
+    if spec.backend == crate::api::crd::Backend::Dra || spec.strategy.is_vm() {
+        return None;
+    }
+    let count = label_i64(node, LABEL_GPU_COUNT)?;
+    let gpu = nvidia::GPU_RESOURCE;
+    let one = |name: String, units: i64| Advertised {
+        resources: [(name, units)].into_iter().collect(),
+        exact: true,
+    };
+    match spec.strategy {
+        Strategy::Exclusive => Some(one(gpu.to_string(), count)),
+        Strategy::TimeSlicing => {
+            let ts = spec.time_slicing.as_ref()?;
+            let r = ts_replicas(ts, gpu);
+            Some(one(
+                advertised_name(gpu, r, ts.rename_by_default),
+                count * r,
+            ))
+        }
+        Strategy::Mps => {
+            let m = spec.mps.as_ref()?;
+            let r = m.replicas as i64;
+            Some(one(advertised_name(gpu, r, m.rename_by_default), count * r))
+        }
+        Strategy::Mig => {
+            let mig = spec.mig.as_ref()?;
+            let mem = label_i64(node, LABEL_GPU_MEMORY);
+            let gpus = physical_gpus(mig, base, node, count, mem);
+            let (instances, exact) = mig_instances_known(mig, base, gpus, mem)?;
+            let ts = mig.time_slicing.as_ref();
+            let mut resources = BTreeMap::new();
+            for (p, n) in instances.iter().filter(|(_, n)| *n > 0) {
+                let res = match mig.mig_strategy {
+                    MigStrategy::Single => gpu.to_string(),
+                    MigStrategy::Mixed => nvidia::mig_resource(&profile_name(p)),
+                };
+                let r = ts.map_or(1, |t| ts_replicas(t, &res));
+                let name = advertised_name(&res, r, ts.is_some_and(|t| t.rename_by_default));
+                *resources.entry(name).or_insert(0) += n * r;
+            }
+            (!resources.is_empty()).then_some(Advertised { resources, exact })
+        }
+        Strategy::Vgpu | Strategy::Passthrough => None,
+    }
+}
+
 /// One node's capacity under a policy.
 pub fn node_capacity(
     spec: &GpuSharingPolicySpec,
@@ -297,18 +404,7 @@ pub fn node_capacity(
                     MigStrategy::Single => nvidia::GPU_RESOURCE.to_string(),
                     MigStrategy::Mixed => nvidia::mig_resource(&profile_name(p)),
                 };
-                let r = ts
-                    .map(|t| {
-                        if t.resources.is_empty() {
-                            t.replicas.unwrap_or(1)
-                        } else {
-                            t.resources
-                                .iter()
-                                .find(|x| nvidia::qualify_resource(&x.name) == res)
-                                .map_or(1, |x| x.replicas)
-                        }
-                    })
-                    .unwrap_or(1) as i64;
+                let r = ts.map_or(1, |t| ts_replicas(t, &res));
                 total += n * r;
                 let m = p.memory_gb as i64 * 1024;
                 min_mem = Some(min_mem.map_or(m, |x| x.min(m)));

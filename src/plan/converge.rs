@@ -111,15 +111,21 @@ pub fn gfd_report(config: Option<&DevicePluginConfig>) -> (i32, &'static str) {
 pub const SANDBOX_RESOURCE: &str = "nvidia.com/sandbox-gpu";
 
 /// The sandbox device plugin (on VM hosts) and the container device plugin (where it is
-/// deployed) advertise what they serve: the allocatable the converged view needs.
-fn plugins_advertise(n: &NodeFacts) -> Labels {
+/// deployed) advertise what they serve: the allocatable the converged view needs. `serves` is
+/// what the device plugin advertises under the node's policy, when known.
+fn plugins_advertise(n: &NodeFacts, serves: Option<super::capacity::Advertised>) -> Labels {
     let vm = super::vm::is_vm_host(n);
     let dp_off = vm || n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) == Some("false");
+    let serves = serves.filter(|_| !dp_off);
     let mut alloc: Labels = n
         .allocatable
         .iter()
         .filter(|(k, _)| *k != SANDBOX_RESOURCE && !(dp_off && super::is_device_plugin_resource(k)))
+        .filter(|(k, _)| serves.is_none() || !super::is_device_plugin_resource(k))
         .collect();
+    for (r, c) in serves.iter().flat_map(|s| &s.resources) {
+        alloc.insert(r.as_str(), c.to_string());
+    }
     if vm {
         let gpus = n.labels.get(LABEL_GPU_COUNT).unwrap_or("1");
         alloc.insert(SANDBOX_RESOURCE, gpus);
@@ -127,14 +133,25 @@ fn plugins_advertise(n: &NodeFacts) -> Labels {
     alloc
 }
 
+/// What the device plugin advertises on `n` under the policy it is labelled for, when known.
+fn serves(input: &PlanInput, n: &NodeFacts) -> Option<super::capacity::Advertised> {
+    let name = n.labels.get(crate::api::names::LABEL_POLICY)?;
+    let p = input
+        .policies
+        .iter()
+        .find(|p| kube::ResourceExt::name_any(*p) == name)?;
+    super::capacity::device_plugin_advertises(&p.spec, n, input.base_mig_configs.as_ref())
+}
+
 /// NVIDIA's components answer, all successfully: the MIG manager confirms a pending layout, the
 /// vGPU Device Manager a pending vGPU config; GFD, after the device plugin restarted with a new
 /// config, reports its replicas and stamps the node later than our write (not on VM hosts,
 /// where GFD does not run). `now` is the time of that answer. Returns the nodes that changed.
 pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
+    let serving: Vec<_> = input.nodes.iter().map(|n| serves(input, n)).collect();
     let configs = &input.current_device_config;
     let mut changed = BTreeSet::new();
-    for n in &mut input.nodes {
+    for (n, serves) in input.nodes.iter_mut().zip(serving) {
         let mut labels = n.labels.clone();
         for state in [LABEL_MIG_STATE, LABEL_VGPU_STATE] {
             if labels.get(state) == Some("pending") {
@@ -143,7 +160,7 @@ pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
                 Arc::make_mut(n).owned.remove(state);
             }
         }
-        let alloc = plugins_advertise(n);
+        let alloc = plugins_advertise(n, serves);
         if alloc != n.allocatable {
             Arc::make_mut(n).allocatable = alloc;
             changed.insert(n.name.clone());

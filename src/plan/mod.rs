@@ -302,6 +302,7 @@ fn plan_nodes<'n>(
                 .unwrap_or_default(),
             vgpu_stuck: input.vgpu_stuck.contains(&n.name),
             sandbox: &input.sandbox,
+            mig_layouts: input.base_mig_configs.as_ref(),
         };
         let decision = node::decide(n, policy, &env);
         let hold = matches!(decision, Decision::Hold { .. });

@@ -46,6 +46,8 @@ pub struct Env<'a> {
     pub vgpu_stuck: bool,
     /// The ClusterPolicy's sandbox settings.
     pub sandbox: &'a super::vm::Sandbox,
+    /// Named mig-parted layouts (what the device plugin will advertise under a named layout).
+    pub mig_layouts: Option<&'a std::collections::BTreeMap<String, serde_json::Value>>,
 }
 
 impl Env<'_> {
@@ -61,6 +63,7 @@ impl Env<'_> {
             vm_pods: &[],
             vgpu_stuck: false,
             sandbox: &NO_SANDBOX,
+            mig_layouts: None,
         }
     }
 }
@@ -552,7 +555,8 @@ fn written(
 ) -> Outcome {
     let annotations = annotations(n, env, &dp, mig.as_deref());
     let (state, message) = if state == NodeState::Applied {
-        match unconfirmed(n, w, &dp, &annotations) {
+        match unconfirmed(n, w, &dp, &annotations).or_else(|| not_advertised(n, w, env.mig_layouts))
+        {
             Some(why) => (NodeState::Pending, why),
             None => (state, message),
         }
@@ -685,6 +689,51 @@ fn unconfirmed(
             n.labels.get(LABEL_GPU_REPLICAS).unwrap_or_default()
         )
     })
+}
+
+/// Why a node whose labels and GPU Feature Discovery's report say `Applied` is not confirmed
+/// yet: the device plugin does not advertise (the node's allocatable) what it serves under the
+/// policy: the resources with their counts (only the resources, when the counts are inferred).
+/// GFD's report can come before: it relabels after our config write, and again after the MIG
+/// manager reshapes the GPUs, while the kubelet takes the device plugin's new devices later.
+fn not_advertised(
+    n: &NodeFacts,
+    w: &Prepared,
+    layouts: Option<&std::collections::BTreeMap<String, serde_json::Value>>,
+) -> Option<String> {
+    let want = super::capacity::device_plugin_advertises(w.spec, n, layouts)?;
+    let missing: Vec<String> = want
+        .resources
+        .iter()
+        .filter(|(r, c)| {
+            let have = n.allocatable(r);
+            if want.exact { have != **c } else { have == 0 }
+        })
+        .map(|(r, c)| {
+            if want.exact {
+                format!("{r}={c}")
+            } else {
+                r.to_string()
+            }
+        })
+        .collect();
+    if missing.is_empty() {
+        return None;
+    }
+    let have: Vec<String> = n
+        .device_plugin_resources()
+        .iter()
+        .map(|(r, c)| format!("{r}={c}"))
+        .collect();
+    let have = if have.is_empty() {
+        "nothing".to_string()
+    } else {
+        have.join(", ")
+    };
+    Some(format!(
+        "waiting for the device plugin to advertise {} (allocatable now: {have})",
+        missing.join(", ")
+    ))
 }
 
 /// A MIG layout change also sets `nvidia.com/mig.config.state=pending` in the same write: until
@@ -937,7 +986,82 @@ mod tests {
         n.labels.insert("nvidia.com/gpu.replicas", "2");
         assert_eq!(state(&n), NodeState::Pending, "GFD reports other replicas");
         n.labels.insert("nvidia.com/gpu.replicas", "4");
+        // GFD reports before the kubelet takes the device plugin's new devices.
+        n.allocatable = [("nvidia.com/gpu", "8")].into_iter().collect();
+        assert_eq!(state(&n), NodeState::Pending, "the old devices");
+        let d = decide(&n, Some(&prepared[0]), &env);
+        let message = outcome(&n, Some(&prepared[0]), &env, d).message;
+        assert_eq!(
+            message,
+            "waiting for the device plugin to advertise nvidia.com/gpu=32 (allocatable now: nvidia.com/gpu=8)"
+        );
+        n.allocatable = [("nvidia.com/gpu", "32")].into_iter().collect();
         assert_eq!(state(&n), NodeState::Applied);
+    }
+
+    #[test]
+    fn a_mig_layout_is_applied_once_the_device_plugin_advertises_its_instances() {
+        let hash = |_: &str| None;
+        let mixed = "  strategy: mig\n  mig:\n    migStrategy: mixed\n    customLayout:\n    - {migEnabled: true, migDevices: {3g.40gb: 1, 2g.20gb: 2}}\n";
+        let renamed = "  strategy: mig\n  mig:\n    migStrategy: mixed\n    customLayout:\n    - {migEnabled: true, migDevices: {3g.40gb: 1, 2g.20gb: 2}}\n    timeSlicing: {replicas: 2, renameByDefault: true}\n";
+        let env = Env::idle(100, &hash);
+        for (spec, want) in [
+            (
+                mixed,
+                [
+                    ("nvidia.com/mig-2g.20gb", "16"),
+                    ("nvidia.com/mig-3g.40gb", "8"),
+                ],
+            ),
+            (
+                renamed,
+                [
+                    ("nvidia.com/mig-2g.20gb.shared", "32"),
+                    ("nvidia.com/mig-3g.40gb.shared", "16"),
+                ],
+            ),
+        ] {
+            let policies = vec![policy("p", spec)];
+            let prepared = prepare_all(&policies, None);
+            assert!(prepared[0].errors.is_empty(), "{:?}", prepared[0].errors);
+            let w = &prepared[0];
+            // Our writes until we want nothing more, the MIG manager's `success` after each
+            // (its update takes the field over from our `pending`).
+            let mut n = node(&[]);
+            for _ in 0..4 {
+                let d = decide(&n, Some(w), &env);
+                let o = outcome(&n, Some(w), &env, d);
+                crate::plan::converge::apply_to_node(&mut n, &o.labels, &o.annotations);
+                if n.labels.get(LABEL_MIG_STATE) == Some("pending") {
+                    n.labels.insert(LABEL_MIG_STATE, "success");
+                    n.owned.remove(LABEL_MIG_STATE);
+                }
+            }
+            n.labels.insert("nvidia.com/mig-3g.40gb.replicas", "2");
+            n.labels.insert("nvidia.com/mig-2g.20gb.replicas", "2");
+            let state = |n: &NodeFacts| {
+                let d = decide(n, Some(w), &env);
+                let o = outcome(n, Some(w), &env, d);
+                (o.state.unwrap(), o.message)
+            };
+            // The MIG manager said `success`; the device plugin still runs the whole GPUs.
+            n.allocatable = [("nvidia.com/gpu", "8")].into_iter().collect();
+            let (s, m) = state(&n);
+            assert_eq!(s, NodeState::Pending, "{spec}: {m}");
+            assert!(
+                m.contains(want[0].0) && m.contains("nvidia.com/gpu=8"),
+                "{m}"
+            );
+            // One profile advertised, the other not yet.
+            n.allocatable.insert(want[0].0, want[0].1);
+            assert_eq!(state(&n).0, NodeState::Pending, "{spec}");
+            n.allocatable.insert(want[1].0, "1");
+            assert_eq!(state(&n).0, NodeState::Pending, "{spec}: a wrong count");
+            n.allocatable.insert(want[1].0, want[1].1);
+            n.allocatable.insert("nvidia.com/gpu", "0");
+            let (s, m) = state(&n);
+            assert_eq!(s, NodeState::Applied, "{spec}: {m}");
+        }
     }
 
     #[test]

@@ -675,6 +675,28 @@ impl Nvidia {
         }
     }
 
+    /// What the device plugin serves on a container node from the GPUs as they are now and the
+    /// config it runs (nothing when it is off, crash-looping or refuses the config); `None` on
+    /// VM hosts.
+    pub fn serves(&self, n: &NodeFacts, c: &Cluster) -> Option<BTreeMap<String, i64>> {
+        let side = self.nodes.get(&n.name)?;
+        if c.workload(n) != "container" {
+            return None;
+        }
+        let Loaded::Config(cfg) = &side.loaded else {
+            return Some(BTreeMap::new());
+        };
+        let strategy = c.mig_strategy(cfg);
+        let dp_on = n.labels.get("nvidia.com/gpu.deploy.device-plugin") != Some("false");
+        Some(
+            if dp_on && device_plugin_error(cfg, &side.hw, &strategy).is_none() {
+                device_plugin_resources(&side.hw, cfg, &strategy)
+            } else {
+                BTreeMap::new()
+            },
+        )
+    }
+
     /// GPU Feature Discovery's periodic run (and the device plugin advertising what it serves)
     /// on container nodes. Returns whether GFD labelled the node (it is not running, or crash-
     /// looping, otherwise).
