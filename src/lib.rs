@@ -3,9 +3,9 @@
 //! Modules depend one way only (a test in `tests/architecture.rs` enforces it):
 //!
 //! ```text
-//! api  <-  nvidia  <-  validate  <-  plan  <-  runtime
-//!  ^                                  ^   <-  offline
-//!  +---------- telemetry -------------+
+//! api  <-  nvidia  <-  validate  <-  plan  <-  observe  <-  runtime  <-  preview
+//!  ^                                             ^   <-  offline
+//!  +---------- telemetry (used by runtime) ------+
 //! ```
 //!
 //! - [`api`]: the `GpuSharingPolicy` resource, every label/annotation/finalizer/field-manager
@@ -14,12 +14,16 @@
 //!   DRA driver's GpuConfig) and the content keys.
 //! - [`validate`]: what a policy must satisfy, as typed field errors.
 //! - [`plan`]: the pure planner: policies + node facts -> desired objects and statuses.
+//! - [`observe`]: Kubernetes objects -> planner facts, one way for the controller's caches,
+//!   `plan`'s lists and `render`'s files.
 //! - [`runtime`]: watches, caches, appliers, finalizers, leader election.
 //! - [`telemetry`]: Prometheus metrics and health endpoints.
 //! - [`offline`]: `render` and the CRD reference.
+//! - [`preview`]: `plan`, the preview of policy files against the live cluster.
 
 pub mod api;
 pub mod nvidia;
+pub mod observe;
 pub mod offline;
 pub mod plan;
 pub mod preview;

@@ -24,15 +24,19 @@ fn allowed() -> BTreeMap<&'static str, &'static [&'static str]> {
         ("nvidia", &["api"][..]),
         ("validate", &["api", "nvidia"][..]),
         ("plan", &["api", "nvidia", "validate"][..]),
+        ("observe", &["api", "nvidia", "validate", "plan"][..]),
         ("telemetry", &["api"][..]),
         (
             "runtime",
-            &["api", "nvidia", "validate", "plan", "telemetry"][..],
+            &["api", "nvidia", "validate", "plan", "observe", "telemetry"][..],
         ),
-        ("offline", &["api", "nvidia", "validate", "plan"][..]),
+        (
+            "offline",
+            &["api", "nvidia", "validate", "plan", "observe"][..],
+        ),
         (
             "preview",
-            &["api", "nvidia", "validate", "plan", "runtime"][..],
+            &["api", "nvidia", "validate", "plan", "observe", "runtime"][..],
         ),
     ]
     .into()

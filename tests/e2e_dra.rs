@@ -295,6 +295,8 @@ async fn a_gpu_cluster_is_reported_not_fought() {
     );
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     assert_eq!(labels(&c, "l4-node-0").await, before, "left alone");
+    // `plan` sees the GPUCluster (and the DRA claims) as the controller does.
+    plan_agrees(&c).await;
     op.stop().await;
     invariants.check().await;
 }

@@ -9,13 +9,18 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 use serde_json::json;
 
 use crate::api::crd::GpuSharingPolicy;
+use crate::api::names::MANAGER;
 use crate::nvidia::MIG_PARTED_KEY;
-use crate::plan::{self, NodeFacts, Plan, PlanInput, configmap};
+use crate::observe::node::{Interner, facts};
+use crate::observe::{self, ClusterView, Memory, Settings};
+use crate::plan::{self, LabelFilter, NodeFacts, Plan, PlanInput, configmap};
 use crate::validate::{self, FieldError};
 
 fn policy_error(name: &str, path: impl Into<String>, message: impl Into<String>) -> RenderError {
@@ -278,8 +283,13 @@ pub fn nodes_from_text(text: &str, origin: &Path) -> Result<Vec<NodeFacts>, Rend
     nodes_of(text_documents(text, origin)?, origin)
 }
 
+/// The Node documents as the planner sees them: the same conversion as the controller's node
+/// cache ([`crate::observe::node::facts`]): labels, our annotations, the field manager's
+/// ownership when the file carries managedFields (`kubectl get -o yaml --show-managed-fields`),
+/// and the allocatable of NVIDIA's resources.
 fn nodes_of(docs: Vec<serde_json::Value>, path: &Path) -> Result<Vec<NodeFacts>, RenderError> {
     let mut nodes = Vec::new();
+    let mut strings = Interner::default();
     for d in docs {
         if d.get("kind").and_then(|k| k.as_str()) != Some("Node") {
             continue;
@@ -293,21 +303,12 @@ fn nodes_of(docs: Vec<serde_json::Value>, path: &Path) -> Result<Vec<NodeFacts>,
                 message: "a Node without metadata.name".into(),
             })?
             .to_string();
-        let labels: BTreeMap<String, String> = d
-            .get("metadata")
-            .and_then(|m| m.get("labels"))
-            .map(|l| serde_json::from_value(l.clone()))
-            .transpose()
-            .map_err(|e| RenderError::Input {
-                path: path.to_path_buf(),
-                message: format!("node {name}: labels: {e}"),
-            })?
-            .unwrap_or_default();
-        nodes.push(NodeFacts {
-            name,
-            labels: labels.into(),
-            ..Default::default()
-        });
+        let node: Node = serde_path_to_error::deserialize(d).map_err(|e| RenderError::Input {
+            path: path.to_path_buf(),
+            message: format!("node {name}: {}: {}", e.path(), e.inner()),
+        })?;
+        let all = LabelFilter::everything();
+        nodes.push(facts(node, MANAGER, &all, &mut strings));
     }
     Ok(nodes)
 }
@@ -412,12 +413,23 @@ pub fn render_text(
     options: &RenderOptions,
 ) -> Result<Rendered, Vec<RenderError>> {
     let with_nodes = nodes.is_some();
-    let mut input = PlanInput::new(policies, nodes.unwrap_or_default());
-    input.base_mig_configs = Some(options.base_mig_configs.clone());
     // Without a cluster the ClusterPolicy is unknown: VM policies are rendered as the GPU
     // Operator would serve them with its vGPU Manager on and KubeVirt's sandbox device plugin
     // (the controller checks the real ClusterPolicy and names the field when it is not so).
-    input.sandbox.vgpu_manager_enabled = true;
+    let view = ClusterView {
+        policies,
+        nodes: nodes
+            .unwrap_or_default()
+            .into_iter()
+            .map(Arc::new)
+            .collect(),
+        cluster_policies: None,
+        ..Default::default()
+    };
+    let mut input = observe::plan_input(view, &Settings::default(), Memory::default());
+    // Files carry no ConfigMaps: the named layouts are the GPU Operator's default config (or
+    // `--mig-parted-config`).
+    input.base_mig_configs = Some(options.base_mig_configs.clone());
     let first = plan::plan(&input);
     let invalid = planner_errors(&first);
     if !invalid.is_empty() {

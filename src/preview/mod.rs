@@ -6,9 +6,9 @@ pub mod diff;
 pub mod print;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, DynamicObject, ListParams};
 use kube::{Client, ResourceExt};
 
@@ -17,11 +17,12 @@ use crate::api::names::{
     DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP, DEVICE_PLUGIN_CONFIGMAP, MANAGER,
     MIG_PARTED_CONFIGMAP, VGPU_DEVICES_CONFIGMAP,
 };
+use crate::observe::gpu_operator::{DEFAULT_NAMESPACE, active_cluster_policy};
+use crate::observe::node::{Interner, facts};
+use crate::observe::{self, ClusterView, Memory, Settings};
 use crate::plan::{LabelFilter, PlanInput};
 use crate::runtime::controller::{cluster_policy_resource, detect_namespace};
-use crate::runtime::input::{mig_configs, read_gpu_pods, sandbox_of, vgpu_configs};
-use crate::runtime::nodecache::{Interner, facts};
-use crate::runtime::watches::RUNNING_BOUND_PODS;
+use crate::runtime::watches::{GPU_CLUSTER_KIND, RUNNING_BOUND_PODS};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -53,15 +54,67 @@ fn forbidden(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 403 || s.code == 404)
 }
 
-/// Reads everything the planner needs. Nodes, policies, the ClusterPolicy and our ConfigMaps
-/// are required; pods (the idle-GPU wait) and namespaces (DRA templates) are optional: without
-/// the permission they are assumed (no GPU pods, every namespace exists) and said so.
+/// A list that may be forbidden (or not served): `None` then, with what is assumed instead
+/// added to `assumptions`.
+async fn optional<T>(
+    what: &'static str,
+    assumed: &str,
+    assumptions: &mut Vec<String>,
+    list: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<Option<T>, Error> {
+    match list.await {
+        Ok(l) => Ok(Some(l)),
+        Err(e) if forbidden(&e) => {
+            assumptions.push(format!("{what} cannot be listed: {assumed}"));
+            Ok(None)
+        }
+        Err(e) => Err(read(what)(e)),
+    }
+}
+
+/// The GPU Operator's `GPUCluster` objects (group `nvidia.com`, any version, found through
+/// discovery), by name; none when the kind is not served.
+async fn gpu_clusters(
+    client: &Client,
+    assumptions: &mut Vec<String>,
+) -> Result<Vec<String>, Error> {
+    let Ok(group) = kube::discovery::group(client, "nvidia.com").await else {
+        return Ok(vec![]);
+    };
+    let Some((ar, _)) = group
+        .resources_by_stability()
+        .into_iter()
+        .find(|(ar, _)| ar.kind == GPU_CLUSTER_KIND)
+    else {
+        return Ok(vec![]);
+    };
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &ar);
+    let assumed = "the GPU Operator is assumed not to run in DRA-only mode";
+    let list = optional(
+        "GPUClusters",
+        assumed,
+        assumptions,
+        api.list_metadata(&ListParams::default()),
+    )
+    .await?;
+    Ok(list
+        .map(|l| l.items.iter().map(|o| o.name_any()).collect())
+        .unwrap_or_default())
+}
+
+/// Reads everything the planner needs, as the controller's caches hold it, and builds the
+/// planner's input the same way ([`observe::plan_input`]). Nodes, policies, the ClusterPolicy
+/// and our ConfigMaps are required; pods (the idle-GPU wait), ResourceClaims (nodes leaving
+/// DRA), GPUClusters and namespaces (DRA templates) are optional: without the permission they
+/// are assumed (no GPU pods, no allocated claims, no DRA-only mode, every namespace exists)
+/// and said so. The controller's own flags and memory are not in the cluster: defaults, and
+/// nothing remembered.
 pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snapshot, Error> {
     let namespace = match namespace {
         Some(n) => n,
         None => detect_namespace(client)
             .await
-            .unwrap_or_else(|| "gpu-operator".into()),
+            .unwrap_or_else(|| DEFAULT_NAMESPACE.into()),
     };
     let lp = ListParams::default();
     let mut strings = Interner::default();
@@ -71,7 +124,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         .map_err(read("nodes"))?
         .items
         .into_iter()
-        .map(|n| facts(n, MANAGER, &LabelFilter::everything(), &mut strings))
+        .map(|n| std::sync::Arc::new(facts(n, MANAGER, &LabelFilter::everything(), &mut strings)))
         .collect();
     let policies: Vec<GpuSharingPolicy> = Api::<GpuSharingPolicy>::all(client.clone())
         .list(&lp)
@@ -79,15 +132,13 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         .map_err(read("GpuSharingPolicies"))?
         .items;
     let cps: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
-    let mut cps = match cps.list(&lp).await {
+    let cluster_policies = match cps.list(&lp).await {
         Ok(l) => l.items,
         Err(e) if matches!(&e, kube::Error::Api(s) if s.code == 404) => vec![],
         Err(e) => return Err(read("ClusterPolicies")(e)),
     };
-    cps.sort_by_key(|o| (o.metadata.creation_timestamp.clone(), o.name_any()));
-    let cluster_policy = cps.into_iter().next();
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
-    let mut cm = BTreeMap::new();
+    let mut configmaps = BTreeMap::new();
     for name in [
         DEVICE_PLUGIN_CONFIGMAP,
         MIG_PARTED_CONFIGMAP,
@@ -96,57 +147,59 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         DEFAULT_VGPU_CONFIGMAP,
     ] {
         let got = cms.get_opt(name).await.map_err(read("ConfigMaps"))?;
-        cm.insert(name, got.map(Arc::new));
+        if let Some(data) = got.and_then(|c| c.data) {
+            configmaps.insert(name.to_string(), data);
+        }
     }
     let mut assumptions = Vec::new();
     let running = ListParams::default().fields(RUNNING_BOUND_PODS);
-    let pods = match Api::<Pod>::all(client.clone()).list(&running).await {
-        Ok(l) => l.items,
-        Err(e) if forbidden(&e) => {
-            assumptions.push(
-                "pods cannot be listed: no GPU is assumed busy (MIG changes may wait longer)"
-                    .into(),
-            );
-            Vec::new()
-        }
-        Err(e) => return Err(read("pods")(e)),
+    let pods = optional(
+        "pods",
+        "no GPU is assumed busy (MIG changes may wait longer)",
+        &mut assumptions,
+        Api::<Pod>::all(client.clone()).list(&running),
+    )
+    .await?
+    .map(|l| l.items)
+    .unwrap_or_default();
+    let claims = optional(
+        "ResourceClaims",
+        "no DRA claim is assumed allocated (nodes leaving DRA are shown getting the device plugin back)",
+        &mut assumptions,
+        Api::<ResourceClaim>::all(client.clone()).list(&lp),
+    )
+    .await?
+    .map(|l| l.items)
+    .unwrap_or_default();
+    let gpu_clusters = gpu_clusters(client, &mut assumptions).await?;
+    let namespaces = optional(
+        "namespaces",
+        "every namespace a DRA policy lists is assumed to exist",
+        &mut assumptions,
+        Api::<Namespace>::all(client.clone()).list_metadata(&lp),
+    )
+    .await?
+    .map(|l| l.items.iter().map(|n| n.name_any()).collect());
+    let cluster_policy_spec =
+        active_cluster_policy(&cluster_policies).and_then(|c| c.data.get("spec").cloned());
+    let view = ClusterView {
+        policies,
+        nodes,
+        pods: pods.iter().collect(),
+        claims: claims.iter().collect(),
+        cluster_policies: Some(cluster_policies.iter().collect()),
+        gpu_clusters,
+        configmaps,
+        namespaces,
+        tainted: None,
+        now: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64),
     };
-    let namespaces = match Api::<Namespace>::all(client.clone())
-        .list_metadata(&lp)
-        .await
-    {
-        Ok(l) => Some(l.items.iter().map(|n| n.name_any()).collect()),
-        Err(e) if forbidden(&e) => {
-            assumptions.push(
-                "namespaces cannot be listed: every namespace a DRA policy lists is assumed to exist"
-                    .into(),
-            );
-            None
-        }
-        Err(e) => return Err(read("namespaces")(e)),
-    };
-    let mut input = PlanInput::new(policies, nodes);
-    input.current_device_config = cm[DEVICE_PLUGIN_CONFIGMAP]
-        .as_ref()
-        .and_then(|c| c.data.clone())
-        .unwrap_or_default();
-    input.base_mig_configs = mig_configs(cm[DEFAULT_MIG_CONFIGMAP].clone());
-    input.current_mig_configs = mig_configs(cm[MIG_PARTED_CONFIGMAP].clone()).unwrap_or_default();
-    if let Some(base) = vgpu_configs(cm[DEFAULT_VGPU_CONFIGMAP].clone()) {
-        input.base_vgpu_configs = Arc::new(base);
-    }
-    input.current_vgpu_configs =
-        vgpu_configs(cm[VGPU_DEVICES_CONFIGMAP].clone()).unwrap_or_default();
-    input.sandbox = sandbox_of(cluster_policy.as_ref());
-    read_gpu_pods(&mut input, pods.iter());
-    input.namespaces = namespaces;
-    input.cluster_policy_found = cluster_policy.is_some();
-    input.now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
+    let input = observe::plan_input(view, &Settings::default(), Memory::default());
     Ok(Snapshot {
         input,
-        cluster_policy_spec: cluster_policy.and_then(|c| c.data.get("spec").cloned()),
+        cluster_policy_spec,
         namespace,
         assumptions,
     })

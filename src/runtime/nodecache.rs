@@ -14,97 +14,15 @@
 //! lists again; until that list is complete [`NodeCache::require`] says no and the controller
 //! does not plan (a node missing the label would look unselected and lose its config).
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
-use crate::api::names::MANAGED_ANNOTATIONS;
-use crate::plan::{LabelFilter, Labels, NodeFacts, OwnedKeys};
-use crate::runtime::managed::owned_keys;
-
-/// Our managed labels a field manager owns through server-side apply, read from a node's
-/// managedFields (straight into bits: no set of strings per watch event).
-pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> OwnedKeys {
-    owned_keys(entries, manager, &["f:metadata", "f:labels"]).collect()
-}
-
-/// Our managed annotations a field manager owns through server-side apply.
-pub fn owned_annotations(entries: &[ManagedFieldsEntry], manager: &str) -> OwnedKeys {
-    owned_keys(entries, manager, &["f:metadata", "f:annotations"]).collect()
-}
-
-/// Shared copies of label strings.
-#[derive(Default)]
-pub struct Interner {
-    strings: HashSet<Arc<str>>,
-}
-
-impl Interner {
-    pub fn intern(&mut self, s: &str) -> Arc<str> {
-        if let Some(a) = self.strings.get(s) {
-            return a.clone();
-        }
-        let a: Arc<str> = Arc::from(s);
-        self.strings.insert(a.clone());
-        a
-    }
-
-    /// Forgets strings no node uses any more.
-    pub fn purge(&mut self) {
-        self.strings.retain(|a| Arc::strong_count(a) > 1);
-    }
-
-    pub fn len(&self) -> usize {
-        self.strings.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.strings.is_empty()
-    }
-}
-
-/// What the planner knows of a node: its metadata (the labels `filter` keeps), and the
-/// allocatable count of NVIDIA's extended resources (the rest of the status, images and
-/// conditions, is dropped here).
-pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Interner) -> NodeFacts {
-    let allocatable = node
-        .status
-        .and_then(|s| s.allocatable)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|(k, _)| k.starts_with("nvidia.com/"))
-        .map(|(k, v)| (strings.intern(&k), strings.intern(&v.0)))
-        .collect::<Vec<_>>();
-    let meta = node.metadata;
-    let managed = meta.managed_fields.as_deref().unwrap_or_default();
-    // Only our own annotations: other controllers put large ones on nodes.
-    let annotations = meta
-        .annotations
-        .iter()
-        .flatten()
-        .filter(|(k, _)| MANAGED_ANNOTATIONS.contains(&k.as_str()))
-        .map(|(k, v)| (strings.intern(k), strings.intern(v)))
-        .collect::<Vec<_>>();
-    let labels = meta
-        .labels
-        .unwrap_or_default()
-        .iter()
-        .filter(|(k, _)| filter.keeps(k))
-        .map(|(k, v)| (strings.intern(k), strings.intern(v)))
-        .collect::<Vec<_>>();
-    NodeFacts {
-        owned: owned_labels(managed, manager),
-        owned_annotations: owned_annotations(managed, manager),
-        name: meta.name.unwrap_or_default(),
-        labels: Labels::from_pairs(labels),
-        annotations: Labels::from_pairs(annotations),
-        allocatable: Labels::from_pairs(allocatable),
-    }
-}
+pub use crate::observe::node::{Interner, facts};
+use crate::plan::{LabelFilter, NodeFacts};
 
 #[derive(Default)]
 struct State {

@@ -809,3 +809,67 @@ impl FaultProxy {
         serde_json::from_str(&self.control("GET", "/fault-proxy/stats").await).unwrap()
     }
 }
+
+/// Where `plan` (a one-shot snapshot of the cluster, as `gpu-sharing-operator plan` reads it)
+/// and the controller (its caches) disagree: a policy whose conditions (type, status, reason)
+/// differ from those the controller wrote, or a node whose labels of ours `plan` would change.
+/// Empty when they agree.
+pub async fn plan_disagrees(client: &Client) -> Vec<String> {
+    use gpu_sharing_operator::{plan, preview};
+    let snap = preview::snapshot(client, Some(NS.into()))
+        .await
+        .expect("snapshot");
+    let p = plan::plan(&snap.input);
+    let mut out = Vec::new();
+    let policies = Api::<GpuSharingPolicy>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .unwrap();
+    let conditions = |status: serde_json::Value| {
+        status["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| format!("{}={}/{}", c["type"], c["status"], c["reason"]))
+            .collect::<Vec<_>>()
+    };
+    for live in &policies.items {
+        let name = live.name_any();
+        let written = live.status.as_ref().map(|s| conditions(json!(s)));
+        let planned = p.statuses.get(&name).map(|s| conditions(json!(s)));
+        if written != planned {
+            out.push(format!(
+                "policy {name}: the controller wrote {written:?}, plan computes {planned:?}"
+            ));
+        }
+    }
+    for n in &snap.input.nodes {
+        let ours = plan::node::owned_labels(n);
+        let want = p.node_labels.get(&n.name).cloned().unwrap_or_default();
+        if ours != want {
+            out.push(format!(
+                "node {}: carries {ours:?}, plan would write {want:?}",
+                n.name
+            ));
+        }
+    }
+    out
+}
+
+/// Waits until `plan` and the controller agree (see [`plan_disagrees`]); panics naming the
+/// disagreement.
+pub async fn plan_agrees(client: &Client) {
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        let d = plan_disagrees(client).await;
+        if d.is_empty() {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "plan and the controller disagree:\n{}",
+            d.join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
