@@ -76,6 +76,7 @@ async fn mps_on_h200_end_to_end() {
     assert_eq!(wide["MiB/Client"], (json!(35942), 1));
     assert_eq!(wide["Progress"], (json!("Idle"), 1));
     assert_eq!(wide["Config"], (json!(key), 1));
+    plan_agrees(&c).await;
     op.stop().await;
 }
 
@@ -163,6 +164,7 @@ async fn time_slicing_profiles_by_node_label_and_relabel_moves_nodes() {
         .then_some(())
     })
     .await;
+    plan_agrees(&c).await;
     op.stop().await;
 }
 

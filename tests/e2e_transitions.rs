@@ -147,6 +147,7 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
         labels(&c, NODE).await["nvidia.com/gpu.sharing-strategy"],
         "mps"
     );
+    plan_agrees(&c).await;
     op.stop().await;
     invariants.check().await;
 }
@@ -258,6 +259,7 @@ async fn mig_change_waits_for_idle_gpus() {
         labels(&c, NODE).await["nvidia.com/mig.config"],
         "all-1g.10gb"
     );
+    plan_agrees(&c).await;
     op.stop().await;
     invariants.check().await;
 }

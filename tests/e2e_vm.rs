@@ -212,6 +212,7 @@ async fn a_node_goes_from_time_slicing_to_vgpu_and_back_never_both() {
             .then_some(())
     })
     .await;
+    plan_agrees(&c).await;
     op.stop().await;
     invariants.check().await;
 }
