@@ -13,6 +13,10 @@
 //! (`crate::plan::plan(..)`, `super::super::Labels`, types, macros).
 //! A path to the crate root itself (`use super::*;` in `src/api/mod.rs`) is a violation too: the
 //! names it brings in would then hide which module they come from.
+//!
+//! The same reading of paths checks the files inside each folder (no import cycle between
+//! siblings such as `plan/node.rs` and `plan/vm.rs`), and the module diagram in `src/lib.rs`
+//! is checked against [`allowed`] below. Functions longer than 100 lines are refused too.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -966,5 +970,153 @@ fn function_lengths_count_from_fn_to_the_closing_brace() {
             ("b".to_string(), 7, 2),
             ("d".to_string(), 9, 1)
         ]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The crate's documented layout
+
+/// The `pub mod` names of `src/lib.rs`.
+fn lib_modules(lib: &str) -> Vec<String> {
+    let mut m: Vec<String> = lib
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub mod ")?.strip_suffix(';'))
+        .map(|m| m.trim().to_string())
+        .collect();
+    m.sort();
+    m
+}
+
+/// What the doc comment of `src/lib.rs` says of the modules: the diagram's lines (`plan ->
+/// api, nvidia, validate`; `-> (none)` for no dependency), each module with what it may use,
+/// and the modules its list describes (`- [`plan`]: ...`). Errors name the line they reject.
+#[allow(clippy::type_complexity)]
+fn documented_layout(lib: &str) -> Result<(BTreeMap<String, Vec<String>>, Vec<String>), String> {
+    let doc: Vec<&str> = lib
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("//!"))
+        .map(str::trim)
+        .collect();
+    let start = doc
+        .iter()
+        .position(|l| *l == "```text")
+        .ok_or("no ```text diagram in the doc comment")?;
+    let len = doc[start + 1..]
+        .iter()
+        .position(|l| *l == "```")
+        .ok_or("the ```text diagram does not end")?;
+    let mut diagram = BTreeMap::new();
+    for line in doc[start + 1..start + 1 + len]
+        .iter()
+        .filter(|l| !l.is_empty())
+    {
+        let (module, deps) = line.split_once("->").ok_or(format!(
+            "diagram line {line:?} is not `module -> dependencies`"
+        ))?;
+        let deps: Vec<String> = match deps.trim() {
+            "(none)" => Vec::new(),
+            d => d.split(',').map(|x| x.trim().to_string()).collect(),
+        };
+        if diagram.insert(module.trim().to_string(), deps).is_some() {
+            return Err(format!("the diagram has {} twice", module.trim()));
+        }
+    }
+    let mut listed: Vec<String> = doc
+        .iter()
+        .filter_map(|l| l.strip_prefix("- [`")?.split_once("`]"))
+        .map(|(m, _)| m.to_string())
+        .collect();
+    listed.sort();
+    Ok((diagram, listed))
+}
+
+/// The problems of the doc comment of `src/lib.rs` against its `pub mod`s and [`allowed`].
+fn layout_doc_problems(lib: &str) -> Vec<String> {
+    let modules = lib_modules(lib);
+    let (diagram, listed) = match documented_layout(lib) {
+        Ok(d) => d,
+        Err(e) => return vec![e],
+    };
+    let allowed = allowed();
+    let mut problems = Vec::new();
+    for m in &modules {
+        if !diagram.contains_key(m) {
+            problems.push(format!("module {m} is missing from the diagram"));
+        }
+        if !listed.contains(m) {
+            problems.push(format!(
+                "module {m} is missing from the list (- [`{m}`]: ...)"
+            ));
+        }
+    }
+    for (m, deps) in &diagram {
+        if !modules.contains(m) {
+            problems.push(format!(
+                "the diagram names {m}, which is no `pub mod` of lib.rs"
+            ));
+            continue;
+        }
+        let mut want: Vec<String> = allowed
+            .get(m.as_str())
+            .map_or(&[][..], |d| *d)
+            .iter()
+            .map(|d| d.to_string())
+            .collect();
+        let mut have = deps.clone();
+        want.sort();
+        have.sort();
+        if have != want {
+            problems.push(format!(
+                "the diagram says {m} -> {}, tests/architecture.rs allows {m} -> {}",
+                deps.join(", "),
+                want.join(", ")
+            ));
+        }
+    }
+    for m in listed.iter().filter(|m| !modules.contains(m)) {
+        problems.push(format!(
+            "the list names {m}, which is no `pub mod` of lib.rs"
+        ));
+    }
+    problems
+}
+
+/// The module diagram in `src/lib.rs` is the layout this file enforces: every `pub mod` is in
+/// it with exactly the modules [`allowed`] lets it use, and in the list below it; neither names
+/// a module that does not exist.
+#[test]
+fn the_crate_doc_shows_every_module_and_its_dependencies() {
+    let lib =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lib.rs")).unwrap();
+    assert!(lib_modules(&lib).len() >= 8, "{:?}", lib_modules(&lib));
+    let problems = layout_doc_problems(&lib);
+    assert!(
+        problems.is_empty(),
+        "src/lib.rs's doc comment does not match the layout:\n{}",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn the_crate_doc_check_catches_a_missing_or_unknown_module() {
+    let lib = "//! ```text\n//! api -> (none)\n//! nvidia -> api\n//! ghost -> api\n//! ```\n\
+               //!\n//! - [`api`]: names.\n//! - [`ghost`]: gone.\n\n\
+               pub mod api;\npub mod nvidia;\n";
+    assert_eq!(
+        layout_doc_problems(lib),
+        [
+            "module nvidia is missing from the list (- [`nvidia`]: ...)",
+            "the diagram names ghost, which is no `pub mod` of lib.rs",
+            "the list names ghost, which is no `pub mod` of lib.rs",
+        ]
+    );
+    let wrong = "//! ```text\n//! api -> nvidia\n//! ```\n//! - [`api`]: x\npub mod api;\n";
+    assert_eq!(
+        layout_doc_problems(wrong),
+        ["the diagram says api -> nvidia, tests/architecture.rs allows api -> "]
+    );
+    assert_eq!(
+        layout_doc_problems("//! no diagram\npub mod api;\n"),
+        ["no ```text diagram in the doc comment"]
     );
 }
