@@ -1,11 +1,20 @@
 //! gpu-sharing-operator: declare how NVIDIA GPUs are shared, and make the cluster match.
 //!
-//! Modules depend one way only (a test in `tests/architecture.rs` enforces it):
+//! Modules depend one way only: each module uses only the modules its line below names.
+//! `tests/architecture.rs` enforces it, and that these lines and the list below name every
+//! module. Read from the bottom up, the flow is api <- nvidia <- validate <- plan <- observe <-
+//! runtime / offline <- preview, with telemetry beside, using api only.
 //!
 //! ```text
-//! api  <-  nvidia  <-  validate  <-  plan  <-  observe  <-  runtime  <-  preview
-//!  ^                                             ^   <-  offline
-//!  +---------- telemetry (used by runtime) ------+
+//! api       -> (none)
+//! nvidia    -> api
+//! validate  -> api, nvidia
+//! plan      -> api, nvidia, validate
+//! observe   -> api, nvidia, validate, plan
+//! telemetry -> api
+//! runtime   -> api, nvidia, validate, plan, observe, telemetry
+//! offline   -> api, nvidia, validate, plan, observe
+//! preview   -> api, nvidia, validate, plan, observe, runtime
 //! ```
 //!
 //! - [`api`]: the `GpuSharingPolicy` resource, every label/annotation/finalizer/field-manager
@@ -19,7 +28,7 @@
 //! - [`runtime`]: watches, caches, appliers, finalizers, leader election.
 //! - [`telemetry`]: Prometheus metrics and health endpoints.
 //! - [`offline`]: `render` and the CRD reference.
-//! - [`preview`]: `plan`, the preview of policy files against the live cluster.
+//! - [`preview`]: `plan`, what applying policy files would change in a live cluster (read-only).
 
 pub mod api;
 pub mod nvidia;

@@ -13,6 +13,10 @@
 //! (`crate::plan::plan(..)`, `super::super::Labels`, types, macros).
 //! A path to the crate root itself (`use super::*;` in `src/api/mod.rs`) is a violation too: the
 //! names it brings in would then hide which module they come from.
+//!
+//! The same reading of paths checks the files inside each folder (no import cycle between
+//! siblings such as `plan/node.rs` and `plan/vm.rs`), and the module diagram in `src/lib.rs`
+//! is checked against [`allowed`] below. Functions longer than 100 lines are refused too.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -708,4 +712,415 @@ fn the_checker_accepts_legal_imports() {
             "src/{rel}: {text:?}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Files inside a folder
+
+/// Every file under `src/` but the entry points (lib.rs, main.rs, src/bin/), as its path under
+/// `src/` (`/`-separated) and its text, in path order.
+fn sources() -> Vec<(String, String)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    visit(&src, &mut files);
+    files.sort();
+    files
+        .into_iter()
+        .filter_map(|f| {
+            let rel = f.strip_prefix(&src).unwrap();
+            let rel: Vec<&str> = rel.iter().map(|c| c.to_str().unwrap()).collect();
+            if rel.len() == 1 || rel[0] == "bin" {
+                return None;
+            }
+            Some((rel.join("/"), std::fs::read_to_string(&f).unwrap()))
+        })
+        .collect()
+}
+
+/// One edge of the file graph: a path that file uses into a sibling file.
+#[derive(Debug, Clone)]
+struct FileEdge {
+    /// Where, e.g. `src/plan/node.rs:27: super::vm`.
+    at: String,
+}
+
+/// The import graph between sibling files: `plan/node -> plan/vm` when `src/plan/node.rs` uses
+/// a path into `crate::plan::vm` (its first such path is kept, to show). A folder's `mod.rs` is
+/// the folder's module itself (`crate::plan`), not one of its files: a path to what it declares
+/// (`super::NodeFacts`) is no edge, and its own paths (`self::node::X`) are not edges between
+/// files either. The module a path reaches is the longest module prefix of it that is a file.
+fn file_graph(files: &[(String, String)]) -> BTreeMap<String, BTreeMap<String, FileEdge>> {
+    let modules: std::collections::BTreeSet<Vec<String>> =
+        files.iter().map(|(rel, _)| module_of(rel)).collect();
+    let mut graph: BTreeMap<String, BTreeMap<String, FileEdge>> = BTreeMap::new();
+    for (rel, text) in files {
+        let module = module_of(rel);
+        if module.len() < 2 || rel.ends_with("/mod.rs") {
+            continue; // a top-level file or a folder's mod.rs: not a file among siblings
+        }
+        for r in references(&module, text) {
+            let Ok(target) = &r.target else { continue };
+            let Some(to) = (1..=target.len())
+                .rev()
+                .map(|k| target[..k].to_vec())
+                .find(|m| modules.contains(m))
+            else {
+                continue;
+            };
+            if to == module || to[..to.len() - 1] != module[..module.len() - 1] {
+                continue;
+            }
+            graph
+                .entry(module.join("/"))
+                .or_default()
+                .entry(to.join("/"))
+                .or_insert(FileEdge {
+                    at: format!(
+                        "src/{rel}:{}: {}",
+                        r.line,
+                        r.written.trim_end_matches("::self")
+                    ),
+                });
+        }
+    }
+    graph
+}
+
+/// The import cycles of a file graph, each as its files in order, with the edges that close
+/// it; cycles of strongly connected files (two files that reach each other are in one).
+fn file_cycles(graph: &BTreeMap<String, BTreeMap<String, FileEdge>>) -> Vec<String> {
+    let reach = |from: &str| {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut todo = vec![from.to_string()];
+        while let Some(v) = todo.pop() {
+            for w in graph.get(&v).into_iter().flat_map(|e| e.keys()) {
+                if seen.insert(w.clone()) {
+                    todo.push(w.clone());
+                }
+            }
+        }
+        seen
+    };
+    let mut done = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for v in graph.keys() {
+        if done.contains(v) {
+            continue;
+        }
+        let comp: Vec<&String> = reach(v)
+            .iter()
+            .filter_map(|w| graph.keys().find(|k| *k == w))
+            .filter(|w| reach(w).contains(v))
+            .collect();
+        if comp.is_empty() {
+            continue; // v does not reach itself
+        }
+        done.extend(comp.iter().map(|w| w.to_string()));
+        let names: Vec<&str> = comp.iter().map(|w| w.as_str()).collect();
+        let mut text = format!("cycle: {}", names.join(" <-> "));
+        for a in &comp {
+            for (b, e) in &graph[*a] {
+                if comp.contains(&b) {
+                    text.push_str(&format!("\n    {a} -> {b}  ({})", e.at));
+                }
+            }
+        }
+        out.push(text);
+    }
+    out
+}
+
+/// Inside every folder of `src/` the files depend one way too (as `python3 filecycles.py src`
+/// checks): a cycle such as `plan/node <-> plan/vm` means neither file can be read, tested or
+/// moved without the other. Test modules count (a test's import is an import).
+#[test]
+fn files_inside_a_folder_depend_one_way() {
+    let files = sources();
+    let graph = file_graph(&files);
+    let edges: usize = graph.values().map(BTreeMap::len).sum();
+    assert!(
+        edges >= 20,
+        "only {edges} edges between sibling files found"
+    );
+    let cycles = file_cycles(&graph);
+    assert!(
+        cycles.is_empty(),
+        "import cycles between the files of a folder (move what both sides need into a leaf \
+         file, or the consumer on top):\n{}",
+        cycles.join("\n")
+    );
+}
+
+#[test]
+fn the_file_checker_finds_cycles_through_any_path() {
+    let f = |rel: &str, text: &str| (rel.to_string(), text.to_string());
+    let files = [
+        f("plan/mod.rs", "use self::vm::X; pub struct Facts;"),
+        f("plan/node.rs", "use super::{Facts, vm::{self}};"),
+        f(
+            "plan/vm.rs",
+            "fn t() { crate::plan::rollout::Entry::new(); }",
+        ),
+        f(
+            "plan/rollout.rs",
+            "mod tests { use super::super::node::decide; }",
+        ),
+        f("plan/facts.rs", "use super::Facts;"),
+        f("runtime/apply.rs", "use crate::plan::node::X;"),
+    ];
+    let graph = file_graph(&files);
+    assert_eq!(
+        file_cycles(&graph),
+        ["cycle: plan/node <-> plan/rollout <-> plan/vm\n    \
+          plan/node -> plan/vm  (src/plan/node.rs:1: super::vm)\n    \
+          plan/rollout -> plan/node  (src/plan/rollout.rs:1: super::super::node::decide)\n    \
+          plan/vm -> plan/rollout  (src/plan/vm.rs:1: crate::plan::rollout::Entry::new)"]
+    );
+    // One way (mod.rs and other folders are not files among plan's siblings): no cycle.
+    let one_way = [
+        files[0].clone(),
+        files[1].clone(),
+        files[2].clone(),
+        files[4].clone(),
+    ];
+    assert_eq!(file_cycles(&file_graph(&one_way)), Vec::<String>::new());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Function length
+
+/// Every `fn` with a body in a source text: its name, first line and length in lines, from the
+/// line of `fn` to the line of its closing brace (attributes and doc comments not counted;
+/// braces in comments and literals do not count, the tokenizer skips them).
+fn function_lengths(text: &str) -> Vec<(String, usize, usize)> {
+    let toks = tokenize(text);
+    let mut out = Vec::new();
+    for (i, t) in toks.iter().enumerate() {
+        let named = toks.get(i + 1).is_some_and(|n| n.kind == Kind::Ident);
+        if t.kind != Kind::Ident || t.text != "fn" || !named {
+            continue; // not `fn name` (e.g. the pointer type `fn(u8)`)
+        }
+        // The body is the first `{` outside parentheses and brackets; `;` first: no body.
+        let mut j = i + 2;
+        let mut depth = 0i32;
+        while let Some(x) = toks.get(j) {
+            match x.text.as_str() {
+                "(" | "[" => depth += 1,
+                ")" | "]" => depth -= 1,
+                "{" | ";" if depth == 0 => break,
+                _ => {}
+            }
+            j += 1;
+        }
+        if toks.get(j).is_none_or(|x| x.text != "{") {
+            continue;
+        }
+        let mut braces = 0;
+        for x in &toks[j..] {
+            match (x.kind == Kind::Punct, x.text.as_str()) {
+                (true, "{") => braces += 1,
+                (true, "}") => {
+                    braces -= 1;
+                    if braces == 0 {
+                        out.push((toks[i + 1].text.clone(), t.line, x.line - t.line + 1));
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// The longest a function may be, in lines.
+const MAX_FN_LINES: usize = 100;
+
+/// No function in `src/` (the modules; the entry points lib.rs, main.rs and src/bin/ aside) is
+/// longer than [`MAX_FN_LINES`], unit tests included: a longer one does several things that
+/// deserve names.
+#[test]
+fn no_function_is_longer_than_the_limit() {
+    let mut all = Vec::new();
+    for (rel, text) in sources() {
+        for (name, line, lines) in function_lengths(&text) {
+            all.push((lines, format!("src/{rel}:{line}: fn {name}")));
+        }
+    }
+    assert!(all.len() >= 500, "only {} functions found", all.len());
+    all.sort_by(|a, b| b.cmp(a));
+    println!("longest: {} ({} lines)", all[0].1, all[0].0);
+    let over: Vec<String> = all
+        .iter()
+        .filter(|(n, _)| *n > MAX_FN_LINES)
+        .map(|(n, f)| format!("{f}: {n} lines"))
+        .collect();
+    assert!(
+        over.is_empty(),
+        "functions longer than {MAX_FN_LINES} lines (split them):\n{}",
+        over.join("\n")
+    );
+}
+
+#[test]
+fn function_lengths_count_from_fn_to_the_closing_brace() {
+    let text = "/// doc\n#[test]\nfn a() {\n    let s = \"}\"; // }\n    if x { y(); }\n}\n\
+                pub(crate) async fn b<T>(f: fn(u8) -> [u8; 2]) -> impl Fn() where T: X {\n}\n\
+                trait T { fn c(&self); fn d() { '}'; } }\n";
+    assert_eq!(
+        function_lengths(text),
+        [
+            ("a".to_string(), 3, 4),
+            ("b".to_string(), 7, 2),
+            ("d".to_string(), 9, 1)
+        ]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The crate's documented layout
+
+/// The `pub mod` names of `src/lib.rs`.
+fn lib_modules(lib: &str) -> Vec<String> {
+    let mut m: Vec<String> = lib
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub mod ")?.strip_suffix(';'))
+        .map(|m| m.trim().to_string())
+        .collect();
+    m.sort();
+    m
+}
+
+/// What the doc comment of `src/lib.rs` says of the modules: the diagram's lines (`plan ->
+/// api, nvidia, validate`; `-> (none)` for no dependency), each module with what it may use,
+/// and the modules its list describes (`- [`plan`]: ...`). Errors name the line they reject.
+#[allow(clippy::type_complexity)]
+fn documented_layout(lib: &str) -> Result<(BTreeMap<String, Vec<String>>, Vec<String>), String> {
+    let doc: Vec<&str> = lib
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("//!"))
+        .map(str::trim)
+        .collect();
+    let start = doc
+        .iter()
+        .position(|l| *l == "```text")
+        .ok_or("no ```text diagram in the doc comment")?;
+    let len = doc[start + 1..]
+        .iter()
+        .position(|l| *l == "```")
+        .ok_or("the ```text diagram does not end")?;
+    let mut diagram = BTreeMap::new();
+    for line in doc[start + 1..start + 1 + len]
+        .iter()
+        .filter(|l| !l.is_empty())
+    {
+        let (module, deps) = line.split_once("->").ok_or(format!(
+            "diagram line {line:?} is not `module -> dependencies`"
+        ))?;
+        let deps: Vec<String> = match deps.trim() {
+            "(none)" => Vec::new(),
+            d => d.split(',').map(|x| x.trim().to_string()).collect(),
+        };
+        if diagram.insert(module.trim().to_string(), deps).is_some() {
+            return Err(format!("the diagram has {} twice", module.trim()));
+        }
+    }
+    let mut listed: Vec<String> = doc
+        .iter()
+        .filter_map(|l| l.strip_prefix("- [`")?.split_once("`]"))
+        .map(|(m, _)| m.to_string())
+        .collect();
+    listed.sort();
+    Ok((diagram, listed))
+}
+
+/// The problems of the doc comment of `src/lib.rs` against its `pub mod`s and [`allowed`].
+fn layout_doc_problems(lib: &str) -> Vec<String> {
+    let modules = lib_modules(lib);
+    let (diagram, listed) = match documented_layout(lib) {
+        Ok(d) => d,
+        Err(e) => return vec![e],
+    };
+    let allowed = allowed();
+    let mut problems = Vec::new();
+    for m in &modules {
+        if !diagram.contains_key(m) {
+            problems.push(format!("module {m} is missing from the diagram"));
+        }
+        if !listed.contains(m) {
+            problems.push(format!(
+                "module {m} is missing from the list (- [`{m}`]: ...)"
+            ));
+        }
+    }
+    for (m, deps) in &diagram {
+        if !modules.contains(m) {
+            problems.push(format!(
+                "the diagram names {m}, which is no `pub mod` of lib.rs"
+            ));
+            continue;
+        }
+        let mut want: Vec<String> = allowed
+            .get(m.as_str())
+            .map_or(&[][..], |d| *d)
+            .iter()
+            .map(|d| d.to_string())
+            .collect();
+        let mut have = deps.clone();
+        want.sort();
+        have.sort();
+        if have != want {
+            problems.push(format!(
+                "the diagram says {m} -> {}, tests/architecture.rs allows {m} -> {}",
+                deps.join(", "),
+                want.join(", ")
+            ));
+        }
+    }
+    for m in listed.iter().filter(|m| !modules.contains(m)) {
+        problems.push(format!(
+            "the list names {m}, which is no `pub mod` of lib.rs"
+        ));
+    }
+    problems
+}
+
+/// The module diagram in `src/lib.rs` is the layout this file enforces: every `pub mod` is in
+/// it with exactly the modules [`allowed`] lets it use, and in the list below it; neither names
+/// a module that does not exist.
+#[test]
+fn the_crate_doc_shows_every_module_and_its_dependencies() {
+    let lib =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lib.rs")).unwrap();
+    assert!(lib_modules(&lib).len() >= 8, "{:?}", lib_modules(&lib));
+    let problems = layout_doc_problems(&lib);
+    assert!(
+        problems.is_empty(),
+        "src/lib.rs's doc comment does not match the layout:\n{}",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn the_crate_doc_check_catches_a_missing_or_unknown_module() {
+    let lib = "//! ```text\n//! api -> (none)\n//! nvidia -> api\n//! ghost -> api\n//! ```\n\
+               //!\n//! - [`api`]: names.\n//! - [`ghost`]: gone.\n\n\
+               pub mod api;\npub mod nvidia;\n";
+    assert_eq!(
+        layout_doc_problems(lib),
+        [
+            "module nvidia is missing from the list (- [`nvidia`]: ...)",
+            "the diagram names ghost, which is no `pub mod` of lib.rs",
+            "the list names ghost, which is no `pub mod` of lib.rs",
+        ]
+    );
+    let wrong = "//! ```text\n//! api -> nvidia\n//! ```\n//! - [`api`]: x\npub mod api;\n";
+    assert_eq!(
+        layout_doc_problems(wrong),
+        ["the diagram says api -> nvidia, tests/architecture.rs allows api -> "]
+    );
+    assert_eq!(
+        layout_doc_problems("//! no diagram\npub mod api;\n"),
+        ["no ```text diagram in the doc comment"]
+    );
 }

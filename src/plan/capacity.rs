@@ -8,13 +8,15 @@ use crate::api::crd::{
 };
 use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT};
 use crate::nvidia::mig::{self, MigProfile};
+use crate::nvidia::vgpu::VgpuConfigEntry;
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
 
 use super::NodeFacts;
+use super::facts::sandbox_resources;
+use super::policies::Prepared;
 
-pub fn label_i64(n: &NodeFacts, key: &str) -> Option<i64> {
-    n.labels.get(key).and_then(|v| v.parse().ok())
-}
+/// Moved to [`super::facts`] (node readings shared by the planner); kept here for callers.
+pub use super::facts::label_i64;
 
 /// GPUs a custom layout's groups list by index (a group without indices covers the rest).
 fn listed_gpus(groups: &[MigDeviceGroup]) -> i64 {
@@ -211,11 +213,8 @@ pub fn replicas_of(spec: &GpuSharingPolicySpec) -> i32 {
 /// each with its type's framebuffer (the smallest type's, when a layout mixes them). GPUs are
 /// counted from GPU Feature Discovery's label (left from the node's container days) or else the
 /// sandbox device plugin's allocatable.
-pub fn vm_capacity(p: &super::policies::Prepared, node: &NodeFacts) -> NodeCapacity {
-    let sandbox: i64 = super::vm::sandbox_resources(node)
-        .iter()
-        .map(|(_, c)| c)
-        .sum();
+pub fn vm_capacity(p: &Prepared, node: &NodeFacts) -> NodeCapacity {
+    let sandbox: i64 = sandbox_resources(node).iter().map(|(_, c)| c).sum();
     let gpus =
         label_i64(node, LABEL_GPU_COUNT).unwrap_or(if p.spec.strategy == Strategy::Passthrough {
             sandbox
@@ -226,7 +225,7 @@ pub fn vm_capacity(p: &super::policies::Prepared, node: &NodeFacts) -> NodeCapac
     if p.spec.strategy == Strategy::Passthrough {
         return cap(gpus, Some(gpus), mem, Some(100), true);
     }
-    let per_gpu = super::vm::vgpus_per_gpu(&p.vgpu_entries, gpus);
+    let per_gpu = vgpus_per_gpu(&p.vgpu_entries, gpus);
     let total = per_gpu.map(|v| v.iter().map(|(_, c)| c).sum::<i64>());
     let fb = p
         .vgpu_entries
@@ -236,6 +235,27 @@ pub fn vm_capacity(p: &super::policies::Prepared, node: &NodeFacts) -> NodeCapac
         .map(|t| t.framebuffer_mib())
         .min();
     cap(gpus, total, fb, None, true)
+}
+
+/// vGPU devices per GPU index under a policy's layout (`None`: the layout is unknown); every
+/// GPU of `gpus` for `devices: all`.
+pub fn vgpus_per_gpu(entries: &[VgpuConfigEntry], gpus: i64) -> Option<Vec<(i64, i64)>> {
+    if entries.is_empty() {
+        return None;
+    }
+    let mut out = Vec::new();
+    for g in 0..gpus {
+        let count: i64 = entries
+            .iter()
+            .filter(|e| match &e.devices {
+                nvidia::MigDevices::All(_) => e.device_filter.is_none(),
+                nvidia::MigDevices::Indices(d) => d.contains(&(g as i32)),
+            })
+            .map(|e| e.vgpu_devices.values().map(|c| i64::from(*c)).sum::<i64>())
+            .sum();
+        out.push((g, count));
+    }
+    Some(out)
 }
 
 /// What one applied node contributes to its policy's capacity.

@@ -7,7 +7,8 @@ use crate::api::names::*;
 use crate::nvidia::{self, mig};
 
 use super::NodeFacts;
-use super::capacity::{label_i64, profile_fits_memory};
+use super::capacity::profile_fits_memory;
+use super::facts::label_i64;
 
 /// Node-specific reasons a policy cannot be applied to a node.
 pub fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<String> {

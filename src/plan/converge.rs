@@ -7,12 +7,16 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use super::{Labels, NodeFacts, OwnedKeys, Plan, PlanInput, SmallMap};
+use super::facts::{gfd_behind, is_vm_host};
+use super::{Labels, NodeFacts, Plan, PlanInput, SmallMap};
 use crate::api::names::{
     LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT,
     LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY, LABEL_MIG_STATE, LABEL_VGPU_STATE,
 };
 use crate::nvidia::{self, DevicePluginConfig};
+
+/// Moved to [`super::facts`] (a leaf the per-node transition shares); kept here for callers.
+pub use super::facts::apply_to_node;
 
 /// More passes than any valid history needs: a MIG -> MPS change takes four per node, and a
 /// rollout with a budget of one node goes node by node.
@@ -37,31 +41,6 @@ pub struct Converged {
 pub struct NotConverged {
     pub passes: usize,
     pub nodes: Vec<String>,
-}
-
-/// Applies what a plan asks of one node the way server-side apply does for our field manager:
-/// keys we owned and no longer want are removed, wanted keys are set and become ours. Returns
-/// whether the node changed.
-pub fn apply_to_node(n: &mut NodeFacts, labels: &SmallMap, annotations: &SmallMap) -> bool {
-    let a = own(&mut n.annotations, &mut n.owned_annotations, annotations);
-    let l = own(&mut n.labels, &mut n.owned, labels);
-    a || l
-}
-
-/// Server-side apply of `want` onto one map our field manager owns `owned` of. Returns whether
-/// the map changed.
-fn own(have: &mut Labels, owned: &mut OwnedKeys, want: &SmallMap) -> bool {
-    let before = have.clone();
-    for k in *owned {
-        if !want.contains_key(&k) {
-            have.remove(&k);
-        }
-    }
-    for (k, v) in want {
-        have.insert(k.as_str(), v.as_str());
-    }
-    *owned = want.keys().collect();
-    before != *have
 }
 
 /// Applies a plan to the state it was made from: our ConfigMaps and the nodes. Returns the
@@ -114,7 +93,7 @@ pub const SANDBOX_RESOURCE: &str = "nvidia.com/sandbox-gpu";
 /// deployed) advertise what they serve: the allocatable the converged view needs. `serves` is
 /// what the device plugin advertises under the node's policy, when known.
 fn plugins_advertise(n: &NodeFacts, serves: Option<super::capacity::Advertised>) -> Labels {
-    let vm = super::vm::is_vm_host(n);
+    let vm = is_vm_host(n);
     let dp_off = vm || n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) == Some("false");
     let serves = serves.filter(|_| !dp_off);
     let mut alloc: Labels = n
@@ -165,7 +144,7 @@ pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
             Arc::make_mut(n).allocatable = alloc;
             changed.insert(n.name.clone());
         }
-        if super::vm::is_vm_host(n) {
+        if is_vm_host(n) {
             if labels != n.labels {
                 Arc::make_mut(n).labels = labels;
                 changed.insert(n.name.clone());
@@ -183,7 +162,7 @@ pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
         let replicas = replicas.to_string();
         let stale = labels.get(LABEL_GPU_REPLICAS) != Some(replicas.as_str())
             || labels.get(LABEL_GPU_SHARING_STRATEGY) != Some(strategy)
-            || super::node::gfd_behind(n, written).is_some()
+            || gfd_behind(n, written).is_some()
             || labels.get(LABEL_GFD_TIMESTAMP).is_none();
         if stale {
             labels.insert(LABEL_GPU_REPLICAS, replicas);

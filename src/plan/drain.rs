@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use crate::api::names::ANNOTATION_CORDONED;
 use crate::api::state::NodeState;
 
+use super::node::Entry;
 use super::policies::Prepared;
-use super::rollout::Entry;
 use super::{Labels, PlanInput, selector_matches};
 
 /// One node's drain: the pods to evict, and those `disruption.neverEvict` protects.

@@ -3,6 +3,13 @@
 //! No I/O and no clock: the same input gives the same plan, and planning the state a plan
 //! produces gives the same plan again (idempotence). The controller reads its caches into a
 //! [`PlanInput`], calls [`plan`], and applies the difference.
+//!
+//! The files of `plan/` depend one way (`tests/architecture.rs` checks it), each on files
+//! listed before it only: the leaves [`labels`], [`taint`], [`facts`] (node readings) and
+//! [`decision`] (the transition's vocabulary); then [`policies`], [`capacity`], [`outputs`],
+//! [`compat`], [`vm`] (the VM transition), [`node`] (the per-node transition, dispatching to
+//! `vm`), [`drain`], [`rollout`], [`status`]; and [`converge`], a consumer of [`plan`], on top.
+//! What this file declares ([`NodeFacts`], [`PlanInput`], ...) all of them share.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -18,7 +25,9 @@ use crate::validate::FieldError;
 pub mod capacity;
 pub mod compat;
 pub mod converge;
+pub mod decision;
 pub mod drain;
+pub mod facts;
 pub mod labels;
 pub mod node;
 pub mod outputs;
@@ -34,7 +43,7 @@ pub use labels::{
 };
 pub use status::MAX_NODE_DETAILS;
 
-use node::{Decision, Env};
+use decision::{Decision, Env};
 use policies::Prepared;
 use status::{Cluster, Placement, Tally};
 
@@ -132,7 +141,7 @@ pub struct PlanInput {
     /// Nodes whose `nvidia.com/vgpu.config.state` has said `pending` past the timeout.
     pub vgpu_stuck: BTreeSet<String>,
     /// The ClusterPolicy's sandbox settings.
-    pub sandbox: vm::Sandbox,
+    pub sandbox: decision::Sandbox,
     /// NVIDIA's named vGPU-devices configs (the GPU Operator's `default-vgpu-devices-config`,
     /// else the embedded copy).
     pub base_vgpu_configs: Arc<BTreeMap<String, serde_json::Value>>,
@@ -168,7 +177,7 @@ impl PlanInput {
             gpu_operator_namespace_missing: None,
             vm_pods: BTreeMap::new(),
             vgpu_stuck: BTreeSet::new(),
-            sandbox: vm::Sandbox::default(),
+            sandbox: decision::Sandbox::default(),
             base_vgpu_configs: nvidia::vgpu::default_vgpu_configs(),
             current_vgpu_configs: BTreeMap::new(),
             vgpu_configmap_name: VGPU_DEVICES_CONFIGMAP.into(),
@@ -276,7 +285,7 @@ fn plan_nodes<'n>(
     winner: &BTreeMap<&str, usize>,
 ) -> NodePlans<'n> {
     let hashes = layout_hashes(prepared, input);
-    let mut entries: Vec<rollout::Entry<'n>> = Vec::with_capacity(nodes.len());
+    let mut entries: Vec<node::Entry<'n>> = Vec::with_capacity(nodes.len());
     for n in nodes {
         let wi = winner.get(n.name.as_str()).copied();
         let policy = wi.map(|i| &prepared[i]);
@@ -306,7 +315,7 @@ fn plan_nodes<'n>(
         };
         let decision = node::decide(n, policy, &env);
         let hold = matches!(decision, Decision::Hold { .. });
-        entries.push(rollout::Entry {
+        entries.push(node::Entry {
             node: n,
             policy: wi,
             hold,
@@ -321,7 +330,7 @@ fn plan_nodes<'n>(
     for (i, p) in progress {
         out.tallies.entry(i).or_default().rollout = Some(p);
     }
-    for rollout::Entry {
+    for node::Entry {
         node: n,
         policy: wi,
         hold,

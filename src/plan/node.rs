@@ -21,104 +21,17 @@ use crate::api::state::NodeState;
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::NodeFacts;
-use super::capacity::{label_i64, replicas_of};
+use super::capacity::replicas_of;
 use super::compat::node_rejection;
+use super::decision::{Mig, busy_msg, hold, write};
+use super::facts::{is_vm_host, label_i64};
 use super::policies::Prepared;
 use super::vm;
 
-/// What the transition knows besides the node and its policy.
-pub struct Env<'a> {
-    /// Pods using GPUs on this node.
-    pub gpu_pods: &'a [String],
-    /// The node's MIG state has said `pending` for longer than the MIG timeout.
-    pub mig_stuck: bool,
-    /// Unix seconds, recorded when the device-plugin config label changes.
-    pub now: i64,
-    /// What a layout name means now, as a content hash (`None`: unknown, or `all-disabled`).
-    pub layout_hash: &'a dyn Fn(&str) -> Option<String>,
-    /// Allocated `gpu.nvidia.com` ResourceClaims on this node (`namespace/name`).
-    pub dra_claims: &'a [String],
-    /// The GPU Operator's DRA-only `GPUCluster`, when one exists: no device plugin to configure.
-    pub gpu_cluster: Option<&'a str>,
-    /// Pods on this node using the sandbox device plugin's resources (VMs).
-    pub vm_pods: &'a [String],
-    /// The node's `nvidia.com/vgpu.config.state` has said `pending` past the timeout.
-    pub vgpu_stuck: bool,
-    /// The ClusterPolicy's sandbox settings.
-    pub sandbox: &'a super::vm::Sandbox,
-    /// Named mig-parted layouts (what the device plugin will advertise under a named layout).
-    pub mig_layouts: Option<&'a std::collections::BTreeMap<String, serde_json::Value>>,
-}
-
-impl Env<'_> {
-    /// An environment with nothing in it (no pods, no claims), for offline planning and tests.
-    pub fn idle(now: i64, layout_hash: &dyn Fn(&str) -> Option<String>) -> Env<'_> {
-        Env {
-            gpu_pods: &[],
-            mig_stuck: false,
-            now,
-            layout_hash,
-            dra_claims: &[],
-            gpu_cluster: None,
-            vm_pods: &[],
-            vgpu_stuck: false,
-            sandbox: &NO_SANDBOX,
-            mig_layouts: None,
-        }
-    }
-}
-
-/// ClusterPolicy sandbox settings nobody configured.
-static NO_SANDBOX: super::vm::Sandbox = super::vm::Sandbox {
-    mode: None,
-    vgpu_manager_enabled: false,
-};
-
-/// What to do with a node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
-    /// No policy governs it: give back what we own (a MIG layout we set goes to `all-disabled`).
-    Release,
-    /// Leave every label and annotation we own exactly as it is.
-    Hold { state: NodeState, message: String },
-    /// Own these labels (besides the policy label).
-    Write {
-        state: NodeState,
-        message: String,
-        device_config: String,
-        mig_layout: Option<String>,
-        /// Own `nvidia.com/gpu.deploy.device-plugin=false` (a DRA policy's node).
-        device_plugin_off: bool,
-        /// Own `nvidia.com/gpu.workload.config` with this value.
-        workload: Option<&'static str>,
-        /// Own `nvidia.com/vgpu.config` with this value (a vGPU policy's node).
-        vgpu_config: Option<String>,
-    },
-}
-
-pub(super) fn hold(state: NodeState, message: impl Into<String>) -> Decision {
-    Decision::Hold {
-        state,
-        message: message.into(),
-    }
-}
-
-pub(super) fn write(
-    state: NodeState,
-    message: impl Into<String>,
-    dp: &str,
-    mig: Option<String>,
-) -> Decision {
-    Decision::Write {
-        state,
-        message: message.into(),
-        device_config: dp.to_string(),
-        mig_layout: mig,
-        device_plugin_off: false,
-        workload: None,
-        vgpu_config: None,
-    }
-}
+// The transition's vocabulary lives in a leaf file that the VM transition shares; `gfd_behind`
+// in the node readings. Kept here for callers.
+pub use super::decision::{Decision, Env};
+pub use super::facts::gfd_behind;
 
 /// We switched the node's device plugin off (and it still is).
 fn device_plugin_off_by_us(n: &NodeFacts) -> bool {
@@ -180,36 +93,6 @@ fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Decisio
     }
 }
 
-/// Why a MIG change waits on this node.
-pub(super) fn busy_msg(pods: &[String]) -> String {
-    format!("WaitingForIdleGPUs: pods using GPUs: {}", pods.join(", "))
-}
-
-/// The node's current MIG situation.
-pub(super) struct Mig<'n> {
-    pub layout: Option<&'n str>,
-    pub state: Option<&'n str>,
-}
-
-impl<'n> Mig<'n> {
-    pub fn of(n: &'n NodeFacts) -> Self {
-        Mig {
-            layout: n.labels.get(LABEL_MIG_CONFIG),
-            state: n.labels.get(LABEL_MIG_STATE),
-        }
-    }
-
-    /// `layout` is on the node and the MIG manager confirmed it.
-    fn done(&self, layout: &str) -> bool {
-        self.layout == Some(layout) && self.state == Some("success")
-    }
-
-    /// The MIG manager failed on the current layout, or it stayed pending past the timeout.
-    pub fn failed(&self, env: &Env) -> bool {
-        self.state == Some("failed") || env.mig_stuck && self.state == Some("pending")
-    }
-}
-
 /// The transition of one node (see the module documentation).
 pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
     let Some(w) = policy else {
@@ -233,7 +116,7 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
     if let Some(reason) = rejection {
         return hold(NodeState::Rejected, reason);
     }
-    if !vm_strategy && vm::is_vm_host(n) && !n.owned.contains(LABEL_WORKLOAD) {
+    if !vm_strategy && is_vm_host(n) && !n.owned.contains(LABEL_WORKLOAD) {
         return hold(
             NodeState::Rejected,
             format!(
@@ -258,7 +141,7 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             .is_some_and(|m| m.proceed_with_busy_gpus);
     let d = match w.spec.strategy {
         _ if vm_strategy => vm::decide(n, w, env, busy),
-        _ if vm::is_vm_host(n) => vm::leave(n, env).expect("a VM host we labelled"),
+        _ if is_vm_host(n) => vm::leave(n, env).expect("a VM host we labelled"),
         Strategy::Mig => decide_mig(n, w, env, busy),
         _ => decide_sharing(n, w, env, busy),
     };
@@ -271,7 +154,7 @@ fn keep_container_workload(n: &NodeFacts, mut d: Decision) -> Decision {
     if let Decision::Write { workload, .. } = &mut d
         && workload.is_none()
         && n.owned.contains(LABEL_WORKLOAD)
-        && !vm::is_vm_host(n)
+        && !is_vm_host(n)
     {
         *workload = Some("container");
     }
@@ -433,6 +316,16 @@ pub struct Outcome {
     pub annotations: super::SmallMap,
 }
 
+/// One governed node's plan, as the per-node transition made it, before the rollout gate.
+pub struct Entry<'n> {
+    pub node: &'n NodeFacts,
+    /// Index of the governing policy (precedence order).
+    pub policy: Option<usize>,
+    /// The transition holds the node as it is.
+    pub hold: bool,
+    pub outcome: Outcome,
+}
+
 /// Turns a decision into the labels and annotations we want to own, and downgrades `Applied` to
 /// `Pending` until NVIDIA's components confirm it.
 pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision) -> Outcome {
@@ -500,7 +393,7 @@ fn released(n: &NodeFacts, env: &Env) -> Outcome {
         labels.insert(LABEL_DEPLOY_DEVICE_PLUGIN.into(), "false".into());
     }
     // A VM host we made stays one while VMs use its GPUs.
-    if vm::is_vm_host(n) && n.owned.contains(LABEL_WORKLOAD) && !env.vm_pods.is_empty() {
+    if is_vm_host(n) && n.owned.contains(LABEL_WORKLOAD) && !env.vm_pods.is_empty() {
         for key in [LABEL_WORKLOAD, LABEL_VGPU_CONFIG] {
             if let Some(v) = n.labels.get(key).filter(|_| n.owned.contains(key)) {
                 labels.insert(key.into(), v.into());
@@ -524,15 +417,6 @@ fn keep<T: FromIterator<(String, String)>>(owned: &super::OwnedKeys, have: &supe
 /// The labels we own on a node now.
 pub fn owned_labels(n: &NodeFacts) -> super::SmallMap {
     keep(&n.owned, &n.labels)
-}
-
-/// When GPU Feature Discovery stamps the node and has not relabelled it since our device-plugin
-/// config write at `written` (unix seconds): that write. A node GFD does not stamp is never
-/// behind.
-pub fn gfd_behind(n: &NodeFacts, written: Option<&str>) -> Option<i64> {
-    let w = written?.parse::<i64>().ok()?;
-    let t = label_i64(n, LABEL_GFD_TIMESTAMP)?;
-    (t <= w).then_some(w)
 }
 
 fn held(n: &NodeFacts, state: NodeState, message: String) -> Outcome {
@@ -1031,7 +915,7 @@ mod tests {
             for _ in 0..4 {
                 let d = decide(&n, Some(w), &env);
                 let o = outcome(&n, Some(w), &env, d);
-                crate::plan::converge::apply_to_node(&mut n, &o.labels, &o.annotations);
+                crate::plan::facts::apply_to_node(&mut n, &o.labels, &o.annotations);
                 if n.labels.get(LABEL_MIG_STATE) == Some("pending") {
                     n.labels.insert(LABEL_MIG_STATE, "success");
                     n.owned.remove(LABEL_MIG_STATE);
@@ -1153,5 +1037,277 @@ mod tests {
         let o = step(&fresh, &mps[0], &dra_only);
         assert_eq!(o.state, Some(NodeState::Rejected));
         assert!(o.message.contains("GPUCluster cluster"), "{}", o.message);
+    }
+}
+
+/// The VM transition (`vm.rs`) as the planner runs it: through this file's [`decide`] and
+/// [`outcome`], which dispatch to it. Here rather than in `vm.rs`, so that `vm` never imports
+/// `node`.
+#[cfg(test)]
+mod vm_tests {
+    use super::*;
+    use crate::api::crd::GpuSharingPolicy;
+    use crate::plan::decision::Sandbox;
+    use crate::plan::policies::{check_vgpu_types, prepare_all};
+
+    fn policy(name: &str, spec: &str) -> GpuSharingPolicy {
+        let text = format!(
+            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{}}\n{spec}"
+        );
+        crate::api::yaml::from_str(&text).unwrap()
+    }
+
+    const VGPU: &str = "  strategy: vgpu\n  vgpu: {type: A100D-1-10C}\n";
+    const PASS: &str = "  strategy: passthrough\n";
+    const TS: &str = "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n";
+
+    /// An A100 80GB node; managed labels present are ours unless listed in `foreign`.
+    fn node(labels: &[(&str, &str)]) -> NodeFacts {
+        let mut n = NodeFacts {
+            name: "n".into(),
+            ..Default::default()
+        };
+        for (k, v) in [
+            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"),
+            ("nvidia.com/gpu.count", "8"),
+            ("nvidia.com/gpu.memory", "81920"),
+            ("nvidia.com/mig.capable", "true"),
+        ]
+        .iter()
+        .chain(labels)
+        {
+            n.labels.insert(*k, *v);
+            n.owned.insert(*k);
+        }
+        n
+    }
+
+    struct Case<'a> {
+        env: Env<'a>,
+    }
+
+    fn step(n: &NodeFacts, p: Option<&Prepared>, c: &Case) -> Outcome {
+        let d = crate::plan::node::decide(n, p, &c.env);
+        outcome(n, p, &c.env, d)
+    }
+
+    /// Applies an outcome's labels the way the API server does for our field manager.
+    fn apply(n: &mut NodeFacts, o: &Outcome) {
+        crate::plan::facts::apply_to_node(n, &o.labels, &o.annotations);
+    }
+
+    fn is_vm_and_container_at_once(n: &NodeFacts) -> bool {
+        let sharing = n
+            .labels
+            .get(LABEL_DEVICE_PLUGIN_CONFIG)
+            .is_some_and(|k| k != DEFAULT_KEY);
+        let mig_on = n
+            .labels
+            .get(LABEL_MIG_CONFIG)
+            .is_some_and(|l| l != MIG_DISABLED_LAYOUT)
+            || n.labels.get(LABEL_MIG_CONFIG) == Some(MIG_DISABLED_LAYOUT)
+                && n.labels.get(LABEL_MIG_STATE) == Some("pending");
+        is_vm_host(n) && (sharing || mig_on)
+    }
+
+    #[test]
+    fn container_to_vgpu_and_back_never_mixes_the_two() {
+        let hash = |_: &str| None;
+        let sandbox = Sandbox {
+            mode: None,
+            vgpu_manager_enabled: true,
+        };
+        let policies = vec![policy("v", VGPU), policy("t", TS)];
+        let mut prepared = prepare_all(&policies, None);
+        check_vgpu_types(&mut prepared, &crate::nvidia::vgpu::default_vgpu_configs());
+        let (v, t) = (
+            prepared.iter().find(|p| p.name == "v").unwrap(),
+            prepared.iter().find(|p| p.name == "t").unwrap(),
+        );
+        assert!(v.errors.is_empty(), "{:?}", v.errors);
+        assert_eq!(v.vgpu_entries.len(), 1);
+        let key = t.key.clone().unwrap();
+        let case = |pods: &'static [String], vm: &'static [String]| Case {
+            env: Env {
+                gpu_pods: pods,
+                vm_pods: vm,
+                sandbox: &sandbox,
+                ..Env::idle(100, &hash)
+            },
+        };
+        let busy: &'static [String] = Box::leak(vec!["team/cuda".to_string()].into_boxed_slice());
+        let vms: &'static [String] =
+            Box::leak(vec!["vms/virt-launcher-a".to_string()].into_boxed_slice());
+        let idle = case(&[], &[]);
+
+        // A time-sliced MIG node (MIG on): the VM policy waits for idle GPUs, then takes sharing
+        // and MIG off, and only after the MIG manager confirmed writes the workload label.
+        let mut n = node(&[
+            (LABEL_DEVICE_PLUGIN_CONFIG, &key),
+            (LABEL_MIG_CONFIG, "all-1g.10gb"),
+            (LABEL_MIG_STATE, "success"),
+        ]);
+        assert_eq!(
+            step(&n, Some(v), &case(busy, &[])).state,
+            Some(NodeState::Waiting)
+        );
+        let mut history = vec![n.labels.clone()];
+        for round in 0..6 {
+            let o = step(&n, Some(v), &idle);
+            apply(&mut n, &o);
+            history.push(n.labels.clone());
+            assert!(
+                !is_vm_and_container_at_once(&n),
+                "round {round}: {:?}",
+                n.labels
+            );
+            // The MIG manager and the vGPU Device Manager confirm what is pending.
+            for (cfg, state) in [
+                (LABEL_MIG_CONFIG, LABEL_MIG_STATE),
+                (LABEL_VGPU_CONFIG, LABEL_VGPU_STATE),
+            ] {
+                if n.labels.get(state) == Some("pending") && n.labels.contains_key(cfg) {
+                    n.labels.insert(state, "success");
+                    n.owned.remove(state);
+                }
+            }
+            if is_vm_host(&n) {
+                n.allocatable = [("nvidia.com/NVIDIA_A100D-1-10C", "56")]
+                    .into_iter()
+                    .collect();
+            }
+            history.push(n.labels.clone());
+        }
+        let o = step(&n, Some(v), &idle);
+        assert_eq!(
+            o.state,
+            Some(NodeState::Applied),
+            "{}: {:?}",
+            o.message,
+            n.labels
+        );
+        assert_eq!(n.labels.get(LABEL_WORKLOAD), Some("vm-vgpu"));
+        assert_eq!(n.labels.get(LABEL_VGPU_CONFIG), Some("A100D-1-10C"));
+        assert_eq!(n.labels.get(LABEL_MIG_CONFIG), Some(MIG_DISABLED_LAYOUT));
+        assert_eq!(n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG), Some(DEFAULT_KEY));
+        // The workload label came only after MIG was confirmed off.
+        let first_vm = history
+            .iter()
+            .position(|l| l.get(LABEL_WORKLOAD).is_some())
+            .unwrap();
+        assert_eq!(history[first_vm - 1].get(LABEL_MIG_STATE), Some("success"));
+
+        back_to_containers(&mut n, t, &key, &case(&[], &[]), &case(&[], vms));
+    }
+
+    /// The VM host `n` goes back to the container policy `t` (whose key is `key`).
+    fn back_to_containers(n: &mut NodeFacts, t: &Prepared, key: &str, idle: &Case, vms: &Case) {
+        // Not while a VM runs; then `container` with sharing off first.
+        let o = step(n, Some(t), vms);
+        assert_eq!(o.state, Some(NodeState::Waiting));
+        assert!(o.message.contains("virt-launcher"), "{}", o.message);
+        let o = outcome(n, None, &vms.env, Decision::Release);
+        assert_eq!(
+            o.labels.get(LABEL_WORKLOAD).map(String::as_str),
+            Some("vm-vgpu"),
+            "kept while VMs run"
+        );
+        let o = step(n, Some(t), idle);
+        assert_eq!(
+            o.labels.get(LABEL_WORKLOAD).map(String::as_str),
+            Some("container")
+        );
+        assert_eq!(
+            o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).map(String::as_str),
+            Some(DEFAULT_KEY)
+        );
+        assert_eq!(
+            o.labels.get(LABEL_VGPU_CONFIG),
+            None,
+            "the vGPU config goes with it"
+        );
+        apply(n, &o);
+        n.allocatable = Labels::default();
+        let o = step(n, Some(t), idle);
+        assert_eq!(
+            o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG),
+            Some(&key.to_string()),
+            "sharing follows"
+        );
+        assert_eq!(
+            o.labels.get(LABEL_WORKLOAD).map(String::as_str),
+            Some("container")
+        );
+    }
+
+    use crate::plan::Labels;
+
+    #[test]
+    fn what_cannot_work_is_rejected_with_the_field_named() {
+        let hash = |_: &str| None;
+        let policies = vec![
+            policy("v", VGPU),
+            policy("p", PASS),
+            policy(
+                "l4",
+                "  strategy: vgpu\n  vgpu: {customLayout: [{vgpuDevices: {L4-12Q: 2}}]}\n",
+            ),
+            policy(
+                "big",
+                "  strategy: vgpu\n  vgpu: {customLayout: [{vgpuDevices: {A100D-40C: 3}}]}\n",
+            ),
+            policy("unknown", "  strategy: vgpu\n  vgpu: {type: A100D-99C}\n"),
+        ];
+        let mut prepared = prepare_all(&policies, None);
+        check_vgpu_types(&mut prepared, &crate::nvidia::vgpu::default_vgpu_configs());
+        let get = |name: &str| prepared.iter().find(|p| p.name == name).unwrap();
+        let unknown = get("unknown");
+        assert_eq!(unknown.errors[0].path, "spec.vgpu.type");
+        let n = node(&[]);
+        let reject = |p: &Prepared, s: &Sandbox| {
+            let env = Env {
+                sandbox: s,
+                ..Env::idle(1, &hash)
+            };
+            match crate::plan::node::decide(&n, Some(p), &env) {
+                Decision::Hold {
+                    state: NodeState::Rejected,
+                    message,
+                } => Some(message),
+                _ => None,
+            }
+        };
+        let ok = Sandbox {
+            mode: None,
+            vgpu_manager_enabled: true,
+        };
+        assert_eq!(reject(get("v"), &ok), None);
+        assert_eq!(reject(get("p"), &ok), None);
+        let kata = Sandbox {
+            mode: Some("kata".into()),
+            vgpu_manager_enabled: true,
+        };
+        assert!(
+            reject(get("p"), &kata)
+                .unwrap()
+                .contains("spec.sandboxWorkloads.mode")
+        );
+        let no_manager = Sandbox::default();
+        assert!(
+            reject(get("v"), &no_manager)
+                .unwrap()
+                .contains("spec.vgpuManager.enabled")
+        );
+        assert_eq!(
+            reject(get("p"), &no_manager),
+            None,
+            "passthrough needs no vGPU Manager"
+        );
+        assert!(reject(get("l4"), &ok).unwrap().contains("L4"));
+        let m = reject(get("big"), &ok).unwrap();
+        assert!(
+            m.contains("120 GB of framebuffer per GPU, the GPU has 80 GB"),
+            "{m}"
+        );
     }
 }

@@ -9,7 +9,7 @@ use crate::api::crd::MigStrategy;
 use crate::api::names::*;
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::capacity::label_i64;
+use super::facts::label_i64;
 use super::policies::Prepared;
 use super::{NodeFacts, PlanInput};
 

@@ -23,9 +23,14 @@ use crate::api::state::NodeState;
 use crate::nvidia::DEFAULT_KEY;
 
 use super::drain::{Drain, drain_nodes};
-use super::node::{Outcome, gfd_behind, owned_labels};
+use super::facts::{gfd_behind, is_vm_host, sandbox_resources};
+use super::node::{Outcome, owned_labels};
 use super::policies::Prepared;
 use super::{NodeFacts, PlanInput};
+
+/// Defined with the per-node transition that makes it (drains read it too); kept here for
+/// callers.
+pub use super::node::Entry;
 
 /// Default budget when `spec.rollout.maxUnavailable` is unset: 25% of the policy's nodes.
 const DEFAULT_PERCENT: u64 = 25;
@@ -114,16 +119,6 @@ impl std::fmt::Display for Mark {
     }
 }
 
-/// One governed node's plan, as the per-node transition made it, before the rollout gate.
-pub struct Entry<'n> {
-    pub node: &'n NodeFacts,
-    /// Index of the governing policy (precedence order).
-    pub policy: Option<usize>,
-    /// The transition holds the node as it is.
-    pub hold: bool,
-    pub outcome: Outcome,
-}
-
 /// Where a policy's rollout stands after the gate.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Progress {
@@ -160,11 +155,10 @@ fn last_change_unconfirmed(n: &NodeFacts) -> bool {
     let pending = |config: &str, state: &str| {
         n.owned.contains(config) && n.labels.get(state) == Some("pending")
     };
-    let vm = super::vm::is_vm_host(n);
+    let vm = is_vm_host(n);
     let gfd = !vm && gfd_behind(n, n.annotations.get(ANNOTATION_CONFIG_WRITTEN)).is_some();
     // A VM host of ours is confirmed by the sandbox device plugin advertising its GPUs.
-    let sandbox =
-        vm && n.owned.contains(LABEL_WORKLOAD) && super::vm::sandbox_resources(n).is_empty();
+    let sandbox = vm && n.owned.contains(LABEL_WORKLOAD) && sandbox_resources(n).is_empty();
     gfd || sandbox
         || pending(LABEL_MIG_CONFIG, LABEL_MIG_STATE)
         || pending(LABEL_VGPU_CONFIG, LABEL_VGPU_STATE)

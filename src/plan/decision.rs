@@ -1,0 +1,144 @@
+//! What the per-node transition decides ([`Decision`]) and what it decides from besides the
+//! node and its policy ([`Env`], the ClusterPolicy's [`Sandbox`] settings, the node's MIG
+//! situation). The container transition (`node.rs`) and the VM transition (`vm.rs`) both speak
+//! this vocabulary; keeping it in this leaf lets `node` call into `vm` without `vm` importing
+//! `node` back.
+
+use crate::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE};
+use crate::api::state::NodeState;
+
+use super::NodeFacts;
+
+/// What the ClusterPolicy says about sandbox workloads (the fields the operator cannot set for
+/// the user).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Sandbox {
+    /// `spec.sandboxWorkloads.mode` (`kubevirt` when absent).
+    pub mode: Option<String>,
+    /// `spec.vgpuManager.enabled`.
+    pub vgpu_manager_enabled: bool,
+}
+
+/// What the transition knows besides the node and its policy.
+pub struct Env<'a> {
+    /// Pods using GPUs on this node.
+    pub gpu_pods: &'a [String],
+    /// The node's MIG state has said `pending` for longer than the MIG timeout.
+    pub mig_stuck: bool,
+    /// Unix seconds, recorded when the device-plugin config label changes.
+    pub now: i64,
+    /// What a layout name means now, as a content hash (`None`: unknown, or `all-disabled`).
+    pub layout_hash: &'a dyn Fn(&str) -> Option<String>,
+    /// Allocated `gpu.nvidia.com` ResourceClaims on this node (`namespace/name`).
+    pub dra_claims: &'a [String],
+    /// The GPU Operator's DRA-only `GPUCluster`, when one exists: no device plugin to configure.
+    pub gpu_cluster: Option<&'a str>,
+    /// Pods on this node using the sandbox device plugin's resources (VMs).
+    pub vm_pods: &'a [String],
+    /// The node's `nvidia.com/vgpu.config.state` has said `pending` past the timeout.
+    pub vgpu_stuck: bool,
+    /// The ClusterPolicy's sandbox settings.
+    pub sandbox: &'a Sandbox,
+    /// Named mig-parted layouts (what the device plugin will advertise under a named layout).
+    pub mig_layouts: Option<&'a std::collections::BTreeMap<String, serde_json::Value>>,
+}
+
+impl Env<'_> {
+    /// An environment with nothing in it (no pods, no claims), for offline planning and tests.
+    pub fn idle(now: i64, layout_hash: &dyn Fn(&str) -> Option<String>) -> Env<'_> {
+        Env {
+            gpu_pods: &[],
+            mig_stuck: false,
+            now,
+            layout_hash,
+            dra_claims: &[],
+            gpu_cluster: None,
+            vm_pods: &[],
+            vgpu_stuck: false,
+            sandbox: &NO_SANDBOX,
+            mig_layouts: None,
+        }
+    }
+}
+
+/// ClusterPolicy sandbox settings nobody configured.
+static NO_SANDBOX: Sandbox = Sandbox {
+    mode: None,
+    vgpu_manager_enabled: false,
+};
+
+/// What to do with a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// No policy governs it: give back what we own (a MIG layout we set goes to `all-disabled`).
+    Release,
+    /// Leave every label and annotation we own exactly as it is.
+    Hold { state: NodeState, message: String },
+    /// Own these labels (besides the policy label).
+    Write {
+        state: NodeState,
+        message: String,
+        device_config: String,
+        mig_layout: Option<String>,
+        /// Own `nvidia.com/gpu.deploy.device-plugin=false` (a DRA policy's node).
+        device_plugin_off: bool,
+        /// Own `nvidia.com/gpu.workload.config` with this value.
+        workload: Option<&'static str>,
+        /// Own `nvidia.com/vgpu.config` with this value (a vGPU policy's node).
+        vgpu_config: Option<String>,
+    },
+}
+
+pub(super) fn hold(state: NodeState, message: impl Into<String>) -> Decision {
+    Decision::Hold {
+        state,
+        message: message.into(),
+    }
+}
+
+pub(super) fn write(
+    state: NodeState,
+    message: impl Into<String>,
+    dp: &str,
+    mig: Option<String>,
+) -> Decision {
+    Decision::Write {
+        state,
+        message: message.into(),
+        device_config: dp.to_string(),
+        mig_layout: mig,
+        device_plugin_off: false,
+        workload: None,
+        vgpu_config: None,
+    }
+}
+
+/// Why a MIG change waits on this node.
+pub(super) fn busy_msg(pods: &[String]) -> String {
+    format!("WaitingForIdleGPUs: pods using GPUs: {}", pods.join(", "))
+}
+
+/// The node's current MIG situation.
+pub(super) struct Mig<'n> {
+    pub layout: Option<&'n str>,
+    pub state: Option<&'n str>,
+}
+
+impl<'n> Mig<'n> {
+    pub fn of(n: &'n NodeFacts) -> Self {
+        Mig {
+            layout: n.labels.get(LABEL_MIG_CONFIG),
+            state: n.labels.get(LABEL_MIG_STATE),
+        }
+    }
+
+    /// `layout` is on the node and the MIG manager confirmed it.
+    pub fn done(&self, layout: &str) -> bool {
+        self.layout == Some(layout) && self.state == Some("success")
+    }
+
+    /// The MIG manager failed on the current layout, or it stayed pending past the timeout.
+    pub fn failed(&self, env: &Env) -> bool {
+        self.state == Some("failed") || env.mig_stuck && self.state == Some("pending")
+    }
+}
