@@ -13,6 +13,7 @@ test:
 	bash tests/nvidia/build.sh
 	bash tests/image/build.sh >/dev/null
 	bash tests/tools/build.sh
+	cargo build --locked -p scale-bench
 	cargo test --locked
 	bash tests/nvidia/build.sh test
 	bash tests/nvidia/conformance.sh
@@ -40,7 +41,7 @@ ROLLOUT_ARGS ?= --rollout 5000 --rollout-max-unavailable 10%
 .PHONY: bench
 bench:
 	bash tests/cluster/cluster.sh build
-	cargo build --release --locked --bins
+	cargo build --release --locked -p gpu-sharing-operator -p scale-bench
 	target/release/scale-bench $(BENCH_ARGS)
 	target/release/scale-bench $(ROLLOUT_ARGS)
 

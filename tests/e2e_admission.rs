@@ -10,7 +10,6 @@
 //! ServiceAccount under both policies, still converges the examples and releases the
 //! ClusterPolicy when the last policy goes.
 
-mod common;
 mod support;
 
 use std::collections::BTreeSet;
@@ -31,8 +30,8 @@ const NODE: &str = "h200-node-0";
 const CP: &str = "cluster-policy";
 
 fn policy_docs(file: &str) -> Vec<Value> {
-    let text = std::fs::read_to_string(common::repo_root().join(file)).unwrap();
-    common::parse_yaml_documents(&text).unwrap()
+    let text = std::fs::read_to_string(testkit::repo_root().join(file)).unwrap();
+    testkit::parse_yaml_documents(&text).unwrap()
 }
 
 /// The expression of the policy's variable `name`.
@@ -271,7 +270,7 @@ async fn the_operator_account_may_change_only_what_it_manages_on_nodes() {
         Err(kube::Error::Api(e)) => assert!(e.message.contains("cannot create"), "{e:?}"),
         other => panic!("creating a node was not refused: {other:?}"),
     }
-    common::apply_yaml(
+    testkit::apply_yaml(
         &admin,
         r#"
 apiVersion: rbac.authorization.k8s.io/v1
@@ -377,7 +376,7 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
     ready_on_or_log(&admin, "h200-mps", 1, &log).await;
@@ -418,13 +417,13 @@ fn the_clusterpolicy_policy_allows_exactly_what_the_operator_writes() {
     // VM host.
     let mut policies = Vec::new();
     for e in ["mps-h200.yaml", "mig-custom-split.yaml", "vgpu-vdi.yaml"] {
-        let path = common::repo_root().join("examples").join(e);
+        let path = testkit::repo_root().join("examples").join(e);
         policies.extend(gpu_sharing_operator::offline::render::load_policies(&path).unwrap());
     }
     let fixtures =
-        std::fs::read_to_string(common::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
+        std::fs::read_to_string(testkit::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
             .unwrap();
-    let mut nodes = common::parse_yaml_documents(&fixtures).unwrap();
+    let mut nodes = testkit::parse_yaml_documents(&fixtures).unwrap();
     for n in &mut nodes {
         let profile = match n["metadata"]["name"].as_str() {
             Some("a100-node-0") => "mig-split",
@@ -450,7 +449,7 @@ fn the_clusterpolicy_policy_allows_exactly_what_the_operator_writes() {
     let rendered =
         gpu_sharing_operator::offline::render::render_text(policies, Some(nodes), &options)
             .unwrap_or_else(|e| panic!("{e:?}"));
-    let docs = common::parse_yaml_documents(&rendered.text).unwrap();
+    let docs = testkit::parse_yaml_documents(&rendered.text).unwrap();
     let cp = docs.iter().find(|d| d["kind"] == "ClusterPolicy").unwrap();
     let mut written = BTreeSet::new();
     leaf_paths(&json!({"spec": cp["spec"]}), "", &mut written);
@@ -473,7 +472,7 @@ fn the_clusterpolicy_policy_allows_exactly_what_the_operator_writes() {
     assert_eq!(cp_docs[1]["spec"]["policyName"], CP_POLICY);
     assert_eq!(cp_docs[1]["spec"]["validationActions"], json!(["Deny"]));
     let kustomization =
-        std::fs::read_to_string(common::repo_root().join("config/kustomization.yaml")).unwrap();
+        std::fs::read_to_string(testkit::repo_root().join("config/kustomization.yaml")).unwrap();
     assert!(kustomization.contains("- clusterpolicy-admission-policy.yaml"));
 }
 
@@ -482,7 +481,7 @@ async fn cp_patch(c: &Client, p: &Value, dry_run: bool) -> Result<DynamicObject,
         dry_run,
         ..Default::default()
     };
-    common::cluster_policy_api(c)
+    testkit::cluster_policy_api(c)
         .patch(CP, &pp, &Patch::Merge(p))
         .await
 }
@@ -576,8 +575,8 @@ async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
     let admin = cluster.client.clone();
     apply_config(&admin, &[POLICY_FILE, CP_POLICY_FILE]).await;
     let sa = service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
-    let sa_cps = common::cluster_policy_api(&sa);
-    let original = common::cluster_policy_api(&admin)
+    let sa_cps = testkit::cluster_policy_api(&sa);
+    let original = testkit::cluster_policy_api(&admin)
         .get(CP)
         .await
         .unwrap()
@@ -643,7 +642,7 @@ async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
         include_str!("../examples/mig-custom-split.yaml"),
         include_str!("../examples/vgpu-vdi.yaml"),
     ] {
-        common::apply_yaml(&admin, example).await.unwrap();
+        testkit::apply_yaml(&admin, example).await.unwrap();
     }
     for (policy, nodes) in [
         ("l4-time-slicing", 2),
@@ -652,7 +651,7 @@ async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
     ] {
         ready_on_or_log(&admin, policy, nodes, &log).await;
     }
-    let cp = common::cluster_policy_api(&admin).get(CP).await.unwrap();
+    let cp = testkit::cluster_policy_api(&admin).get(CP).await.unwrap();
     assert_eq!(held_by_us(&cp), want);
     for f in &want {
         assert_eq!(
@@ -668,7 +667,7 @@ async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
         .unwrap();
     let released = tokio::time::timeout(LONG, async {
         loop {
-            let cp = common::cluster_policy_api(&admin).get(CP).await.unwrap();
+            let cp = testkit::cluster_policy_api(&admin).get(CP).await.unwrap();
             if held_by_us(&cp).is_empty() {
                 return cp;
             }
@@ -695,7 +694,7 @@ async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
 
     // By hand, as that ServiceAccount: a server-side apply as the operator writes (its own
     // output, every field on), and the release, an apply of an empty spec.
-    let before = common::cluster_policy_api(&admin)
+    let before = testkit::cluster_policy_api(&admin)
         .get(CP)
         .await
         .unwrap()
@@ -811,7 +810,7 @@ async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
             .await,
         "refused: spec.driver.image",
     );
-    let now = common::cluster_policy_api(&admin).get(CP).await.unwrap();
+    let now = testkit::cluster_policy_api(&admin).get(CP).await.unwrap();
     assert_eq!(
         foreign_spec(&now.data),
         foreign_spec(&before),
@@ -832,7 +831,7 @@ async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
         Err(kube::Error::Api(e)) => assert!(e.message.contains("cannot delete"), "{e:?}"),
         other => panic!("deleting the ClusterPolicy was not refused: {other:?}"),
     }
-    common::apply_yaml(
+    testkit::apply_yaml(
         &admin,
         r#"
 apiVersion: rbac.authorization.k8s.io/v1
@@ -926,7 +925,7 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
     )
     .await
     .expect("the admin may change the ClusterPolicy");
-    common::cluster_policy_api(&admin)
+    testkit::cluster_policy_api(&admin)
         .delete(CP, &dry)
         .await
         .expect("the admin may delete the ClusterPolicy");

@@ -6,7 +6,6 @@
 //! of what the operator owns, the leader killed mid-transition, and API errors injected by a
 //! TLS proxy between the operator and the API server (tests/faultproxy).
 
-mod common;
 mod support;
 
 use std::time::{Duration, Instant};
@@ -45,7 +44,11 @@ async fn labelled(c: &kube::Client, key: impl Fn(&str) -> bool) -> Option<usize>
 
 /// Waits until at least `n` nodes carry a key that differs from `not` (a key of the policy's
 /// current generation), then restarts the control plane.
-async fn restart_after(cluster: &mut common::TestCluster, n: usize, not: Option<&str>) -> Duration {
+async fn restart_after(
+    cluster: &mut testkit::TestCluster,
+    n: usize,
+    not: Option<&str>,
+) -> Duration {
     let c = cluster.client.clone();
     until(
         &format!("{n} nodes relabelled"),
@@ -84,7 +87,7 @@ async fn converged(c: &kube::Client, nodes: usize, generation: i64) -> serde_jso
 
 /// The chaos tests' policy: time-slicing on every L4 node, in one wave.
 async fn apply_l4_policy(c: &kube::Client) {
-    common::apply_yaml(
+    testkit::apply_yaml(
         c,
         &format!(
             "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {POLICY}}}\nspec:\n  nodeSelector: {{matchLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}}}\n  strategy: timeSlicing\n  timeSlicing: {{replicas: 4}}\n  rollout: {{maxUnavailable: 100%}}\n"
@@ -98,7 +101,8 @@ async fn apply_l4_policy(c: &kube::Client) {
 async fn control_plane_restarts_mid_convergence_lose_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let (g, mut cluster, _sim) =
-        setup_with(common::ClusterOptions::default().nodes_file(l4_fleet(dir.path(), NODES))).await;
+        setup_with(testkit::ClusterOptions::default().nodes_file(l4_fleet(dir.path(), NODES)))
+            .await;
     let c = cluster.client.clone();
     let watcher = g.invariants();
     let op = Operator::start(c.clone(), None);
@@ -182,7 +186,7 @@ async fn the_invariant_watcher_catches_violations() {
     label_node(&c, node, "nvidia.com/device-plugin.config", None).await;
 
     // MPS on a node whose MIG layout is enabled.
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         &format!(
             "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: gpu-sharing-device-plugin-config, namespace: {NS}}}\ndata:\n  mps-x: |\n    version: v1\n    flags: {{migStrategy: none}}\n    sharing: {{mps: {{resources: [{{name: nvidia.com/gpu, replicas: 2}}]}}}}\n  ts-mixed: |\n    version: v1\n    flags: {{migStrategy: mixed}}\n    sharing: {{timeSlicing: {{resources: [{{name: nvidia.com/mig-1g.10gb, replicas: 2}}]}}}}\n"
@@ -385,7 +389,7 @@ async fn hand_edits_while_running_are_repaired() {
         include_str!("../examples/time-slicing-l4.yaml"),
         include_str!("../examples/mig-custom-split.yaml"),
     ] {
-        common::apply_yaml(&c, example).await.unwrap();
+        testkit::apply_yaml(&c, example).await.unwrap();
     }
     let s = until("l4-time-slicing says what is missing", LONG, || async {
         let s = policy_status(&c, "l4-time-slicing").await?;
@@ -574,7 +578,7 @@ async fn leader_killed_mid_transition_standby_takes_over() {
     let (nodes, kills) = kill_scale();
     let dir = tempfile::tempdir().unwrap();
     let fleet = fleet(dir.path(), "a100-node-0", "a100", nodes);
-    let (g, cluster, _sim) = setup_with(common::ClusterOptions::default().nodes_file(fleet)).await;
+    let (g, cluster, _sim) = setup_with(testkit::ClusterOptions::default().nodes_file(fleet)).await;
     let c = cluster.client.clone();
     let watcher = g.invariants();
     let seed = std::time::SystemTime::now()
@@ -619,7 +623,7 @@ async fn leader_killed_mid_transition_standby_takes_over() {
     };
     let mut procs: Vec<(String, Proc)> = (0..2).map(|i| spawn(&format!("replica-{i}"))).collect();
     let policy = "a100-flip";
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         &format!(
             "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {policy}}}\nspec:\n  nodeSelector: {{matchLabels: {{nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}}}\n  strategy: mps\n  mps: {{replicas: 4}}\n  rollout: {{maxUnavailable: 100%}}\n"
@@ -780,7 +784,8 @@ async fn api_errors_injected_operator_backs_off_and_converges() {
     let nodes = fault_scale();
     let dir = tempfile::tempdir().unwrap();
     let (g, cluster, _sim) =
-        setup_with(common::ClusterOptions::default().nodes_file(l4_fleet(dir.path(), nodes))).await;
+        setup_with(testkit::ClusterOptions::default().nodes_file(l4_fleet(dir.path(), nodes)))
+            .await;
     let c = cluster.client.clone();
     let watcher = g.invariants();
     let seed = std::env::var("CHAOS_SEED")

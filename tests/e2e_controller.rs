@@ -3,7 +3,6 @@
 //!
 //! Each test gets its own control plane; they run one at a time (a 2-core machine).
 
-mod common;
 mod support;
 
 use std::time::Duration;
@@ -22,7 +21,7 @@ async fn mps_on_h200_end_to_end() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), None);
-    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
 
@@ -112,7 +111,7 @@ async fn time_slicing_profiles_by_node_label_and_relabel_moves_nodes() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
-    common::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
         .await
         .unwrap();
     label_node(&c, "l4-node-1", "gpusharing.io/profile", Some("l4-heavy")).await;
@@ -173,7 +172,7 @@ async fn delete_cleans_up_and_drift_is_repaired() {
     let (g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
-    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
     let s = until("Ready", LONG, || ready(&c, "h200-mps")).await;
@@ -289,7 +288,7 @@ async fn invalid_policies_rejected_or_reported_without_touching_nodes() {
     // What admission cannot know (the node's GPU) is reported, and the node is left alone.
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, "l4-node-0", "gpusharing.io/profile", Some("mig")).await;
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: mig-on-l4}\nspec: {nodeSelector: {matchLabels: {gpusharing.io/profile: mig}}, strategy: mig, mig: {migStrategy: single, layout: all-1g.10gb}}",
     )
@@ -327,10 +326,10 @@ async fn invalid_policies_rejected_or_reported_without_touching_nodes() {
 async fn restart_midway_converges_and_steady_state_writes_nothing() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
-    common::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
         .await
         .unwrap();
-    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
     let op = Operator::start(c.clone(), None);
@@ -361,10 +360,10 @@ async fn namespace_is_detected_from_the_cluster_policy() {
     // OpenShift installs the GPU Operator in nvidia-gpu-operator; a ConfigMap in gpu-operator
     // would be silently ignored there. No --namespace: the operator reads status.namespace.
     let (_g, cluster, _sim) =
-        setup_with(common::ClusterOptions::default().namespace("nvidia-gpu-operator")).await;
+        setup_with(testkit::ClusterOptions::default().namespace("nvidia-gpu-operator")).await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), None);
-    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
     let s = until("Ready", LONG, || ready_on(&c, "h200-mps", 1)).await;
@@ -435,7 +434,7 @@ async fn a_controller_reverting_the_cluster_policy_is_reported() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
-    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
     until("Ready", LONG, || ready(&c, "h200-mps")).await;
@@ -482,7 +481,7 @@ async fn a_policy_selecting_on_a_new_label_key_gets_its_nodes_and_disturbs_none(
     // An admin's label the operator has never needed.
     label_node(&c, "l4-node-1", "team.example.com/pool", Some("inference")).await;
     let op = Operator::start(c.clone(), Some(NS));
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: l4-all}\nspec: {nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-L4}}, strategy: timeSlicing, timeSlicing: {replicas: 4}}",
     )
@@ -494,7 +493,7 @@ async fn a_policy_selecting_on_a_new_label_key_gets_its_nodes_and_disturbs_none(
         .to_string();
     let kept = LabelHistory::start(&c, "l4-node-0").await;
 
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: inference-pool}\nspec: {priority: 10, nodeSelector: {matchLabels: {team.example.com/pool: inference}}, strategy: timeSlicing, timeSlicing: {replicas: 2}}",
     )

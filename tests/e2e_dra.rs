@@ -2,7 +2,6 @@
 //! the local kube-apiserver 1.35), keeps them in step with the policy, reports invalid driver
 //! settings without rendering anything, and removes them with the policy.
 
-mod common;
 mod support;
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
@@ -40,7 +39,7 @@ async fn dra_templates_follow_the_policy() {
         .unwrap();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, "h200-node-0", "gpusharing.io/profile", Some("dra")).await;
-    common::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
         .await
         .unwrap();
 
@@ -86,7 +85,7 @@ async fn dra_templates_follow_the_policy() {
     .await;
 
     // Invalid driver settings: reported, nothing rendered.
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: dra-ts}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: none}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n  backend: dra\n  dra: {namespaces: [gpu-test6], templateName: ts}\n",
     )
@@ -202,7 +201,7 @@ async fn a_template_waits_for_its_namespace_and_follows_it_at_once() {
             ..Default::default()
         },
     );
-    common::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
         .await
         .unwrap();
     let s = until("dra-mps NamespaceMissing", LONG, || async {
@@ -244,14 +243,14 @@ async fn a_gpu_cluster_is_reported_not_fought() {
     let (g, cluster, _sim) = setup().await;
     let invariants = g.invariants();
     let c = cluster.client.clone();
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         "apiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\nmetadata: {name: gpuclusters.nvidia.com}\nspec:\n  group: nvidia.com\n  scope: Cluster\n  names: {kind: GPUCluster, plural: gpuclusters, singular: gpucluster, listKind: GPUClusterList}\n  versions:\n  - name: v1alpha1\n    served: true\n    storage: true\n    schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}\n",
     )
     .await
     .unwrap();
     until("GPUCluster served", LONG, || async {
-        common::apply_yaml(
+        testkit::apply_yaml(
             &c,
             "apiVersion: nvidia.com/v1alpha1\nkind: GPUCluster\nmetadata: {name: dra-only}\nspec: {}\n",
         )
@@ -259,7 +258,7 @@ async fn a_gpu_cluster_is_reported_not_fought() {
         .ok()
     })
     .await;
-    common::cluster_policy_api(&c)
+    testkit::cluster_policy_api(&c)
         .delete("cluster-policy", &DeleteParams::default())
         .await
         .unwrap();
@@ -271,10 +270,10 @@ async fn a_gpu_cluster_is_reported_not_fought() {
     let before = labels(&c, "l4-node-0").await;
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, "h200-node-0", "gpusharing.io/profile", Some("dra")).await;
-    common::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
         .await
         .unwrap();
-    common::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
         .await
         .unwrap();
     let s = until("time-slicing reports the GPUCluster", LONG, || async {

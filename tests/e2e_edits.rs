@@ -4,7 +4,6 @@
 //! the node simulator, which plays NVIDIA's device plugin, GFD and MIG manager), not only the
 //! labels the operator wrote.
 
-mod common;
 mod support;
 
 use std::collections::BTreeMap;
@@ -174,7 +173,7 @@ async fn edit_reaches_the_node(case: EditCase<'_>) -> (Value, Value) {
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, case.node, "gpusharing.io/profile", Some(case.profile)).await;
-    common::apply_yaml(&c, case.policy_yaml).await.unwrap();
+    testkit::apply_yaml(&c, case.policy_yaml).await.unwrap();
     let (b, a) = (&case.before, &case.after);
     node_runs(&c, case.policy, case.node, b.allocatable, b.labels).await;
     let before = converged(&c, case.policy).await.unwrap();
@@ -266,7 +265,7 @@ async fn custom_layout_edit_reaches_the_node() {
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, A100, "gpusharing.io/profile", Some("mig-split")).await;
-    common::apply_yaml(&c, include_str!("../examples/mig-custom-split.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/mig-custom-split.yaml"))
         .await
         .unwrap();
     node_runs(
@@ -401,10 +400,10 @@ async fn selector_edit_moves_nodes_between_policies() {
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, L4_0, "gpusharing.io/profile", Some("a")).await;
     label_node(&c, L4_1, "gpusharing.io/profile", Some("b")).await;
-    common::apply_yaml(&c, &ts_policy("x", "a", 4))
+    testkit::apply_yaml(&c, &ts_policy("x", "a", 4))
         .await
         .unwrap();
-    common::apply_yaml(&c, &ts_policy("y", "b", 2))
+    testkit::apply_yaml(&c, &ts_policy("y", "b", 2))
         .await
         .unwrap();
     node_runs(&c, "x", L4_0, &[("nvidia.com/gpu", "16")], &[]).await;
@@ -455,11 +454,11 @@ async fn priority_edit_changes_the_winner_on_the_node() {
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, L4_0, "gpusharing.io/profile", Some("shared")).await;
-    common::apply_yaml(&c, &ts_policy("first", "shared", 4))
+    testkit::apply_yaml(&c, &ts_policy("first", "shared", 4))
         .await
         .unwrap();
     node_runs(&c, "first", L4_0, &[("nvidia.com/gpu", "16")], &[]).await;
-    common::apply_yaml(&c, &ts_policy("second", "shared", 2))
+    testkit::apply_yaml(&c, &ts_policy("second", "shared", 2))
         .await
         .unwrap();
     // The older policy wins at equal priority.
@@ -504,7 +503,7 @@ async fn dra_settings_edit_reaches_the_templates() {
         .unwrap();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, H200, "gpusharing.io/profile", Some("dra")).await;
-    common::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/dra-mps.yaml"))
         .await
         .unwrap();
     // On timeout, say where it stood (this wait timed out once in CI under load).
@@ -568,7 +567,7 @@ async fn deleting_a_policy_returns_its_nodes_to_exclusive() {
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, L4_0, "gpusharing.io/profile", Some("ts")).await;
-    common::apply_yaml(&c, &ts_policy("ts", "ts", 4))
+    testkit::apply_yaml(&c, &ts_policy("ts", "ts", 4))
         .await
         .unwrap();
     node_runs(&c, "ts", L4_0, &[("nvidia.com/gpu", "16")], &[]).await;
@@ -634,7 +633,7 @@ async fn a_named_layout_changed_by_the_gpu_operator_is_reported_and_reapplied_on
     .unwrap();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, A100, "gpusharing.io/profile", Some("mig")).await;
-    common::apply_yaml(&c, &mig_policy("mig", "mig", "all-1g.10gb"))
+    testkit::apply_yaml(&c, &mig_policy("mig", "mig", "all-1g.10gb"))
         .await
         .unwrap();
     node_runs(&c, "mig", A100, &[("nvidia.com/gpu", "56")], &[]).await;

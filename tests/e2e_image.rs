@@ -5,7 +5,6 @@
 //! `/var/run/secrets/kubernetes.io/serviceaccount/` inside the root filesystem, with the
 //! least-privilege RBAC of `config/`, until an example policy converges.
 
-mod common;
 mod support;
 
 use std::collections::BTreeMap;
@@ -224,7 +223,7 @@ async fn run_in_cluster(rootfs: &Path) {
         .kill_on_drop(true)
         .spawn()
         .expect("chroot");
-    common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
     let s = tokio::time::timeout(LONG, async {

@@ -2,7 +2,6 @@
 //! and failover, /metrics and health endpoints, /metrics behind authentication (TokenReview and
 //! SubjectAccessReview, over HTTPS), and the least-privilege RBAC of config/.
 
-mod common;
 mod support;
 
 use std::io::{Read, Write};
@@ -68,7 +67,7 @@ async fn leader_failover_and_metrics() {
     };
     let standby = 1 - leader;
 
-    common::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
     until("h200-mps Ready", LONG, || ready(&c, "h200-mps")).await;
@@ -131,7 +130,7 @@ async fn leader_failover_and_metrics() {
     // Kill the leader hard: the standby takes over and converges a new change.
     procs[leader].0.kill().unwrap();
     procs[leader].0.wait().unwrap();
-    common::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
         .await
         .unwrap();
     until("l4-time-slicing Ready after failover", LONG, || {
@@ -163,7 +162,7 @@ async fn least_privilege_rbac_is_enough_and_no_more() {
     apply_config(&admin, &[]).await;
     let sa = service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
     let op = Operator::start(sa.clone(), Some(NS));
-    common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
     let s = until("Ready as the ServiceAccount", LONG, || {
@@ -246,7 +245,7 @@ async fn metrics_need_a_token_allowed_to_get_metrics() {
     apply_config(&admin, &[]).await;
     // A Prometheus-like ServiceAccount bound to config/'s metrics-reader ClusterRole (as the
     // chart ships it), and one without any permission.
-    common::apply_yaml(
+    testkit::apply_yaml(
         &admin,
         r#"
 apiVersion: v1

@@ -2,7 +2,6 @@
 //! it: the real binary with a read-only ServiceAccount's kubeconfig, exit codes 0 / 2 / 1, and an
 //! audit log proving it never attempted a write.
 
-mod common;
 mod support;
 
 use std::path::Path;
@@ -18,7 +17,7 @@ fn plan(kubeconfig: &Path, args: &[&str]) -> Output {
         .args(args)
         .env("KUBECONFIG", kubeconfig)
         .env_remove("KUBERNETES_SERVICE_HOST")
-        .current_dir(common::repo_root())
+        .current_dir(testkit::repo_root())
         .output()
         .unwrap()
 }
@@ -68,7 +67,7 @@ async fn plan_previews_changes_read_only_with_ci_exit_codes() {
     .unwrap();
     let log = dir.path().join("audit.log");
     let (_g, cluster, _sim) = setup_with(
-        common::ClusterOptions::default()
+        testkit::ClusterOptions::default()
             .arg(&format!(
                 "--apiserver-arg=--audit-policy-file={}",
                 policy.display()
@@ -80,13 +79,13 @@ async fn plan_previews_changes_read_only_with_ci_exit_codes() {
     )
     .await;
     let c = cluster.client.clone();
-    let root = common::repo_root();
+    let root = testkit::repo_root();
     for f in ["config/namespace.yaml", "config/plan-viewer.yaml"] {
-        common::apply_path(&c, &root.join(f)).await.unwrap();
+        testkit::apply_path(&c, &root.join(f)).await.unwrap();
     }
     let op = Operator::start(c.clone(), None);
     for f in ["examples/mps-h200.yaml", "examples/time-slicing-l4.yaml"] {
-        common::apply_path(&c, &root.join(f)).await.unwrap();
+        testkit::apply_path(&c, &root.join(f)).await.unwrap();
     }
     until("h200-mps Ready", LONG, || ready_on(&c, "h200-mps", 1)).await;
     until("l4-time-slicing Ready", LONG, || {

@@ -4,7 +4,6 @@
 //! operator restart in the middle; a node whose device plugin hangs halts the rollout (named,
 //! Warning event, no new node touched) until the policy is edited; `paused` stops new changes.
 
-mod common;
 mod support;
 
 use std::time::Duration;
@@ -63,11 +62,12 @@ async fn converged(c: &kube::Client, generation: i64) -> serde_json::Value {
 async fn rollouts_go_in_waves_halt_on_a_hung_node_and_pause() {
     let dir = tempfile::tempdir().unwrap();
     let (_g, cluster, _sim) =
-        setup_with(common::ClusterOptions::default().nodes_file(l4_fleet(dir.path(), NODES))).await;
+        setup_with(testkit::ClusterOptions::default().nodes_file(l4_fleet(dir.path(), NODES)))
+            .await;
     let c = cluster.client.clone();
     let watch = BudgetWatcher::start(&c).await;
     let op = Operator::start(c.clone(), None);
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         &format!(
             "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {POLICY}}}\nspec:\n  nodeSelector: {{matchLabels: {{nvidia.com/gpu.product: NVIDIA-L4}}}}\n  strategy: timeSlicing\n  timeSlicing: {{replicas: 4}}\n  rollout: {{maxUnavailable: 25%}}\n"
@@ -223,9 +223,9 @@ async fn the_readiness_taint_goes_once_the_config_is_confirmed() {
             ..Default::default()
         },
     );
-    common::apply_path(
+    testkit::apply_path(
         &c,
-        &common::repo_root().join("examples/time-slicing-l4.yaml"),
+        &testkit::repo_root().join("examples/time-slicing-l4.yaml"),
     )
     .await
     .unwrap();
@@ -253,7 +253,7 @@ async fn the_readiness_taint_goes_once_the_config_is_confirmed() {
             panic!("watch ended")
         }
     });
-    common::apply_yaml(&c, &format!("{joining}\n---\n{unselected}"))
+    testkit::apply_yaml(&c, &format!("{joining}\n---\n{unselected}"))
         .await
         .unwrap();
 
@@ -280,7 +280,7 @@ async fn the_readiness_taint_goes_once_the_config_is_confirmed() {
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
         {"key": TAINT, "operator": "Exists", "effect": "NoSchedule"},
     ]}}});
-    common::cluster_policy_api(&c)
+    testkit::cluster_policy_api(&c)
         .patch(
             "cluster-policy",
             &PatchParams::default(),
@@ -395,7 +395,7 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
     })
     .await;
 
-    let no_retries = common::client_without_retries(&cluster.kubeconfig)
+    let no_retries = testkit::client_without_retries(&cluster.kubeconfig)
         .await
         .unwrap();
     let op = Operator::start_with(
@@ -406,7 +406,7 @@ async fn drains_respect_pod_disruption_budgets_and_lift_only_their_own_cordon() 
             ..Default::default()
         },
     );
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: a100-mig}\nspec:\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mig\n  mig: {migStrategy: single, layout: all-1g.10gb}\n  rollout: {maxUnavailable: 100%}\n  disruption: {mode: drain}\n",
     )

@@ -1,7 +1,6 @@
 //! End-to-end: safe transitions between strategies and conflicts, on the real control plane with
 //! the node simulator playing the MIG manager, device plugin and GPU Feature Discovery.
 
-mod common;
 mod support;
 
 use std::collections::BTreeMap;
@@ -98,7 +97,7 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
-    common::apply_yaml(&c, &mig_policy("mig-inference", "inference"))
+    testkit::apply_yaml(&c, &mig_policy("mig-inference", "inference"))
         .await
         .unwrap();
     let s = until("MIG Ready", LONG, || ready(&c, "mig-inference")).await;
@@ -114,7 +113,7 @@ async fn mig_to_mps_goes_through_confirmed_all_disabled() {
         .delete("mig-inference", &DeleteParams::default())
         .await
         .unwrap();
-    common::apply_yaml(&c, &mps_policy("mps-inference", "inference", 0))
+    testkit::apply_yaml(&c, &mps_policy("mps-inference", "inference", 0))
         .await
         .unwrap();
     let s = until("MPS Ready", LONG, || ready_on(&c, "mps-inference", 1)).await;
@@ -159,10 +158,10 @@ async fn an_overridden_policy_reports_the_winner_and_emits_an_event() {
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, "h200-node-0", "gpusharing.io/profile", Some("shared")).await;
-    common::apply_yaml(&c, &mps_policy("mps-low", "shared", 0))
+    testkit::apply_yaml(&c, &mps_policy("mps-low", "shared", 0))
         .await
         .unwrap();
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: ts-high}\nspec:\n  priority: 10\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-H200}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 3}\n",
     )
@@ -220,7 +219,7 @@ async fn mig_change_waits_for_idle_gpus() {
     pods.create(&PostParams::default(), &pod).await.unwrap();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
-    common::apply_yaml(&c, &mig_policy("mig-inference", "inference"))
+    testkit::apply_yaml(&c, &mig_policy("mig-inference", "inference"))
         .await
         .unwrap();
     let s = until("WaitingForIdleGPUs", LONG, || async {
@@ -278,7 +277,7 @@ async fn mig_manager_that_never_reports_is_degraded_after_the_timeout() {
     };
     let op = Operator::start_with(c.clone(), config);
     label_node(&c, NODE, "gpusharing.io/profile", Some("inference")).await;
-    common::apply_yaml(&c, &mig_policy("mig-inference", "inference"))
+    testkit::apply_yaml(&c, &mig_policy("mig-inference", "inference"))
         .await
         .unwrap();
     until("pending", LONG, || async {
@@ -314,7 +313,7 @@ async fn mixed_waits_until_no_node_runs_mps() {
     let c = cluster.client.clone();
     let op = Operator::start(c.clone(), Some(NS));
     label_node(&c, "h200-node-0", "gpusharing.io/profile", Some("shared")).await;
-    common::apply_yaml(&c, &mps_policy("mps-h200", "shared", 0))
+    testkit::apply_yaml(&c, &mps_policy("mps-h200", "shared", 0))
         .await
         .unwrap();
     let s = until("MPS Ready", LONG, || ready_on(&c, "mps-h200", 1)).await;
@@ -352,12 +351,12 @@ async fn mixed_waits_until_no_node_runs_mps() {
     };
     let node_res = kube::api::ApiResource::erase::<Node>(&());
     let nodes = watch(Api::all_with(c.clone(), &node_res), "node");
-    let cps = watch(common::cluster_policy_api(&c), "cp");
+    let cps = watch(testkit::cluster_policy_api(&c), "cp");
     until("both watches listed", LONG, || async {
         (listed.load(std::sync::atomic::Ordering::SeqCst) >= 2).then_some(())
     })
     .await;
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: a100-mixed}\nspec:\n  priority: 10\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mig\n  mig: {migStrategy: mixed, layout: all-1g.10gb}\n",
     )

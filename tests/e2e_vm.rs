@@ -4,7 +4,6 @@
 //! every label state the API server showed is checked against the invariant that a node is
 //! never a VM host and a container-sharing node at once.
 
-mod common;
 mod support;
 
 use std::collections::BTreeMap;
@@ -59,7 +58,7 @@ async fn a_node_goes_from_time_slicing_to_vgpu_and_back_never_both() {
     let invariants = g.invariants();
     let c = cluster.client.clone();
     // The user's part: the vGPU Manager (their own image) is enabled.
-    common::cluster_policy_api(&c)
+    testkit::cluster_policy_api(&c)
         .patch(
             "cluster-policy",
             &PatchParams::default(),
@@ -68,7 +67,7 @@ async fn a_node_goes_from_time_slicing_to_vgpu_and_back_never_both() {
         .await
         .unwrap();
     let op = Operator::start(c.clone(), Some(NS));
-    common::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
+    testkit::apply_yaml(&c, include_str!("../examples/time-slicing-l4.yaml"))
         .await
         .unwrap();
     until("time-slicing on the node", LONG, || async {
@@ -84,7 +83,7 @@ async fn a_node_goes_from_time_slicing_to_vgpu_and_back_never_both() {
     let history = LabelHistory::start(&c, NODE).await;
 
     // To vGPU: the node is picked by its profile label.
-    common::apply_yaml(&c, VDI).await.unwrap();
+    testkit::apply_yaml(&c, VDI).await.unwrap();
     label_node(&c, NODE, "gpusharing.io/profile", Some("vdi")).await;
     let s = until("vdi Ready", LONG, || async {
         let s = ready(&c, "vdi").await?;
@@ -236,7 +235,7 @@ async fn bad_vgpu_input_is_refused_and_changes_nothing() {
     label_node(&c, NODE, "gpusharing.io/profile", Some("vdi")).await;
     let before = labels(&c, NODE).await;
 
-    let e = common::apply_yaml(
+    let e = testkit::apply_yaml(
         &c,
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: bad-name}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: vdi}}\n  strategy: vgpu\n  vgpu:\n    customLayout: [{vgpuDevices: {l4-6q: 4}}]\n",
     )
@@ -247,7 +246,7 @@ async fn bad_vgpu_input_is_refused_and_changes_nothing() {
         "{e:#}"
     );
 
-    common::apply_yaml(
+    testkit::apply_yaml(
         &c,
         &VDI.replace("name: vdi", "name: unknown-type")
             .replace("L4-6Q", "L4-7Q"),
@@ -267,7 +266,7 @@ async fn bad_vgpu_input_is_refused_and_changes_nothing() {
     api_delete(&c, "unknown-type").await;
 
     // A valid policy, but the ClusterPolicy has no vGPU Manager: the field is named.
-    common::apply_yaml(&c, VDI).await.unwrap();
+    testkit::apply_yaml(&c, VDI).await.unwrap();
     let s = until("vGPU Manager missing reported", LONG, || async {
         let s = policy_status(&c, "vdi").await?;
         (condition(&s, "Accepted")?["reason"] == "IncompatibleNodes").then_some(s)

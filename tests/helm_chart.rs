@@ -10,7 +10,6 @@
 //! converges an edit), and `helm uninstall` with its pre-delete hook Job run and waited for by
 //! Helm, releasing every node.
 
-mod common;
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -76,7 +75,7 @@ fn render(release: &str, namespace: &str, extra: &[&str]) -> Vec<Value> {
     let mut args = vec!["template", release, CHART, "--namespace", namespace];
     args.extend_from_slice(extra);
     let text = ok(&helm(&args), &format!("helm {args:?}"));
-    common::parse_yaml_documents(&text).unwrap()
+    testkit::parse_yaml_documents(&text).unwrap()
 }
 
 fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
@@ -405,7 +404,7 @@ fn chart_rbac_grants_exactly_what_config_grants() {
         &["--set", "cleanupOnUninstall.enabled=false"],
     );
     let text = std::fs::read_to_string(repo().join("config/rbac.yaml")).unwrap();
-    let config = common::parse_yaml_documents(&text).unwrap();
+    let config = testkit::parse_yaml_documents(&text).unwrap();
     let (chart, config) = (grants(&chart), grants(&config));
     assert_eq!(chart.len(), 7, "{:?}", chart.keys());
     assert_eq!(chart, config, "charts/ and config/ grant differently");
@@ -441,7 +440,7 @@ fn chart_admission_policies_are_configs() {
     };
     for (file, suffix, value) in policies {
         let text = std::fs::read_to_string(repo().join(file)).unwrap();
-        let config = common::parse_yaml_documents(&text).unwrap();
+        let config = testkit::parse_yaml_documents(&text).unwrap();
         let name = format!("gpu-sharing-operator-{suffix}");
         assert_eq!(
             find(&chart, "ValidatingAdmissionPolicy", &name)["spec"],
@@ -644,7 +643,7 @@ const RELEASE_SELECTOR: &str = "app.kubernetes.io/instance=gpu-sharing-operator"
 
 /// `helm` with the test cluster's kubeconfig and the release namespace, off the runtime's
 /// threads: the pod runner keeps playing the pods while Helm waits for them.
-async fn helm_on(cluster: &common::TestCluster, args: &[&str]) -> Output {
+async fn helm_on(cluster: &testkit::TestCluster, args: &[&str]) -> Output {
     let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     all.extend([
         "--kubeconfig".into(),
@@ -832,7 +831,7 @@ async fn helm_runs_the_charts_pods_through_install_upgrade_and_uninstall() {
     .await;
 
     // The operator, with the chart's ServiceAccount, RBAC and arguments, converges an example.
-    common::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
+    testkit::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
         .await
         .unwrap();
     let s = wait_for(&runner, "h200-mps Ready on 1 node", || {
@@ -847,7 +846,7 @@ async fn helm_runs_the_charts_pods_through_install_upgrade_and_uninstall() {
     // Every metric the alerts and the dashboard name is in the leader's exposition, scraped as
     // Prometheus would: on the chart's metrics port inside its pod, over TLS, with the token of a
     // ServiceAccount bound to the chart's metrics-reader ClusterRole (anonymous: 401).
-    common::apply_yaml(
+    testkit::apply_yaml(
         &admin,
         &format!(
             "apiVersion: v1\nkind: Namespace\nmetadata: {{name: monitoring}}\n---\n\

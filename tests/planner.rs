@@ -49,16 +49,16 @@ fn profile_key(p: &str) -> &'static str {
 }
 
 fn node(name: &str, product: &str, mig_capable: bool, profile: Option<&str>) -> NodeFacts {
-    let mut labels = Labels::default();
-    labels.insert("nvidia.com/gpu.product", product);
-    labels.insert("nvidia.com/gpu.count", "8");
     let mem = if product.contains("A100") {
-        "81920"
+        81920
     } else {
-        "143771"
+        143771
     };
-    labels.insert("nvidia.com/gpu.memory", mem);
-    labels.insert("nvidia.com/mig.capable", mig_capable.to_string());
+    let mut labels = testkit::fixtures::node(
+        name,
+        testkit::fixtures::gpu_labels(product, 8, mem, mig_capable),
+    )
+    .labels;
     if let Some(p) = profile {
         for k in PROFILE_KEYS {
             labels.insert(k, p);

@@ -25,7 +25,7 @@ pub fn build() -> PathBuf {
         }
     }
     let out = cmd
-        .arg(crate::common::repo_root().join("tests/image/build.sh"))
+        .arg(testkit::repo_root().join("tests/image/build.sh"))
         .arg("path")
         .stderr(Stdio::inherit())
         .output()

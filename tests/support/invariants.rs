@@ -607,7 +607,7 @@ impl InvariantWatcher {
                     .build()
                     .expect("the invariant watcher's runtime");
                 rt.block_on(async move {
-                    let client = crate::common::client_from_kubeconfig(&kubeconfig)
+                    let client = testkit::client_from_kubeconfig(&kubeconfig)
                         .await
                         .expect("the invariant watcher's client");
                     let tasks = watch_all(client, ns, st).await;
@@ -745,7 +745,7 @@ impl InvariantWatcher {
     }
 
     /// The final check, from a `Drop` while the control plane still runs (see
-    /// [`crate::common::TestCluster::before_stop`]): blocks the calling thread through the
+    /// [`testkit::TestCluster::before_stop`]): blocks the calling thread through the
     /// reorder window (the watches run on their own thread meanwhile), then judges. Returns
     /// `None` when the test turned the watcher off.
     pub fn final_check(&self) -> Option<usize> {

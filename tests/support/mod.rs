@@ -1,5 +1,5 @@
 //! Helpers shared by the end-to-end tests: the operator in-process, the node simulator, and
-//! small queries. Each test gets its own control plane (tests/common) and they run one at a time.
+//! small queries. Each test gets its own control plane (testkit) and they run one at a time.
 #![allow(dead_code)]
 
 pub mod allowed;
@@ -13,13 +13,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::common::{self, TestCluster};
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use gpu_sharing_operator::runtime::controller;
 use k8s_openapi::api::core::v1::{ConfigMap, Node};
-use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use kube::api::{Api, DynamicObject};
 use kube::{Client, CustomResourceExt, ResourceExt};
 use serde_json::json;
+use testkit::{self, TestCluster};
 use tokio::sync::oneshot;
 
 pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -76,10 +76,10 @@ impl Drop for Operator {
 
 pub async fn install_crd(client: &Client) {
     let crd_yaml = serde_saphyr::to_string(&GpuSharingPolicy::crd()).unwrap();
-    common::apply_yaml(client, &crd_yaml)
+    testkit::apply_yaml(client, &crd_yaml)
         .await
         .expect("CRD applies");
-    common::wait_crd_established(
+    testkit::wait_crd_established(
         client,
         "gpusharingpolicies.gpusharing.io",
         Duration::from_secs(30),
@@ -100,7 +100,7 @@ impl Drop for Simulator {
 }
 
 pub fn start_simulator(cluster: &TestCluster) -> Simulator {
-    let root = common::repo_root();
+    let root = testkit::repo_root();
     let out = std::process::Command::new("bash")
         .arg(root.join("tests/nvidia/build.sh"))
         .arg("path")
@@ -156,14 +156,14 @@ pub fn http_get_raw(port: u16, path: &str) -> String {
 
 /// `config/`'s namespace, ServiceAccount and RBAC, then the `extra` files, applied as `admin`.
 pub async fn apply_config(admin: &Client, extra: &[&str]) {
-    let root = common::repo_root();
+    let root = testkit::repo_root();
     let base = [
         "config/namespace.yaml",
         "config/serviceaccount.yaml",
         "config/rbac.yaml",
     ];
     for f in base.iter().chain(extra) {
-        common::apply_path(admin, &root.join(f)).await.unwrap();
+        testkit::apply_path(admin, &root.join(f)).await.unwrap();
     }
 }
 
@@ -237,7 +237,7 @@ pub async fn lease_holder(c: &Client) -> Option<String> {
 /// The fixture's node `template` (e.g. `l4-node-0`) as YAML, renamed.
 pub fn fixture_node(template: &str, name: &str) -> String {
     let fixtures =
-        std::fs::read_to_string(common::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
+        std::fs::read_to_string(testkit::repo_root().join("tests/cluster/fixtures/nodes.yaml"))
             .unwrap();
     fixtures
         .split("\n---\n")
@@ -355,11 +355,11 @@ impl Drop for Serial {
 /// A fresh control plane with our CRD, the node simulator (GPU Feature Discovery's labels are
 /// what "applied" is checked against) and the invariant watcher.
 pub async fn setup() -> (Serial, TestCluster, Simulator) {
-    setup_with(common::ClusterOptions::default()).await
+    setup_with(testkit::ClusterOptions::default()).await
 }
 
 /// [`setup`] with cluster options (e.g. another GPU Operator namespace).
-pub async fn setup_with(opts: common::ClusterOptions) -> (Serial, TestCluster, Simulator) {
+pub async fn setup_with(opts: testkit::ClusterOptions) -> (Serial, TestCluster, Simulator) {
     let lock = SERIAL.lock().await;
     let cluster = TestCluster::start_with(opts).await;
     install_crd(&cluster.client).await;
@@ -392,22 +392,7 @@ pub async fn setup_with(opts: common::ClusterOptions) -> (Serial, TestCluster, S
     )
 }
 
-pub async fn until<F, Fut, T>(what: &str, timeout: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        if tokio::time::Instant::now() > deadline {
-            panic!("timed out after {timeout:?} waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
+pub use testkit::until;
 
 pub async fn labels(client: &Client, node: &str) -> BTreeMap<String, String> {
     Api::<Node>::all(client.clone())
@@ -426,10 +411,10 @@ pub async fn until_labelled(client: &Client, node: &str, key: &str, value: &str)
     .await
 }
 
+/// Sets (`Some`) or removes (`None`) one label on a node, as an admin would
+/// ([`testkit::set_node_labels`]).
 pub async fn label_node(client: &Client, node: &str, key: &str, value: Option<&str>) {
-    let patch = json!({"metadata": {"labels": {key: value}}});
-    Api::<Node>::all(client.clone())
-        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+    testkit::set_node_labels(client, node, &[(key, value)])
         .await
         .unwrap();
 }
@@ -707,7 +692,7 @@ pub struct FaultProxy {
 
 impl FaultProxy {
     pub async fn start(cluster: &TestCluster, rate: f64, seed: u64, watch_cut: &str) -> FaultProxy {
-        let root = common::repo_root();
+        let root = testkit::repo_root();
         let bin = root.join("target/fault-proxy/fault-proxy");
         let built = std::process::Command::new("go")
             .args(["build", "-trimpath", "-o"])
@@ -756,7 +741,7 @@ impl FaultProxy {
             })
             .trim()
             .into();
-        let client = common::client_from_kubeconfig(&kubeconfig)
+        let client = testkit::client_from_kubeconfig(&kubeconfig)
             .await
             .expect("client of the fault proxy");
         FaultProxy {
@@ -799,7 +784,7 @@ impl FaultProxy {
 
     /// A client through the proxy that does not retry 429 (as the operator's eviction client).
     pub async fn client_without_retries(&self) -> Client {
-        common::client_without_retries(&self.kubeconfig)
+        testkit::client_without_retries(&self.kubeconfig)
             .await
             .expect("client of the fault proxy")
     }

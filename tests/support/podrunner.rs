@@ -71,7 +71,7 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use super::image::{self, Image};
-use crate::common::TestCluster;
+use testkit::TestCluster;
 
 /// The node name pods are bound to (no Node object has it).
 pub const NODE: &str = "test-pod-runner";

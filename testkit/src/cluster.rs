@@ -1,26 +1,10 @@
-//! Test harness: a local Kubernetes control plane (`kube-local`, built from
-//! `tests/cluster/`) with the NVIDIA GPU Operator's ClusterPolicy and
-//! simulated GPU nodes seeded, plus small helpers.
-//!
-//! ```ignore
-//! mod common;
-//! use common::*;
-//!
-//! #[tokio::test]
-//! async fn my_test() {
-//!     let cluster = TestCluster::start().await;
-//!     apply_yaml(&cluster.client, include_str!("../crds/x.yaml")).await.unwrap();
-//!     assert!(wait_for(Duration::from_secs(10), || async { true }).await);
-//! }
-//! ```
-//!
-//! The binary is built (once, cached in `target/kube-local/`) by
-//! `tests/cluster/cluster.sh build`; set `KUBE_LOCAL_BIN` to use a prebuilt
-//! one. A cold build takes several minutes.
-#![allow(dead_code)]
+//! A local Kubernetes control plane for tests and the benchmark: `kube-local` (built from
+//! `tests/cluster/` by `tests/cluster/cluster.sh build`; set `KUBE_LOCAL_BIN` to use a prebuilt
+//! one), with the NVIDIA GPU Operator's ClusterPolicy and simulated GPU nodes seeded. One
+//! private control plane per test ([`TestCluster`]), or one per test binary
+//! ([`TestCluster::shared`]).
 
 use std::fs::File;
-use std::future::Future;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -28,17 +12,10 @@ use std::sync::mpsc;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, anyhow, bail};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use anyhow::{Context as _, bail};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::core::GroupVersionKind;
-use kube::discovery::{self, Scope};
-use kube::{Client, Config, ResourceExt};
+use kube::{Client, Config};
 use tempfile::TempDir;
-
-/// Field manager the helpers use for server-side apply.
-pub const TEST_FIELD_MANAGER: &str = "gpu-sharing-tests";
 
 /// How long `start` waits for `READY`.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(120);
@@ -60,6 +37,11 @@ pub struct ClusterOptions {
     pub manifests: Vec<PathBuf>,
     /// Extra kube-local flags (see `kube-local --help`).
     pub extra_args: Vec<String>,
+    /// The kube-local binary to run instead of [`kube_local_bin`]'s.
+    pub bin: Option<PathBuf>,
+    /// Where kube-local's log goes (default: `kube-local.log` in the cluster's directory,
+    /// removed with it).
+    pub log: Option<PathBuf>,
 }
 
 impl Default for ClusterOptions {
@@ -71,6 +53,8 @@ impl Default for ClusterOptions {
             nodes_file: None,
             manifests: Vec::new(),
             extra_args: Vec::new(),
+            bin: None,
+            log: None,
         }
     }
 }
@@ -100,6 +84,14 @@ impl ClusterOptions {
         self.extra_args.push(arg.into());
         self
     }
+    pub fn bin(mut self, path: impl Into<PathBuf>) -> Self {
+        self.bin = Some(path.into());
+        self
+    }
+    pub fn log(mut self, path: impl Into<PathBuf>) -> Self {
+        self.log = Some(path.into());
+        self
+    }
 
     fn args(&self) -> Vec<String> {
         let mut a = vec![format!(
@@ -123,9 +115,9 @@ impl ClusterOptions {
     }
 }
 
-/// Root of the repository (the crate's manifest directory).
+/// Root of the repository (the workspace this crate is a member of).
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
 /// Path of the kube-local binary: `$KUBE_LOCAL_BIN`, or built (if missing or
@@ -162,6 +154,7 @@ pub fn kube_local_bin() -> PathBuf {
 struct Process {
     child: Child,
     log: PathBuf,
+    bin: PathBuf,
 }
 
 impl Process {
@@ -169,11 +162,11 @@ impl Process {
     /// Its stdin is a pipe held by `child`: when this process dies, the pipe
     /// closes and kube-local stops.
     fn spawn(
+        bin: PathBuf,
         dir: Option<&Path>,
         log: PathBuf,
         args: &[String],
     ) -> anyhow::Result<(Process, PathBuf)> {
-        let bin = kube_local_bin();
         let log_file = File::create(&log).with_context(|| format!("create {}", log.display()))?;
         let mut cmd = Command::new(&bin);
         if let Some(d) = dir {
@@ -200,7 +193,7 @@ impl Process {
             // Keep draining so kube-local never blocks on a full pipe.
             let _ = std::io::copy(&mut reader.into_inner(), &mut std::io::sink());
         });
-        let mut proc = Process { child, log };
+        let mut proc = Process { child, log, bin };
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             match rx.recv_timeout(Duration::from_millis(100)) {
@@ -310,12 +303,16 @@ impl TestCluster {
         let dir = tempfile::Builder::new()
             .prefix("kube-local-test-")
             .tempdir()?;
-        let log = dir.path().join("kube-local.log");
+        let log = opts
+            .log
+            .clone()
+            .unwrap_or_else(|| dir.path().join("kube-local.log"));
+        let bin = opts.bin.clone().unwrap_or_else(kube_local_bin);
         // --persist: the etcd data and certificates stay in `dir`, so `restart` can start
         // again on them (the dir is removed when the cluster is dropped).
         let mut args = opts.args();
         args.push("--persist".into());
-        let (process, kubeconfig) = Process::spawn(Some(dir.path()), log.clone(), &args)?;
+        let (process, kubeconfig) = Process::spawn(bin, Some(dir.path()), log.clone(), &args)?;
         let client = client_from_kubeconfig(&kubeconfig).await?;
         Ok(TestCluster {
             client,
@@ -362,7 +359,8 @@ impl TestCluster {
             .join(format!("kube-local.restart-{}.log", self.restarts));
         let mut args = self.args.clone();
         args.push(format!("--port={port}"));
-        let (process, kubeconfig) = Process::spawn(Some(self.dir.path()), log.clone(), &args)
+        let bin = self.process.bin.clone();
+        let (process, kubeconfig) = Process::spawn(bin, Some(self.dir.path()), log.clone(), &args)
             .unwrap_or_else(|e| panic!("restarting the control plane: {e:#}"));
         assert_eq!(kubeconfig, self.kubeconfig);
         self.process = process;
@@ -381,6 +379,11 @@ impl TestCluster {
     /// The last lines of kube-local's log, e.g. for assertion messages.
     pub fn log_tail(&self) -> String {
         self.process.log_tail()
+    }
+
+    /// kube-local's process id (etcd and kube-apiserver run in it), e.g. for its CPU time.
+    pub fn pid(&self) -> u32 {
+        self.process.child.id()
     }
 }
 
@@ -424,13 +427,16 @@ impl TestCluster {
                     .as_ref()
                     .and_then(|p| p.file_stem())
                     .map(|s| s.to_string_lossy().into_owned());
-                let log = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+                let tmp = repo_root().join("target/tmp");
+                std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+                let log = tmp.join(format!(
                     "kube-local-shared-{}.log",
                     stem.unwrap_or_else(|| "tests".into())
                 ));
                 // No --dir: kube-local makes and removes its own temp dir.
-                let (process, kubeconfig) = Process::spawn(None, log.clone(), &opts.args())
-                    .map_err(|e| format!("{e:#}"))?;
+                let (process, kubeconfig) =
+                    Process::spawn(kube_local_bin(), None, log.clone(), &opts.args())
+                        .map_err(|e| format!("{e:#}"))?;
                 Ok(SharedCluster {
                     kubeconfig,
                     gpu_operator_namespace: opts.gpu_operator_namespace,
@@ -441,217 +447,4 @@ impl TestCluster {
             .as_ref()
             .unwrap_or_else(|e| panic!("starting the shared test cluster: {e}"))
     }
-}
-
-/// Polls `f` every 100 ms until it returns true or `timeout` passes; returns
-/// whether it succeeded.
-pub async fn wait_for<F, Fut>(timeout: Duration, mut f: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if f().await {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Waits until the CRD `name` (e.g. `gpusharingpolicies.gpusharing.io`) is
-/// Established, i.e. its API is served.
-pub async fn wait_crd_established(
-    client: &Client,
-    name: &str,
-    timeout: Duration,
-) -> anyhow::Result<()> {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let ok = wait_for(timeout, || {
-        let api = api.clone();
-        async move {
-            match api.get_opt(name).await {
-                Ok(Some(crd)) => crd
-                    .status
-                    .and_then(|s| s.conditions)
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|c| c.type_ == "Established" && c.status == "True"),
-                _ => false,
-            }
-        }
-    })
-    .await;
-    if ok {
-        Ok(())
-    } else {
-        Err(anyhow!("CRD {name} not Established within {timeout:?}"))
-    }
-}
-
-/// Splits multi-document YAML into JSON values, skipping empty documents.
-pub fn parse_yaml_documents(yaml: &str) -> anyhow::Result<Vec<serde_json::Value>> {
-    let mut out = Vec::new();
-    for v in gpu_sharing_operator::api::yaml::documents::<serde_json::Value>(yaml)? {
-        match &v {
-            serde_json::Value::Null => continue,
-            serde_json::Value::Object(m) if m.is_empty() => continue,
-            _ => out.push(v),
-        }
-    }
-    Ok(out)
-}
-
-/// Server-side applies every document of a multi-document YAML (any kind,
-/// resolved through discovery). Namespaced objects without a namespace go to
-/// `default`. A `status` in a document is applied through the status
-/// subresource too. CRDs are waited for until Established, so custom
-/// resources may follow in the same YAML. Returns the applied objects.
-pub async fn apply_yaml(client: &Client, yaml: &str) -> anyhow::Result<Vec<DynamicObject>> {
-    apply_yaml_in(client, None, yaml).await
-}
-
-/// Like [`apply_yaml`], putting namespaced objects into `namespace` (if
-/// given) whatever their manifest says.
-pub async fn apply_yaml_in(
-    client: &Client,
-    namespace: Option<&str>,
-    yaml: &str,
-) -> anyhow::Result<Vec<DynamicObject>> {
-    let mut applied = Vec::new();
-    for doc in parse_yaml_documents(yaml)? {
-        let mut obj: DynamicObject =
-            serde_json::from_value(doc).context("not a Kubernetes object")?;
-        let types = obj
-            .types
-            .clone()
-            .ok_or_else(|| anyhow!("object without apiVersion/kind"))?;
-        let gvk = GroupVersionKind::try_from(&types)?;
-        let name = obj.name_any();
-        // A CRD can be Established a moment before its group is in discovery: retry briefly.
-        let mut tries = 0;
-        let (ar, caps) = loop {
-            match discovery::pinned_kind(client, &gvk).await {
-                Ok(found) => break found,
-                Err(_) if tries < 50 => {
-                    tries += 1;
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(e) => {
-                    return Err(e).with_context(|| {
-                        format!("discovering {}/{}", types.api_version, types.kind)
-                    });
-                }
-            }
-        };
-        let api: Api<DynamicObject> = match caps.scope {
-            Scope::Cluster => {
-                obj.metadata.namespace = None;
-                Api::all_with(client.clone(), &ar)
-            }
-            Scope::Namespaced => {
-                let ns = namespace
-                    .map(str::to_string)
-                    .or_else(|| obj.metadata.namespace.clone())
-                    .unwrap_or_else(|| "default".into());
-                obj.metadata.namespace = Some(ns.clone());
-                Api::namespaced_with(client.clone(), &ns, &ar)
-            }
-        };
-        let pp = PatchParams::apply(TEST_FIELD_MANAGER).force();
-        let status = obj.data.as_object_mut().and_then(|m| m.remove("status"));
-        let mut result = api
-            .patch(&name, &pp, &Patch::Apply(&obj))
-            .await
-            .with_context(|| format!("applying {} {name}", types.kind))?;
-        if let Some(status) = status
-            && types.kind != "CustomResourceDefinition"
-            && caps
-                .subresources
-                .iter()
-                .any(|(sr, _)| sr.plural == "status")
-        {
-            let body = serde_json::json!({
-                "apiVersion": types.api_version,
-                "kind": types.kind,
-                "metadata": {"name": name},
-                "status": status,
-            });
-            result = api
-                .patch_status(&name, &pp, &Patch::Apply(&body))
-                .await
-                .with_context(|| format!("applying status of {} {name}", types.kind))?;
-        }
-        if types.kind == "CustomResourceDefinition" {
-            wait_crd_established(client, &name, Duration::from_secs(30)).await?;
-        }
-        applied.push(result);
-    }
-    Ok(applied)
-}
-
-/// [`apply_yaml`] for a file, or for every `*.yaml`/`*.yml` file of a
-/// directory in name order.
-pub async fn apply_path(client: &Client, path: &Path) -> anyhow::Result<Vec<DynamicObject>> {
-    let mut files = Vec::new();
-    if path.is_dir() {
-        for e in std::fs::read_dir(path)? {
-            let p = e?.path();
-            if matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml")) {
-                files.push(p);
-            }
-        }
-        files.sort();
-    } else {
-        files.push(path.to_path_buf());
-    }
-    let mut out = Vec::new();
-    for f in files {
-        let yaml = std::fs::read_to_string(&f).with_context(|| format!("read {}", f.display()))?;
-        out.extend(
-            apply_yaml(client, &yaml)
-                .await
-                .with_context(|| format!("applying {}", f.display()))?,
-        );
-    }
-    Ok(out)
-}
-
-/// Sets (`Some`) or removes (`None`) labels on a node with a merge patch, as
-/// an admin or GPU Feature Discovery would.
-pub async fn set_node_labels(
-    client: &Client,
-    node: &str,
-    labels: &[(&str, Option<&str>)],
-) -> anyhow::Result<()> {
-    let map: serde_json::Map<String, serde_json::Value> = labels
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.to_string(),
-                v.map_or(serde_json::Value::Null, |v| v.into()),
-            )
-        })
-        .collect();
-    let api: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
-    api.patch(
-        node,
-        &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({"metadata": {"labels": map}})),
-    )
-    .await
-    .with_context(|| format!("labelling node {node}"))?;
-    Ok(())
-}
-
-/// The GPU Operator's ClusterPolicy API (`nvidia.com/v1`, cluster-scoped).
-pub fn cluster_policy_api(client: &Client) -> Api<DynamicObject> {
-    let ar = kube::api::ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("nvidia.com", "v1", "ClusterPolicy"),
-        "clusterpolicies",
-    );
-    Api::all_with(client.clone(), &ar)
 }

@@ -108,10 +108,8 @@ fn row(name: &str, p: &Phase, ideal: Duration) -> String {
 
 /// Runs the rollout benchmark; returns (and writes to `<out>/rollout.md`) the Markdown report.
 pub async fn run(args: &Args, kl: &Path, op: &Path, n: usize) -> anyhow::Result<String> {
-    let dir = args.out.join(format!("run/rollout-{n}"));
-    let cluster = Cluster::start_retry(
+    let cluster = start_cluster(
         kl,
-        &dir,
         &args.out.join(format!("logs/rollout-{n}-kube-local.log")),
     )
     .await?;
@@ -199,7 +197,7 @@ pub async fn run(args: &Args, kl: &Path, op: &Path, n: usize) -> anyhow::Result<
         let _ = c.kill();
         let _ = c.wait();
     }
-    cluster.stop().await;
+    drop(cluster); // kube-local stops, its directory is removed
     let (first, edit, budget, stats) = res?;
     let waves = n.div_ceil(budget.max(1));
     let ideal = delay * waves as u32;
