@@ -35,6 +35,8 @@ pub mod policies;
 pub mod rollout;
 pub mod status;
 pub mod taint;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod vm;
 
 pub use labels::{

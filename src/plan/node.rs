@@ -647,13 +647,7 @@ mod tests {
     use super::*;
     use crate::api::crd::GpuSharingPolicy;
     use crate::plan::policies::prepare_all;
-
-    fn policy(name: &str, spec: &str) -> GpuSharingPolicy {
-        let text = format!(
-            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{}}\n{spec}"
-        );
-        crate::api::yaml::from_str(&text).unwrap()
-    }
+    use crate::plan::testing::{a100_node as node, policy};
 
     fn base() -> BTreeMap<String, serde_json::Value> {
         let mut m = BTreeMap::new();
@@ -673,31 +667,6 @@ mod tests {
     const MIG_BUSY_OK: &str = "  strategy: mig\n  mig: {migStrategy: single, layout: all-1g.10gb, proceedWithBusyGpus: true}\n";
     const DRA: &str = "  strategy: mps\n  mps: {replicas: 2}\n  backend: dra\n  dra: {namespaces: [team], driverFeatureGates: {MPSSupport: true}}\n";
     const INVALID: &str = "  strategy: mps\n  mps: {replicas: 1}\n";
-
-    /// A100 80GB node (MIG-capable) with extra labels; every managed label present is ours.
-    fn node(extra: &[(&str, &str)]) -> NodeFacts {
-        let mut labels: super::super::Labels = [
-            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"),
-            ("nvidia.com/gpu.count", "8"),
-            ("nvidia.com/gpu.memory", "81920"),
-            ("nvidia.com/mig.capable", "true"),
-            ("nvidia.com/gpu.compute.major", "8"),
-        ]
-        .into_iter()
-        .collect();
-        labels.extend(extra.iter().copied());
-        let owned = MANAGED_LABELS
-            .iter()
-            .filter(|k| labels.contains_key(k))
-            .map(|k| k.to_string())
-            .collect();
-        NodeFacts {
-            name: "n".into(),
-            labels,
-            owned,
-            ..Default::default()
-        }
-    }
 
     /// What a row expects of the decision: the state, and for writes the device-plugin key
     /// ("KEY" for the policy's own) and MIG layout. (`Applied` is the decision's; confirmation by
@@ -1046,41 +1015,13 @@ mod tests {
 #[cfg(test)]
 mod vm_tests {
     use super::*;
-    use crate::api::crd::GpuSharingPolicy;
     use crate::plan::decision::Sandbox;
     use crate::plan::policies::{check_vgpu_types, prepare_all};
-
-    fn policy(name: &str, spec: &str) -> GpuSharingPolicy {
-        let text = format!(
-            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{}}\n{spec}"
-        );
-        crate::api::yaml::from_str(&text).unwrap()
-    }
+    use crate::plan::testing::{a100_node as node, policy};
 
     const VGPU: &str = "  strategy: vgpu\n  vgpu: {type: A100D-1-10C}\n";
     const PASS: &str = "  strategy: passthrough\n";
     const TS: &str = "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n";
-
-    /// An A100 80GB node; managed labels present are ours unless listed in `foreign`.
-    fn node(labels: &[(&str, &str)]) -> NodeFacts {
-        let mut n = NodeFacts {
-            name: "n".into(),
-            ..Default::default()
-        };
-        for (k, v) in [
-            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"),
-            ("nvidia.com/gpu.count", "8"),
-            ("nvidia.com/gpu.memory", "81920"),
-            ("nvidia.com/mig.capable", "true"),
-        ]
-        .iter()
-        .chain(labels)
-        {
-            n.labels.insert(*k, *v);
-            n.owned.insert(*k);
-        }
-        n
-    }
 
     struct Case<'a> {
         env: Env<'a>,
