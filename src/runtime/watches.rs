@@ -17,8 +17,8 @@ use tracing::warn;
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{MANAGED_BY, MANAGER};
 use crate::plan::{LabelFilter, selector_keys};
-use crate::runtime::controller::cluster_policy_resource;
 use crate::runtime::nodecache::NodeCache;
+use crate::runtime::resources::cluster_policy_resource;
 use crate::runtime::taints::Tainted;
 
 /// Pods that may hold GPUs: bound to a node and not finished.
