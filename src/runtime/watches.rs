@@ -52,7 +52,7 @@ impl CacheLag {
 
 /// The caches a pass reads.
 pub struct Caches {
-    /// Whether they may lag the server (see `apply::keep_server_write_time`).
+    /// Whether they may lag the server (see `apply::nodes::keep_server_write_time`).
     pub lag: Arc<CacheLag>,
     pub policies: Store<GpuSharingPolicy>,
     pub nodes: Arc<NodeCache>,
