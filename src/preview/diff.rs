@@ -16,6 +16,7 @@ use crate::api::names::{
 use crate::nvidia;
 use crate::plan::converge::{NotConverged, converge};
 use crate::plan::{self, NodeFacts, PlanInput};
+use crate::runtime::cluster_policy_diff;
 use crate::validate::FieldError;
 
 /// What happens to a policy object.
@@ -246,50 +247,20 @@ fn policy_previews(
         .collect()
 }
 
-/// Dotted leaf paths of a JSON object with their values.
-fn leaves(prefix: &str, v: &serde_json::Value, out: &mut BTreeMap<String, serde_json::Value>) {
-    match v.as_object() {
-        Some(m) if !m.is_empty() => {
-            for (k, x) in m {
-                leaves(&format!("{prefix}.{k}"), x, out);
-            }
-        }
-        _ => {
-            out.insert(prefix.to_string(), v.clone());
-        }
-    }
-}
-
-fn at<'a>(v: Option<&'a serde_json::Value>, path: &str) -> Option<&'a serde_json::Value> {
-    path.split('.')
-        .skip(1)
-        .try_fold(v?, |v, k| v.get(k))
-        .filter(|v| !v.is_null())
-}
-
 /// ClusterPolicy fields the operator sets (after) or set and releases (before only), against
-/// the cluster's values.
+/// the cluster's values: the applier's own diff.
 fn cluster_policy_changes(
     cluster: Option<&serde_json::Value>,
     before: &plan::Plan,
     after: &plan::Plan,
 ) -> Vec<Change<serde_json::Value>> {
-    let (mut b, mut a) = (BTreeMap::new(), BTreeMap::new());
-    leaves("spec", &before.cluster_policy_spec, &mut b);
-    leaves("spec", &after.cluster_policy_spec, &mut a);
-    let paths: BTreeSet<&String> = b.keys().chain(a.keys()).collect();
-    paths
+    let released = Some(&before.cluster_policy_spec);
+    cluster_policy_diff::changes(cluster, &after.cluster_policy_spec, released)
         .into_iter()
-        .filter_map(|path| {
-            let now = at(cluster, path).cloned();
-            let then = a.get(path).cloned();
-            // A field we release keeps its value until someone else sets it: a change only in
-            // ownership, shown as `after: None`.
-            (now != then).then(|| Change {
-                key: path.clone(),
-                before: now,
-                after: then,
-            })
+        .map(|c| Change {
+            key: c.key,
+            before: c.current,
+            after: c.wanted,
         })
         .collect()
 }
@@ -509,6 +480,30 @@ mod tests {
         let err = preview(&cluster, Some(&cp), want, &names(&files)).unwrap_err();
         assert!(matches!(err, PreviewError::Invalid(_)), "{err}");
         assert!(err.to_string().contains("spec.mig.layout"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_operator_spec_is_no_cluster_policy_change() {
+        // No policy before: the operator owns no ClusterPolicy field, and the cluster's own
+        // settings are not ours to show.
+        let (cluster, cp) = converged(vec![]);
+        assert_eq!(cp, serde_json::json!({}));
+        let theirs = serde_json::json!({"driver": {"enabled": true}});
+        let p = preview(&cluster, Some(&theirs), vec![], &BTreeSet::new()).unwrap();
+        assert!(!p.changed, "{p:#?}");
+        let files = vec![policy(MIG)];
+        let want = desired(&cluster.policies, files.clone(), false);
+        let p = preview(&cluster, Some(&theirs), want, &names(&files)).unwrap();
+        let keys: Vec<&str> = p.cluster_policy.iter().map(|c| c.key.as_str()).collect();
+        assert!(keys.contains(&"spec.mig.strategy"), "{keys:?}");
+        assert!(
+            keys.iter()
+                .all(|k| k.starts_with("spec.") && *k != "spec.driver.enabled")
+        );
+        assert!(
+            p.cluster_policy.iter().all(|c| c.after.is_some()),
+            "{keys:?}"
+        );
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod apply;
 pub mod cleanup;
+pub mod cluster_policy_diff;
 pub mod context;
 pub mod controller;
 pub mod error;

@@ -8,11 +8,11 @@ use kube::ResourceExt;
 use kube::api::{Api, Patch};
 use tracing::info;
 
-use super::cluster_policy::lookup;
 use super::{WriteReport, apply_params};
 use crate::api::names::*;
 use crate::nvidia::MIG_PARTED_KEY;
 use crate::plan::{self, Plan};
+use crate::runtime::cluster_policy_diff::value_at;
 use crate::runtime::context::Context;
 use crate::runtime::error::Error;
 
@@ -103,7 +103,7 @@ pub async fn delete_unused_vgpu_configmap(
     let name = &ctx.config.vgpu_configmap;
     let exists = ctx.configmap(name).is_some();
     let referenced = ctx.active_cluster_policy().is_some_and(|cp| {
-        lookup(&cp.data, ".spec.vgpuDeviceManager.config.name").and_then(|v| v.as_str())
+        value_at(cp.data.get("spec"), "spec.vgpuDeviceManager.config.name").and_then(|v| v.as_str())
             == Some(name.as_str())
     });
     if exists && !referenced {
@@ -128,7 +128,7 @@ pub async fn delete_unused_mig_configmap(
     let name = &ctx.config.mig_configmap;
     let exists = ctx.configmap(name).is_some();
     let referenced = ctx.active_cluster_policy().is_some_and(|cp| {
-        lookup(&cp.data, ".spec.migManager.config.name").and_then(|v| v.as_str())
+        value_at(cp.data.get("spec"), "spec.migManager.config.name").and_then(|v| v.as_str())
             == Some(name.as_str())
     });
     if exists && !referenced {
