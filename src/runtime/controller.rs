@@ -165,7 +165,8 @@ async fn pass(ctx: &Context) -> Result<bool, Error> {
     for (kind, n) in report.by_kind() {
         m.count_writes(kind, n);
     }
-    m.observe_reconcile(started.elapsed(), result.is_ok());
+    let failure = result.as_ref().err().map(Error::metric_label);
+    m.observe_reconcile(started.elapsed(), failure);
     m.set_ready();
     if !report.is_empty() {
         span.in_scope(|| debug!(writes = report.writes.len(), "pass wrote"));
