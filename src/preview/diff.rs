@@ -5,10 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kube::ResourceExt;
-use serde::Serialize;
-
-use crate::api::crd::{Capacity, GpuSharingPolicy, GpuSharingPolicyStatus};
+use crate::api::crd::{GpuSharingPolicy, GpuSharingPolicyStatus};
 use crate::api::names::{
     LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_POLICY,
     LABEL_VGPU_CONFIG, LABEL_WORKLOAD,
@@ -16,126 +13,14 @@ use crate::api::names::{
 use crate::nvidia;
 use crate::plan::converge::{NotConverged, converge};
 use crate::plan::{self, NodeFacts, PlanInput};
+use crate::runtime::cluster_policy_diff;
 use crate::validate::FieldError;
+use kube::ResourceExt;
 
-/// What happens to a policy object.
-#[derive(Serialize, Debug, Clone, Copy, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub enum PolicyChange {
-    Added,
-    Changed,
-    Removed,
-    Unchanged,
-}
-
-/// A policy's result on one side of the change.
-#[derive(Serialize, Debug, Clone, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct PolicySide {
-    pub strategy: String,
-    /// `applied/matched` nodes.
-    pub nodes: String,
-    pub ready: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub capacity: Option<Capacity>,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct PolicyPreview {
-    pub name: String,
-    pub change: PolicyChange,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub before: Option<PolicySide>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub after: Option<PolicySide>,
-}
-
-/// How a node shares its GPUs: the governing policy and its strategy, the device-plugin config
-/// key, the MIG layout, and for VM hosts the workload and vGPU config (from the node's labels).
-#[derive(Serialize, Debug, Clone, PartialEq, Eq, Default)]
-#[serde(rename_all = "camelCase")]
-pub struct NodeSharing {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub policy: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub strategy: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub config: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub mig_layout: Option<String>,
-    /// `nvidia.com/gpu.workload.config`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub workload: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub vgpu_config: Option<String>,
-}
-
-/// One value that changes (a label, a ClusterPolicy field); `None` is absent.
-#[derive(Serialize, Debug, Clone, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct Change<T> {
-    pub key: String,
-    pub before: Option<T>,
-    pub after: Option<T>,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct NodePreview {
-    pub name: String,
-    pub before: NodeSharing,
-    pub after: NodeSharing,
-    /// The first wave (1-based) in which the node changes.
-    pub wave: usize,
-    pub labels: Vec<Change<String>>,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Default)]
-pub struct KeyChanges {
-    pub added: Vec<String>,
-    pub removed: Vec<String>,
-}
-
-impl KeyChanges {
-    fn of<'a>(
-        before: impl IntoIterator<Item = &'a String>,
-        after: impl IntoIterator<Item = &'a String>,
-    ) -> Self {
-        let b: BTreeSet<&String> = before.into_iter().collect();
-        let a: BTreeSet<&String> = after.into_iter().collect();
-        KeyChanges {
-            added: a.difference(&b).map(|s| s.to_string()).collect(),
-            removed: b.difference(&a).map(|s| s.to_string()).collect(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.added.is_empty() && self.removed.is_empty()
-    }
-}
-
-/// Everything `plan` reports.
-#[derive(Serialize, Debug, Clone, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct Preview {
-    pub changed: bool,
-    pub policies: Vec<PolicyPreview>,
-    /// Nodes whose labels change, in name order.
-    pub nodes: Vec<NodePreview>,
-    /// Nodes changed per wave of writes, in order.
-    pub waves: Vec<Vec<String>>,
-    pub device_plugin_config_keys: KeyChanges,
-    pub mig_layouts: KeyChanges,
-    pub claim_templates: KeyChanges,
-    /// ClusterPolicy `spec` fields, dotted; `after: None` is a field the operator releases.
-    pub cluster_policy: Vec<Change<serde_json::Value>>,
-    /// Planning passes until convergence.
-    pub passes: usize,
-    /// What could not be read and was assumed.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub assumptions: Vec<String>,
-}
+// The report's types live in a leaf file that `print` reads too; they stay reachable here.
+pub use super::report::{
+    Change, KeyChanges, NodePreview, NodeSharing, PolicyChange, PolicyPreview, PolicySide, Preview,
+};
 
 /// The labels `plan` compares: ours, except the states the MIG manager and the vGPU Device
 /// Manager report.
@@ -246,50 +131,20 @@ fn policy_previews(
         .collect()
 }
 
-/// Dotted leaf paths of a JSON object with their values.
-fn leaves(prefix: &str, v: &serde_json::Value, out: &mut BTreeMap<String, serde_json::Value>) {
-    match v.as_object() {
-        Some(m) if !m.is_empty() => {
-            for (k, x) in m {
-                leaves(&format!("{prefix}.{k}"), x, out);
-            }
-        }
-        _ => {
-            out.insert(prefix.to_string(), v.clone());
-        }
-    }
-}
-
-fn at<'a>(v: Option<&'a serde_json::Value>, path: &str) -> Option<&'a serde_json::Value> {
-    path.split('.')
-        .skip(1)
-        .try_fold(v?, |v, k| v.get(k))
-        .filter(|v| !v.is_null())
-}
-
 /// ClusterPolicy fields the operator sets (after) or set and releases (before only), against
-/// the cluster's values.
+/// the cluster's values: the applier's own diff.
 fn cluster_policy_changes(
     cluster: Option<&serde_json::Value>,
     before: &plan::Plan,
     after: &plan::Plan,
 ) -> Vec<Change<serde_json::Value>> {
-    let (mut b, mut a) = (BTreeMap::new(), BTreeMap::new());
-    leaves("spec", &before.cluster_policy_spec, &mut b);
-    leaves("spec", &after.cluster_policy_spec, &mut a);
-    let paths: BTreeSet<&String> = b.keys().chain(a.keys()).collect();
-    paths
+    let released = Some(&before.cluster_policy_spec);
+    cluster_policy_diff::changes(cluster, &after.cluster_policy_spec, released)
         .into_iter()
-        .filter_map(|path| {
-            let now = at(cluster, path).cloned();
-            let then = a.get(path).cloned();
-            // A field we release keeps its value until someone else sets it: a change only in
-            // ownership, shown as `after: None`.
-            (now != then).then(|| Change {
-                key: path.clone(),
-                before: now,
-                after: then,
-            })
+        .map(|c| Change {
+            key: c.key,
+            before: c.current,
+            after: c.wanted,
         })
         .collect()
 }
@@ -509,6 +364,30 @@ mod tests {
         let err = preview(&cluster, Some(&cp), want, &names(&files)).unwrap_err();
         assert!(matches!(err, PreviewError::Invalid(_)), "{err}");
         assert!(err.to_string().contains("spec.mig.layout"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_operator_spec_is_no_cluster_policy_change() {
+        // No policy before: the operator owns no ClusterPolicy field, and the cluster's own
+        // settings are not ours to show.
+        let (cluster, cp) = converged(vec![]);
+        assert_eq!(cp, serde_json::json!({}));
+        let theirs = serde_json::json!({"driver": {"enabled": true}});
+        let p = preview(&cluster, Some(&theirs), vec![], &BTreeSet::new()).unwrap();
+        assert!(!p.changed, "{p:#?}");
+        let files = vec![policy(MIG)];
+        let want = desired(&cluster.policies, files.clone(), false);
+        let p = preview(&cluster, Some(&theirs), want, &names(&files)).unwrap();
+        let keys: Vec<&str> = p.cluster_policy.iter().map(|c| c.key.as_str()).collect();
+        assert!(keys.contains(&"spec.mig.strategy"), "{keys:?}");
+        assert!(
+            keys.iter()
+                .all(|k| k.starts_with("spec.") && *k != "spec.driver.enabled")
+        );
+        assert!(
+            p.cluster_policy.iter().all(|c| c.after.is_some()),
+            "{keys:?}"
+        );
     }
 
     #[test]

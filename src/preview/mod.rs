@@ -4,6 +4,7 @@
 
 pub mod diff;
 pub mod print;
+pub mod report;
 
 use std::collections::BTreeMap;
 

@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use super::diff::{Change, NodeSharing, PolicyChange, PolicySide, Preview};
+use super::report::{Change, NodeSharing, PolicyChange, PolicySide, Preview};
 use crate::api::crd::Capacity;
 
 /// Left-aligned columns, two spaces apart.

@@ -12,8 +12,8 @@ use tracing::info;
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{FINALIZER, LABEL_POLICY, MANAGER};
-use crate::runtime::controller::cluster_policy_resource;
-use crate::runtime::managed::owned_leaf_paths;
+use crate::observe::managed::owned_leaf_paths;
+use crate::runtime::resources::cluster_policy_resource;
 
 /// Why a cleanup did not finish.
 #[derive(Debug, thiserror::Error)]

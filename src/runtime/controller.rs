@@ -8,173 +8,40 @@
 //! ConfigMap) -> finalizers and statuses. Every write lands in the pass's [`WriteReport`], which
 //! feeds the metrics and the pass's tracing span.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kube::api::{Api, DynamicObject};
-use kube::core::{ApiResource, GroupVersionKind};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::finalizer;
-use kube::{Client, Resource, ResourceExt};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::{Client, ResourceExt};
 use tokio::sync::Notify;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::*;
+use crate::observe::gpu_operator;
 use crate::plan::{self, Plan, PlanInput};
 use crate::runtime::apply::{self, WriteReport};
 use crate::runtime::finalize;
-use crate::runtime::watches::{self, Caches};
-use crate::telemetry::metrics::Metrics;
+use crate::runtime::watches;
+
+// The controller's types live in their own files (the appliers, finalizers and watches import
+// them from there); they stay reachable here, where the binary and the tests name them.
+pub use crate::runtime::context::{Config, Context, EvictionClient};
+pub use crate::runtime::error::Error;
+pub use crate::runtime::resources::cluster_policy_resource;
 
 /// A pass starts once no watch event has arrived for this long...
 const COALESCE_QUIET: Duration = Duration::from_millis(100);
 /// ...or this long after the previous pass, whichever comes first.
 const COALESCE_MAX: Duration = Duration::from_secs(1);
 
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("Kubernetes API error: {0}")]
-    Kube(#[from] kube::Error),
-    #[error("finalizer: {0}")]
-    Finalizer(#[source] Box<finalizer::Error<Error>>),
-    #[error("policy {0} still has nodes or config keys to clean up")]
-    CleanupPending(String),
-    #[error("JSON: {0}")]
-    Json(#[from] serde_json::Error),
-    #[error("the GPU Operator's namespace {0} does not exist")]
-    NamespaceMissing(String),
-}
-
-/// Settings of `gpu-sharing-operator run`.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// GPU Operator namespace; detected from the ClusterPolicy status when `None`.
-    pub namespace: Option<String>,
-    pub device_configmap: String,
-    pub mig_configmap: String,
-    /// Name of our vGPU-devices ConfigMap (custom vGPU layouts).
-    pub vgpu_configmap: String,
-    /// Full resync period (drift is also caught by the watches).
-    pub resync: Duration,
-    /// Where to count what happens (served on /metrics by the binary).
-    pub metrics: Arc<Metrics>,
-    /// How long `nvidia.com/mig.config.state=pending` may last before the node is reported
-    /// Degraded and left alone.
-    pub mig_timeout: Duration,
-    /// Start no node change for any policy (`--pause-rollouts`); status stays current.
-    pub pause_rollouts: bool,
-    /// The readiness taint's key (`--readiness-taint`), removed from nodes once configured.
-    pub readiness_taint: Option<String>,
-    /// The client for evictions: one built with `kube::Config::default_retry` off. The Eviction
-    /// API answers 429 while a PodDisruptionBudget forbids an eviction, and kube's default
-    /// client retries 429 (honouring Retry-After), so through it a refusal only looks slow.
-    /// Without one, evictions go through the main client and an eviction still unanswered
-    /// after [`EVICTION_WAIT`](crate::runtime::apply::EVICTION_WAIT) is reported as unanswered.
-    pub eviction_client: Option<EvictionClient>,
-}
-
-/// A client built with kube's default retry off, for evictions ([`Config::eviction_client`]).
-#[derive(Clone)]
-pub struct EvictionClient(pub Client);
-
-impl std::fmt::Debug for EvictionClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("EvictionClient")
-    }
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            namespace: None,
-            device_configmap: DEVICE_PLUGIN_CONFIGMAP.into(),
-            mig_configmap: MIG_PARTED_CONFIGMAP.into(),
-            vgpu_configmap: VGPU_DEVICES_CONFIGMAP.into(),
-            resync: Duration::from_secs(300),
-            metrics: Arc::default(),
-            mig_timeout: Duration::from_secs(600),
-            pause_rollouts: false,
-            readiness_taint: None,
-            eviction_client: None,
-        }
-    }
-}
-
-/// The ClusterPolicy resource (GPU Operator, `nvidia.com/v1`, cluster-scoped).
-pub fn cluster_policy_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("nvidia.com", "v1", "ClusterPolicy"),
-        "clusterpolicies",
-    )
-}
-
-/// Shared state of the running controller.
-pub struct Context {
-    pub client: Client,
-    pub config: Config,
-    pub namespace: String,
-    pub(crate) caches: Caches,
-    recorder: Recorder,
-    /// ClusterPolicy fields this process has applied: a later change by someone else is drift.
-    pub(crate) cluster_policy_applied: std::sync::Mutex<BTreeSet<String>>,
-    /// Since when each node has reported MIG state pending, for which layout.
-    pub(crate) mig_pending_since: std::sync::Mutex<BTreeMap<String, (String, std::time::Instant)>>,
-    /// When we had to put our ClusterPolicy settings back (drift repairs), for contest detection.
-    pub(crate) cluster_policy_repairs: std::sync::Mutex<Vec<(std::time::Instant, String)>>,
-    /// Passes so far (each pass's tracing span carries its number).
-    passes: AtomicU64,
-    /// Evictions the last pass could not make (reported on the node until they go through).
-    pub(crate) eviction_blocked: std::sync::Mutex<BTreeMap<String, String>>,
-    /// Nodes being drained that someone else had cordoned (seen when we went to cordon them).
-    pub(crate) foreign_cordons: std::sync::Mutex<BTreeSet<String>>,
-    /// Our last ConfigMap write found the GPU Operator's namespace missing.
-    pub(crate) namespace_missing: std::sync::atomic::AtomicBool,
-}
-
-impl Context {
-    /// Publishes an event on a policy, off the critical path: a slow events API never delays
-    /// the next write.
-    pub(crate) async fn event(
-        &self,
-        policy: &GpuSharingPolicy,
-        type_: EventType,
-        reason: &str,
-        note: String,
-    ) {
-        let ev = Event {
-            type_,
-            reason: reason.into(),
-            note: Some(note),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
-        let recorder = self.recorder.clone();
-        let reference = policy.object_ref(&());
-        tokio::spawn(async move {
-            if let Err(e) = recorder.publish(&ev, &reference).await {
-                debug!(error = %e, "event not published");
-            }
-        });
-    }
-}
-
 /// Finds the GPU Operator's namespace: the `status.namespace` of the oldest (active)
 /// ClusterPolicy.
 pub async fn detect_namespace(client: &Client) -> Option<String> {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_policy_resource());
     let list = api.list(&Default::default()).await.ok()?;
-    let mut items = list.items;
-    items.sort_by_key(|o| (o.metadata.creation_timestamp.clone(), o.name_any()));
-    items.first().and_then(|o| {
-        o.data
-            .get("status")?
-            .get("namespace")?
-            .as_str()
-            .map(String::from)
-    })
+    gpu_operator::active_cluster_policy(&list.items).and_then(gpu_operator::status_namespace)
 }
 
 /// The GPU Operator namespace: configured, else detected, else `gpu-operator`.
@@ -191,7 +58,7 @@ async fn namespace(client: &Client, config: &Config) -> String {
             warn!(
                 "no ClusterPolicy with status.namespace found; using gpu-operator (pass --namespace to choose)"
             );
-            "gpu-operator".into()
+            gpu_operator::DEFAULT_NAMESPACE.into()
         }
     }
 }
@@ -218,20 +85,7 @@ pub async fn run(
             instance: std::env::var("POD_NAME").ok(),
         },
     );
-    let ctx = Arc::new(Context {
-        client,
-        config,
-        namespace,
-        caches,
-        recorder,
-        cluster_policy_repairs: Default::default(),
-        mig_pending_since: Default::default(),
-        cluster_policy_applied: Default::default(),
-        passes: AtomicU64::new(0),
-        eviction_blocked: Default::default(),
-        foreign_cordons: Default::default(),
-        namespace_missing: Default::default(),
-    });
+    let ctx = Arc::new(Context::new(client, config, namespace, caches, recorder));
     tokio::select! {
         _ = events => warn!("watch streams ended"),
         _ = control_loop(ctx, notify) => {},
@@ -286,7 +140,7 @@ async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
 /// One pass in its tracing span (pass number, nodes changed, writes); its writes and duration
 /// feed the metrics whether it succeeded or not.
 async fn pass(ctx: &Context) -> Result<bool, Error> {
-    let id = ctx.passes.fetch_add(1, Ordering::Relaxed) + 1;
+    let id = ctx.next_pass();
     let span = info_span!(
         "pass",
         id,
@@ -304,7 +158,8 @@ async fn pass(ctx: &Context) -> Result<bool, Error> {
     for (kind, n) in report.by_kind() {
         m.count_writes(kind, n);
     }
-    m.observe_reconcile(started.elapsed(), result.is_ok());
+    let failure = result.as_ref().err().map(Error::metric_label);
+    m.observe_reconcile(started.elapsed(), failure);
     m.set_ready();
     if !report.is_empty() {
         span.in_scope(|| debug!(writes = report.writes.len(), "pass wrote"));

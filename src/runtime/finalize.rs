@@ -20,7 +20,8 @@ use crate::api::state::Reason;
 use crate::nvidia;
 use crate::plan::{Plan, PlanInput};
 use crate::runtime::apply::{Write, WriteReport};
-use crate::runtime::controller::{Context, Error};
+use crate::runtime::context::Context;
+use crate::runtime::error::Error;
 
 /// Policies being deleted whose node labels or config keys are still there (in the state this
 /// pass planned from, or in its plan).

@@ -3,11 +3,14 @@
 
 pub mod apply;
 pub mod cleanup;
+pub mod cluster_policy_diff;
+pub mod context;
 pub mod controller;
+pub mod error;
 pub mod finalize;
 pub mod input;
 pub mod leader;
-pub mod managed;
 pub mod nodecache;
+pub mod resources;
 pub mod taints;
 pub mod watches;

@@ -17,8 +17,8 @@ use tracing::warn;
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{MANAGED_BY, MANAGER};
 use crate::plan::{LabelFilter, selector_keys};
-use crate::runtime::controller::cluster_policy_resource;
 use crate::runtime::nodecache::NodeCache;
+use crate::runtime::resources::cluster_policy_resource;
 use crate::runtime::taints::Tainted;
 
 /// Pods that may hold GPUs: bound to a node and not finished.
@@ -52,7 +52,7 @@ impl CacheLag {
 
 /// The caches a pass reads.
 pub struct Caches {
-    /// Whether they may lag the server (see `apply::keep_server_write_time`).
+    /// Whether they may lag the server (see `apply::nodes::keep_server_write_time`).
     pub lag: Arc<CacheLag>,
     pub policies: Store<GpuSharingPolicy>,
     pub nodes: Arc<NodeCache>,
@@ -274,7 +274,7 @@ async fn namespace_watch(
 }
 
 /// ResourceClaims in every namespace, kept only with their allocation (`status.allocation`):
-/// what [`crate::runtime::input::read_dra_claims`] reads.
+/// what [`crate::observe::claims::dra_claims`] reads.
 async fn claim_watch(client: &Client, streams: &mut Streams) -> Option<Store<ResourceClaim>> {
     let api: Api<ResourceClaim> = Api::all(client.clone());
     if let Err(e) = api.list(&kube::api::ListParams::default().limit(1)).await {

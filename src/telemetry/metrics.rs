@@ -31,6 +31,12 @@ struct KindLabel {
     kind: String,
 }
 
+/// Why a pass failed: the controller error's `metric_label()` (one fixed value per variant).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabel {
+    error: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StrategyLabel {
     strategy: String,
@@ -135,7 +141,7 @@ impl PolicyGauges {
 pub struct Metrics {
     registry: Registry,
     reconciles: Counter,
-    reconcile_errors: Counter,
+    reconcile_errors: Family<ErrorLabel, Counter>,
     duration: Histogram,
     writes: Family<KindLabel, Counter>,
     nodes: Family<StrategyLabel, Gauge>,
@@ -160,7 +166,7 @@ impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::default();
         let reconciles = Counter::default();
-        let reconcile_errors = Counter::default();
+        let reconcile_errors = Family::<ErrorLabel, Counter>::default();
         let duration = Histogram::new(BUCKETS);
         let writes = Family::<KindLabel, Counter>::default();
         let nodes = Family::<StrategyLabel, Gauge>::default();
@@ -172,7 +178,7 @@ impl Default for Metrics {
         );
         registry.register(
             "gpu_sharing_reconcile_errors",
-            "Reconcile passes that failed (retried with backoff)",
+            "Reconcile passes that failed (retried with backoff), by error",
             reconcile_errors.clone(),
         );
         registry.register(
@@ -235,10 +241,15 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn observe_reconcile(&self, took: Duration, ok: bool) {
+    /// Counts a pass and its duration; a failed one also under its error's label.
+    pub fn observe_reconcile(&self, took: Duration, failure: Option<&str>) {
         self.reconciles.inc();
-        if !ok {
-            self.reconcile_errors.inc();
+        if let Some(error) = failure {
+            self.reconcile_errors
+                .get_or_create(&ErrorLabel {
+                    error: error.into(),
+                })
+                .inc();
         }
         self.duration.observe(took.as_secs_f64());
     }
@@ -354,10 +365,28 @@ mod tests {
     }
 
     #[test]
+    fn failed_passes_are_counted_by_error() {
+        let m = Metrics::default();
+        let took = Duration::from_millis(5);
+        m.observe_reconcile(took, Some("kube"));
+        m.observe_reconcile(took, Some("namespace_missing"));
+        m.observe_reconcile(took, Some("kube"));
+        m.observe_reconcile(took, None);
+        let text = m.render();
+        for want in [
+            "gpu_sharing_reconciles_total 4",
+            "gpu_sharing_reconcile_errors_total{error=\"kube\"} 2",
+            "gpu_sharing_reconcile_errors_total{error=\"namespace_missing\"} 1",
+        ] {
+            assert!(text.contains(want), "missing {want:?} in\n{text}");
+        }
+    }
+
+    #[test]
     fn exposition_names_every_metric_the_alerts_and_dashboards_use() {
         let m = Metrics::default();
-        m.observe_reconcile(Duration::from_millis(20), true);
-        m.observe_reconcile(Duration::from_millis(20), false);
+        m.observe_reconcile(Duration::from_millis(20), None);
+        m.observe_reconcile(Duration::from_millis(20), Some("kube"));
         m.count_writes("Node", 3);
         m.set_nodes_per_strategy([("mps".to_string(), 2)]);
         m.set_nodes_per_strategy([("timeSlicing".to_string(), 1)]);
@@ -393,7 +422,7 @@ mod tests {
         let text = m.render();
         for want in [
             "gpu_sharing_reconciles_total 2",
-            "gpu_sharing_reconcile_errors_total 1",
+            "gpu_sharing_reconcile_errors_total{error=\"kube\"} 1",
             "gpu_sharing_reconcile_duration_seconds_bucket{le=\"0.025\"} 2",
             "gpu_sharing_reconcile_duration_seconds_count 2",
             "gpu_sharing_api_writes_total{kind=\"Node\"} 3",

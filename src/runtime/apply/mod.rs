@@ -1,0 +1,77 @@
+//! The appliers: each writes only what differs from the caches, with server-side apply under our
+//! field manager, and records every write (object and reason) in the pass's [`WriteReport`],
+//! from which logs and metrics are fed. One file per kind of object written: our ConfigMaps
+//! ([`configmaps`]), node metadata, cordons and readiness taints ([`nodes`]), the ClusterPolicy
+//! ([`cluster_policy`]), ResourceClaimTemplates ([`claims`]) and pod evictions ([`evict`]).
+
+use std::collections::BTreeMap;
+
+use kube::api::PatchParams;
+
+use crate::api::names::MANAGER;
+
+pub mod claims;
+pub mod cluster_policy;
+pub mod configmaps;
+pub mod evict;
+pub mod nodes;
+
+pub use claims::apply_claim_templates;
+pub use cluster_policy::apply_cluster_policy;
+pub use configmaps::{apply_configmaps, delete_unused_mig_configmap, delete_unused_vgpu_configmap};
+pub use evict::{EVICTION_WAIT, evict};
+pub use nodes::{apply_nodes, node_in_sync, nodes_to_change, remove_readiness_taints};
+
+/// One write to the API server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Write {
+    /// Kind of object (`Node`, `ConfigMap`, `ClusterPolicy`, `ResourceClaimTemplate`,
+    /// `GpuSharingPolicyStatus`).
+    pub kind: &'static str,
+    pub object: String,
+    pub reason: String,
+}
+
+/// Every write of a pass.
+#[derive(Debug, Default, Clone)]
+pub struct WriteReport {
+    pub writes: Vec<Write>,
+}
+
+impl WriteReport {
+    pub fn record(
+        &mut self,
+        kind: &'static str,
+        object: impl Into<String>,
+        reason: impl Into<String>,
+    ) {
+        self.writes.push(Write {
+            kind,
+            object: object.into(),
+            reason: reason.into(),
+        });
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
+
+    /// Writes of one kind.
+    pub fn count(&self, kind: &str) -> usize {
+        self.writes.iter().filter(|w| w.kind == kind).count()
+    }
+
+    /// Writes per kind.
+    pub fn by_kind(&self) -> BTreeMap<&'static str, u64> {
+        let mut out = BTreeMap::new();
+        for w in &self.writes {
+            *out.entry(w.kind).or_default() += 1;
+        }
+        out
+    }
+}
+
+/// Server-side apply under our field manager, taking over fields others set.
+fn apply_params() -> PatchParams {
+    PatchParams::apply(MANAGER).force()
+}

@@ -1,0 +1,197 @@
+//! Node writes: our labels and annotations (with our cordon riding in the same apply), and the
+//! removal of the readiness taint once a node's sharing config is confirmed. The taint patch
+//! itself lives in [`crate::runtime::taints`], beside the reading the watches share.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use futures::{StreamExt, stream};
+use k8s_openapi::api::core::v1::Node;
+use kube::ResourceExt;
+use kube::api::{Api, Patch};
+use kube::runtime::events::EventType;
+use serde_json::json;
+use tracing::{debug, info};
+
+use super::{WriteReport, apply_params};
+use crate::api::names::*;
+use crate::plan::{self, NodeFacts, Plan};
+use crate::runtime::context::Context;
+use crate::runtime::error::Error;
+
+/// Whether the node's labels and annotations already are what we want to own.
+pub fn node_in_sync(
+    node: &NodeFacts,
+    desired: &plan::SmallMap,
+    desired_annotations: &plan::SmallMap,
+) -> bool {
+    let owned: BTreeSet<&String> = node
+        .owned
+        .iter()
+        .filter(|k| MANAGED_LABELS.contains(&k.as_str()))
+        .collect();
+    let want: BTreeSet<&String> = desired.keys().collect();
+    let owned_annotations: BTreeSet<&String> = node.owned_annotations.iter().collect();
+    let want_annotations: BTreeSet<&String> = desired_annotations.keys().collect();
+    owned == want
+        && desired.iter().all(|(k, v)| node.labels.get(k) == Some(v))
+        && owned_annotations == want_annotations
+        && desired_annotations
+            .iter()
+            .all(|(k, v)| node.annotations.get(k) == Some(v))
+}
+
+/// Nodes whose labels or annotations differ from the plan.
+pub fn nodes_to_change(nodes: &[Arc<NodeFacts>], plan: &Plan) -> Vec<String> {
+    let none = plan::SmallMap::default();
+    nodes
+        .iter()
+        .filter(|node| {
+            let annotations = plan.node_annotations.get(&node.name).unwrap_or(&none);
+            plan.node_labels
+                .get(&node.name)
+                .is_some_and(|want| !node_in_sync(node, want, annotations))
+        })
+        .map(|node| node.name.clone())
+        .collect()
+}
+
+/// After a failed pass or watch the node cache may lag the server: a write whose response was
+/// lost (an API server restart) is already in place while the cache still shows the old label.
+/// Re-applying it with a new "config written" time would make the node wait for a GPU Feature
+/// Discovery report newer than a write that changed nothing (GFD already reported). So while the
+/// caches may lag ([`CacheLag`](crate::runtime::watches::CacheLag)), a node write that stamps a
+/// new time reads the node first and keeps the server's time when its device-plugin label
+/// already is the planned one.
+async fn keep_server_write_time(
+    ctx: &Context,
+    api: &Api<Node>,
+    name: &str,
+    labels: &crate::plan::SmallMap,
+    mut annotations: crate::plan::SmallMap,
+) -> Result<crate::plan::SmallMap, Error> {
+    let Some(planned) = labels.get(LABEL_DEVICE_PLUGIN_CONFIG) else {
+        return Ok(annotations);
+    };
+    if !annotations.contains_key(ANNOTATION_CONFIG_WRITTEN) || !ctx.caches.lag.suspect() {
+        return Ok(annotations);
+    }
+    let n = api.get(name).await?;
+    let same = n
+        .labels()
+        .get(LABEL_DEVICE_PLUGIN_CONFIG)
+        .map(String::as_str)
+        == Some(planned);
+    if let (true, Some(t)) = (same, n.annotations().get(ANNOTATION_CONFIG_WRITTEN)) {
+        debug!(node = %name, written = %t, "config label already in place: keeping its write time");
+        annotations.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), t.clone());
+    }
+    Ok(annotations)
+}
+
+/// Applies our labels and annotations to the nodes that differ (16 at a time), then emits one
+/// `NodesLabelled` event per policy. Every successful write is recorded even if another fails.
+pub async fn apply_nodes(
+    ctx: &Context,
+    plan: &Plan,
+    changes: Vec<String>,
+    report: &mut WriteReport,
+) -> Result<(), Error> {
+    let api: Api<Node> = Api::all(ctx.client.clone());
+    let results: Vec<Result<String, Error>> = stream::iter(changes)
+        .map(|name: String| {
+            let api = api.clone();
+            let labels = &plan.node_labels[&name];
+            let annotations = plan
+                .node_annotations
+                .get(&name)
+                .cloned()
+                .unwrap_or_default();
+            async move {
+                let mut annotations = annotations;
+                let mut obj = json!({"apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": name, "labels": labels}});
+                if annotations.contains_key(ANNOTATION_CORDONED) {
+                    // Our cordon rides in the same apply as its annotation; a node someone else
+                    // cordoned is drained without claiming (and so never lifting) the cordon.
+                    let n = api.get(&name).await?;
+                    let unschedulable = n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
+                    let ours = n.annotations().contains_key(ANNOTATION_CORDONED);
+                    if unschedulable && !ours {
+                        ctx.foreign_cordons
+                            .lock()
+                            .expect("cordon lock")
+                            .insert(name.clone());
+                        annotations = annotations
+                            .into_iter()
+                            .filter(|(k, _)| k != ANNOTATION_CORDONED)
+                            .collect();
+                    } else {
+                        obj["spec"] = json!({"unschedulable": true});
+                    }
+                }
+                let annotations =
+                    keep_server_write_time(ctx, &api, &name, labels, annotations).await?;
+                obj["metadata"]["annotations"] = json!(annotations);
+                api.patch(&name, &apply_params(), &Patch::Apply(&obj))
+                    .await?;
+                Ok(name)
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    let mut first_err = None;
+    let mut labelled: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for r in results {
+        match r {
+            Ok(name) => {
+                let labels = &plan.node_labels[&name];
+                let policy = labels.get(LABEL_POLICY).map_or("", String::as_str);
+                info!(node = %name, labels = ?labels, policy = %policy, "applied node labels");
+                report.record("Node", name.clone(), format!("policy {policy:?}"));
+                labelled.entry(policy).or_default().push(name);
+            }
+            Err(e) => first_err = first_err.or(Some(e)),
+        }
+    }
+    for (policy, nodes) in &labelled {
+        if let Some(p) = ctx.policy(policy) {
+            let shown: Vec<&str> = nodes.iter().take(10).map(String::as_str).collect();
+            let note = format!("labelled {} nodes: {}", nodes.len(), shown.join(", "));
+            ctx.event(&p, EventType::Normal, "NodesLabelled", note)
+                .await;
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+/// Removes the readiness taint from the nodes the plan found ready (see `plan::taint`). A node
+/// whose taints changed meanwhile is retried on the next pass.
+pub async fn remove_readiness_taints(
+    ctx: &Context,
+    plan: &Plan,
+    report: &mut WriteReport,
+) -> Result<(), Error> {
+    let Some(key) = ctx.config.readiness_taint.as_deref() else {
+        return Ok(());
+    };
+    for node in &plan.untaint {
+        match crate::runtime::taints::remove(&ctx.client, node, key).await {
+            Ok(true) => {
+                info!(%node, taint = key, "removed the readiness taint: sharing config confirmed");
+                report.record(
+                    "Node",
+                    node.clone(),
+                    format!("removed readiness taint {key}"),
+                );
+            }
+            Ok(false) => {}
+            Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409 | 422) => {
+                debug!(%node, error = %e, "readiness taint not removed this pass");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}

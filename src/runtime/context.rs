@@ -1,0 +1,151 @@
+//! The running controller's settings ([`Config`], from `gpu-sharing-operator run`) and shared
+//! state ([`Context`]: client, caches, what earlier passes learnt), which the control loop, the
+//! appliers, the finalizers and the plan input all read.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Client, Resource};
+use tracing::debug;
+
+use crate::api::crd::GpuSharingPolicy;
+use crate::api::names::*;
+use crate::runtime::watches::Caches;
+use crate::telemetry::metrics::Metrics;
+
+/// Settings of `gpu-sharing-operator run`.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// GPU Operator namespace; detected from the ClusterPolicy status when `None`.
+    pub namespace: Option<String>,
+    pub device_configmap: String,
+    pub mig_configmap: String,
+    /// Name of our vGPU-devices ConfigMap (custom vGPU layouts).
+    pub vgpu_configmap: String,
+    /// Full resync period (drift is also caught by the watches).
+    pub resync: Duration,
+    /// Where to count what happens (served on /metrics by the binary).
+    pub metrics: Arc<Metrics>,
+    /// How long `nvidia.com/mig.config.state=pending` may last before the node is reported
+    /// Degraded and left alone.
+    pub mig_timeout: Duration,
+    /// Start no node change for any policy (`--pause-rollouts`); status stays current.
+    pub pause_rollouts: bool,
+    /// The readiness taint's key (`--readiness-taint`), removed from nodes once configured.
+    pub readiness_taint: Option<String>,
+    /// The client for evictions: one built with `kube::Config::default_retry` off. The Eviction
+    /// API answers 429 while a PodDisruptionBudget forbids an eviction, and kube's default
+    /// client retries 429 (honouring Retry-After), so through it a refusal only looks slow.
+    /// Without one, evictions go through the main client and an eviction still unanswered
+    /// after [`EVICTION_WAIT`](crate::runtime::apply::EVICTION_WAIT) is reported as unanswered.
+    pub eviction_client: Option<EvictionClient>,
+}
+
+/// A client built with kube's default retry off, for evictions ([`Config::eviction_client`]).
+#[derive(Clone)]
+pub struct EvictionClient(pub Client);
+
+impl std::fmt::Debug for EvictionClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EvictionClient")
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            namespace: None,
+            device_configmap: DEVICE_PLUGIN_CONFIGMAP.into(),
+            mig_configmap: MIG_PARTED_CONFIGMAP.into(),
+            vgpu_configmap: VGPU_DEVICES_CONFIGMAP.into(),
+            resync: Duration::from_secs(300),
+            metrics: Arc::default(),
+            mig_timeout: Duration::from_secs(600),
+            pause_rollouts: false,
+            readiness_taint: None,
+            eviction_client: None,
+        }
+    }
+}
+
+/// Shared state of the running controller.
+pub struct Context {
+    pub client: Client,
+    pub config: Config,
+    pub namespace: String,
+    pub(crate) caches: Caches,
+    recorder: Recorder,
+    /// ClusterPolicy fields this process has applied: a later change by someone else is drift.
+    pub(crate) cluster_policy_applied: std::sync::Mutex<BTreeSet<String>>,
+    /// Since when each node has reported MIG state pending, for which layout.
+    pub(crate) mig_pending_since: std::sync::Mutex<BTreeMap<String, (String, std::time::Instant)>>,
+    /// When we had to put our ClusterPolicy settings back (drift repairs), for contest detection.
+    pub(crate) cluster_policy_repairs: std::sync::Mutex<Vec<(std::time::Instant, String)>>,
+    /// Passes so far (each pass's tracing span carries its number).
+    passes: AtomicU64,
+    /// Evictions the last pass could not make (reported on the node until they go through).
+    pub(crate) eviction_blocked: std::sync::Mutex<BTreeMap<String, String>>,
+    /// Nodes being drained that someone else had cordoned (seen when we went to cordon them).
+    pub(crate) foreign_cordons: std::sync::Mutex<BTreeSet<String>>,
+    /// Our last ConfigMap write found the GPU Operator's namespace missing.
+    pub(crate) namespace_missing: std::sync::atomic::AtomicBool,
+}
+
+impl Context {
+    /// A fresh context: nothing applied, pending, repaired or blocked yet.
+    pub(crate) fn new(
+        client: Client,
+        config: Config,
+        namespace: String,
+        caches: Caches,
+        recorder: Recorder,
+    ) -> Self {
+        Context {
+            client,
+            config,
+            namespace,
+            caches,
+            recorder,
+            cluster_policy_repairs: Default::default(),
+            mig_pending_since: Default::default(),
+            cluster_policy_applied: Default::default(),
+            passes: AtomicU64::new(0),
+            eviction_blocked: Default::default(),
+            foreign_cordons: Default::default(),
+            namespace_missing: Default::default(),
+        }
+    }
+
+    /// The next pass's number (1 for the first).
+    pub(crate) fn next_pass(&self) -> u64 {
+        self.passes.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Publishes an event on a policy, off the critical path: a slow events API never delays
+    /// the next write.
+    pub(crate) async fn event(
+        &self,
+        policy: &GpuSharingPolicy,
+        type_: EventType,
+        reason: &str,
+        note: String,
+    ) {
+        let ev = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        let recorder = self.recorder.clone();
+        let reference = policy.object_ref(&());
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&ev, &reference).await {
+                debug!(error = %e, "event not published");
+            }
+        });
+    }
+}

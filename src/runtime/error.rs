@@ -1,0 +1,60 @@
+//! The controller's error type, shared by the control loop, the appliers and the finalizers,
+//! with the label each failure is counted under in the metrics.
+
+use kube::runtime::finalizer;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API error: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<finalizer::Error<Error>>),
+    #[error("policy {0} still has nodes or config keys to clean up")]
+    CleanupPending(String),
+    #[error("JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("the GPU Operator's namespace {0} does not exist")]
+    NamespaceMissing(String),
+}
+
+impl Error {
+    /// The `error` label a failed pass is counted under (`gpu_sharing_reconcile_errors_total`):
+    /// one fixed value per variant, so the metric's cardinality stays bounded.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube",
+            Error::Finalizer(_) => "finalizer",
+            Error::CleanupPending(_) => "cleanup_pending",
+            Error::Json(_) => "json",
+            Error::NamespaceMissing(_) => "namespace_missing",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_has_its_own_fixed_metric_label() {
+        let json = serde_json::from_str::<u8>("x").unwrap_err();
+        let errors = [
+            Error::Kube(kube::Error::LinesCodecMaxLineLengthExceeded),
+            Error::Finalizer(Box::new(finalizer::Error::UnnamedObject)),
+            Error::CleanupPending("p".into()),
+            Error::Json(json),
+            Error::NamespaceMissing("gpu-operator".into()),
+        ];
+        let labels: Vec<&str> = errors.iter().map(Error::metric_label).collect();
+        assert_eq!(
+            labels,
+            [
+                "kube",
+                "finalizer",
+                "cleanup_pending",
+                "json",
+                "namespace_missing"
+            ]
+        );
+    }
+}
