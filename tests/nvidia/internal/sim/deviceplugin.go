@@ -130,6 +130,7 @@ type DPResult struct {
 func PlanDevicePlugin(n *Node, hw Hardware, in DPInput, p *Patch) DPResult {
 	kb := DPLoadKey(n, in)
 	if DPLoaded(n, kb) {
+		kubeletSync(n, p)
 		return DPResult{}
 	}
 	label := n.Labels[LabelDPConfig]
@@ -209,11 +210,31 @@ func PlanDevicePlugin(n *Node, hw Hardware, in DPInput, p *Patch) DPResult {
 			break
 		}
 	}
+	advertised, _ := json.Marshal(want)
+	p.setAnn(n, AnnDPResources, string(advertised))
 	p.setAnn(n, AnnDPLoaded, kb)
 	p.setAnn(n, AnnDPConfig, cfgKey)
 	p.delAnn(n, AnnDPError)
 	p.logf("device plugin loaded config %q (migStrategy %s): resources %s", cfgKey, deref(loaded.Effective.Flags.MigStrategy), formatResources(outcome.Resources))
 	return DPResult{}
+}
+
+// kubeletSync plays the kubelet's node status sync while the device plugin
+// runs: the node's capacity and allocatable of the plugin's resources are
+// what the plugin advertises (AnnDPResources), whatever became of an
+// earlier status write.
+func kubeletSync(n *Node, p *Patch) {
+	var want map[string]string
+	if json.Unmarshal([]byte(n.Annotations[AnnDPResources]), &want) != nil {
+		return
+	}
+	for r, v := range want {
+		if n.Capacity[r] != v || n.Allocatable[r] != v {
+			p.Resources = want
+			p.logf("kubelet: node status resynced to the device plugin's resources %v", want)
+			return
+		}
+	}
 }
 
 func formatResources(m map[string]int) string {

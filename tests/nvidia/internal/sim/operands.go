@@ -43,4 +43,5 @@ func PlanDevicePluginGone(n *Node, p *Patch) {
 		p.logf("device plugin not deployed (%s!=true): allocatable %s -> 0, capacity kept", LabelDeployDevicePlugin, strings.Join(names, ","))
 	}
 	p.delAnn(n, AnnDPLoaded)
+	p.delAnn(n, AnnDPResources)
 }

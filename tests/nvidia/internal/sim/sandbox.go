@@ -104,6 +104,7 @@ func PlanSandbox(n *Node, hw Hardware, workload string, in SandboxInput, p *Patc
 		p.logf("sandbox device plugin (%s): allocatable %s", workload, formatStrings(alloc))
 	}
 	p.delAnn(n, AnnDPLoaded)
+	p.delAnn(n, AnnDPResources)
 }
 
 // PlanSandboxGone: on a container node the sandbox device plugin does not

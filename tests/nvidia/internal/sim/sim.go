@@ -41,6 +41,12 @@ const (
 	// AnnDPLoaded: what the simulated device plugin last loaded its config
 	// for (JSON of the inputs whose change makes the real one reload).
 	AnnDPLoaded = AnnPrefix + "device-plugin-loaded"
+	// AnnDPResources: what the loaded device plugin advertises (JSON of
+	// resource -> count), which the simulated kubelet keeps in the node's
+	// status: a status write lost (the API server restarting between the
+	// label and the status patch) is made again, as the kubelet's periodic
+	// node status sync does.
+	AnnDPResources = AnnPrefix + "device-plugin-resources"
 	// AnnDPConfig: the device-plugin ConfigMap key in effect ("" = empty config).
 	AnnDPConfig = AnnPrefix + "device-plugin-config"
 	// AnnDPError: why the simulated device plugin cannot start (the real
@@ -351,6 +357,7 @@ func PlanMig(n *Node, hw Hardware, in MigInput, p *Patch) MigResult {
 			return res
 		}
 		p.delAnn(n, AnnDPLoaded)
+		p.delAnn(n, AnnDPResources)
 		p.logf("MIG config %q: change undone before it was applied; operands restarted", desired)
 	}
 	finish := func(state, errMsg string) {

@@ -180,6 +180,28 @@ func TestTimeSlicingLabel(t *testing.T) {
 	}
 }
 
+// The label patch lands, the status patch is lost (the API server restarts in
+// between): the kubelet's status sync puts the device plugin's resources back.
+func TestKubeletResyncsALostStatusWrite(t *testing.T) {
+	n := a100Node()
+	n.Labels[LabelDPConfig] = "ts4"
+	step(t, n, MigInput{}, DPInput{})
+	if n.Allocatable["nvidia.com/gpu"] != "32" {
+		t.Fatalf("allocatable %v", n.Allocatable)
+	}
+	n.Capacity["nvidia.com/gpu"], n.Allocatable["nvidia.com/gpu"] = "8", "8"
+	p, _, _ := step(t, n, MigInput{}, DPInput{})
+	if p.Resources["nvidia.com/gpu"] != "32" || len(p.Labels) != 0 {
+		t.Fatalf("status not resynced (or the plugin reloaded): %+v", p)
+	}
+	if n.Capacity["nvidia.com/gpu"] != "32" || n.Allocatable["nvidia.com/gpu"] != "32" {
+		t.Fatalf("capacity %v allocatable %v", n.Capacity, n.Allocatable)
+	}
+	if p, _, _ := step(t, n, MigInput{}, DPInput{}); !p.Empty() {
+		t.Fatalf("steady state must write nothing: %+v", p)
+	}
+}
+
 func TestContentChangeDoesNotReload(t *testing.T) {
 	n := a100Node()
 	n.Labels[LabelDPConfig] = "ts4"
