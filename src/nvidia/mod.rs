@@ -17,6 +17,7 @@ use crate::api::crd::{GpuSharingPolicySpec, Mig, MigStrategy, Strategy, TimeSlic
 pub mod dra;
 pub mod emit;
 pub mod mig;
+pub mod state;
 pub mod vgpu;
 
 /// The key of the mig-parted ConfigMap the MIG manager reads.

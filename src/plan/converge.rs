@@ -13,6 +13,7 @@ use crate::api::names::{
     LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT,
     LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY, LABEL_MIG_STATE, LABEL_VGPU_STATE,
 };
+use crate::nvidia::state::{ConfigState, deployed};
 use crate::nvidia::{self, DevicePluginConfig};
 
 /// Moved to [`super::facts`] (a leaf the per-node transition shares); kept here for callers.
@@ -94,7 +95,7 @@ pub const SANDBOX_RESOURCE: &str = "nvidia.com/sandbox-gpu";
 /// what the device plugin advertises under the node's policy, when known.
 fn plugins_advertise(n: &NodeFacts, serves: Option<super::capacity::Advertised>) -> Labels {
     let vm = is_vm_host(n);
-    let dp_off = vm || n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) == Some("false");
+    let dp_off = vm || !deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN));
     let serves = serves.filter(|_| !dp_off);
     let mut alloc: Labels = n
         .allocatable
@@ -133,8 +134,8 @@ pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
     for (n, serves) in input.nodes.iter_mut().zip(serving) {
         let mut labels = n.labels.clone();
         for state in [LABEL_MIG_STATE, LABEL_VGPU_STATE] {
-            if labels.get(state) == Some("pending") {
-                labels.insert(state, "success");
+            if ConfigState::parse(labels.get(state)) == Some(ConfigState::Pending) {
+                labels.insert(state, ConfigState::Success.label_value());
                 // The MIG manager's (vGPU Device Manager's) update takes the field over from us.
                 Arc::make_mut(n).owned.remove(state);
             }

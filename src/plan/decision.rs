@@ -6,6 +6,7 @@
 
 use crate::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE};
 use crate::api::state::NodeState;
+use crate::nvidia::state::MigState;
 
 use super::NodeFacts;
 
@@ -118,27 +119,10 @@ pub(super) fn busy_msg(pods: &[String]) -> String {
     format!("WaitingForIdleGPUs: pods using GPUs: {}", pods.join(", "))
 }
 
-/// The node's current MIG situation.
-pub(super) struct Mig<'n> {
-    pub layout: Option<&'n str>,
-    pub state: Option<&'n str>,
-}
-
-impl<'n> Mig<'n> {
-    pub fn of(n: &'n NodeFacts) -> Self {
-        Mig {
-            layout: n.labels.get(LABEL_MIG_CONFIG),
-            state: n.labels.get(LABEL_MIG_STATE),
-        }
-    }
-
-    /// `layout` is on the node and the MIG manager confirmed it.
-    pub fn done(&self, layout: &str) -> bool {
-        self.layout == Some(layout) && self.state == Some("success")
-    }
-
-    /// The MIG manager failed on the current layout, or it stayed pending past the timeout.
-    pub fn failed(&self, env: &Env) -> bool {
-        self.state == Some("failed") || env.mig_stuck && self.state == Some("pending")
-    }
+/// The node's current MIG situation, as the MIG manager reports it.
+pub(super) fn mig_of(n: &NodeFacts) -> MigState<'_> {
+    MigState::read(
+        n.labels.get(LABEL_MIG_CONFIG),
+        n.labels.get(LABEL_MIG_STATE),
+    )
 }

@@ -4,6 +4,7 @@
 //! all read node facts the same way without importing each other.
 
 use crate::api::names::{LABEL_GFD_TIMESTAMP, LABEL_WORKLOAD};
+use crate::nvidia::state::Workload;
 
 use super::{Labels, NodeFacts, OwnedKeys, SmallMap, is_device_plugin_resource};
 
@@ -14,9 +15,7 @@ pub fn label_i64(n: &NodeFacts, key: &str) -> Option<i64> {
 
 /// The node is a VM host (by its workload label).
 pub fn is_vm_host(n: &NodeFacts) -> bool {
-    n.labels
-        .get(LABEL_WORKLOAD)
-        .is_some_and(|w| w.starts_with("vm-"))
+    Workload::parse(n.labels.get(LABEL_WORKLOAD)).is_some_and(Workload::is_vm)
 }
 
 /// Resources the sandbox device plugin advertises on the node (`nvidia.com/<PCI device name>`

@@ -19,6 +19,7 @@ use serde_json::json;
 use crate::api::crd::{Capacity, GpuSharingPolicy, GpuSharingPolicyStatus, NodeDetail};
 use crate::api::names::*;
 use crate::api::state::NodeState;
+use crate::nvidia::state::Workload;
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
 use crate::validate::FieldError;
 
@@ -435,10 +436,10 @@ pub fn plan(input: &PlanInput) -> Plan {
             any_policy: !prepared.is_empty(),
             mig_config: mig_config.is_some(),
             cluster_mig,
-            vm_nodes: np
-                .labels
-                .values()
-                .any(|l| l.get(LABEL_WORKLOAD).is_some_and(|w| w.starts_with("vm-"))),
+            vm_nodes: np.labels.values().any(|l| {
+                Workload::parse(l.get(LABEL_WORKLOAD).map(String::as_str))
+                    .is_some_and(Workload::is_vm)
+            }),
             vgpu_config: vgpu_config.is_some(),
         },
     );

@@ -18,13 +18,14 @@
 use crate::api::crd::{Backend, MigStrategy, Strategy};
 use crate::api::names::*;
 use crate::api::state::NodeState;
+use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, deployed};
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::NodeFacts;
 use super::capacity::replicas_of;
 use super::compat::node_rejection;
-use super::decision::{Mig, busy_msg, hold, write};
-use super::facts::{is_vm_host, label_i64};
+use super::decision::{busy_msg, hold, mig_of, write};
+use super::facts::is_vm_host;
 use super::policies::Prepared;
 use super::vm;
 
@@ -36,7 +37,7 @@ pub use super::facts::gfd_behind;
 /// We switched the node's device plugin off (and it still is).
 fn device_plugin_off_by_us(n: &NodeFacts) -> bool {
     n.owned.contains(LABEL_DEPLOY_DEVICE_PLUGIN)
-        && n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) == Some("false")
+        && !deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN))
 }
 
 /// Why the node's device plugin cannot come back yet: allocated DRA claims on it.
@@ -76,7 +77,7 @@ fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Decisio
     else {
         return d;
     };
-    let off_already = n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) == Some("false");
+    let off_already = !deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN));
     // With the GPU Operator in DRA-only mode there is no device plugin to switch off.
     let switch = state == NodeState::Applied && env.gpu_cluster.is_none();
     if switch && !off_already && busy {
@@ -177,7 +178,7 @@ fn target_layout(n: &NodeFacts, w: &Prepared, env: &Env) -> String {
 
 /// A named layout whose content changed since we labelled the node: `(then, now)` hashes.
 fn stale_layout(n: &NodeFacts, w: &Prepared, env: &Env, layout: &str) -> Option<(String, String)> {
-    if w.custom.is_some() || !Mig::of(n).done(layout) {
+    if w.custom.is_some() || !mig_of(n).confirmed(layout) {
         return None;
     }
     let (l, then) = n.annotations.get(ANNOTATION_MIG_LAYOUT)?.rsplit_once('@')?;
@@ -188,10 +189,10 @@ fn stale_layout(n: &NodeFacts, w: &Prepared, env: &Env, layout: &str) -> Option<
 fn decide_mig(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
     let key = w.key.as_deref().expect("accepted policies have a key");
     let layout = target_layout(n, w, env);
-    let mig = Mig::of(n);
+    let mig = mig_of(n);
     let dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG);
     let sharing_on = dp.is_some_and(|k| k != DEFAULT_KEY);
-    if mig.layout == Some(layout.as_str()) && mig.failed(env) {
+    if mig.layout == Some(layout.as_str()) && mig.failed(env.mig_stuck) {
         return hold(
             NodeState::Failed,
             format!(
@@ -226,7 +227,7 @@ fn decide_mig(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
     }
     if w.reapply_requested()
         && mig.layout == Some(MIG_DISABLED_LAYOUT)
-        && mig.state == Some("pending")
+        && mig.state == Some(ConfigState::Pending)
     {
         // A re-apply goes through a confirmed all-disabled: the MIG manager skips a layout it
         // believes applied, so flipping straight back would change nothing.
@@ -240,7 +241,7 @@ fn decide_mig(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
             Some(MIG_DISABLED_LAYOUT.into()),
         );
     }
-    if mig.done(&layout) {
+    if mig.confirmed(&layout) {
         write(NodeState::Applied, "", key, Some(layout))
     } else if mig.layout != Some(layout.as_str()) && busy {
         // Idle GPUs are needed to change the layout: hold everything.
@@ -265,13 +266,9 @@ fn decide_mig(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
 /// device-plugin config is applied.
 fn decide_sharing(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
     let key = w.key.as_deref().expect("accepted policies have a key");
-    let mig = Mig::of(n);
+    let mig = mig_of(n);
     let mig_capable = n.labels.get(LABEL_MIG_CAPABLE) == Some("true");
-    let confirmed_off = match mig.layout {
-        None => true,
-        Some(MIG_DISABLED_LAYOUT) => matches!(mig.state, None | Some("success")),
-        Some(_) => false,
-    };
+    let confirmed_off = mig.off(MIG_DISABLED_LAYOUT);
     let keep_mig_label = n
         .owned
         .contains(LABEL_MIG_CONFIG)
@@ -289,7 +286,7 @@ fn decide_sharing(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decisio
         )
     } else if !mig_capable && mig.layout.is_none() || confirmed_off {
         write(NodeState::Applied, "", key, keep_mig_label)
-    } else if mig.layout == Some(MIG_DISABLED_LAYOUT) && mig.failed(env) {
+    } else if mig.layout == Some(MIG_DISABLED_LAYOUT) && mig.failed(env.mig_stuck) {
         hold(
             NodeState::Failed,
             "MIG manager failed to disable MIG (or stayed pending past the timeout); node left untouched",
@@ -358,10 +355,12 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
                 o.message = why;
             }
             if device_plugin_off {
-                o.labels
-                    .insert(LABEL_DEPLOY_DEVICE_PLUGIN.to_string(), "false".to_string());
+                o.labels.insert(
+                    LABEL_DEPLOY_DEVICE_PLUGIN.to_string(),
+                    NOT_DEPLOYED.to_string(),
+                );
                 if o.state == Some(NodeState::Applied)
-                    && n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN) != Some("false")
+                    && deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN))
                 {
                     o.state = Some(NodeState::Pending);
                     o.message = format!(
@@ -390,7 +389,7 @@ fn released(n: &NodeFacts, env: &Env) -> Outcome {
     }
     // The device plugin comes back only when no DRA claim holds the node's GPUs.
     if device_plugin_off_by_us(n) && !env.dra_claims.is_empty() {
-        labels.insert(LABEL_DEPLOY_DEVICE_PLUGIN.into(), "false".into());
+        labels.insert(LABEL_DEPLOY_DEVICE_PLUGIN.into(), NOT_DEPLOYED.into());
     }
     // A VM host we made stays one while VMs use its GPUs.
     if is_vm_host(n) && n.owned.contains(LABEL_WORKLOAD) && !env.vm_pods.is_empty() {
@@ -528,6 +527,7 @@ fn unconfirmed(
             "waiting for GPU Feature Discovery to report config {dp} (nvidia.com/gfd.timestamp not newer than our label write at {w})"
         ));
     }
+    let gfd = GfdReport::read(n.labels.iter());
     let expected = if w.spec.backend == Backend::Dra {
         1
     } else {
@@ -547,10 +547,9 @@ fn unconfirmed(
         // Under `mixed` GFD reports each MIG profile's replicas on its own resource
         // (`nvidia.com/mig-<profile>.replicas`); the MIG-enabled GPUs themselves are labelled
         // without sharing (`nvidia.com/gpu.replicas=0`).
-        let wrong: Vec<String> = n
-            .labels
+        let wrong: Vec<String> = gfd
+            .mig_replicas
             .iter()
-            .filter(|(k, _)| k.starts_with("nvidia.com/mig-") && k.ends_with(".replicas"))
             .filter(|(_, v)| v.parse::<i64>().ok() != Some(expected))
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
@@ -561,7 +560,8 @@ fn unconfirmed(
             )
         });
     }
-    let ok = match (w.spec.strategy, label_i64(n, LABEL_GPU_REPLICAS)) {
+    let reported = gfd.replicas.and_then(|r| r.parse::<i64>().ok());
+    let ok = match (w.spec.strategy, reported) {
         // Without time-slicing GFD reports 0 or 1 for MIG: nothing to compare.
         (Strategy::Mig, _) if !mig_time_sliced => true,
         (_, None) => true,
@@ -570,7 +570,7 @@ fn unconfirmed(
     (!ok).then(|| {
         format!(
             "GPU Feature Discovery reports nvidia.com/gpu.replicas={}, expected {expected}",
-            n.labels.get(LABEL_GPU_REPLICAS).unwrap_or_default()
+            gfd.replicas.unwrap_or_default()
         )
     })
 }
@@ -633,9 +633,10 @@ fn mark_pending(n: &NodeFacts, labels: &mut super::SmallMap) {
         let Some(want) = labels.get(config) else {
             continue;
         };
-        let ours_pending = n.owned.contains(state) && n.labels.get(state) == Some("pending");
+        let pending = ConfigState::Pending.label_value();
+        let ours_pending = n.owned.contains(state) && n.labels.get(state) == Some(pending);
         if n.labels.get(config) != Some(want.as_str()) || ours_pending {
-            labels.insert(state.to_string(), "pending".to_string());
+            labels.insert(state.to_string(), pending.to_string());
         }
     }
 }

@@ -21,6 +21,7 @@ use crate::api::names::{
 };
 use crate::api::state::NodeState;
 use crate::nvidia::DEFAULT_KEY;
+use crate::nvidia::state::ConfigState;
 
 use super::drain::{Drain, drain_nodes};
 use super::facts::{gfd_behind, is_vm_host, sandbox_resources};
@@ -153,7 +154,8 @@ enum Phase {
 /// Device Manager) has not reported on our last layout (vGPU config).
 fn last_change_unconfirmed(n: &NodeFacts) -> bool {
     let pending = |config: &str, state: &str| {
-        n.owned.contains(config) && n.labels.get(state) == Some("pending")
+        n.owned.contains(config)
+            && ConfigState::parse(n.labels.get(state)) == Some(ConfigState::Pending)
     };
     let vm = is_vm_host(n);
     let gfd = !vm && gfd_behind(n, n.annotations.get(ANNOTATION_CONFIG_WRITTEN)).is_some();

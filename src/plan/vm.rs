@@ -16,10 +16,11 @@
 use crate::api::crd::Strategy;
 use crate::api::names::*;
 use crate::api::state::NodeState;
+use crate::nvidia::state::{VgpuState, deployed};
 use crate::nvidia::vgpu::{family_mismatch, group_overflow, parse_vgpu_type};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::decision::{Decision, Env, Mig, busy_msg, hold, write};
+use super::decision::{Decision, Env, busy_msg, hold, mig_of, write};
 use super::facts::label_i64;
 use super::policies::Prepared;
 use super::{NodeFacts, SmallMap};
@@ -58,7 +59,7 @@ pub fn rejection(w: &Prepared, n: &NodeFacts, sandbox: &Sandbox) -> Option<Strin
     ] {
         let needed =
             label == LABEL_DEPLOY_SANDBOX_DEVICE_PLUGIN || w.spec.strategy == Strategy::Vgpu;
-        if needed && n.labels.get(label) == Some("false") {
+        if needed && !deployed(n.labels.get(label)) {
             return Some(format!(
                 "{label}=false on this node: the GPU Operator keeps {what} off it"
             ));
@@ -115,7 +116,7 @@ fn vgpu_mismatch(w: &Prepared, n: &NodeFacts) -> Option<String> {
 pub fn decide(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
     let target = w.spec.strategy.workload();
     let wl = n.labels.get(LABEL_WORKLOAD);
-    let mig = Mig::of(n);
+    let mig = mig_of(n);
     let mig_kept = n
         .owned
         .contains(LABEL_MIG_CONFIG)
@@ -152,12 +153,8 @@ pub fn decide(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
         .labels
         .get(LABEL_DEVICE_PLUGIN_CONFIG)
         .is_some_and(|k| k != DEFAULT_KEY);
-    let mig_off = match mig.layout {
-        None => true,
-        Some(MIG_DISABLED_LAYOUT) => matches!(mig.state, None | Some("success")),
-        Some(_) => false,
-    };
-    if mig.layout == Some(MIG_DISABLED_LAYOUT) && mig.failed(env) {
+    let mig_off = mig.off(MIG_DISABLED_LAYOUT);
+    if mig.layout == Some(MIG_DISABLED_LAYOUT) && mig.failed(env.mig_stuck) {
         return hold(
             NodeState::Failed,
             "MIG manager failed to disable MIG (or stayed pending past the timeout); node left untouched",
@@ -191,10 +188,12 @@ fn on_vm_host(
     let Some(want) = w.vgpu_config.as_deref() else {
         return vm(NodeState::Applied, String::new());
     };
-    let cur = n.labels.get(LABEL_VGPU_CONFIG);
-    let state = n.labels.get(LABEL_VGPU_STATE);
-    if cur == Some(want) && (state == Some("failed") || env.vgpu_stuck && state == Some("pending"))
-    {
+    let vgpu = VgpuState::read(
+        n.labels.get(LABEL_VGPU_CONFIG),
+        n.labels.get(LABEL_VGPU_STATE),
+    );
+    let cur = vgpu.config;
+    if vgpu.failed(want, env.vgpu_stuck) {
         return hold(
             NodeState::Failed,
             format!(
@@ -205,7 +204,7 @@ fn on_vm_host(
     if cur != Some(want) && cur.is_some() && !env.vm_pods.is_empty() {
         return hold(NodeState::Waiting, vm_users_msg(env.vm_pods));
     }
-    if cur == Some(want) && state == Some("success") {
+    if vgpu.confirmed(want) {
         vm(NodeState::Applied, String::new())
     } else {
         vm(
