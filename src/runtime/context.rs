@@ -1,8 +1,8 @@
 //! The running controller's settings ([`Config`], from `gpu-sharing-operator run`) and shared
-//! state ([`Context`]: client, caches, what earlier passes learnt), which the control loop, the
-//! appliers, the finalizers and the plan input all read.
+//! state ([`Context`]: client, caches, event recorder), which the control loop, the appliers,
+//! the finalizers and the plan input all read. What earlier passes learnt is not here: the
+//! control loop keeps it ([`crate::runtime::memory`]).
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -78,24 +78,12 @@ pub struct Context {
     pub namespace: String,
     pub(crate) caches: Caches,
     recorder: Recorder,
-    /// ClusterPolicy fields this process has applied: a later change by someone else is drift.
-    pub(crate) cluster_policy_applied: std::sync::Mutex<BTreeSet<String>>,
-    /// Since when each node has reported MIG state pending, for which layout.
-    pub(crate) mig_pending_since: std::sync::Mutex<BTreeMap<String, (String, std::time::Instant)>>,
-    /// When we had to put our ClusterPolicy settings back (drift repairs), for contest detection.
-    pub(crate) cluster_policy_repairs: std::sync::Mutex<Vec<(std::time::Instant, String)>>,
     /// Passes so far (each pass's tracing span carries its number).
     passes: AtomicU64,
-    /// Evictions the last pass could not make (reported on the node until they go through).
-    pub(crate) eviction_blocked: std::sync::Mutex<BTreeMap<String, String>>,
-    /// Nodes being drained that someone else had cordoned (seen when we went to cordon them).
-    pub(crate) foreign_cordons: std::sync::Mutex<BTreeSet<String>>,
-    /// Our last ConfigMap write found the GPU Operator's namespace missing.
-    pub(crate) namespace_missing: std::sync::atomic::AtomicBool,
 }
 
 impl Context {
-    /// A fresh context: nothing applied, pending, repaired or blocked yet.
+    /// A fresh context: no pass yet.
     pub(crate) fn new(
         client: Client,
         config: Config,
@@ -109,13 +97,7 @@ impl Context {
             namespace,
             caches,
             recorder,
-            cluster_policy_repairs: Default::default(),
-            mig_pending_since: Default::default(),
-            cluster_policy_applied: Default::default(),
             passes: AtomicU64::new(0),
-            eviction_blocked: Default::default(),
-            foreign_cordons: Default::default(),
-            namespace_missing: Default::default(),
         }
     }
 

@@ -3,10 +3,12 @@
 //! the pure planner and applies only the difference, with server-side apply under one field
 //! manager. A steady cluster gets no writes.
 //!
-//! A pass: [`Context::plan_input`] (caches -> input) -> [`plan::plan`] -> appliers in a safe
-//! order (ConfigMaps, ClusterPolicy, node metadata, ResourceClaimTemplates, unused mig-parted
-//! ConfigMap) -> finalizers and statuses. Every write lands in the pass's [`WriteReport`], which
-//! feeds the metrics and the pass's tracing span.
+//! A pass: [`Context::plan_input`] (caches and memory -> input) -> [`plan::plan`] -> appliers in
+//! a safe order (ConfigMaps, ClusterPolicy, node metadata, ResourceClaimTemplates, unused
+//! mig-parted ConfigMap) -> finalizers and statuses. Every write lands in the pass's
+//! [`WriteReport`], which feeds the metrics and the pass's tracing span; what the writes taught
+//! goes from the same report into the control loop's [`ControllerMemory`], the only state kept
+//! from one pass to the next.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,6 +25,7 @@ use crate::observe::gpu_operator;
 use crate::plan::{self, Plan, PlanInput};
 use crate::runtime::apply::{self, WriteReport};
 use crate::runtime::finalize;
+use crate::runtime::memory::ControllerMemory;
 use crate::runtime::watches;
 
 // The controller's types live in their own files (the appliers, finalizers and watches import
@@ -99,9 +102,10 @@ pub async fn run(
 async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
     ctx.caches.wait_until_ready().await;
     info!(namespace = %ctx.namespace, "caches ready; reconciling");
+    let mut memory = ControllerMemory::new(ctx.config.mig_timeout);
     let mut backoff = Duration::from_millis(500);
     loop {
-        match pass(&ctx).await {
+        match pass(&ctx, &mut memory).await {
             Ok(requeue) => {
                 backoff = Duration::from_millis(500);
                 let wait = if requeue {
@@ -138,8 +142,8 @@ async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
 }
 
 /// One pass in its tracing span (pass number, nodes changed, writes); its writes and duration
-/// feed the metrics whether it succeeded or not.
-async fn pass(ctx: &Context) -> Result<bool, Error> {
+/// feed the metrics, and what it learnt the memory, whether it succeeded or not.
+async fn pass(ctx: &Context, memory: &mut ControllerMemory) -> Result<bool, Error> {
     let id = ctx.next_pass();
     let span = info_span!(
         "pass",
@@ -149,9 +153,10 @@ async fn pass(ctx: &Context) -> Result<bool, Error> {
     );
     let started = std::time::Instant::now();
     let mut report = WriteReport::default();
-    let result = reconcile_all(ctx, &mut report)
+    let result = reconcile_all(ctx, memory, &mut report)
         .instrument(span.clone())
         .await;
+    memory.record(&report, std::time::Instant::now());
     span.record("nodes_changed", report.count("Node"));
     span.record("writes", report.writes.len());
     let m = &ctx.config.metrics;
@@ -192,11 +197,16 @@ fn record_plan_metrics(ctx: &Context, input: &PlanInput, plan: &Plan) {
     m.set_node_cache(input.nodes.len() as u64, ctx.caches.nodes.strings() as u64);
 }
 
-/// One pass: plan, then apply the difference in a safe order, recording every write. Returns
-/// whether something is still in progress (then the caller re-checks soon even without watch
-/// events).
-pub async fn reconcile_all(ctx: &Context, report: &mut WriteReport) -> Result<bool, Error> {
-    let Some(input) = ctx.plan_input() else {
+/// One pass: plan (with what `memory` recalls), then apply the difference in a safe order,
+/// recording every write and what it taught in `report` (the caller records that in `memory`).
+/// Returns whether something is still in progress (then the caller re-checks soon even without
+/// watch events).
+pub async fn reconcile_all(
+    ctx: &Context,
+    memory: &mut ControllerMemory,
+    report: &mut WriteReport,
+) -> Result<bool, Error> {
+    let Some(input) = ctx.plan_input(memory) else {
         // The node cache is listing nodes again (a new selector key); its last event wakes us.
         return Ok(true);
     };
@@ -221,16 +231,12 @@ pub async fn reconcile_all(ctx: &Context, report: &mut WriteReport) -> Result<bo
         return Err(e);
     }
     // 2. The ClusterPolicy points at our ConfigMaps.
-    apply::apply_cluster_policy(ctx, &plan, report).await?;
+    let applied = memory.cluster_policy_applied();
+    apply::apply_cluster_policy(ctx, &plan, applied, report).await?;
     // 3. Node labels and annotations.
     apply::apply_nodes(ctx, &plan, changes, report).await?;
     // 4. Drains: evict the GPU pods of cordoned nodes (PodDisruptionBudgets apply).
-    let blocked = apply::evict(ctx, &plan, report).await?;
-    *ctx.eviction_blocked.lock().expect("eviction lock") = blocked;
-    ctx.foreign_cordons
-        .lock()
-        .expect("cordon lock")
-        .retain(|n| plan.drains.contains_key(n));
+    apply::evict(ctx, &plan, report).await?;
     // 5. Readiness taints of nodes whose config is confirmed.
     apply::remove_readiness_taints(ctx, &plan, report).await?;
     // 6. ResourceClaimTemplates of DRA policies; the mig-parted ConfigMap once unused.

@@ -10,6 +10,7 @@ pub mod error;
 pub mod finalize;
 pub mod input;
 pub mod leader;
+pub mod memory;
 pub mod nodecache;
 pub mod resources;
 pub mod taints;

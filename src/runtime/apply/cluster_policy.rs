@@ -1,6 +1,7 @@
 //! The active ClusterPolicy: our fields of its `spec` (device-plugin and MIG manager configs,
 //! the cluster-wide MIG strategy, sandbox workloads, the vGPU Device Manager), with drift
-//! detection when someone else changed a field we had applied.
+//! detection when someone else changed a field we had applied (which fields we applied is the
+//! control loop's memory: read here, reported back in the [`WriteReport`]).
 
 use std::collections::BTreeSet;
 
@@ -9,7 +10,7 @@ use kube::api::{Api, DynamicObject, Patch};
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::{WriteReport, apply_params};
+use super::{Learnt, WriteReport, apply_params};
 use crate::api::names::MANAGER;
 use crate::observe::managed::owned_leaf_paths;
 use crate::plan::Plan;
@@ -19,11 +20,12 @@ use crate::runtime::error::Error;
 use crate::runtime::resources::cluster_policy_resource;
 
 /// Points the active ClusterPolicy at our ConfigMaps (and the cluster-wide MIG strategy) when
-/// its values or our ownership differ. A field we had applied that someone changed is drift: it
-/// is put back, logged as a warning and remembered for contest detection.
+/// its values or our ownership differ. A field we had `applied` (in earlier passes) that someone
+/// changed is drift: it is put back, logged as a warning and reported for contest detection.
 pub async fn apply_cluster_policy(
     ctx: &Context,
     plan: &Plan,
+    applied: &BTreeSet<String>,
     report: &mut WriteReport,
 ) -> Result<(), Error> {
     let Some(cp) = ctx.active_cluster_policy() else {
@@ -41,11 +43,6 @@ pub async fn apply_cluster_policy(
         return Ok(());
     }
     // Drift: a field we owned now has another value (a first apply over the Helm defaults is not).
-    let applied = ctx
-        .cluster_policy_applied
-        .lock()
-        .expect("applied lock")
-        .clone();
     let drift: Vec<String> = changes
         .iter()
         .filter(|c| applied.contains(&c.key))
@@ -63,10 +60,9 @@ pub async fn apply_cluster_policy(
     });
     api.patch(&cp.name_any(), &apply_params(), &Patch::Apply(&obj))
         .await?;
-    ctx.cluster_policy_applied
-        .lock()
-        .expect("applied lock")
-        .extend(want.keys().cloned());
+    report.learn(Learnt::ClusterPolicyApplied {
+        fields: want.keys().cloned().collect(),
+    });
     if drift.is_empty() {
         info!(clusterpolicy = %cp.name_any(), spec = %plan.cluster_policy_spec, "applied ClusterPolicy settings");
         report.record("ClusterPolicy", cp.name_any(), "policies changed");
@@ -77,10 +73,9 @@ pub async fn apply_cluster_policy(
             cp.name_any(),
             format!("drift: {}", drift.join(", ")),
         );
-        ctx.cluster_policy_repairs
-            .lock()
-            .expect("repairs lock")
-            .push((std::time::Instant::now(), drift.join(", ")));
+        report.learn(Learnt::ClusterPolicyRepaired {
+            what: drift.join(", "),
+        });
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use kube::ResourceExt;
 use kube::api::{Api, Patch};
 use tracing::info;
 
-use super::{WriteReport, apply_params};
+use super::{Learnt, WriteReport, apply_params};
 use crate::api::names::*;
 use crate::nvidia::MIG_PARTED_KEY;
 use crate::plan::{self, Plan};
@@ -39,11 +39,10 @@ async fn apply_configmap(
     }
     let obj = plan::configmap(name, &ctx.namespace, kind, data);
     let api: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    let missing = &ctx.namespace_missing;
     match api.patch(name, &apply_params(), &Patch::Apply(&obj)).await {
-        Ok(_) => missing.store(false, std::sync::atomic::Ordering::Relaxed),
+        Ok(_) => report.learn(Learnt::NamespaceFound),
         Err(kube::Error::Api(e)) if e.code == 404 => {
-            missing.store(true, std::sync::atomic::Ordering::Relaxed);
+            report.learn(Learnt::NamespaceMissing(ctx.namespace.clone()));
             return Err(Error::NamespaceMissing(ctx.namespace.clone()));
         }
         Err(e) => return Err(e.into()),

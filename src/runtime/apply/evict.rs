@@ -1,14 +1,12 @@
 //! Drains: pod evictions through the Eviction API (PodDisruptionBudgets apply), with the API
 //! server's refusals reported on the policy.
 
-use std::collections::BTreeMap;
-
 use futures::{StreamExt, stream};
 use kube::api::Api;
 use kube::runtime::events::EventType;
 use tracing::info;
 
-use super::WriteReport;
+use super::{Learnt, WriteReport};
 use crate::plan::Plan;
 use crate::runtime::context::Context;
 use crate::runtime::error::Error;
@@ -74,13 +72,10 @@ async fn evict_pod(ctx: &Context, id: &str) -> Result<Option<String>, Error> {
 }
 
 /// Evicts the pods of the nodes being drained through the Eviction API (PodDisruptionBudgets
-/// apply), 16 at a time. Returns the evictions refused, by pod, with why: 429 while a budget
-/// forbids it (or its status is not computed yet), 500 when several budgets select the pod.
-pub async fn evict(
-    ctx: &Context,
-    plan: &Plan,
-    report: &mut WriteReport,
-) -> Result<BTreeMap<String, String>, Error> {
+/// apply), 16 at a time. Once all are tried, reports the evictions refused, by pod, with why
+/// (429 while a budget forbids it or its status is not computed yet, 500 when several budgets
+/// select the pod), and the nodes being drained.
+pub async fn evict(ctx: &Context, plan: &Plan, report: &mut WriteReport) -> Result<(), Error> {
     let jobs: Vec<(String, String, String)> = plan
         .drains
         .iter()
@@ -98,7 +93,7 @@ pub async fn evict(
         .buffer_unordered(16)
         .collect()
         .await;
-    let mut blocked = BTreeMap::new();
+    let mut blocked = Vec::new();
     for (node, policy, id, r) in results {
         match r? {
             None => {
@@ -111,9 +106,13 @@ pub async fn evict(
                     ctx.event(&p, EventType::Warning, "EvictionBlocked", note)
                         .await;
                 }
-                blocked.insert(id.clone(), why);
+                blocked.push(Learnt::EvictionBlocked { pod: id, why });
             }
         }
     }
-    Ok(blocked)
+    report.learnt.extend(blocked);
+    report.learn(Learnt::EvictionsTried {
+        draining: plan.drains.keys().cloned().collect(),
+    });
+    Ok(())
 }

@@ -1,10 +1,11 @@
 //! The appliers: each writes only what differs from the caches, with server-side apply under our
 //! field manager, and records every write (object and reason) in the pass's [`WriteReport`],
-//! from which logs and metrics are fed. One file per kind of object written: our ConfigMaps
+//! from which logs and metrics are fed, with what the writes taught about the cluster
+//! ([`Learnt`]), from which the control loop's memory is kept (the appliers hold none). One file per kind of object written: our ConfigMaps
 //! ([`configmaps`]), node metadata, cordons and readiness taints ([`nodes`]), the ClusterPolicy
 //! ([`cluster_policy`]), ResourceClaimTemplates ([`claims`]) and pod evictions ([`evict`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kube::api::PatchParams;
 
@@ -32,10 +33,35 @@ pub struct Write {
     pub reason: String,
 }
 
-/// Every write of a pass.
+/// What a write taught that the cluster's objects do not say, for the next passes (see
+/// [`crate::runtime::memory`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Learnt {
+    /// The API server refused (or did not answer) this pod's eviction. Reported only together
+    /// with [`Learnt::EvictionsTried`]: a pass that fails before its evictions are all tried
+    /// leaves the last complete list standing.
+    EvictionBlocked { pod: String, why: String },
+    /// Every eviction of the pass was tried; these nodes are being drained (a foreign cordon
+    /// of any other node is forgotten).
+    EvictionsTried { draining: BTreeSet<String> },
+    /// A node to drain was already cordoned by someone else (seen when we went to cordon it).
+    ForeignCordon(String),
+    /// A ConfigMap write found the GPU Operator's namespace missing.
+    NamespaceMissing(String),
+    /// A ConfigMap write went through: the namespace is there.
+    NamespaceFound,
+    /// These ClusterPolicy fields were applied by us: a later change by someone else is drift.
+    ClusterPolicyApplied { fields: BTreeSet<String> },
+    /// Someone else had changed our ClusterPolicy fields; we put them back.
+    ClusterPolicyRepaired { what: String },
+}
+
+/// Every write of a pass, and what the writes taught.
 #[derive(Debug, Default, Clone)]
 pub struct WriteReport {
     pub writes: Vec<Write>,
+    /// In the order learnt.
+    pub learnt: Vec<Learnt>,
 }
 
 impl WriteReport {
@@ -52,6 +78,12 @@ impl WriteReport {
         });
     }
 
+    /// Something learnt, for the control loop's memory.
+    pub fn learn(&mut self, learnt: Learnt) {
+        self.learnt.push(learnt);
+    }
+
+    /// Whether the pass wrote nothing (what it learnt does not count).
     pub fn is_empty(&self) -> bool {
         self.writes.is_empty()
     }

@@ -13,7 +13,7 @@ use kube::runtime::events::EventType;
 use serde_json::json;
 use tracing::{debug, info};
 
-use super::{WriteReport, apply_params};
+use super::{Learnt, WriteReport, apply_params};
 use crate::api::names::*;
 use crate::plan::{self, NodeFacts, Plan};
 use crate::runtime::context::Context;
@@ -89,8 +89,44 @@ async fn keep_server_write_time(
     Ok(annotations)
 }
 
+/// Applies our labels and annotations to one node. A node to cordon that someone else had
+/// cordoned sets `foreign` (even when the write then fails).
+async fn apply_node(
+    ctx: &Context,
+    api: &Api<Node>,
+    name: &str,
+    labels: &plan::SmallMap,
+    mut annotations: plan::SmallMap,
+    foreign: &mut bool,
+) -> Result<(), Error> {
+    let mut obj = json!({"apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": labels}});
+    if annotations.contains_key(ANNOTATION_CORDONED) {
+        // Our cordon rides in the same apply as its annotation; a node someone else
+        // cordoned is drained without claiming (and so never lifting) the cordon.
+        let n = api.get(name).await?;
+        let unschedulable = n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
+        let ours = n.annotations().contains_key(ANNOTATION_CORDONED);
+        if unschedulable && !ours {
+            *foreign = true;
+            annotations = annotations
+                .into_iter()
+                .filter(|(k, _)| k != ANNOTATION_CORDONED)
+                .collect();
+        } else {
+            obj["spec"] = json!({"unschedulable": true});
+        }
+    }
+    let annotations = keep_server_write_time(ctx, api, name, labels, annotations).await?;
+    obj["metadata"]["annotations"] = json!(annotations);
+    api.patch(name, &apply_params(), &Patch::Apply(&obj))
+        .await?;
+    Ok(())
+}
+
 /// Applies our labels and annotations to the nodes that differ (16 at a time), then emits one
-/// `NodesLabelled` event per policy. Every successful write is recorded even if another fails.
+/// `NodesLabelled` event per policy. Every successful write is recorded even if another fails,
+/// and so is every node found cordoned by someone else.
 pub async fn apply_nodes(
     ctx: &Context,
     plan: &Plan,
@@ -98,7 +134,7 @@ pub async fn apply_nodes(
     report: &mut WriteReport,
 ) -> Result<(), Error> {
     let api: Api<Node> = Api::all(ctx.client.clone());
-    let results: Vec<Result<String, Error>> = stream::iter(changes)
+    let results: Vec<(String, bool, Result<(), Error>)> = stream::iter(changes)
         .map(|name: String| {
             let api = api.clone();
             let labels = &plan.node_labels[&name];
@@ -108,34 +144,9 @@ pub async fn apply_nodes(
                 .cloned()
                 .unwrap_or_default();
             async move {
-                let mut annotations = annotations;
-                let mut obj = json!({"apiVersion": "v1", "kind": "Node",
-                    "metadata": {"name": name, "labels": labels}});
-                if annotations.contains_key(ANNOTATION_CORDONED) {
-                    // Our cordon rides in the same apply as its annotation; a node someone else
-                    // cordoned is drained without claiming (and so never lifting) the cordon.
-                    let n = api.get(&name).await?;
-                    let unschedulable = n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
-                    let ours = n.annotations().contains_key(ANNOTATION_CORDONED);
-                    if unschedulable && !ours {
-                        ctx.foreign_cordons
-                            .lock()
-                            .expect("cordon lock")
-                            .insert(name.clone());
-                        annotations = annotations
-                            .into_iter()
-                            .filter(|(k, _)| k != ANNOTATION_CORDONED)
-                            .collect();
-                    } else {
-                        obj["spec"] = json!({"unschedulable": true});
-                    }
-                }
-                let annotations =
-                    keep_server_write_time(ctx, &api, &name, labels, annotations).await?;
-                obj["metadata"]["annotations"] = json!(annotations);
-                api.patch(&name, &apply_params(), &Patch::Apply(&obj))
-                    .await?;
-                Ok(name)
+                let mut foreign = false;
+                let r = apply_node(ctx, &api, &name, labels, annotations, &mut foreign).await;
+                (name, foreign, r)
             }
         })
         .buffer_unordered(16)
@@ -143,9 +154,12 @@ pub async fn apply_nodes(
         .await;
     let mut first_err = None;
     let mut labelled: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    for r in results {
+    for (name, foreign, r) in results {
+        if foreign {
+            report.learn(Learnt::ForeignCordon(name.clone()));
+        }
         match r {
-            Ok(name) => {
+            Ok(()) => {
                 let labels = &plan.node_labels[&name];
                 let policy = labels.get(LABEL_POLICY).map_or("", String::as_str);
                 info!(node = %name, labels = ?labels, policy = %policy, "applied node labels");
