@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE};
+use crate::nvidia::state::ConfigState;
 use crate::observe::Memory;
 use crate::plan::NodeFacts;
 use crate::runtime::apply::{Learnt, WriteReport};
@@ -115,7 +116,7 @@ impl ControllerMemory {
         let mut stuck = BTreeSet::new();
         let mut seen = BTreeSet::new();
         for n in nodes {
-            if n.labels.get(state_label) != Some("pending") {
+            if ConfigState::parse(n.labels.get(state_label)) != Some(ConfigState::Pending) {
                 continue;
             }
             let config = n.labels.get(config_label).unwrap_or_default().to_string();
