@@ -72,6 +72,9 @@ pub async fn run(
     config: Config,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), Error> {
+    // Every error label is exposed from the start (at 0), so that alerts and dashboards find
+    // the series before the first failure.
+    config.metrics.declare_errors(Error::METRIC_LABELS);
     let namespace = namespace(&client, &config).await;
     let notify = Arc::new(Notify::new());
     let (caches, events) = watches::start(

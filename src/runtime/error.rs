@@ -18,6 +18,15 @@ pub enum Error {
 }
 
 impl Error {
+    /// Every value of [`Error::metric_label`].
+    pub const METRIC_LABELS: &[&str] = &[
+        "kube",
+        "finalizer",
+        "cleanup_pending",
+        "json",
+        "namespace_missing",
+    ];
+
     /// The `error` label a failed pass is counted under (`gpu_sharing_reconcile_errors_total`):
     /// one fixed value per variant, so the metric's cardinality stays bounded.
     pub fn metric_label(&self) -> &'static str {
@@ -55,6 +64,11 @@ mod tests {
                 "json",
                 "namespace_missing"
             ]
+        );
+        assert_eq!(
+            labels,
+            Error::METRIC_LABELS,
+            "METRIC_LABELS lists every label"
         );
     }
 }

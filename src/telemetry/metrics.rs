@@ -242,10 +242,21 @@ impl Default for Metrics {
 
 impl Metrics {
     /// Counts a pass and its duration; a failed one also under its error's label.
+    /// Exposes the failure counter of every error label at 0 (a labelled family has no series
+    /// until its first increment; an alert or dashboard on it would see none).
+    pub fn declare_errors(&self, labels: &[&str]) {
+        for l in labels {
+            let _ = self
+                .reconcile_errors
+                .get_or_create(&ErrorLabel { error: (*l).into() });
+        }
+    }
+
     pub fn observe_reconcile(&self, took: Duration, failure: Option<&str>) {
         self.reconciles.inc();
         if let Some(error) = failure {
-            self.reconcile_errors
+            let _ = self
+                .reconcile_errors
                 .get_or_create(&ErrorLabel {
                     error: error.into(),
                 })
@@ -377,6 +388,20 @@ mod tests {
             "gpu_sharing_reconciles_total 4",
             "gpu_sharing_reconcile_errors_total{error=\"kube\"} 2",
             "gpu_sharing_reconcile_errors_total{error=\"namespace_missing\"} 1",
+        ] {
+            assert!(text.contains(want), "missing {want:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn declared_error_labels_are_exposed_before_the_first_failure() {
+        let m = Metrics::default();
+        assert!(!m.render().contains("gpu_sharing_reconcile_errors_total"));
+        m.declare_errors(&["kube", "json"]);
+        let text = m.render();
+        for want in [
+            "gpu_sharing_reconcile_errors_total{error=\"kube\"} 0",
+            "gpu_sharing_reconcile_errors_total{error=\"json\"} 0",
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
         }
