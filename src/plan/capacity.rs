@@ -63,13 +63,30 @@ fn mig_instances(
 }
 
 /// MIG-instance counts of a node under a MIG policy, when known, and whether they are exact:
-/// `false` when a named layout's entry for the node's GPU model was inferred from memory.
+/// `false` when a named layout's entry for the node's GPU model was inferred from memory (the
+/// largest of the entries that fit).
 fn mig_instances_known(
     mig: &Mig,
     base: Option<&BTreeMap<String, serde_json::Value>>,
     gpus: i64,
     memory_mib: Option<i64>,
 ) -> Option<(Vec<(MigProfile, i64)>, bool)> {
+    let candidates = mig_candidates(mig, base, gpus, memory_mib)?;
+    let exact = candidates.len() == 1;
+    let chosen = candidates.into_iter().max_by_key(|c| total(c))?;
+    Some((chosen, exact))
+}
+
+/// The MIG-instance counts a node may get under a MIG policy, over all its GPUs: one set for a
+/// custom layout and for a named layout whose entries all agree; for a named layout with one
+/// entry per GPU model (by PCI device ID, which node labels do not carry), each different entry
+/// that fits this node's GPUs (see `entry_fits`). `None` when unknown.
+fn mig_candidates(
+    mig: &Mig,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+    gpus: i64,
+    memory_mib: Option<i64>,
+) -> Option<Vec<Vec<(MigProfile, i64)>>> {
     let mut out = Vec::new();
     if let Some(groups) = &mig.custom_layout {
         let listed = listed_gpus(groups);
@@ -82,15 +99,11 @@ fn mig_instances_known(
                 out.push((mig::parse_mig_profile(p)?, n * *c as i64));
             }
         }
-        return Some((out, true));
+        return Some(vec![out]);
     }
-    // Named layout: only when it is a single "devices: all" entry we can read.
     if mig.layout.as_deref()? == MIG_DISABLED_LAYOUT {
-        return Some((out, true));
+        return Some(vec![out]);
     }
-    // Entries per GPU model (device-filter, by PCI device ID, which node labels do not carry):
-    // all the same (the `all-<profile>` layouts of one GPU family), or else the one that fits
-    // this node's GPUs (see `entry_fits`), the largest when several do.
     let candidates: Vec<Vec<(MigProfile, i64)>> = layout_entries(mig, base)?
         .iter()
         .map(|e| {
@@ -99,18 +112,25 @@ fn mig_instances_known(
                 .flatten()
         })
         .collect::<Option<_>>()?;
-    let exact = candidates.windows(2).all(|w| w[0] == w[1]);
-    let chosen = if exact {
-        candidates.into_iter().next()?
+    let mut fitting: Vec<Vec<(MigProfile, i64)>> = if candidates.windows(2).all(|w| w[0] == w[1]) {
+        candidates.into_iter().take(1).collect()
     } else {
         let mem = memory_mib?;
         candidates
             .into_iter()
             .filter(|c| entry_fits(c, mem))
-            .max_by_key(|c| total(c))?
+            .collect()
     };
-    let instances = chosen.into_iter().map(|(p, n)| (p, gpus * n)).collect();
-    Some((instances, exact))
+    fitting.dedup();
+    if fitting.is_empty() {
+        return None;
+    }
+    Some(
+        fitting
+            .into_iter()
+            .map(|c| c.into_iter().map(|(p, n)| (p, gpus * n)).collect())
+            .collect(),
+    )
 }
 
 /// The node's physical GPUs under a MIG policy. With the `single` strategy GPU Feature Discovery
@@ -314,14 +334,13 @@ fn advertised_name(res: &str, replicas: i64, rename_by_default: bool) -> String 
 }
 
 /// What NVIDIA's device plugin advertises (the node's allocatable) once it runs a policy's
-/// config on this node: units per resource, devices x replicas.
+/// config on this node: units per resource, devices x replicas, as the smallest and largest
+/// count it can be (equal when they follow from the spec and GPU Feature Discovery's GPU count;
+/// a range for a named MIG layout whose entry for this GPU model is inferred from the GPUs'
+/// memory, over the entries that fit).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Advertised {
-    pub resources: BTreeMap<String, i64>,
-    /// The counts follow from the spec and GPU Feature Discovery's GPU count. `false` for a
-    /// named MIG layout whose entry for this GPU model is inferred from the GPUs' memory: only
-    /// the resources' presence is then expected.
-    pub exact: bool,
+    pub resources: BTreeMap<String, (i64, i64)>,
 }
 
 /// What the device plugin advertises on `node` under a device-plugin policy, when we know it:
@@ -338,8 +357,7 @@ pub fn device_plugin_advertises(
     let count = label_i64(node, LABEL_GPU_COUNT)?;
     let gpu = nvidia::GPU_RESOURCE;
     let one = |name: String, units: i64| Advertised {
-        resources: [(name, units)].into_iter().collect(),
-        exact: true,
+        resources: [(name, (units, units))].into_iter().collect(),
     };
     match spec.strategy {
         Strategy::Exclusive => Some(one(gpu.to_string(), count)),
@@ -360,22 +378,41 @@ pub fn device_plugin_advertises(
             let mig = spec.mig.as_ref()?;
             let mem = label_i64(node, LABEL_GPU_MEMORY);
             let gpus = physical_gpus(mig, base, node, count, mem);
-            let (instances, exact) = mig_instances_known(mig, base, gpus, mem)?;
-            let ts = mig.time_slicing.as_ref();
-            let mut resources = BTreeMap::new();
-            for (p, n) in instances.iter().filter(|(_, n)| *n > 0) {
-                let res = match mig.mig_strategy {
-                    MigStrategy::Single => gpu.to_string(),
-                    MigStrategy::Mixed => nvidia::mig_resource(&profile_name(p)),
-                };
-                let r = ts.map_or(1, |t| ts_replicas(t, &res));
-                let name = advertised_name(&res, r, ts.is_some_and(|t| t.rename_by_default));
-                *resources.entry(name).or_insert(0) += n * r;
-            }
-            (!resources.is_empty()).then_some(Advertised { resources, exact })
+            let candidates = mig_candidates(mig, base, gpus, mem)?;
+            let per: Vec<BTreeMap<String, i64>> =
+                candidates.iter().map(|c| mig_resources(mig, c)).collect();
+            let names: std::collections::BTreeSet<&String> =
+                per.iter().flat_map(|m| m.keys()).collect();
+            let resources: BTreeMap<String, (i64, i64)> = names
+                .into_iter()
+                .map(|r| {
+                    let counts = per.iter().map(|m| m.get(r).copied().unwrap_or(0));
+                    let min = counts.clone().min().unwrap_or(0);
+                    let max = counts.max().unwrap_or(0);
+                    (r.clone(), (min, max))
+                })
+                .collect();
+            (!resources.is_empty()).then_some(Advertised { resources })
         }
         Strategy::Vgpu | Strategy::Passthrough => None,
     }
+}
+
+/// The device plugin's resources for these MIG instances: per profile under `mixed`, all as
+/// `nvidia.com/gpu` under `single`; times the time-slicing replicas, renamed when asked.
+fn mig_resources(mig: &Mig, instances: &[(MigProfile, i64)]) -> BTreeMap<String, i64> {
+    let ts = mig.time_slicing.as_ref();
+    let mut resources = BTreeMap::new();
+    for (p, n) in instances.iter().filter(|(_, n)| *n > 0) {
+        let res = match mig.mig_strategy {
+            MigStrategy::Single => nvidia::GPU_RESOURCE.to_string(),
+            MigStrategy::Mixed => nvidia::mig_resource(&profile_name(p)),
+        };
+        let r = ts.map_or(1, |t| ts_replicas(t, &res));
+        let name = advertised_name(&res, r, ts.is_some_and(|t| t.rename_by_default));
+        *resources.entry(name).or_insert(0) += n * r;
+    }
+    resources
 }
 
 /// One node's capacity under a policy.

@@ -103,8 +103,9 @@ fn plugins_advertise(n: &NodeFacts, serves: Option<super::capacity::Advertised>)
         .filter(|(k, _)| *k != SANDBOX_RESOURCE && !(dp_off && super::is_device_plugin_resource(k)))
         .filter(|(k, _)| serves.is_none() || !super::is_device_plugin_resource(k))
         .collect();
-    for (r, c) in serves.iter().flat_map(|s| &s.resources) {
-        alloc.insert(r.as_str(), c.to_string());
+    // The largest count a range allows: the entry capacity counts with.
+    for (r, (_, max)) in serves.iter().flat_map(|s| &s.resources) {
+        alloc.insert(r.as_str(), max.to_string());
     }
     if vm {
         let gpus = n.labels.get(LABEL_GPU_COUNT).unwrap_or("1");

@@ -589,15 +589,12 @@ fn not_advertised(
     let missing: Vec<String> = want
         .resources
         .iter()
-        .filter(|(r, c)| {
-            let have = n.allocatable(r);
-            if want.exact { have != **c } else { have == 0 }
-        })
-        .map(|(r, c)| {
-            if want.exact {
-                format!("{r}={c}")
+        .filter(|(r, (min, max))| !(*min..=*max).contains(&n.allocatable(r)))
+        .map(|(r, (min, max))| {
+            if min == max {
+                format!("{r}={min}")
             } else {
-                r.to_string()
+                format!("{r}={min}..{max}")
             }
         })
         .collect();
