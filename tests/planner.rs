@@ -365,11 +365,11 @@ impl World {
 
     fn input(&self) -> PlanInput {
         let mut i = PlanInput::new(self.policies.clone(), self.nodes.clone());
-        i.current_device_config = self.config.clone();
-        i.base_mig_configs = Some(self.base.clone());
-        i.current_mig_configs = self.mig_config.clone();
-        i.now = self.now;
-        i.sandbox.vgpu_manager_enabled = true;
+        i.cluster.current_device_config = self.config.clone();
+        i.cluster.base_mig_configs = Some(self.base.clone());
+        i.cluster.current_mig_configs = self.mig_config.clone();
+        i.cluster.now = self.now;
+        i.cluster.sandbox.vgpu_manager_enabled = true;
         i
     }
 
@@ -717,9 +717,9 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
                 let filter = plan::LabelFilter::new(plan::selector_keys(&input.policies));
                 let mut filtered = input.clone();
                 for n in &mut filtered.nodes {
-                    let mut f = (**n).clone();
+                    let mut f = (*n.facts).clone();
                     f.labels = filter.apply(&f.labels);
-                    *n = std::sync::Arc::new(f);
+                    n.facts = std::sync::Arc::new(f);
                 }
                 assert_eq!(
                     plan::plan(&filtered),
@@ -812,7 +812,7 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
                     None => drop(f.labels.remove(k)),
                 }
             }
-            std::sync::Arc::new(f)
+            plan::NodeView::idle(f)
         })
         .collect();
     let rejected = |p: &Plan| -> BTreeMap<String, String> {
@@ -984,9 +984,9 @@ fn failed_mig_node_is_left_alone_and_degraded() {
 #[test]
 fn busy_gpus_block_mig_changes() {
     let n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
-    let busy = || [("a100-0".to_string(), vec!["default/train-0".to_string()])].into();
+    let busy = |i: &mut PlanInput| i.nodes[0].gpu_pods = vec!["default/train-0".to_string()];
     let mut input = PlanInput::new(vec![policy("mig", 3, 2, false, Some("a"), 0, 0)], vec![n]);
-    input.gpu_pods = busy();
+    busy(&mut input);
     let p = plan::plan(&input);
     assert!(p.node_labels["a100-0"].is_empty(), "{:?}", p.node_labels);
     let c = p.statuses["mig"]
@@ -1001,7 +1001,7 @@ fn busy_gpus_block_mig_changes() {
     let mut p = policy("mig", 3, 2, false, Some("a"), 0, 0);
     p.spec.mig.as_mut().unwrap().proceed_with_busy_gpus = true;
     let mut input = PlanInput::new(vec![p], vec![n]);
-    input.gpu_pods = busy();
+    busy(&mut input);
     let plan = plan::plan(&input);
     assert_eq!(plan.node_labels["a100-0"][LABEL_MIG_CONFIG], "all-1g.10gb");
 }
@@ -1015,6 +1015,7 @@ fn invalid_policy_changes_nothing_on_its_nodes() {
     bad.spec.mps.as_mut().unwrap().replicas = 1;
     let mut input = PlanInput::new(vec![bad], vec![n]);
     input
+        .cluster
         .current_device_config
         .insert("old-12345678".into(), "version: v1\n".into());
     let p = plan::plan(&input);
@@ -1119,7 +1120,7 @@ fn mig_pending_past_the_timeout_is_degraded_and_left_alone() {
         vec![policy("mig", 3, 2, false, Some("a"), 0, 0)],
         vec![n.clone()],
     );
-    input.base_mig_configs = Some(base_layouts());
+    input.cluster.base_mig_configs = Some(base_layouts());
     let before = plan::plan(&input);
     assert_eq!(
         before.statuses["mig"]
@@ -1130,7 +1131,7 @@ fn mig_pending_past_the_timeout_is_degraded_and_left_alone() {
             .status,
         "False"
     );
-    input.mig_stuck.insert("a100-0".into());
+    input.node_mut("a100-0").unwrap().mig_stuck = true;
     let after = plan::plan(&input);
     let d = after.statuses["mig"]
         .conditions
@@ -1500,8 +1501,9 @@ fn drain_mode_cordons_evicts_but_never_protected_pods_and_lifts_only_its_cordon(
     let pods = vec!["default/train-0".to_string(), "default/keep-0".to_string()];
     let input = |w: &World, pods: &[String]| {
         let mut i = w.input();
-        i.gpu_pods = [("a100-0".to_string(), pods.to_vec())].into();
-        i.gpu_pod_labels = [(
+        let v = i.node_mut("a100-0").unwrap();
+        v.gpu_pods = pods.to_vec();
+        v.gpu_pod_labels = [(
             "default/keep-0".to_string(),
             [("keep", "yes")].into_iter().collect::<Labels>(),
         )]

@@ -43,7 +43,7 @@ pub(crate) async fn run_baseline(
             .collect();
         facts.sort_by(|a, b| a.name.cmp(&b.name));
         let mut first_input = PlanInput::new(policies.clone(), facts.clone());
-        first_input.now = k8s_openapi::jiff::Timestamp::now().as_second();
+        first_input.cluster.now = k8s_openapi::jiff::Timestamp::now().as_second();
         let first = plan::plan(&first_input);
         // Statuses as they are once the labels are in place.
         for f in &mut facts {
@@ -53,7 +53,7 @@ pub(crate) async fn run_baseline(
             }
         }
         let mut input = PlanInput::new(policies.clone(), facts);
-        input.current_device_config = first.device_config.clone();
+        input.cluster.current_device_config = first.device_config.clone();
         let done = plan::plan(&input);
         // The same node metadata the operator writes: our labels and annotations.
         let label_patches: Vec<(String, serde_json::Value)> = first

@@ -670,8 +670,8 @@ pub fn plan_labels(case: &Labelled) -> Verdict {
         return Verdict::Skipped;
     }
     let mut input = PlanInput::new(example_policies(), nodes);
-    input.base_mig_configs = Some(default_layouts().clone());
-    input.sandbox.vgpu_manager_enabled = true;
+    input.cluster.base_mig_configs = Some(default_layouts().clone());
+    input.cluster.sandbox.vgpu_manager_enabled = true;
     let first = plan::plan(&input);
     check_plan(&first, &input);
     let again = plan::plan(&input);

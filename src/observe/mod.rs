@@ -25,12 +25,10 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::DynamicObject;
 
 use crate::api::crd::GpuSharingPolicy;
-use crate::api::names::{
-    DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP, DEVICE_PLUGIN_CONFIGMAP, MIG_PARTED_CONFIGMAP,
-    VGPU_DEVICES_CONFIGMAP,
-};
+use crate::api::names::{DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP};
+pub use crate::plan::Settings;
 use crate::plan::taint::{ReadinessTaint, Taint};
-use crate::plan::{NodeFacts, PlanInput};
+use crate::plan::{self, ClusterFacts, NodeFacts, NodeView, PlanInput};
 
 /// What one reader saw of the cluster: the objects the planner's facts come from.
 #[derive(Debug, Clone, Default)]
@@ -58,91 +56,83 @@ pub struct ClusterView<'a> {
     pub now: i64,
 }
 
-/// How the operator was told to run (its flags), as far as planning reads them.
-#[derive(Debug, Clone)]
-pub struct Settings {
-    pub device_configmap: String,
-    pub mig_configmap: String,
-    pub vgpu_configmap: String,
-    /// `--pause-rollouts`.
-    pub pause_rollouts: bool,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            device_configmap: DEVICE_PLUGIN_CONFIGMAP.into(),
-            mig_configmap: MIG_PARTED_CONFIGMAP.into(),
-            vgpu_configmap: VGPU_DEVICES_CONFIGMAP.into(),
-            pause_rollouts: false,
-        }
-    }
-}
-
-/// What the controller remembers between passes (none of it is in the cluster's objects).
+/// What the controller remembers between passes (none of it is in the cluster's objects): what
+/// the planner carries as [`plan::Memory`], and per node, which nodes are stuck and which were
+/// cordoned by someone else (given to each node's view).
 #[derive(Debug, Clone, Default)]
 pub struct Memory {
-    /// Evictions the last pass could not make, by pod, with why.
-    pub eviction_blocked: BTreeMap<String, String>,
+    pub carried: plan::Memory,
     /// Nodes being drained that someone else had cordoned.
     pub foreign_cordons: BTreeSet<String>,
     /// Nodes whose MIG state has said `pending` past the timeout.
     pub mig_stuck: BTreeSet<String>,
     /// Nodes whose vGPU state has said `pending` past the timeout.
     pub vgpu_stuck: BTreeSet<String>,
-    /// Another actor keeps reverting our ClusterPolicy settings: what and how often.
-    pub cluster_policy_contested: Option<String>,
-    /// The GPU Operator's namespace, when our last ConfigMap write found it missing.
-    pub gpu_operator_namespace_missing: Option<String>,
 }
 
 /// The planner's input from one view of the cluster.
 pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> PlanInput {
     let cm = |name: &str| view.configmaps.get(name);
-    let mut input = PlanInput::new(view.policies, vec![]);
-    input.nodes = view.nodes;
-    input.now = view.now;
-    input.current_device_config = cm(&settings.device_configmap).cloned().unwrap_or_default();
-    input.base_mig_configs = gpu_operator::mig_configs(cm(DEFAULT_MIG_CONFIGMAP));
-    input.current_mig_configs =
-        gpu_operator::mig_configs(cm(&settings.mig_configmap)).unwrap_or_default();
+    let mut c = ClusterFacts {
+        now: view.now,
+        current_device_config: cm(&settings.device_configmap).cloned().unwrap_or_default(),
+        base_mig_configs: gpu_operator::mig_configs(cm(DEFAULT_MIG_CONFIGMAP)),
+        current_mig_configs: gpu_operator::mig_configs(cm(&settings.mig_configmap))
+            .unwrap_or_default(),
+        current_vgpu_configs: gpu_operator::vgpu_configs(cm(&settings.vgpu_configmap))
+            .unwrap_or_default(),
+        gpu_cluster: view.gpu_clusters.into_iter().min(),
+        namespaces: view.namespaces,
+        ..Default::default()
+    };
     if let Some(base) = gpu_operator::vgpu_configs(cm(DEFAULT_VGPU_CONFIGMAP)) {
-        input.base_vgpu_configs = Arc::new(base);
+        c.base_vgpu_configs = Arc::new(base);
     }
-    input.current_vgpu_configs =
-        gpu_operator::vgpu_configs(cm(&settings.vgpu_configmap)).unwrap_or_default();
-    let pods = pods::gpu_pods(view.pods);
-    input.gpu_pods = pods.gpu_pods;
-    input.gpu_pod_labels = pods.gpu_pod_labels;
-    input.vm_pods = pods.vm_pods;
-    input.dra_claims = claims::dra_claims(view.claims);
-    input.gpu_cluster = view.gpu_clusters.into_iter().min();
-    input.namespaces = view.namespaces;
     match &view.cluster_policies {
         Some(all) => {
             let active = gpu_operator::active_cluster_policy(all.iter().copied());
-            input.cluster_policy_found = active.is_some();
-            input.sandbox = gpu_operator::sandbox_of(active);
-            input.readiness_taint = view.tainted.map(|(key, tainted)| ReadinessTaint {
+            c.cluster_policy_found = active.is_some();
+            c.sandbox = gpu_operator::sandbox_of(active);
+            c.readiness_taint = view.tainted.map(|(key, tainted)| ReadinessTaint {
                 key,
                 tolerations: gpu_operator::daemonset_tolerations(active),
                 tainted,
             });
         }
         None => {
-            input.cluster_policy_found = true;
-            input.sandbox.vgpu_manager_enabled = true;
+            c.cluster_policy_found = true;
+            c.sandbox.vgpu_manager_enabled = true;
         }
     }
-    input.device_configmap_name = settings.device_configmap.clone();
-    input.mig_configmap_name = settings.mig_configmap.clone();
-    input.vgpu_configmap_name = settings.vgpu_configmap.clone();
-    input.pause_rollouts = settings.pause_rollouts;
-    input.eviction_blocked = memory.eviction_blocked;
-    input.foreign_cordons = memory.foreign_cordons;
-    input.mig_stuck = memory.mig_stuck;
-    input.vgpu_stuck = memory.vgpu_stuck;
-    input.cluster_policy_contested = memory.cluster_policy_contested;
-    input.gpu_operator_namespace_missing = memory.gpu_operator_namespace_missing;
-    input
+    let mut pods = pods::gpu_pods(view.pods);
+    let mut claims = claims::dra_claims(view.claims);
+    let nodes = view
+        .nodes
+        .into_iter()
+        .map(|facts| {
+            let name = facts.name.as_str();
+            let gpu_pods = pods.gpu_pods.remove(name).unwrap_or_default();
+            let gpu_pod_labels = gpu_pods
+                .iter()
+                .filter_map(|p| Some((p.clone(), pods.gpu_pod_labels.remove(p)?)))
+                .collect();
+            NodeView {
+                gpu_pods,
+                gpu_pod_labels,
+                vm_pods: pods.vm_pods.remove(name).unwrap_or_default(),
+                dra_claims: claims.remove(name).unwrap_or_default(),
+                mig_stuck: memory.mig_stuck.contains(name),
+                vgpu_stuck: memory.vgpu_stuck.contains(name),
+                foreign_cordon: memory.foreign_cordons.contains(name),
+                facts,
+            }
+        })
+        .collect();
+    PlanInput {
+        policies: view.policies,
+        nodes,
+        cluster: c,
+        settings: settings.clone(),
+        memory: memory.carried,
+    }
 }

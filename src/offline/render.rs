@@ -321,7 +321,7 @@ pub fn documents_of(
     with_nodes: bool,
 ) -> Vec<serde_json::Value> {
     let mut out = vec![configmap(
-        &input.device_configmap_name,
+        &input.settings.device_configmap,
         namespace,
         "device-plugin",
         &plan.device_config,
@@ -330,7 +330,7 @@ pub fn documents_of(
         let mut data = BTreeMap::new();
         data.insert(MIG_PARTED_KEY.to_string(), m.clone());
         out.push(configmap(
-            &input.mig_configmap_name,
+            &input.settings.mig_configmap,
             namespace,
             "mig-parted",
             &data,
@@ -340,7 +340,7 @@ pub fn documents_of(
         let mut data = BTreeMap::new();
         data.insert(crate::nvidia::vgpu::VGPU_KEY.to_string(), v.clone());
         out.push(configmap(
-            &input.vgpu_configmap_name,
+            &input.settings.vgpu_configmap,
             namespace,
             "vgpu-devices",
             &data,
@@ -429,7 +429,7 @@ pub fn render_text(
     let mut input = observe::plan_input(view, &Settings::default(), Memory::default());
     // Files carry no ConfigMaps: the named layouts are the GPU Operator's default config (or
     // `--mig-parted-config`).
-    input.base_mig_configs = Some(options.base_mig_configs.clone());
+    input.cluster.base_mig_configs = Some(options.base_mig_configs.clone());
     let first = plan::plan(&input);
     let invalid = planner_errors(&first);
     if !invalid.is_empty() {

@@ -47,13 +47,13 @@ pub struct NotConverged {
 /// Applies a plan to the state it was made from: our ConfigMaps and the nodes. Returns the
 /// nodes that changed.
 pub fn apply(input: &mut PlanInput, plan: &Plan) -> BTreeSet<String> {
-    input.current_device_config = plan.device_config.clone();
-    input.current_mig_configs = plan
+    input.cluster.current_device_config = plan.device_config.clone();
+    input.cluster.current_mig_configs = plan
         .mig_config
         .as_deref()
         .and_then(|t| nvidia::parse_mig_configs(t).ok())
         .unwrap_or_default();
-    input.current_vgpu_configs = plan
+    input.cluster.current_vgpu_configs = plan
         .vgpu_config
         .as_deref()
         .and_then(|t| nvidia::vgpu::parse_vgpu_configs(t).ok())
@@ -63,7 +63,7 @@ pub fn apply(input: &mut PlanInput, plan: &Plan) -> BTreeSet<String> {
     for n in &mut input.nodes {
         let labels = plan.node_labels.get(&n.name).unwrap_or(&empty);
         let annotations = plan.node_annotations.get(&n.name).unwrap_or(&empty);
-        if apply_to_node(Arc::make_mut(n), labels, annotations) {
+        if apply_to_node(Arc::make_mut(&mut n.facts), labels, annotations) {
             changed.insert(n.name.clone());
         }
     }
@@ -121,7 +121,7 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<super::capacity::Advertise
         .policies
         .iter()
         .find(|p| kube::ResourceExt::name_any(*p) == name)?;
-    super::capacity::device_plugin_advertises(&p.spec, n, input.base_mig_configs.as_ref())
+    super::capacity::device_plugin_advertises(&p.spec, n, input.cluster.base_mig_configs.as_ref())
 }
 
 /// NVIDIA's components answer, all successfully: the MIG manager confirms a pending layout, the
@@ -130,7 +130,7 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<super::capacity::Advertise
 /// where GFD does not run). `now` is the time of that answer. Returns the nodes that changed.
 pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
     let serving: Vec<_> = input.nodes.iter().map(|n| serves(input, n)).collect();
-    let configs = &input.current_device_config;
+    let configs = &input.cluster.current_device_config;
     let mut changed = BTreeSet::new();
     for (n, serves) in input.nodes.iter_mut().zip(serving) {
         let mut labels = n.labels.clone();
@@ -138,17 +138,17 @@ pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
             if ConfigState::parse(labels.get(state)) == Some(ConfigState::Pending) {
                 labels.insert(state, ConfigState::Success.label_value());
                 // The MIG manager's (vGPU Device Manager's) update takes the field over from us.
-                Arc::make_mut(n).owned.remove(state);
+                Arc::make_mut(&mut n.facts).owned.remove(state);
             }
         }
         let alloc = plugins_advertise(n, serves);
         if alloc != n.allocatable {
-            Arc::make_mut(n).allocatable = alloc;
+            Arc::make_mut(&mut n.facts).allocatable = alloc;
             changed.insert(n.name.clone());
         }
         if is_vm_host(n) {
             if labels != n.labels {
-                Arc::make_mut(n).labels = labels;
+                Arc::make_mut(&mut n.facts).labels = labels;
                 changed.insert(n.name.clone());
             }
             continue;
@@ -172,7 +172,7 @@ pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
             labels.insert(LABEL_GFD_TIMESTAMP, now.to_string());
         }
         if labels != n.labels {
-            Arc::make_mut(n).labels = labels;
+            Arc::make_mut(&mut n.facts).labels = labels;
             changed.insert(n.name.clone());
         }
     }
@@ -197,7 +197,7 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
         .filter_map(|v| v.parse::<i64>().ok())
         .max()
         .unwrap_or(0);
-    input.now = input.now.max(latest + 1);
+    input.cluster.now = input.cluster.now.max(latest + 1);
     let mut last = BTreeSet::new();
     let mut waves = Vec::new();
     let max = max_passes(input.nodes.len());
@@ -207,7 +207,7 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
         if !changed.is_empty() {
             waves.push(changed.clone());
         }
-        let answer = input.now + 1;
+        let answer = input.cluster.now + 1;
         changed.extend(nvidia_succeeds(&mut input, answer));
         if changed.is_empty() {
             return Ok(Converged {
@@ -217,7 +217,7 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
                 waves,
             });
         }
-        input.now += 2;
+        input.cluster.now += 2;
         last = changed;
     }
     Err(NotConverged {

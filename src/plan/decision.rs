@@ -9,16 +9,8 @@ use crate::api::state::NodeState;
 use crate::nvidia::state::MigState;
 
 use super::NodeFacts;
-
-/// What the ClusterPolicy says about sandbox workloads (the fields the operator cannot set for
-/// the user).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Sandbox {
-    /// `spec.sandboxWorkloads.mode` (`kubevirt` when absent).
-    pub mode: Option<String>,
-    /// `spec.vgpuManager.enabled`.
-    pub vgpu_manager_enabled: bool,
-}
+pub use super::input::Sandbox;
+use super::input::{ClusterFacts, NodeView};
 
 /// What the transition knows besides the node and its policy.
 pub struct Env<'a> {
@@ -42,6 +34,28 @@ pub struct Env<'a> {
     pub sandbox: &'a Sandbox,
     /// Named mig-parted layouts (what the device plugin will advertise under a named layout).
     pub mig_layouts: Option<&'a std::collections::BTreeMap<String, serde_json::Value>>,
+}
+
+impl<'a> Env<'a> {
+    /// What the transition knows of the node `v` in the cluster `c`.
+    pub fn of(
+        v: &'a NodeView,
+        c: &'a ClusterFacts,
+        layout_hash: &'a dyn Fn(&str) -> Option<String>,
+    ) -> Env<'a> {
+        Env {
+            gpu_pods: &v.gpu_pods,
+            mig_stuck: v.mig_stuck,
+            now: c.now,
+            layout_hash,
+            dra_claims: &v.dra_claims,
+            gpu_cluster: c.gpu_cluster.as_deref(),
+            vm_pods: &v.vm_pods,
+            vgpu_stuck: v.vgpu_stuck,
+            sandbox: &c.sandbox,
+            mig_layouts: c.base_mig_configs.as_ref(),
+        }
+    }
 }
 
 impl Env<'_> {

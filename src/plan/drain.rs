@@ -54,7 +54,7 @@ pub fn drain_nodes(
         let owned = e.node.owned_annotations.contains(ANNOTATION_CORDONED)
             && e.node.annotations.get(ANNOTATION_CORDONED).is_some();
         let draining = w.drains() && e.outcome.state == Some(NodeState::Waiting);
-        if owned || draining && !input.foreign_cordons.contains(&e.node.name) {
+        if owned || draining && !e.node.foreign_cordon {
             e.outcome
                 .annotations
                 .insert(ANNOTATION_CORDONED.to_string(), "true".to_string());
@@ -62,17 +62,15 @@ pub fn drain_nodes(
         if !draining {
             continue;
         }
-        let pods = input
+        let view = e.node;
+        let (protected, evict): (Vec<String>, Vec<String>) = view
             .gpu_pods
-            .get(&e.node.name)
+            .iter()
             .cloned()
-            .unwrap_or_default();
-        let (protected, evict): (Vec<String>, Vec<String>) = pods
-            .into_iter()
-            .partition(|p| protected(w, input.gpu_pod_labels.get(p)));
+            .partition(|p| protected(w, view.gpu_pod_labels.get(p)));
         let blocked: Vec<String> = evict
             .iter()
-            .filter_map(|p| Some(format!("{p}: {}", input.eviction_blocked.get(p)?)))
+            .filter_map(|p| Some(format!("{p}: {}", input.memory.eviction_blocked.get(p)?)))
             .collect();
         let mut msg = format!("cordoned; evicting {}", evict.join(", "));
         if !blocked.is_empty() {

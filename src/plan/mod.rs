@@ -5,18 +5,18 @@
 //! [`PlanInput`], calls [`plan`], and applies the difference.
 //!
 //! The files of `plan/` depend one way (`tests/architecture.rs` checks it), each on files
-//! listed before it only: the leaves [`labels`], [`taint`], [`facts`] (node readings) and
+//! listed before it only: the leaves [`labels`], [`taint`], [`input`] (what the planner reads:
+//! per-node views, cluster facts, settings, memory), [`facts`] (node readings) and
 //! [`decision`] (the transition's vocabulary); then [`policies`], [`capacity`], [`outputs`],
 //! [`compat`], [`vm`] (the VM transition), [`node`] (the per-node transition, dispatching to
 //! `vm`), [`drain`], [`rollout`], [`status`]; and [`converge`], a consumer of [`plan`], on top.
-//! What this file declares ([`NodeFacts`], [`PlanInput`], ...) all of them share.
+//! What this file declares ([`NodeFacts`], [`Plan`], ...) all of them share.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 
 use serde_json::json;
 
-use crate::api::crd::{Capacity, GpuSharingPolicy, GpuSharingPolicyStatus, NodeDetail};
+use crate::api::crd::{Capacity, GpuSharingPolicyStatus, NodeDetail};
 use crate::api::names::*;
 use crate::api::state::NodeState;
 use crate::nvidia::state::Workload;
@@ -29,6 +29,7 @@ pub mod converge;
 pub mod decision;
 pub mod drain;
 pub mod facts;
+pub mod input;
 pub mod labels;
 pub mod node;
 pub mod outputs;
@@ -40,6 +41,7 @@ pub mod taint;
 pub(crate) mod testing;
 pub mod vm;
 
+pub use input::{ClusterFacts, Memory, NodeView, PlanInput, Settings};
 pub use labels::{
     LabelFilter, LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, selection_labels,
     selector_keys, selector_matches,
@@ -90,104 +92,6 @@ impl NodeFacts {
 /// A resource NVIDIA's (container) device plugin advertises.
 pub fn is_device_plugin_resource(name: &str) -> bool {
     name.starts_with("nvidia.com/gpu") || name.starts_with("nvidia.com/mig-")
-}
-
-/// Everything the planner reads.
-#[derive(Debug, Clone, Default)]
-pub struct PlanInput {
-    pub policies: Vec<GpuSharingPolicy>,
-    /// Shared with the controller's node cache: a pass copies no labels.
-    pub nodes: Vec<Arc<NodeFacts>>,
-    /// Pods that use GPUs, by node (`namespace/name`; for the idle-GPU wait before MIG changes).
-    pub gpu_pods: BTreeMap<String, Vec<String>>,
-    /// Labels of the pods in `gpu_pods` (`disruption.neverEvict` selects by them).
-    pub gpu_pod_labels: BTreeMap<String, Labels>,
-    /// Evictions the last pass could not make, by pod, with why (PodDisruptionBudget...).
-    pub eviction_blocked: BTreeMap<String, String>,
-    /// Nodes being drained that someone else had cordoned: drained without claiming the cordon.
-    pub foreign_cordons: BTreeSet<String>,
-    /// Current data of our device-plugin ConfigMap (to keep keys nodes still point to).
-    pub current_device_config: BTreeMap<String, String>,
-    /// Named mig-parted layouts available to nodes (from the GPU Operator's default config).
-    /// `None` when unknown: then only custom layouts and `all-disabled` are known.
-    pub base_mig_configs: Option<BTreeMap<String, serde_json::Value>>,
-    /// Layouts of our own mig-parted ConfigMap as it is now (to keep layouts nodes still name,
-    /// and to recognise a node's pre-upgrade `custom-<policy>` layout by its content).
-    pub current_mig_configs: BTreeMap<String, serde_json::Value>,
-    /// Namespaces that exist, when known (`None`: assume every namespace a DRA policy lists
-    /// exists, as `render` without a cluster does).
-    pub namespaces: Option<BTreeSet<String>>,
-    /// Unix time in seconds, recorded on nodes whose device-plugin config label changes (the
-    /// planner reads no clock; the caller passes it).
-    pub now: i64,
-    /// Whether the GPU Operator's ClusterPolicy exists.
-    pub cluster_policy_found: bool,
-    /// Set when another actor keeps reverting our ClusterPolicy settings (e.g. a GitOps tool):
-    /// a description of what was reverted and how often.
-    pub cluster_policy_contested: Option<String>,
-    /// Nodes whose `nvidia.com/mig.config.state` has said `pending` for longer than the MIG
-    /// timeout (the MIG manager can exit early and never report).
-    pub mig_stuck: BTreeSet<String>,
-    /// The operator was told to start no node change for any policy (`--pause-rollouts`).
-    pub pause_rollouts: bool,
-    /// The readiness taint, when the operator runs with `--readiness-taint`.
-    pub readiness_taint: Option<taint::ReadinessTaint>,
-    /// Allocated `gpu.nvidia.com` ResourceClaims, by node (`namespace/name`): a node leaves DRA
-    /// for the device plugin only when it has none.
-    pub dra_claims: BTreeMap<String, Vec<String>>,
-    /// The GPU Operator's DRA-only `GPUCluster`, by name, when one exists.
-    pub gpu_cluster: Option<String>,
-    /// The GPU Operator's namespace, when our last ConfigMap write found it missing.
-    pub gpu_operator_namespace_missing: Option<String>,
-    /// Pods using the sandbox device plugin's resources (VMs), by node (`namespace/name`).
-    pub vm_pods: BTreeMap<String, Vec<String>>,
-    /// Nodes whose `nvidia.com/vgpu.config.state` has said `pending` past the timeout.
-    pub vgpu_stuck: BTreeSet<String>,
-    /// The ClusterPolicy's sandbox settings.
-    pub sandbox: decision::Sandbox,
-    /// NVIDIA's named vGPU-devices configs (the GPU Operator's `default-vgpu-devices-config`,
-    /// else the embedded copy).
-    pub base_vgpu_configs: Arc<BTreeMap<String, serde_json::Value>>,
-    /// Configs of our own vGPU-devices ConfigMap as it is now (to keep configs nodes still name).
-    pub current_vgpu_configs: BTreeMap<String, serde_json::Value>,
-    pub vgpu_configmap_name: String,
-    /// Names of the ConfigMaps we own.
-    pub device_configmap_name: String,
-    pub mig_configmap_name: String,
-}
-
-impl PlanInput {
-    pub fn new(policies: Vec<GpuSharingPolicy>, nodes: Vec<NodeFacts>) -> Self {
-        PlanInput {
-            policies,
-            nodes: nodes.into_iter().map(Arc::new).collect(),
-            gpu_pods: BTreeMap::new(),
-            gpu_pod_labels: BTreeMap::new(),
-            eviction_blocked: BTreeMap::new(),
-            foreign_cordons: BTreeSet::new(),
-            current_device_config: BTreeMap::new(),
-            base_mig_configs: None,
-            current_mig_configs: BTreeMap::new(),
-            namespaces: None,
-            now: 0,
-            cluster_policy_found: true,
-            cluster_policy_contested: None,
-            mig_stuck: BTreeSet::new(),
-            pause_rollouts: false,
-            readiness_taint: None,
-            dra_claims: BTreeMap::new(),
-            gpu_cluster: None,
-            gpu_operator_namespace_missing: None,
-            vm_pods: BTreeMap::new(),
-            vgpu_stuck: BTreeSet::new(),
-            sandbox: decision::Sandbox::default(),
-            base_vgpu_configs: nvidia::vgpu::default_vgpu_configs(),
-            current_vgpu_configs: BTreeMap::new(),
-            vgpu_configmap_name: VGPU_DEVICES_CONFIGMAP.into(),
-            device_configmap_name: DEVICE_PLUGIN_CONFIGMAP.into(),
-            mig_configmap_name: MIG_PARTED_CONFIGMAP.into(),
-        }
-    }
 }
 
 /// The desired state.
@@ -270,11 +174,11 @@ fn layout_hashes<'a>(
         if let Some(h) = custom.get(name) {
             return Some(h.to_string());
         }
-        input
-            .base_mig_configs
+        let c = &input.cluster;
+        c.base_mig_configs
             .as_ref()
             .and_then(|b| b.get(name))
-            .or_else(|| input.current_mig_configs.get(name))
+            .or_else(|| c.current_mig_configs.get(name))
             .map(nvidia::content_hash)
     }
 }
@@ -284,42 +188,20 @@ fn layout_hashes<'a>(
 fn plan_nodes<'n>(
     input: &PlanInput,
     prepared: &[Prepared],
-    nodes: &[&'n NodeFacts],
+    nodes: &[&'n NodeView],
     winner: &BTreeMap<&str, usize>,
 ) -> NodePlans<'n> {
     let hashes = layout_hashes(prepared, input);
     let mut entries: Vec<node::Entry<'n>> = Vec::with_capacity(nodes.len());
-    for n in nodes {
+    for &v in nodes {
+        let n: &'n NodeFacts = &v.facts;
         let wi = winner.get(n.name.as_str()).copied();
         let policy = wi.map(|i| &prepared[i]);
-        let env = Env {
-            gpu_pods: input
-                .gpu_pods
-                .get(&n.name)
-                .map(Vec::as_slice)
-                .unwrap_or_default(),
-            mig_stuck: input.mig_stuck.contains(&n.name),
-            now: input.now,
-            layout_hash: &hashes,
-            dra_claims: input
-                .dra_claims
-                .get(&n.name)
-                .map(Vec::as_slice)
-                .unwrap_or_default(),
-            gpu_cluster: input.gpu_cluster.as_deref(),
-            vm_pods: input
-                .vm_pods
-                .get(&n.name)
-                .map(Vec::as_slice)
-                .unwrap_or_default(),
-            vgpu_stuck: input.vgpu_stuck.contains(&n.name),
-            sandbox: &input.sandbox,
-            mig_layouts: input.base_mig_configs.as_ref(),
-        };
+        let env = Env::of(v, &input.cluster, &hashes);
         let decision = node::decide(n, policy, &env);
         let hold = matches!(decision, Decision::Hold { .. });
         entries.push(node::Entry {
-            node: n,
+            node: v,
             policy: wi,
             hold,
             outcome: node::outcome(n, policy, &env, decision),
@@ -334,13 +216,14 @@ fn plan_nodes<'n>(
         out.tallies.entry(i).or_default().rollout = Some(p);
     }
     for node::Entry {
-        node: n,
+        node: v,
         policy: wi,
         hold,
         outcome: o,
     } in entries
     {
-        if let Some(t) = input.readiness_taint.as_ref()
+        let n: &'n NodeFacts = &v.facts;
+        if let Some(t) = input.cluster.readiness_taint.as_ref()
             && t.tolerated_on(&n.name)
             && taint::ready_to_untaint(n, wi.is_some(), o.state)
         {
@@ -359,7 +242,7 @@ fn plan_nodes<'n>(
                 let c = if p.spec.strategy.is_vm() {
                     capacity::vm_capacity(p, n)
                 } else {
-                    capacity::node_capacity(p.spec, n, input.base_mig_configs.as_ref())
+                    capacity::node_capacity(p.spec, n, input.cluster.base_mig_configs.as_ref())
                 };
                 let total = t.capacity.get_or_insert_with(|| Capacity {
                     memory_isolation: true,
@@ -386,6 +269,7 @@ fn plan_nodes<'n>(
 /// ConfigMap as it is now: a node whose device plugin runs MPS.
 fn mps_running<'a>(input: &PlanInput, nodes: &[&'a NodeFacts]) -> Option<&'a str> {
     let mps_keys: BTreeSet<&str> = input
+        .cluster
         .current_device_config
         .iter()
         .filter(|(_, text)| {
@@ -410,11 +294,13 @@ fn mps_running<'a>(input: &PlanInput, nodes: &[&'a NodeFacts]) -> Option<&'a str
 
 /// Computes the desired state.
 pub fn plan(input: &PlanInput) -> Plan {
-    let mut prepared = policies::prepare_all(&input.policies, input.base_mig_configs.as_ref());
-    policies::check_vgpu_types(&mut prepared, &input.base_vgpu_configs);
+    let c = &input.cluster;
+    let mut prepared = policies::prepare_all(&input.policies, c.base_mig_configs.as_ref());
+    policies::check_vgpu_types(&mut prepared, &c.base_vgpu_configs);
     // Nodes in name order, whatever order the caches gave them in.
-    let mut nodes: Vec<&NodeFacts> = input.nodes.iter().map(|n| &**n).collect();
-    nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut views: Vec<&NodeView> = input.nodes.iter().collect();
+    views.sort_by(|a, b| a.name.cmp(&b.name));
+    let nodes: Vec<&NodeFacts> = views.iter().map(|v| &*v.facts).collect();
     let assignment = policies::assign(&prepared, &nodes);
     let mut cluster_mig = policies::cluster_mig_strategy(&mut prepared, &assignment.winner);
     // `mixed` waits until no node runs MPS any more: NVIDIA's device plugin refuses MPS under
@@ -425,7 +311,7 @@ pub fn plan(input: &PlanInput) -> Plan {
     {
         cluster_mig = None;
     }
-    let mut np = plan_nodes(input, &prepared, &nodes, &assignment.winner);
+    let mut np = plan_nodes(input, &prepared, &views, &assignment.winner);
 
     let device_config = outputs::device_config(&prepared, input, &np.used_keys);
     let mig_config = outputs::mig_config(&prepared, input, &nodes, &np.labels);
@@ -444,15 +330,15 @@ pub fn plan(input: &PlanInput) -> Plan {
         },
     );
     let cluster = Cluster {
-        cluster_policy_found: input.cluster_policy_found,
-        cluster_policy_contested: input.cluster_policy_contested.as_deref(),
-        untolerated_taint: input
+        cluster_policy_found: c.cluster_policy_found,
+        cluster_policy_contested: input.memory.cluster_policy_contested.as_deref(),
+        untolerated_taint: c
             .readiness_taint
             .as_ref()
             .filter(|t| t.untolerated())
             .map(|t| t.key.as_str()),
-        gpu_cluster: input.gpu_cluster.as_deref(),
-        gpu_operator_namespace_missing: input.gpu_operator_namespace_missing.as_deref(),
+        gpu_cluster: c.gpu_cluster.as_deref(),
+        gpu_operator_namespace_missing: input.memory.gpu_operator_namespace_missing.as_deref(),
     };
     let mut claim_templates = BTreeMap::new();
     let mut statuses = BTreeMap::new();
@@ -460,7 +346,7 @@ pub fn plan(input: &PlanInput) -> Plan {
     for (i, p) in prepared.iter().enumerate() {
         let accepted = np.accepted.remove(&i).unwrap_or_default();
         let (templates, missing_namespaces) =
-            outputs::claim_templates(p, &accepted, input.namespaces.as_ref());
+            outputs::claim_templates(p, &accepted, c.namespaces.as_ref());
         let matched: &[&str] = assignment.matched.get(&p.name).map_or(&[], Vec::as_slice);
         // A node another policy wins is overridden when that policy has the higher priority
         // (intended), and a conflict when only age or name decided.

@@ -315,7 +315,7 @@ pub struct Outcome {
 
 /// One governed node's plan, as the per-node transition made it, before the rollout gate.
 pub struct Entry<'n> {
-    pub node: &'n NodeFacts,
+    pub node: &'n super::NodeView,
     /// Index of the governing policy (precedence order).
     pub policy: Option<usize>,
     /// The transition holds the node as it is.

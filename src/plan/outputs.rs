@@ -36,7 +36,7 @@ pub fn device_config(
         .filter_map(|n| n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG));
     for k in named.chain(used_keys.iter().map(String::as_str)) {
         if !data.contains_key(k)
-            && let Some(t) = input.current_device_config.get(k)
+            && let Some(t) = input.cluster.current_device_config.get(k)
         {
             data.insert(k.to_string(), t.clone());
         }
@@ -59,7 +59,7 @@ pub fn mig_config(
             custom.insert(layout.clone(), entries.clone());
         }
     }
-    let mut named = input.base_mig_configs.clone().unwrap_or_default();
+    let mut named = input.cluster.base_mig_configs.clone().unwrap_or_default();
     let mut carried = false;
     for n in nodes {
         let want = wanted
@@ -75,7 +75,7 @@ pub fn mig_config(
             {
                 continue;
             }
-            if let Some(v) = input.current_mig_configs.get(&layout) {
+            if let Some(v) = input.cluster.current_mig_configs.get(&layout) {
                 named.insert(layout, v.clone());
                 carried = true;
             }
@@ -106,13 +106,13 @@ pub fn cluster_policy_spec(input: &PlanInput, o: Owned) -> serde_json::Value {
     if o.any_policy {
         spec.insert(
             "devicePlugin".into(),
-            json!({"config": {"name": input.device_configmap_name, "default": DEFAULT_KEY}}),
+            json!({"config": {"name": input.settings.device_configmap, "default": DEFAULT_KEY}}),
         );
     }
     if o.mig_config {
         spec.insert(
             "migManager".into(),
-            json!({"config": {"name": input.mig_configmap_name}}),
+            json!({"config": {"name": input.settings.mig_configmap}}),
         );
     }
     if let Some(cm) = o.cluster_mig {
@@ -124,7 +124,7 @@ pub fn cluster_policy_spec(input: &PlanInput, o: Owned) -> serde_json::Value {
     if o.vgpu_config {
         spec.insert(
             "vgpuDeviceManager".into(),
-            json!({"config": {"name": input.vgpu_configmap_name, "default": DEFAULT_KEY}}),
+            json!({"config": {"name": input.settings.vgpu_configmap, "default": DEFAULT_KEY}}),
         );
     }
     serde_json::Value::Object(spec)
@@ -145,7 +145,7 @@ pub fn vgpu_config(
             custom.insert(name.clone(), entries.clone());
         }
     }
-    let mut named = (*input.base_vgpu_configs).clone();
+    let mut named = (*input.cluster.base_vgpu_configs).clone();
     let mut carried = false;
     for n in nodes {
         let want = wanted
@@ -158,7 +158,7 @@ pub fn vgpu_config(
             if custom.contains_key(&name) || named.contains_key(&name) {
                 continue;
             }
-            if let Some(v) = input.current_vgpu_configs.get(&name) {
+            if let Some(v) = input.cluster.current_vgpu_configs.get(&name) {
                 named.insert(name, v.clone());
                 carried = true;
             }

@@ -167,7 +167,7 @@ fn last_change_unconfirmed(n: &NodeFacts) -> bool {
 }
 
 fn phase(e: &Entry, w: &Prepared, target: &str, now: i64) -> Phase {
-    let n = e.node;
+    let n: &NodeFacts = e.node;
     let state = e.outcome.state;
     let changes = e.outcome.labels != owned_labels(n);
     let mark = n.annotations.get(ANNOTATION_ROLLOUT).and_then(Mark::parse);
@@ -336,7 +336,7 @@ pub fn gate(
     input: &PlanInput,
     queue: impl Fn(&NodeFacts, String) -> Outcome,
 ) -> (BTreeMap<usize, Progress>, BTreeMap<String, Drain>) {
-    let (now, pause_all) = (input.now, input.pause_rollouts);
+    let (now, pause_all) = (input.cluster.now, input.settings.pause_rollouts);
     let mut drains = BTreeMap::new();
     let mut by_policy: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (i, e) in entries.iter_mut().enumerate() {

@@ -235,12 +235,17 @@ pub fn preview(
             .map(|m| m.into_keys().collect())
             .unwrap_or_default()
     };
-    let mig_before: Vec<String> = current.current_mig_configs.keys().cloned().collect();
+    let mig_before: Vec<String> = current
+        .cluster
+        .current_mig_configs
+        .keys()
+        .cloned()
+        .collect();
     let mig_after = layouts(after.mig_config.as_ref());
     let mut p = Preview {
         changed: false,
         device_plugin_config_keys: KeyChanges::of(
-            current.current_device_config.keys(),
+            current.cluster.current_device_config.keys(),
             after.device_config.keys(),
         ),
         mig_layouts: KeyChanges::of(&mig_before, &mig_after),
@@ -307,7 +312,7 @@ mod tests {
     /// The cluster once the operator converged on `policies`.
     fn converged(policies: Vec<GpuSharingPolicy>) -> (PlanInput, serde_json::Value) {
         let mut input = PlanInput::new(policies, vec![a100()]);
-        input.base_mig_configs = Some(nvidia::default_mig_configs());
+        input.cluster.base_mig_configs = Some(nvidia::default_mig_configs());
         let c = converge(input).unwrap();
         (c.input, c.plan.cluster_policy_spec)
     }
@@ -406,7 +411,7 @@ mod tests {
     fn a_vgpu_type_change_is_a_node_change() {
         const VGPU: &str = "metadata: {name: a100}\nspec:\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: vgpu\n  vgpu: {type: A100D-1-10C}\n";
         let mut input = PlanInput::new(vec![policy(VGPU)], vec![a100()]);
-        input.sandbox.vgpu_manager_enabled = true;
+        input.cluster.sandbox.vgpu_manager_enabled = true;
         let c = converge(input).unwrap();
         let (cluster, cp) = (c.input, c.plan.cluster_policy_spec);
         assert_eq!(cp["sandboxWorkloads"]["enabled"], true);

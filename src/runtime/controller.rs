@@ -221,7 +221,7 @@ pub async fn reconcile_all(
     let has_policies = !input.policies.is_empty();
     let changes = apply::nodes_to_change(&input.nodes, &plan);
     let cleanup_pending = finalize::cleanup_pending(&input, &plan);
-    let planned_namespace_missing = input.gpu_operator_namespace_missing.is_some();
+    let planned_namespace_missing = input.memory.gpu_operator_namespace_missing.is_some();
     drop(input);
 
     // 1. ConfigMaps first: a key exists before any node label points to it. Without the GPU

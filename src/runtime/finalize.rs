@@ -39,6 +39,7 @@ pub fn cleanup_pending(input: &PlanInput, plan: &Plan) -> BTreeSet<String> {
                         .is_some_and(|k| nvidia::is_key_of(name, k))
             });
             let keys_left = input
+                .cluster
                 .current_device_config
                 .keys()
                 .chain(plan.device_config.keys())

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use crate::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE};
 use crate::nvidia::state::ConfigState;
 use crate::observe::Memory;
-use crate::plan::NodeFacts;
+use crate::plan::{self, NodeFacts};
 use crate::runtime::apply::{Learnt, WriteReport};
 
 /// Drift repairs of the ClusterPolicy within this window that make it "contested".
@@ -61,12 +61,14 @@ impl ControllerMemory {
     /// repairs older than the contest window.
     pub fn recall(&mut self, nodes: &[Arc<NodeFacts>], now: Instant) -> Memory {
         Memory {
-            eviction_blocked: self.eviction_blocked.clone(),
+            carried: plan::Memory {
+                eviction_blocked: self.eviction_blocked.clone(),
+                cluster_policy_contested: self.contested(now),
+                gpu_operator_namespace_missing: self.namespace_missing.clone(),
+            },
             foreign_cordons: self.foreign_cordons.clone(),
             mig_stuck: self.stuck(nodes, LABEL_MIG_CONFIG, LABEL_MIG_STATE, now),
             vgpu_stuck: self.stuck(nodes, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE, now),
-            cluster_policy_contested: self.contested(now),
-            gpu_operator_namespace_missing: self.namespace_missing.clone(),
         }
     }
 
@@ -198,17 +200,23 @@ mod tests {
         m.record(&repaired("a"), t0);
         m.record(&repaired("b"), t0 + 4 * MINUTE);
         assert_eq!(
-            m.recall(&[], t0 + 5 * MINUTE).cluster_policy_contested,
+            m.recall(&[], t0 + 5 * MINUTE)
+                .carried
+                .cluster_policy_contested,
             None
         );
         m.record(&repaired("c"), t0 + 8 * MINUTE);
         assert_eq!(
-            m.recall(&[], t0 + 9 * MINUTE).cluster_policy_contested,
+            m.recall(&[], t0 + 9 * MINUTE)
+                .carried
+                .cluster_policy_contested,
             Some("3 reverts in the last 10 minutes, last: c".into())
         );
         // The first repair leaves the window: two are a one-off, not a fight.
         assert_eq!(
-            m.recall(&[], t0 + 11 * MINUTE).cluster_policy_contested,
+            m.recall(&[], t0 + 11 * MINUTE)
+                .carried
+                .cluster_policy_contested,
             None
         );
     }
@@ -285,16 +293,16 @@ mod tests {
             &report(vec![blocked("ns/a"), blocked("ns/b"), draining(&["n"])]),
             t0,
         );
-        let recalled = m.recall(&[], t0).eviction_blocked;
+        let recalled = m.recall(&[], t0).carried.eviction_blocked;
         assert_eq!(recalled.keys().collect::<Vec<_>>(), ["ns/a", "ns/b"]);
         // A pass that failed before trying every eviction leaves the list standing.
         m.record(&report(vec![blocked("ns/c")]), t0);
-        assert_eq!(m.recall(&[], t0).eviction_blocked, recalled);
+        assert_eq!(m.recall(&[], t0).carried.eviction_blocked, recalled);
         m.record(&report(vec![blocked("ns/b"), draining(&["n"])]), t0);
-        let last = m.recall(&[], t0).eviction_blocked;
+        let last = m.recall(&[], t0).carried.eviction_blocked;
         assert_eq!(last.keys().collect::<Vec<_>>(), ["ns/b"]);
         m.record(&report(vec![draining(&[])]), t0);
-        assert!(m.recall(&[], t0).eviction_blocked.is_empty());
+        assert!(m.recall(&[], t0).carried.eviction_blocked.is_empty());
     }
 
     #[test]
@@ -319,7 +327,8 @@ mod tests {
     fn namespace_missing_lasts_until_a_configmap_write_goes_through() {
         let mut m = memory();
         let t0 = Instant::now();
-        let missing = |m: &mut ControllerMemory| m.recall(&[], t0).gpu_operator_namespace_missing;
+        let missing =
+            |m: &mut ControllerMemory| m.recall(&[], t0).carried.gpu_operator_namespace_missing;
         m.record(
             &report(vec![Learnt::NamespaceMissing("gpu-operator".into())]),
             t0,

@@ -3,7 +3,6 @@
 //! itself lives in [`crate::runtime::taints`], beside the reading the watches share.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 
 use futures::{StreamExt, stream};
 use k8s_openapi::api::core::v1::Node;
@@ -42,7 +41,7 @@ pub fn node_in_sync(
 }
 
 /// Nodes whose labels or annotations differ from the plan.
-pub fn nodes_to_change(nodes: &[Arc<NodeFacts>], plan: &Plan) -> Vec<String> {
+pub fn nodes_to_change(nodes: &[plan::NodeView], plan: &Plan) -> Vec<String> {
     let none = plan::SmallMap::default();
     nodes
         .iter()

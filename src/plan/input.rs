@@ -1,0 +1,190 @@
+//! What the planner reads, in three parts that change for different reasons:
+//!
+//! - the cluster as observed: the policies, one [`NodeView`] per node (its facts together with
+//!   what runs on it and the flags the control loop keeps for it), and the cluster-wide facts
+//!   ([`ClusterFacts`]: NVIDIA's and our ConfigMaps, the ClusterPolicy, namespaces, the clock);
+//! - how the operator was told to run ([`Settings`], its flags);
+//! - what the control loop learnt in earlier passes and carries to the next ([`Memory`]).
+//!
+//! A leaf of `plan/` besides [`super::decision`] and [`super::taint`]: everything else in the
+//! planner reads these types.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use crate::api::crd::GpuSharingPolicy;
+use crate::api::names::{DEVICE_PLUGIN_CONFIGMAP, MIG_PARTED_CONFIGMAP, VGPU_DEVICES_CONFIGMAP};
+use crate::nvidia;
+
+use super::taint::ReadinessTaint;
+use super::{Labels, NodeFacts};
+
+/// Everything the planner reads.
+#[derive(Debug, Clone, Default)]
+pub struct PlanInput {
+    pub policies: Vec<GpuSharingPolicy>,
+    /// Every node, in any order (the planner sorts by name).
+    pub nodes: Vec<NodeView>,
+    pub cluster: ClusterFacts,
+    pub settings: Settings,
+    pub memory: Memory,
+}
+
+/// One node as the planner sees it: its facts, what runs on it, and the flags the control loop
+/// keeps for it. Room for more per-node inputs (pending demand) without new maps by name.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeView {
+    /// Shared with the controller's node cache: a pass copies no labels.
+    pub facts: Arc<NodeFacts>,
+    /// Pods using GPUs on the node (`namespace/name`, sorted): the idle-GPU wait before MIG
+    /// changes, and what a drain evicts.
+    pub gpu_pods: Vec<String>,
+    /// Labels of the pods in `gpu_pods`, by `namespace/name` (`disruption.neverEvict` selects
+    /// by them).
+    pub gpu_pod_labels: BTreeMap<String, Labels>,
+    /// Pods using the sandbox device plugin's resources (VMs), `namespace/name`, sorted.
+    pub vm_pods: Vec<String>,
+    /// Allocated `gpu.nvidia.com` ResourceClaims on the node (`namespace/name`): a node leaves
+    /// DRA for the device plugin only when it has none.
+    pub dra_claims: Vec<String>,
+    /// `nvidia.com/mig.config.state` has said `pending` for longer than the MIG timeout (the MIG
+    /// manager can exit early and never report).
+    pub mig_stuck: bool,
+    /// `nvidia.com/vgpu.config.state` has said `pending` past the timeout.
+    pub vgpu_stuck: bool,
+    /// Someone else had cordoned the node when a drain of ours started: it is drained without
+    /// claiming the cordon.
+    pub foreign_cordon: bool,
+}
+
+impl NodeView {
+    /// A node with nothing running on it and no flags.
+    pub fn idle(facts: NodeFacts) -> Self {
+        NodeView {
+            facts: Arc::new(facts),
+            ..Default::default()
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.facts.name
+    }
+}
+
+impl std::ops::Deref for NodeView {
+    type Target = NodeFacts;
+    fn deref(&self) -> &NodeFacts {
+        &self.facts
+    }
+}
+
+/// What the cluster says besides its nodes.
+#[derive(Debug, Clone)]
+pub struct ClusterFacts {
+    /// Unix time in seconds, recorded on nodes whose device-plugin config label changes (the
+    /// planner reads no clock; the caller passes it).
+    pub now: i64,
+    /// Current data of our device-plugin ConfigMap (to keep keys nodes still point to).
+    pub current_device_config: BTreeMap<String, String>,
+    /// Named mig-parted layouts available to nodes (from the GPU Operator's default config).
+    /// `None` when unknown: then only custom layouts and `all-disabled` are known.
+    pub base_mig_configs: Option<BTreeMap<String, serde_json::Value>>,
+    /// Layouts of our own mig-parted ConfigMap as it is now (to keep layouts nodes still name,
+    /// and to recognise a node's pre-upgrade `custom-<policy>` layout by its content).
+    pub current_mig_configs: BTreeMap<String, serde_json::Value>,
+    /// NVIDIA's named vGPU-devices configs (the GPU Operator's `default-vgpu-devices-config`,
+    /// else the embedded copy).
+    pub base_vgpu_configs: Arc<BTreeMap<String, serde_json::Value>>,
+    /// Configs of our own vGPU-devices ConfigMap as it is now (to keep configs nodes still name).
+    pub current_vgpu_configs: BTreeMap<String, serde_json::Value>,
+    /// Namespaces that exist, when known (`None`: assume every namespace a DRA policy lists
+    /// exists, as `render` without a cluster does).
+    pub namespaces: Option<BTreeSet<String>>,
+    /// Whether the GPU Operator's ClusterPolicy exists.
+    pub cluster_policy_found: bool,
+    /// The ClusterPolicy's sandbox settings.
+    pub sandbox: Sandbox,
+    /// The readiness taint, when the operator runs with `--readiness-taint`.
+    pub readiness_taint: Option<ReadinessTaint>,
+    /// The GPU Operator's DRA-only `GPUCluster`, by name, when one exists.
+    pub gpu_cluster: Option<String>,
+}
+
+impl Default for ClusterFacts {
+    fn default() -> Self {
+        ClusterFacts {
+            now: 0,
+            current_device_config: BTreeMap::new(),
+            base_mig_configs: None,
+            current_mig_configs: BTreeMap::new(),
+            base_vgpu_configs: nvidia::vgpu::default_vgpu_configs(),
+            current_vgpu_configs: BTreeMap::new(),
+            namespaces: None,
+            cluster_policy_found: true,
+            sandbox: Sandbox::default(),
+            readiness_taint: None,
+            gpu_cluster: None,
+        }
+    }
+}
+
+/// What the ClusterPolicy says about sandbox workloads (the fields the operator cannot set for
+/// the user).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Sandbox {
+    /// `spec.sandboxWorkloads.mode` (`kubevirt` when absent).
+    pub mode: Option<String>,
+    /// `spec.vgpuManager.enabled`.
+    pub vgpu_manager_enabled: bool,
+}
+
+/// How the operator was told to run (its flags), as far as planning reads them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// Names of the ConfigMaps we own.
+    pub device_configmap: String,
+    pub mig_configmap: String,
+    pub vgpu_configmap: String,
+    /// `--pause-rollouts`: start no node change for any policy.
+    pub pause_rollouts: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            device_configmap: DEVICE_PLUGIN_CONFIGMAP.into(),
+            mig_configmap: MIG_PARTED_CONFIGMAP.into(),
+            vgpu_configmap: VGPU_DEVICES_CONFIGMAP.into(),
+            pause_rollouts: false,
+        }
+    }
+}
+
+/// What the control loop learnt in earlier passes that no object in the cluster says (the
+/// per-node part, stuck states and foreign cordons, is in each [`NodeView`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Memory {
+    /// Evictions the last pass could not make, by pod, with why (PodDisruptionBudget...).
+    pub eviction_blocked: BTreeMap<String, String>,
+    /// Set when another actor keeps reverting our ClusterPolicy settings (e.g. a GitOps tool):
+    /// a description of what was reverted and how often.
+    pub cluster_policy_contested: Option<String>,
+    /// The GPU Operator's namespace, when our last ConfigMap write found it missing.
+    pub gpu_operator_namespace_missing: Option<String>,
+}
+
+impl PlanInput {
+    /// Policies and idle nodes; everything else at its default.
+    pub fn new(policies: Vec<GpuSharingPolicy>, nodes: Vec<NodeFacts>) -> Self {
+        PlanInput {
+            policies,
+            nodes: nodes.into_iter().map(NodeView::idle).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The view of the node named `name`, when there is one.
+    pub fn node_mut(&mut self, name: &str) -> Option<&mut NodeView> {
+        self.nodes.iter_mut().find(|v| v.facts.name == name)
+    }
+}
