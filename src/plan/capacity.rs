@@ -245,10 +245,10 @@ pub fn vm_capacity(p: &Prepared, node: &NodeFacts) -> NodeCapacity {
     if p.spec.strategy == Strategy::Passthrough {
         return cap(gpus, Some(gpus), mem, Some(100), true);
     }
-    let per_gpu = vgpus_per_gpu(&p.vgpu_entries, gpus);
+    let entries = p.vm().map_or(&[][..], |v| &v.vgpu_entries);
+    let per_gpu = vgpus_per_gpu(entries, gpus);
     let total = per_gpu.map(|v| v.iter().map(|(_, c)| c).sum::<i64>());
-    let fb = p
-        .vgpu_entries
+    let fb = entries
         .iter()
         .flat_map(|e| e.vgpu_devices.keys())
         .filter_map(|t| nvidia::vgpu::parse_vgpu_type(t))

@@ -6,10 +6,12 @@
 //!
 //! The files of `plan/` depend one way (`tests/architecture.rs` checks it), each on files
 //! listed before it only: the leaves [`labels`], [`taint`], [`input`] (what the planner reads:
-//! per-node views, cluster facts, settings, memory), [`facts`] (node readings) and
-//! [`decision`] (the transition's vocabulary); then [`policies`], [`capacity`], [`outputs`],
-//! [`compat`], [`vm`] (the VM transition), [`node`] (the per-node transition, dispatching to
-//! `vm`), [`drain`], [`rollout`], [`status`]; and [`converge`], a consumer of [`plan`], on top.
+//! per-node views, cluster facts, settings, memory), [`facts`] (node readings), [`decision`]
+//! (the transition's vocabulary) and [`backend`] (a policy's backend, a node's target); then
+//! [`policies`] (validation, precedence, the per-node target), [`capacity`], [`outputs`],
+//! [`compat`]; one file per backend's transition: [`sharing`], [`mig`], [`vm`], [`dra`];
+//! [`node`] (the per-node transition, dispatching to them), [`drain`], [`rollout`],
+//! [`status`]; and [`converge`], a consumer of [`plan`], on top.
 //! What this file declares ([`NodeFacts`], [`Plan`], ...) all of them share.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -23,18 +25,22 @@ use crate::nvidia::state::Workload;
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
 use crate::validate::FieldError;
 
+pub mod backend;
 pub mod capacity;
 pub mod compat;
 pub mod converge;
 pub mod decision;
+pub mod dra;
 pub mod drain;
 pub mod facts;
 pub mod input;
 pub mod labels;
+pub mod mig;
 pub mod node;
 pub mod outputs;
 pub mod policies;
 pub mod rollout;
+pub mod sharing;
 pub mod status;
 pub mod taint;
 #[cfg(test)]
@@ -165,7 +171,10 @@ fn layout_hashes<'a>(
 ) -> impl Fn(&str) -> Option<String> + 'a {
     let custom: BTreeMap<&str, &str> = prepared
         .iter()
-        .filter_map(|p| Some((p.layout.as_deref()?, p.custom.as_ref()?.1.as_str())))
+        .filter_map(|p| {
+            let m = p.mig()?;
+            Some((m.layout.as_str(), m.custom.as_ref()?.1.as_str()))
+        })
         .collect();
     move |name: &str| {
         if name == MIG_DISABLED_LAYOUT {
@@ -203,6 +212,9 @@ fn plan_nodes<'n>(
         entries.push(node::Entry {
             node: v,
             policy: wi,
+            target: policy
+                .and_then(|w| policies::node_target(w, n))
+                .map(|t| t.mark()),
             hold,
             outcome: node::outcome(n, policy, &env, decision),
         });
@@ -218,6 +230,7 @@ fn plan_nodes<'n>(
     for node::Entry {
         node: v,
         policy: wi,
+        target: _,
         hold,
         outcome: o,
     } in entries

@@ -19,80 +19,21 @@ use crate::api::crd::{Backend, MigStrategy, Strategy};
 use crate::api::names::*;
 use crate::api::state::NodeState;
 use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, deployed};
-use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
+use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::NodeFacts;
+use super::backend::Backing;
 use super::capacity::replicas_of;
 use super::compat::node_rejection;
-use super::decision::{busy_msg, hold, mig_of, write};
+use super::decision::hold;
 use super::facts::is_vm_host;
-use super::policies::Prepared;
-use super::vm;
+use super::policies::{Prepared, node_target};
+use super::{dra, mig, sharing, vm};
 
 // The transition's vocabulary lives in a leaf file that the VM transition shares; `gfd_behind`
 // in the node readings. Kept here for callers.
 pub use super::decision::{Decision, Env};
 pub use super::facts::gfd_behind;
-
-/// We switched the node's device plugin off (and it still is).
-fn device_plugin_off_by_us(n: &NodeFacts) -> bool {
-    n.owned.contains(LABEL_DEPLOY_DEVICE_PLUGIN)
-        && !deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN))
-}
-
-/// Why the node's device plugin cannot come back yet: allocated DRA claims on it.
-fn claims_msg(claims: &[String]) -> String {
-    let shown: Vec<&str> = claims.iter().take(5).map(String::as_str).collect();
-    format!(
-        "WaitingForDraClaims: {} allocated gpu.nvidia.com ResourceClaims on this node ({}); the device plugin comes back when they are gone",
-        claims.len(),
-        shown.join(", ")
-    )
-}
-
-/// One backend per node. Under a DRA policy a node whose sharing is settled (`Applied`) gets
-/// the device plugin switched off, once no pod holds a device-plugin GPU (the DRA driver would
-/// hand those GPUs out again); other steps keep the switch as it is. Under a device-plugin
-/// policy a node we switched off gets the device plugin back only when no allocated DRA claim
-/// remains on it.
-fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Decision) -> Decision {
-    let ours_off = device_plugin_off_by_us(n);
-    if w.spec.backend != Backend::Dra {
-        return match d {
-            Decision::Write { .. } if ours_off && !env.dra_claims.is_empty() => {
-                hold(NodeState::Waiting, claims_msg(env.dra_claims))
-            }
-            d => d,
-        };
-    }
-    let Decision::Write {
-        state,
-        message,
-        device_config,
-        mig_layout,
-        workload,
-        vgpu_config,
-        ..
-    } = d
-    else {
-        return d;
-    };
-    let off_already = !deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN));
-    // With the GPU Operator in DRA-only mode there is no device plugin to switch off.
-    let switch = state == NodeState::Applied && env.gpu_cluster.is_none();
-    if switch && !off_already && busy {
-        return hold(NodeState::Waiting, busy_msg(env.gpu_pods));
-    }
-    Decision::Write {
-        state,
-        message,
-        device_config,
-        mig_layout,
-        device_plugin_off: ours_off || switch && !off_already,
-        workload,
-        vgpu_config,
-    }
-}
 
 /// The transition of one node (see the module documentation).
 pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
@@ -140,13 +81,14 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             .mig
             .as_ref()
             .is_some_and(|m| m.proceed_with_busy_gpus);
-    let d = match w.spec.strategy {
-        _ if vm_strategy => vm::decide(n, w, env, busy),
+    let t = node_target(w, n).expect("accepted policies have a target");
+    let d = match &w.backing {
+        Some(Backing::Vm(_)) => vm::decide(n, &t, env, busy),
         _ if is_vm_host(n) => vm::leave(n, env).expect("a VM host we labelled"),
-        Strategy::Mig => decide_mig(n, w, env, busy),
-        _ => decide_sharing(n, w, env, busy),
+        Some(Backing::Mig(_)) => mig::decide(n, w, &t, env, busy),
+        _ => sharing::decide(n, w, &t, env, busy),
     };
-    backend_switch(n, w, env, busy, keep_container_workload(n, d))
+    dra::backend_switch(n, w, env, busy, keep_container_workload(n, d))
 }
 
 /// A container node whose workload label we own keeps `container` (so a cluster default of
@@ -160,148 +102,6 @@ fn keep_container_workload(n: &NodeFacts, mut d: Decision) -> Decision {
         *workload = Some("container");
     }
     d
-}
-
-/// The layout this node should run: the policy's, or the pre-upgrade `custom-<policy>` name the
-/// node still carries while its content is the same (no reconfiguration for a new name).
-fn target_layout(n: &NodeFacts, w: &Prepared, env: &Env) -> String {
-    let layout = w.layout.clone().expect("mig policies have a layout");
-    if let Some((_, hash)) = &w.custom {
-        let legacy = nvidia::legacy_custom_layout_name(&w.name);
-        let same = (env.layout_hash)(&legacy).as_ref() == Some(hash);
-        if n.labels.get(LABEL_MIG_CONFIG) == Some(legacy.as_str()) && same {
-            return legacy;
-        }
-    }
-    layout
-}
-
-/// A named layout whose content changed since we labelled the node: `(then, now)` hashes.
-fn stale_layout(n: &NodeFacts, w: &Prepared, env: &Env, layout: &str) -> Option<(String, String)> {
-    if w.custom.is_some() || !mig_of(n).confirmed(layout) {
-        return None;
-    }
-    let (l, then) = n.annotations.get(ANNOTATION_MIG_LAYOUT)?.rsplit_once('@')?;
-    let now = (env.layout_hash)(layout)?;
-    (l == layout && now != then).then(|| (then.to_string(), now))
-}
-
-fn decide_mig(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
-    let key = w.key.as_deref().expect("accepted policies have a key");
-    let layout = target_layout(n, w, env);
-    let mig = mig_of(n);
-    let dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG);
-    let sharing_on = dp.is_some_and(|k| k != DEFAULT_KEY);
-    if mig.layout == Some(layout.as_str()) && mig.failed(env.mig_stuck) {
-        return hold(
-            NodeState::Failed,
-            format!(
-                "MIG manager reported failed (or stayed pending past the timeout) for layout {layout}; node left untouched"
-            ),
-        );
-    }
-    if let Some((then, now)) = stale_layout(n, w, env, &layout) {
-        return if !w.reapply_requested() {
-            hold(
-                NodeState::Stale,
-                format!(
-                    "layout {layout} changed content since this node was configured ({then} -> {now}); the MIG manager does not re-read an unchanged label: annotate the policy with {ANNOTATION_REAPPLY_MIG}=true to re-apply it through {MIG_DISABLED_LAYOUT}"
-                ),
-            )
-        } else if busy {
-            hold(NodeState::Waiting, busy_msg(env.gpu_pods))
-        } else if sharing_on {
-            let msg = format!("removing the sharing config before re-applying layout {layout}");
-            write(NodeState::Pending, msg, DEFAULT_KEY, Some(layout))
-        } else {
-            let msg = format!(
-                "re-applying layout {layout} (its content changed) through {MIG_DISABLED_LAYOUT}"
-            );
-            write(
-                NodeState::Pending,
-                msg,
-                DEFAULT_KEY,
-                Some(MIG_DISABLED_LAYOUT.into()),
-            )
-        };
-    }
-    if w.reapply_requested()
-        && mig.layout == Some(MIG_DISABLED_LAYOUT)
-        && mig.state == Some(ConfigState::Pending)
-    {
-        // A re-apply goes through a confirmed all-disabled: the MIG manager skips a layout it
-        // believes applied, so flipping straight back would change nothing.
-        let msg = format!(
-            "waiting for {MIG_DISABLED_LAYOUT} to be confirmed before re-applying layout {layout}"
-        );
-        return write(
-            NodeState::Pending,
-            msg,
-            DEFAULT_KEY,
-            Some(MIG_DISABLED_LAYOUT.into()),
-        );
-    }
-    if mig.confirmed(&layout) {
-        write(NodeState::Applied, "", key, Some(layout))
-    } else if mig.layout != Some(layout.as_str()) && busy {
-        // Idle GPUs are needed to change the layout: hold everything.
-        hold(NodeState::Waiting, busy_msg(env.gpu_pods))
-    } else if dp.is_some_and(|k| k != DEFAULT_KEY && k != key) {
-        // First take the sharing config off; the layout changes on a later step.
-        let held = n
-            .owned
-            .contains(LABEL_MIG_CONFIG)
-            .then(|| mig.layout.map(str::to_string))
-            .flatten();
-        let msg = "removing the sharing config before changing the MIG layout";
-        write(NodeState::Pending, msg, DEFAULT_KEY, held)
-    } else {
-        // Sharing stays off while the layout changes.
-        let msg = format!("waiting for MIG layout {layout}");
-        write(NodeState::Pending, msg, DEFAULT_KEY, Some(layout))
-    }
-}
-
-/// Sharing (or exclusive) on a node: MIG must be off, and confirmed, before the new
-/// device-plugin config is applied.
-fn decide_sharing(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
-    let key = w.key.as_deref().expect("accepted policies have a key");
-    let mig = mig_of(n);
-    let mig_capable = n.labels.get(LABEL_MIG_CAPABLE) == Some("true");
-    let confirmed_off = mig.off(MIG_DISABLED_LAYOUT);
-    let keep_mig_label = n
-        .owned
-        .contains(LABEL_MIG_CONFIG)
-        .then(|| MIG_DISABLED_LAYOUT.to_string());
-    // With `disruption.mode: drain`, a new config under running MPS clients (it restarts the MPS
-    // control daemon) waits for the node to be drained, like a MIG change.
-    let mps_clients = busy
-        && w.drains()
-        && n.labels.get(LABEL_GPU_SHARING_STRATEGY) == Some("mps")
-        && n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(key);
-    if (!mig_capable && mig.layout.is_none() || confirmed_off) && mps_clients {
-        hold(
-            NodeState::Waiting,
-            format!("MPS clients running: {}", env.gpu_pods.join(", ")),
-        )
-    } else if !mig_capable && mig.layout.is_none() || confirmed_off {
-        write(NodeState::Applied, "", key, keep_mig_label)
-    } else if mig.layout == Some(MIG_DISABLED_LAYOUT) && mig.failed(env.mig_stuck) {
-        hold(
-            NodeState::Failed,
-            "MIG manager failed to disable MIG (or stayed pending past the timeout); node left untouched",
-        )
-    } else if mig.layout != Some(MIG_DISABLED_LAYOUT) && busy {
-        hold(NodeState::Waiting, busy_msg(env.gpu_pods))
-    } else {
-        let msg = "waiting for MIG to be disabled and confirmed before sharing is enabled";
-        write(
-            NodeState::Pending,
-            msg,
-            DEFAULT_KEY,
-            Some(MIG_DISABLED_LAYOUT.into()),
-        )
-    }
 }
 
 /// What we want to own on a node: labels, annotations, and the state reported for it.
@@ -318,6 +118,9 @@ pub struct Entry<'n> {
     pub node: &'n super::NodeView,
     /// Index of the governing policy (precedence order).
     pub policy: Option<usize>,
+    /// What the node should end up running, as its rollout mark records it (see
+    /// [`super::backend::NodeTarget::mark`]); `None` without a valid policy.
+    pub target: Option<String>,
     /// The transition holds the node as it is.
     pub hold: bool,
     pub outcome: Outcome,
@@ -388,7 +191,7 @@ fn released(n: &NodeFacts, env: &Env) -> Outcome {
         labels.insert(LABEL_MIG_CONFIG.into(), MIG_DISABLED_LAYOUT.into());
     }
     // The device plugin comes back only when no DRA claim holds the node's GPUs.
-    if device_plugin_off_by_us(n) && !env.dra_claims.is_empty() {
+    if dra::device_plugin_off_by_us(n) && !env.dra_claims.is_empty() {
         labels.insert(LABEL_DEPLOY_DEVICE_PLUGIN.into(), NOT_DEPLOYED.into());
     }
     // A VM host we made stays one while VMs use its GPUs.
@@ -1064,7 +867,7 @@ mod vm_tests {
             prepared.iter().find(|p| p.name == "t").unwrap(),
         );
         assert!(v.errors.is_empty(), "{:?}", v.errors);
-        assert_eq!(v.vgpu_entries.len(), 1);
+        assert_eq!(v.vm().unwrap().vgpu_entries.len(), 1);
         let key = t.key.clone().unwrap();
         let case = |pods: &'static [String], vm: &'static [String]| Case {
             env: Env {

@@ -55,8 +55,10 @@ pub fn mig_config(
 ) -> Option<String> {
     let mut custom = BTreeMap::new();
     for p in prepared.iter().filter(|p| p.errors.is_empty()) {
-        if let (Some(layout), Some((entries, _))) = (&p.layout, &p.custom) {
-            custom.insert(layout.clone(), entries.clone());
+        if let Some(m) = p.mig()
+            && let Some((entries, _)) = &m.custom
+        {
+            custom.insert(m.layout.clone(), entries.clone());
         }
     }
     let mut named = input.cluster.base_mig_configs.clone().unwrap_or_default();
@@ -141,7 +143,9 @@ pub fn vgpu_config(
 ) -> Option<String> {
     let mut custom = BTreeMap::new();
     for p in prepared.iter().filter(|p| p.errors.is_empty()) {
-        if let (Some(name), Some((entries, _))) = (&p.vgpu_config, &p.vgpu_custom) {
+        if let Some(v) = p.vm()
+            && let (Some(name), Some((entries, _))) = (&v.vgpu_config, &v.vgpu_custom)
+        {
             custom.insert(name.clone(), entries.clone());
         }
     }

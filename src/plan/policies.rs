@@ -5,10 +5,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::api::crd::{Backend, GpuSharingPolicy, GpuSharingPolicySpec, MigStrategy, Strategy};
 use crate::api::names::ANNOTATION_REAPPLY_MIG;
-use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT, MigConfigEntry};
+use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use crate::validate::{self, FieldError};
 
 use super::NodeFacts;
+use super::backend::{Backing, MigBacking, NodeTarget, VmBacking};
 use super::labels::{selection_labels, selector_matches};
 
 /// A policy after validation, with what it renders to.
@@ -22,10 +23,8 @@ pub struct Prepared<'a> {
     pub key: Option<String>,
     /// The config text behind `key`.
     pub config_text: Option<String>,
-    /// The MIG layout name its nodes get.
-    pub layout: Option<String>,
-    /// A custom layout: its mig-parted entries and their content hash.
-    pub custom: Option<(Vec<MigConfigEntry>, String)>,
+    /// The backend and what it renders to; `None` if invalid.
+    pub backing: Option<Backing>,
     /// Why the policy is refused cluster-wide (it conflicts with the cluster's MIG strategy).
     pub blocked: Option<String>,
     /// A blocked policy whose nodes are released (back to exclusive) rather than held: MPS under
@@ -33,20 +32,25 @@ pub struct Prepared<'a> {
     pub release_when_blocked: bool,
     /// The same conflict for a policy that governs no node yet: a warning only.
     pub latent: Option<String>,
-    /// `strategy: vgpu`: the vGPU Device Manager config its nodes are labelled with
-    /// (`nvidia.com/vgpu.config`): the named type, or the custom layout's content-addressed name.
-    pub vgpu_config: Option<String>,
-    /// A custom vGPU layout: its entries and their content hash.
-    pub vgpu_custom: Option<(Vec<nvidia::vgpu::VgpuConfigEntry>, String)>,
-    /// The vGPU devices its nodes get: the custom layout's entries, or the named config's (empty
-    /// when unknown).
-    pub vgpu_entries: Vec<nvidia::vgpu::VgpuConfigEntry>,
-    /// The board framebuffer (nominal GB) of each vGPU family its layout uses, from NVIDIA's
-    /// named configs.
-    pub vgpu_board_gb: BTreeMap<String, u32>,
 }
 
 impl Prepared<'_> {
+    /// A MIG policy's layout.
+    pub fn mig(&self) -> Option<&MigBacking> {
+        match &self.backing {
+            Some(Backing::Mig(m)) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// A VM policy's sandbox configuration.
+    pub fn vm(&self) -> Option<&VmBacking> {
+        match &self.backing {
+            Some(Backing::Vm(v)) => Some(v),
+            _ => None,
+        }
+    }
+
     /// Valid and not refused cluster-wide: its nodes may be changed.
     pub fn accepted(&self) -> bool {
         self.errors.is_empty() && self.blocked.is_none()
@@ -77,6 +81,30 @@ fn field_error(path: &str, message: String) -> FieldError {
     }
 }
 
+/// What node `n` of the valid policy `w` should end up running: one function for every backend,
+/// and the one place a per-node choice (a MIG layout for the node's pending pods) goes. Today
+/// every node of a policy gets the same target.
+pub fn node_target(w: &Prepared, _n: &NodeFacts) -> Option<NodeTarget> {
+    let key = w.key.clone()?;
+    let mut t = NodeTarget {
+        device_config: key,
+        mig_layout: None,
+        workload: None,
+        vgpu_config: None,
+        dra: false,
+    };
+    match w.backing.as_ref()? {
+        Backing::Sharing => {}
+        Backing::Mig(m) => t.mig_layout = Some(m.layout.clone()),
+        Backing::Vm(v) => {
+            t.workload = Some(v.workload);
+            t.vgpu_config = v.vgpu_config.clone();
+        }
+        Backing::Dra => t.dra = true,
+    }
+    Some(t)
+}
+
 /// Deterministic precedence: priority (high first), then oldest, then name.
 fn precedence(p: &GpuSharingPolicy) -> (i32, bool, String, String) {
     let ts = p
@@ -98,52 +126,20 @@ fn prepare<'a>(
 ) -> Prepared<'a> {
     let name = p.metadata.name.clone().unwrap_or_default();
     let (mut errors, warnings) = validate::validate(&name, &p.spec);
-    let mut layout = None;
-    let mut custom = None;
-    if errors.is_empty()
-        && let Some(mig) = &p.spec.mig
-    {
-        if mig.custom_layout.is_some() {
-            let entries = nvidia::custom_layout_entries(mig);
-            let hash = nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));
-            layout = Some(nvidia::custom_layout_name(&name, &entries));
-            custom = Some((entries, hash));
-        } else if let Some(l) = &mig.layout {
-            let known = l == MIG_DISABLED_LAYOUT || base.is_some_and(|b| b.contains_key(l));
-            if base.is_some() && !known {
-                errors.push(field_error(
-                    "spec.mig.layout",
-                    format!("{l:?} is not a layout of the mig-parted configuration (the MIG manager would fail with: selected mig-config not present)"),
-                ));
-            }
-            layout = Some(l.clone());
-        }
-    }
-    let (mut vgpu_config, mut vgpu_custom, mut vgpu_entries) = (None, None, Vec::new());
-    if errors.is_empty()
-        && let Some(v) = &p.spec.vgpu
-    {
-        if v.custom_layout.is_some() {
-            let entries = nvidia::vgpu::custom_entries(v);
-            let hash = nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));
-            vgpu_config = Some(nvidia::vgpu::custom_name(&name, &entries));
-            vgpu_entries = entries.clone();
-            vgpu_custom = Some((entries, hash));
-        } else {
-            vgpu_config = v.type_.clone();
-        }
-    }
-    let (key, config_text) =
-        if errors.is_empty() && (p.spec.backend == Backend::Dra || p.spec.strategy.is_vm()) {
-            // The DRA driver shares the GPUs, or virtual machines get them: the device plugin, if
-            // it runs, must not share.
-            (Some(DEFAULT_KEY.to_string()), None)
-        } else if errors.is_empty() {
+    let backing = errors
+        .is_empty()
+        .then(|| backing(&name, &p.spec, base, &mut errors));
+    let backing = backing.filter(|_| errors.is_empty());
+    let (key, config_text) = match &backing {
+        // The DRA driver shares the GPUs, or virtual machines get them: the device plugin, if
+        // it runs, must not share.
+        Some(Backing::Dra | Backing::Vm(_)) => (Some(DEFAULT_KEY.to_string()), None),
+        Some(_) => {
             let text = nvidia::device_plugin_yaml(&nvidia::device_plugin_config(&p.spec));
             (Some(nvidia::content_key(&name, &text)), Some(text))
-        } else {
-            (None, None)
-        };
+        }
+        None => (None, None),
+    };
     Prepared {
         name,
         policy: p,
@@ -152,36 +148,92 @@ fn prepare<'a>(
         warnings,
         key,
         config_text,
-        layout,
-        custom,
+        backing,
         blocked: None,
         release_when_blocked: false,
         latent: None,
-        vgpu_config,
-        vgpu_custom,
-        vgpu_entries,
-        vgpu_board_gb: BTreeMap::new(),
     }
+}
+
+/// The backend of a valid policy; a named MIG layout the mig-parted config lacks is an error.
+fn backing(
+    name: &str,
+    spec: &GpuSharingPolicySpec,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+    errors: &mut Vec<FieldError>,
+) -> Backing {
+    if spec.backend == Backend::Dra {
+        return Backing::Dra;
+    }
+    if spec.strategy.is_vm() {
+        let mut vm = VmBacking {
+            workload: spec.strategy.workload(),
+            vgpu_config: None,
+            vgpu_custom: None,
+            vgpu_entries: Vec::new(),
+            vgpu_board_gb: BTreeMap::new(),
+        };
+        if let Some(v) = &spec.vgpu {
+            if v.custom_layout.is_some() {
+                let entries = nvidia::vgpu::custom_entries(v);
+                let hash =
+                    nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));
+                vm.vgpu_config = Some(nvidia::vgpu::custom_name(name, &entries));
+                vm.vgpu_entries = entries.clone();
+                vm.vgpu_custom = Some((entries, hash));
+            } else {
+                vm.vgpu_config = v.type_.clone();
+            }
+        }
+        return Backing::Vm(vm);
+    }
+    let Some(mig) = &spec.mig else {
+        return Backing::Sharing;
+    };
+    if mig.custom_layout.is_some() {
+        let entries = nvidia::custom_layout_entries(mig);
+        let hash = nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));
+        let layout = nvidia::custom_layout_name(name, &entries);
+        return Backing::Mig(MigBacking {
+            layout,
+            custom: Some((entries, hash)),
+        });
+    }
+    let l = mig.layout.clone().unwrap_or_default();
+    let known = l == MIG_DISABLED_LAYOUT || base.is_some_and(|b| b.contains_key(&l));
+    if base.is_some() && !known {
+        errors.push(field_error(
+            "spec.mig.layout",
+            format!("{l:?} is not a layout of the mig-parted configuration (the MIG manager would fail with: selected mig-config not present)"),
+        ));
+    }
+    Backing::Mig(MigBacking {
+        layout: l,
+        custom: None,
+    })
 }
 
 /// A named vGPU type must be an entry of the vGPU Device Manager's config (NVIDIA's default
 /// names one per type); unknown names would leave the node `failed`.
 pub fn check_vgpu_types(prepared: &mut [Prepared], base: &BTreeMap<String, serde_json::Value>) {
     for p in prepared.iter_mut().filter(|p| p.errors.is_empty()) {
+        let Some(Backing::Vm(vm)) = &mut p.backing else {
+            continue;
+        };
         if let Some(t) = p.spec.vgpu.as_ref().and_then(|v| v.type_.as_ref()) {
             if let Some(entries) = base.get(t).and_then(nvidia::vgpu::entries_of) {
-                p.vgpu_entries = entries;
+                vm.vgpu_entries = entries;
             } else {
                 p.errors.push(field_error(
                     "spec.vgpu.type",
                     format!("{t:?} is not an entry of the vGPU Device Manager's config (NVIDIA's default names one per vGPU type, e.g. A100-1-5C, L4-6Q); the vGPU Device Manager would fail with: config not present"),
                 ));
                 p.key = None;
-                p.vgpu_config = None;
+                p.backing = None;
                 continue;
             }
         }
-        let families: BTreeSet<String> = p
+        let families: BTreeSet<String> = vm
             .vgpu_entries
             .iter()
             .flat_map(|e| e.vgpu_devices.keys())
@@ -190,7 +242,7 @@ pub fn check_vgpu_types(prepared: &mut [Prepared], base: &BTreeMap<String, serde
             .collect();
         for f in families {
             if let Some(gb) = nvidia::vgpu::board_gb(base, &f) {
-                p.vgpu_board_gb.insert(f, gb);
+                vm.vgpu_board_gb.insert(f, gb);
             }
         }
     }
@@ -232,7 +284,7 @@ pub fn prepare_all<'a>(
     // which needs the GPU Operator's default config.
     let any_custom = prepared
         .iter()
-        .any(|p| p.errors.is_empty() && p.custom.is_some());
+        .any(|p| p.errors.is_empty() && p.mig().is_some_and(|m| m.custom.is_some()));
     if any_custom && base.is_none() {
         for p in prepared.iter_mut().filter(|p| p.errors.is_empty()) {
             if let Some(l) = p.spec.mig.as_ref().and_then(|m| m.layout.as_ref())

@@ -74,26 +74,6 @@ fn node_timeout(spec: &GpuSharingPolicySpec) -> i64 {
     confirm + drain
 }
 
-/// What a policy's nodes should end up running: its config key, and its MIG layout (`dra` for
-/// a DRA policy: the device plugin off).
-pub fn target(w: &Prepared) -> Option<String> {
-    let key = w.key.as_deref()?;
-    if w.spec.backend == crate::api::crd::Backend::Dra {
-        return Some("dra".to_string());
-    }
-    if w.spec.strategy.is_vm() {
-        let workload = w.spec.strategy.workload();
-        return Some(match &w.vgpu_config {
-            Some(c) => format!("{workload}+{c}"),
-            None => workload.to_string(),
-        });
-    }
-    Some(match &w.layout {
-        Some(l) => format!("{key}+{l}"),
-        None => key.to_string(),
-    })
-}
-
 /// The rollout mark on a node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mark {
@@ -166,8 +146,9 @@ fn last_change_unconfirmed(n: &NodeFacts) -> bool {
         || pending(LABEL_VGPU_CONFIG, LABEL_VGPU_STATE)
 }
 
-fn phase(e: &Entry, w: &Prepared, target: &str, now: i64) -> Phase {
+fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
     let n: &NodeFacts = e.node;
+    let target = e.target.as_deref().unwrap_or_default();
     let state = e.outcome.state;
     let changes = e.outcome.labels != owned_labels(n);
     let mark = n.annotations.get(ANNOTATION_ROLLOUT).and_then(Mark::parse);
@@ -228,7 +209,6 @@ fn sort(
     entries: &mut [Entry],
     idx: &[usize],
     w: &Prepared,
-    target: &str,
     now: i64,
     progress: &mut Progress,
 ) -> Sorted {
@@ -236,7 +216,7 @@ fn sort(
     let mut failures = Vec::new();
     let generation = w.policy.metadata.generation.unwrap_or(0);
     for &i in idx {
-        match phase(&entries[i], w, target, now) {
+        match phase(&entries[i], w, now) {
             Phase::Settled => {}
             Phase::Candidate => sorted.candidates.push(i),
             Phase::CandidateUnavailable => {
@@ -252,8 +232,8 @@ fn sort(
                     .annotations
                     .get(ANNOTATION_ROLLOUT)
                     .and_then(Mark::parse);
-                if old.is_some_and(|m| m.target == target && m.generation < generation) {
-                    set_mark(e, generation, now, target);
+                if old.is_some_and(|m| Some(m.target) == e.target && m.generation < generation) {
+                    set_mark(e, generation, now);
                 }
             }
         }
@@ -264,11 +244,11 @@ fn sort(
     sorted
 }
 
-fn set_mark(e: &mut Entry, generation: i64, since: i64, target: &str) {
+fn set_mark(e: &mut Entry, generation: i64, since: i64) {
     let mark = Mark {
         generation,
         since,
-        target: target.to_string(),
+        target: e.target.clone().unwrap_or_default(),
     };
     e.outcome
         .annotations
@@ -282,7 +262,6 @@ fn start_or_queue(
     sorted: Sorted,
     generation: i64,
     now: i64,
-    target: &str,
     progress: &mut Progress,
     queue: &impl Fn(&NodeFacts, String) -> Outcome,
 ) {
@@ -305,7 +284,7 @@ fn start_or_queue(
         let e = &mut entries[i];
         if may_start && started < slots {
             started += 1;
-            set_mark(e, generation, now, target);
+            set_mark(e, generation, now);
             progress.unavailable += 1;
             continue;
         }
@@ -355,7 +334,9 @@ pub fn gate(
     let mut out = BTreeMap::new();
     for (p, idx) in by_policy {
         let w = &prepared[p];
-        let Some(target) = target(w) else { continue };
+        if w.key.is_none() {
+            continue;
+        }
         let governed = idx
             .iter()
             .filter(|i| entries[**i].outcome.state != Some(NodeState::Rejected))
@@ -366,17 +347,9 @@ pub fn gate(
             halted: recorded_halt(w),
             ..Default::default()
         };
-        let sorted = sort(entries, &idx, w, &target, now, &mut progress);
+        let sorted = sort(entries, &idx, w, now, &mut progress);
         let generation = w.policy.metadata.generation.unwrap_or(0);
-        start_or_queue(
-            entries,
-            sorted,
-            generation,
-            now,
-            &target,
-            &mut progress,
-            &queue,
-        );
+        start_or_queue(entries, sorted, generation, now, &mut progress, &queue);
         let started = |e: &Entry| {
             let mark = e
                 .outcome
@@ -385,7 +358,7 @@ pub fn gate(
                 .and_then(|m| Mark::parse(m));
             let settled = e.outcome.state == Some(NodeState::Applied)
                 && e.outcome.labels == owned_labels(e.node);
-            mark.is_some_and(|m| m.target == target) && !settled
+            mark.is_some_and(|m| Some(m.target) == e.target) && !settled
         };
         drains.extend(drain_nodes(entries, &idx, w, input, started));
         let current = w.key.as_deref();

@@ -417,12 +417,11 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
             p.key.clone()
         },
         templates: place.templates,
-        mig_config: if p.errors.is_empty() {
-            p.layout.clone()
-        } else {
-            None
-        },
-        vgpu_config: p.vgpu_config.clone(),
+        mig_config: p
+            .mig()
+            .filter(|_| p.errors.is_empty())
+            .map(|m| m.layout.clone()),
+        vgpu_config: p.vm().and_then(|v| v.vgpu_config.clone()),
         capacity,
         node_details: details,
         warnings,

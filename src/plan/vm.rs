@@ -20,6 +20,7 @@ use crate::nvidia::state::{VgpuState, deployed};
 use crate::nvidia::vgpu::{family_mismatch, group_overflow, parse_vgpu_type};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
+use super::backend::NodeTarget;
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, write};
 use super::facts::label_i64;
 use super::policies::Prepared;
@@ -84,7 +85,8 @@ fn vgpu_mismatch(w: &Prepared, n: &NodeFacts) -> Option<String> {
         .map(|p| p.trim_end_matches(SHARED_SUFFIX));
     let memory_gb = label_i64(n, LABEL_GPU_MEMORY).map(|m| (m * 11 / 10 / 1024) as u32);
     let gpus = label_i64(n, LABEL_GPU_COUNT);
-    for (i, e) in w.vgpu_entries.iter().enumerate() {
+    let vm = w.vm()?;
+    for (i, e) in vm.vgpu_entries.iter().enumerate() {
         if let (crate::nvidia::MigDevices::Indices(d), Some(gpus)) = (&e.devices, gpus)
             && let Some(bad) = d.iter().find(|i| i64::from(**i) >= gpus)
         {
@@ -103,7 +105,7 @@ fn vgpu_mismatch(w: &Prepared, n: &NodeFacts) -> Option<String> {
             .find_map(|t| parse_vgpu_type(t))
             .map(|t| t.family);
         let board = family
-            .and_then(|f| w.vgpu_board_gb.get(&f).copied())
+            .and_then(|f| vm.vgpu_board_gb.get(&f).copied())
             .or(memory_gb);
         if let Some(why) = board.and_then(|b| group_overflow(&e.vgpu_devices, b)) {
             return Some(format!("device group {i}: {why}"));
@@ -113,8 +115,8 @@ fn vgpu_mismatch(w: &Prepared, n: &NodeFacts) -> Option<String> {
 }
 
 /// The transition of a node governed by a VM policy (see the module documentation).
-pub fn decide(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
-    let target = w.spec.strategy.workload();
+pub fn decide(n: &NodeFacts, t: &NodeTarget, env: &Env, busy: bool) -> Decision {
+    let target = t.workload.expect("a VM target has a workload");
     let wl = n.labels.get(LABEL_WORKLOAD);
     let mig = mig_of(n);
     let mig_kept = n
@@ -129,7 +131,7 @@ pub fn decide(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
         mig_layout: mig_kept.clone(),
         device_plugin_off: false,
         workload: Some(target),
-        vgpu_config: w.vgpu_config.clone(),
+        vgpu_config: t.vgpu_config.clone(),
     };
     if is_vm_host(n) && wl != Some(target) {
         // From one kind of VM host to the other.
@@ -143,7 +145,7 @@ pub fn decide(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
         return vm(NodeState::Pending, msg);
     }
     if wl == Some(target) {
-        return on_vm_host(n, w, env, vm);
+        return on_vm_host(n, t, env, vm);
     }
     // Container -> VM: idle GPUs, sharing off and MIG disabled (confirmed) first.
     if busy {
@@ -181,11 +183,11 @@ pub fn decide(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool) -> Decision {
 /// A node already labelled for this policy's kind of VM host.
 fn on_vm_host(
     n: &NodeFacts,
-    w: &Prepared,
+    t: &NodeTarget,
     env: &Env,
     vm: impl Fn(NodeState, String) -> Decision,
 ) -> Decision {
-    let Some(want) = w.vgpu_config.as_deref() else {
+    let Some(want) = t.vgpu_config.as_deref() else {
         return vm(NodeState::Applied, String::new());
     };
     let vgpu = VgpuState::read(

@@ -1,0 +1,88 @@
+//! How a valid policy's nodes are served, one variant per backend: the device plugin sharing
+//! whole GPUs, MIG through the MIG manager, virtual machines through the sandbox stack, or
+//! NVIDIA's DRA driver. Each variant carries what only that backend needs (a MIG layout, vGPU
+//! devices), so no backend's fields are `None` on another's policy.
+//!
+//! A leaf of `plan/`: the per-backend transitions (`sharing`, `mig`, `vm`, `dra`) read these
+//! types; [`NodeTarget`] is what one node of a policy should end up running, chosen per node by
+//! `policies::node_target`.
+
+use std::collections::BTreeMap;
+
+use crate::nvidia::MigConfigEntry;
+use crate::nvidia::vgpu::VgpuConfigEntry;
+
+/// A valid policy's backend and what it renders to besides its device-plugin config.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Backing {
+    /// NVIDIA's device plugin serves whole GPUs: exclusive, time-slicing or MPS.
+    Sharing,
+    /// MIG instances through the MIG manager (optionally time-sliced by the device plugin).
+    Mig(MigBacking),
+    /// Virtual machines through the sandbox stack: passthrough or vGPU.
+    Vm(VmBacking),
+    /// NVIDIA's DRA driver shares the GPUs; the device plugin is switched off on its nodes.
+    Dra,
+}
+
+/// A MIG policy's layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MigBacking {
+    /// The mig-parted layout name its nodes get (named, or a custom layout's content-addressed
+    /// name).
+    pub layout: String,
+    /// A custom layout: its mig-parted entries and their content hash.
+    pub custom: Option<(Vec<MigConfigEntry>, String)>,
+}
+
+/// A VM policy's sandbox configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VmBacking {
+    /// `nvidia.com/gpu.workload.config` on its nodes (`vm-passthrough`, `vm-vgpu`).
+    pub workload: &'static str,
+    /// `strategy: vgpu`: the vGPU Device Manager config its nodes are labelled with
+    /// (`nvidia.com/vgpu.config`): the named type, or the custom layout's content-addressed name.
+    pub vgpu_config: Option<String>,
+    /// A custom vGPU layout: its entries and their content hash.
+    pub vgpu_custom: Option<(Vec<VgpuConfigEntry>, String)>,
+    /// The vGPU devices its nodes get: the custom layout's entries, or the named config's (empty
+    /// when unknown).
+    pub vgpu_entries: Vec<VgpuConfigEntry>,
+    /// The board framebuffer (nominal GB) of each vGPU family its layout uses, from NVIDIA's
+    /// named configs.
+    pub vgpu_board_gb: BTreeMap<String, u32>,
+}
+
+/// What one node of a policy should end up running (its rollout target).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeTarget {
+    /// The device-plugin config key (`default` under DRA and for VMs).
+    pub device_config: String,
+    /// The MIG layout, for a MIG policy.
+    pub mig_layout: Option<String>,
+    /// The sandbox workload and vGPU config, for a VM policy.
+    pub workload: Option<&'static str>,
+    pub vgpu_config: Option<String>,
+    /// The device plugin switched off (a DRA policy).
+    pub dra: bool,
+}
+
+impl NodeTarget {
+    /// The target as the rollout mark on a node records it: the config key and the MIG layout
+    /// (`<key>+<layout>`), `dra`, or the VM workload and vGPU config (`vm-vgpu+<config>`).
+    pub fn mark(&self) -> String {
+        if self.dra {
+            return "dra".to_string();
+        }
+        if let Some(w) = self.workload {
+            return match &self.vgpu_config {
+                Some(c) => format!("{w}+{c}"),
+                None => w.to_string(),
+            };
+        }
+        match &self.mig_layout {
+            Some(l) => format!("{}+{l}", self.device_config),
+            None => self.device_config.clone(),
+        }
+    }
+}
