@@ -138,6 +138,20 @@ async fn rollouts_go_in_waves_halt_on_a_hung_node_and_pause() {
     assert_eq!(s["rollout"]["haltedGeneration"], 3);
     let queued = s["rollout"]["queuedNodes"].as_i64().unwrap();
     assert!(queued > 0, "{s}");
+    // Every queued node is held for the halt, counted by its typed reason and listed with it.
+    assert_eq!(
+        s["heldNodes"]["RolloutHalted"].as_i64(),
+        Some(queued),
+        "{s}"
+    );
+    let details = s["nodeDetails"].as_array().unwrap();
+    assert!(
+        details
+            .iter()
+            .filter(|d| d["state"] == "Queued")
+            .all(|d| d["reason"] == "RolloutHalted"),
+        "{s}"
+    );
     assert_eq!(condition(&s, "Ready").unwrap()["status"], "False");
     let halted_at = watch.changes();
     tokio::time::sleep(Duration::from_secs(5)).await;

@@ -996,6 +996,19 @@ fn busy_gpus_block_mig_changes() {
         .unwrap();
     assert_eq!(c.reason, "WaitingForIdleGPUs");
     assert!(c.message.contains("default/train-0"));
+    let s = &p.statuses["mig"];
+    assert_eq!(
+        s.node_details[0].reason,
+        Some(gpu_sharing_operator::api::state::HoldReason::WaitingForIdleGPUs)
+    );
+    assert_eq!(
+        s.held_nodes,
+        [(
+            gpu_sharing_operator::api::state::HoldReason::WaitingForIdleGPUs,
+            1
+        )]
+        .into()
+    );
     // Opting in proceeds.
     let n = node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"));
     let mut p = policy("mig", 3, 2, false, Some("a"), 0, 0);

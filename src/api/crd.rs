@@ -565,6 +565,11 @@ pub struct GpuSharingPolicyStatus {
     /// Progress of the rollout of the current generation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutStatus>,
+
+    /// Governed nodes held as they are, by why (every node counted, not only those listed in
+    /// `nodeDetails`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub held_nodes: BTreeMap<crate::api::state::HoldReason, i32>,
 }
 
 /// Where the rollout of the current generation stands.
@@ -633,4 +638,7 @@ pub struct NodeDetail {
     pub state: NodeState,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
+    /// Why the node is held as it is (`Waiting` and `Queued` nodes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<crate::api::state::HoldReason>,
 }

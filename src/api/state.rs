@@ -75,6 +75,31 @@ string_enum!(
 );
 
 string_enum!(
+    /// Why the operator holds a node it governs as it is (a `Waiting` or `Queued` node): the
+    /// `reason` of its entry in `nodeDetails`, counted in `heldNodes` and in the
+    /// `gpu_sharing_policy_held_nodes` metric.
+    HoldReason {
+        // Pods use the node's GPUs and the change needs them idle (a MIG change, MIG off, the
+        // device plugin off for DRA).
+        WaitingForIdleGPUs,
+        // Allocated gpu.nvidia.com ResourceClaims: the device plugin stays off until they go.
+        WaitingForDraClaims,
+        // MPS clients run and the new config restarts the MPS control daemon (drain policies).
+        WaitingForMpsClients,
+        // Virtual machines use the node's GPUs.
+        WaitingForVMs,
+        // The policy's maxUnavailable budget is in use.
+        WaitingForRolloutWave,
+        // An earlier change of ours is not confirmed by NVIDIA's components yet.
+        WaitingForConfirmation,
+        // The policy (or the operator, --pause-rollouts) pauses its rollout.
+        RolloutPaused,
+        // The rollout of the policy's generation halted on a failed node.
+        RolloutHalted,
+    }
+);
+
+string_enum!(
     /// `True`, `False` (or `Unknown`), as Kubernetes conditions say it.
     ConditionStatus { True, False }
 );

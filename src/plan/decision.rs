@@ -5,7 +5,7 @@
 //! `node` back.
 
 use crate::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE};
-use crate::api::state::NodeState;
+use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::MigState;
 
 use super::NodeFacts;
@@ -88,7 +88,12 @@ pub enum Decision {
     /// No policy governs it: give back what we own (a MIG layout we set goes to `all-disabled`).
     Release,
     /// Leave every label and annotation we own exactly as it is.
-    Hold { state: NodeState, message: String },
+    Hold {
+        state: NodeState,
+        message: String,
+        /// Why, for a node that waits (`Waiting`).
+        reason: Option<HoldReason>,
+    },
     /// Own these labels (besides the policy label).
     Write {
         state: NodeState,
@@ -108,6 +113,16 @@ pub(super) fn hold(state: NodeState, message: impl Into<String>) -> Decision {
     Decision::Hold {
         state,
         message: message.into(),
+        reason: None,
+    }
+}
+
+/// The node waits for something on it to finish (`Waiting`), for `reason`.
+pub(super) fn wait(reason: HoldReason, message: impl Into<String>) -> Decision {
+    Decision::Hold {
+        state: NodeState::Waiting,
+        message: message.into(),
+        reason: Some(reason),
     }
 }
 

@@ -5,11 +5,11 @@
 
 use crate::api::crd::Backend;
 use crate::api::names::*;
-use crate::api::state::NodeState;
+use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::deployed;
 
 use super::NodeFacts;
-use super::decision::{Decision, Env, busy_msg, hold};
+use super::decision::{Decision, Env, busy_msg, wait};
 use super::policies::Prepared;
 
 /// We switched the node's device plugin off (and it still is).
@@ -44,7 +44,7 @@ pub(super) fn backend_switch(
     if w.spec.backend != Backend::Dra {
         return match d {
             Decision::Write { .. } if ours_off && !env.dra_claims.is_empty() => {
-                hold(NodeState::Waiting, claims_msg(env.dra_claims))
+                wait(HoldReason::WaitingForDraClaims, claims_msg(env.dra_claims))
             }
             d => d,
         };
@@ -65,7 +65,7 @@ pub(super) fn backend_switch(
     // With the GPU Operator in DRA-only mode there is no device plugin to switch off.
     let switch = state == NodeState::Applied && env.gpu_cluster.is_none();
     if switch && !off_already && busy {
-        return hold(NodeState::Waiting, busy_msg(env.gpu_pods));
+        return wait(HoldReason::WaitingForIdleGPUs, busy_msg(env.gpu_pods));
     }
     Decision::Write {
         state,

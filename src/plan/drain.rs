@@ -83,6 +83,7 @@ pub fn drain_nodes(
             ));
         }
         e.outcome.state = Some(NodeState::Draining);
+        e.outcome.reason = None;
         e.outcome.message = msg;
         out.insert(
             e.node.name.clone(),

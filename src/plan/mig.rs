@@ -3,13 +3,13 @@
 //! whose content changed since the node was configured is re-applied only when the admin asks.
 
 use crate::api::names::*;
-use crate::api::state::NodeState;
+use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::ConfigState;
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::NodeFacts;
 use super::backend::NodeTarget;
-use super::decision::{Decision, Env, busy_msg, hold, mig_of, write};
+use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
 use super::policies::Prepared;
 
 /// The layout this node should run: the policy's, or the pre-upgrade `custom-<policy>` name the
@@ -76,7 +76,7 @@ pub(super) fn decide(
                 ),
             )
         } else if busy {
-            hold(NodeState::Waiting, busy_msg(env.gpu_pods))
+            wait(HoldReason::WaitingForIdleGPUs, busy_msg(env.gpu_pods))
         } else if sharing_on {
             let msg = format!("removing the sharing config before re-applying layout {layout}");
             write(NodeState::Pending, msg, DEFAULT_KEY, Some(layout))
@@ -112,7 +112,7 @@ pub(super) fn decide(
         write(NodeState::Applied, "", key, Some(layout))
     } else if mig.layout != Some(layout.as_str()) && busy {
         // Idle GPUs are needed to change the layout: hold everything.
-        hold(NodeState::Waiting, busy_msg(env.gpu_pods))
+        wait(HoldReason::WaitingForIdleGPUs, busy_msg(env.gpu_pods))
     } else if dp.is_some_and(|k| k != DEFAULT_KEY && k != key) {
         // First take the sharing config off; the layout changes on a later step.
         let held = n

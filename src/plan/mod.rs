@@ -270,6 +270,7 @@ fn plan_nodes<'n>(
                 name: n.name.clone(),
                 state,
                 message: o.message,
+                reason: o.reason,
             });
         }
         out.labels.insert(n.name.clone(), o.labels);

@@ -17,7 +17,7 @@
 
 use crate::api::crd::{Backend, MigStrategy, Strategy};
 use crate::api::names::*;
-use crate::api::state::NodeState;
+use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, deployed};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
@@ -109,6 +109,8 @@ fn keep_container_workload(n: &NodeFacts, mut d: Decision) -> Decision {
 pub struct Outcome {
     pub state: Option<NodeState>,
     pub message: String,
+    /// Why the node is held as it is, when it waits.
+    pub reason: Option<HoldReason>,
     pub labels: super::SmallMap,
     pub annotations: super::SmallMap,
 }
@@ -131,7 +133,17 @@ pub struct Entry<'n> {
 pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision) -> Outcome {
     let mut out = match (d, policy) {
         (Decision::Release, _) | (Decision::Write { .. }, None) => released(n, env),
-        (Decision::Hold { state, message }, _) => held(n, state, message),
+        (
+            Decision::Hold {
+                state,
+                message,
+                reason,
+            },
+            _,
+        ) => Outcome {
+            reason,
+            ..held(n, state, message)
+        },
         (
             Decision::Write {
                 state,
@@ -178,9 +190,11 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
     out
 }
 
-/// A node held as it is while it waits for its rollout wave.
-pub fn queued(n: &NodeFacts, message: String) -> Outcome {
+/// A node held as it is while it waits for its rollout wave (or the rollout is paused or
+/// halted), for `reason`.
+pub fn queued(n: &NodeFacts, message: String, reason: HoldReason) -> Outcome {
     let mut o = held(n, NodeState::Queued, message);
+    o.reason = Some(reason);
     mark_pending(n, &mut o.labels);
     o
 }
@@ -225,6 +239,7 @@ fn held(n: &NodeFacts, state: NodeState, message: String) -> Outcome {
     Outcome {
         state: Some(state),
         message,
+        reason: None,
         labels: keep(&n.owned, &n.labels),
         annotations: keep(&n.owned_annotations, &n.annotations),
     }
@@ -258,6 +273,7 @@ fn written(
     Outcome {
         state: Some(state),
         message,
+        reason: None,
         labels,
         annotations,
     }
@@ -1015,6 +1031,7 @@ mod vm_tests {
                 Decision::Hold {
                     state: NodeState::Rejected,
                     message,
+                    ..
                 } => Some(message),
                 _ => None,
             }

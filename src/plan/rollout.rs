@@ -19,7 +19,7 @@ use crate::api::names::{
     ANNOTATION_CONFIG_WRITTEN, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG,
     LABEL_MIG_STATE, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE, LABEL_WORKLOAD,
 };
-use crate::api::state::NodeState;
+use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::DEFAULT_KEY;
 use crate::nvidia::state::ConfigState;
 
@@ -263,7 +263,7 @@ fn start_or_queue(
     generation: i64,
     now: i64,
     progress: &mut Progress,
-    queue: &impl Fn(&NodeFacts, String) -> Outcome,
+    queue: &impl Fn(&NodeFacts, String, HoldReason) -> Outcome,
 ) {
     let stopped = progress.halted.is_some() || progress.paused;
     let slots = if stopped {
@@ -288,19 +288,25 @@ fn start_or_queue(
             progress.unavailable += 1;
             continue;
         }
-        let why = if progress.halted.is_some() {
-            "the rollout is halted; edit the policy to resume".to_string()
+        let (reason, why) = if progress.halted.is_some() {
+            let why = "the rollout is halted; edit the policy to resume";
+            (HoldReason::RolloutHalted, why.to_string())
         } else if progress.paused {
-            "the rollout is paused".to_string()
+            (
+                HoldReason::RolloutPaused,
+                "the rollout is paused".to_string(),
+            )
         } else if !may_start {
-            "waiting for NVIDIA's components to confirm an earlier change".to_string()
+            let why = "waiting for NVIDIA's components to confirm an earlier change";
+            (HoldReason::WaitingForConfirmation, why.to_string())
         } else {
-            format!(
+            let why = format!(
                 "waiting for its rollout wave ({unavailable_before} of at most {} nodes unavailable)",
                 progress.max_unavailable
-            )
+            );
+            (HoldReason::WaitingForRolloutWave, why)
         };
-        e.outcome = queue(e.node, why);
+        e.outcome = queue(e.node, why, reason);
         e.hold = true;
         progress.queued.push(e.node.name.clone());
     }
@@ -313,7 +319,7 @@ pub fn gate(
     entries: &mut [Entry],
     prepared: &[Prepared],
     input: &PlanInput,
-    queue: impl Fn(&NodeFacts, String) -> Outcome,
+    queue: impl Fn(&NodeFacts, String, HoldReason) -> Outcome,
 ) -> (BTreeMap<usize, Progress>, BTreeMap<String, Drain>) {
     let (now, pause_all) = (input.cluster.now, input.settings.pause_rollouts);
     let mut drains = BTreeMap::new();

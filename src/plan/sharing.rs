@@ -2,12 +2,12 @@
 //! and confirmed, before the new device-plugin config is applied.
 
 use crate::api::names::*;
-use crate::api::state::NodeState;
+use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::NodeFacts;
 use super::backend::NodeTarget;
-use super::decision::{Decision, Env, busy_msg, hold, mig_of, write};
+use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
 use super::policies::Prepared;
 
 /// Sharing (or exclusive) on a node: MIG must be off, and confirmed, before the new
@@ -34,8 +34,8 @@ pub(super) fn decide(
         && n.labels.get(LABEL_GPU_SHARING_STRATEGY) == Some("mps")
         && n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(key);
     if (!mig_capable && mig.layout.is_none() || confirmed_off) && mps_clients {
-        hold(
-            NodeState::Waiting,
+        wait(
+            HoldReason::WaitingForMpsClients,
             format!("MPS clients running: {}", env.gpu_pods.join(", ")),
         )
     } else if !mig_capable && mig.layout.is_none() || confirmed_off {
@@ -46,7 +46,7 @@ pub(super) fn decide(
             "MIG manager failed to disable MIG (or stayed pending past the timeout); node left untouched",
         )
     } else if mig.layout != Some(MIG_DISABLED_LAYOUT) && busy {
-        hold(NodeState::Waiting, busy_msg(env.gpu_pods))
+        wait(HoldReason::WaitingForIdleGPUs, busy_msg(env.gpu_pods))
     } else {
         let msg = "waiting for MIG to be disabled and confirmed before sharing is enabled";
         write(

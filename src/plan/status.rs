@@ -382,6 +382,10 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
             ..Default::default()
         })
     });
+    let mut held_nodes = std::collections::BTreeMap::new();
+    for r in t.details.iter().filter_map(|d| d.reason) {
+        *held_nodes.entry(r).or_insert(0) += 1;
+    }
     let mut details = t.details;
     let others = [
         (&place.conflicting, NodeState::Conflicted),
@@ -394,6 +398,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
                 name: node.into(),
                 state,
                 message: c.clone(),
+                reason: None,
             });
         }
     }
@@ -433,5 +438,6 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
             halted_generation: r.halted.is_some().then_some(generation).flatten(),
             halted_nodes: r.halted.unwrap_or_default(),
         }),
+        held_nodes,
     }
 }

@@ -15,13 +15,13 @@
 
 use crate::api::crd::Strategy;
 use crate::api::names::*;
-use crate::api::state::NodeState;
+use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::{VgpuState, deployed};
 use crate::nvidia::vgpu::{family_mismatch, group_overflow, parse_vgpu_type};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::backend::NodeTarget;
-use super::decision::{Decision, Env, busy_msg, hold, mig_of, write};
+use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
 use super::facts::label_i64;
 use super::policies::Prepared;
 use super::{NodeFacts, SmallMap};
@@ -136,7 +136,7 @@ pub fn decide(n: &NodeFacts, t: &NodeTarget, env: &Env, busy: bool) -> Decision 
     if is_vm_host(n) && wl != Some(target) {
         // From one kind of VM host to the other.
         if !env.vm_pods.is_empty() {
-            return hold(NodeState::Waiting, vm_users_msg(env.vm_pods));
+            return wait(HoldReason::WaitingForVMs, vm_users_msg(env.vm_pods));
         }
         let msg = format!(
             "switching the node from {} to {target}",
@@ -149,7 +149,7 @@ pub fn decide(n: &NodeFacts, t: &NodeTarget, env: &Env, busy: bool) -> Decision 
     }
     // Container -> VM: idle GPUs, sharing off and MIG disabled (confirmed) first.
     if busy {
-        return hold(NodeState::Waiting, busy_msg(env.gpu_pods));
+        return wait(HoldReason::WaitingForIdleGPUs, busy_msg(env.gpu_pods));
     }
     let sharing_on = n
         .labels
@@ -204,7 +204,7 @@ fn on_vm_host(
         );
     }
     if cur != Some(want) && cur.is_some() && !env.vm_pods.is_empty() {
-        return hold(NodeState::Waiting, vm_users_msg(env.vm_pods));
+        return wait(HoldReason::WaitingForVMs, vm_users_msg(env.vm_pods));
     }
     if vgpu.confirmed(want) {
         vm(NodeState::Applied, String::new())
@@ -224,7 +224,7 @@ pub fn leave(n: &NodeFacts, env: &Env) -> Option<Decision> {
         return None;
     }
     if !env.vm_pods.is_empty() {
-        return Some(hold(NodeState::Waiting, vm_users_msg(env.vm_pods)));
+        return Some(wait(HoldReason::WaitingForVMs, vm_users_msg(env.vm_pods)));
     }
     let mig_kept = n
         .owned

@@ -67,6 +67,13 @@ struct PolicyGauges {
     nodes: Family<PolicyNodesLabel, Gauge>,
     schedulable: Family<PolicyLabel, Gauge>,
     halted: Family<PolicyLabel, Gauge>,
+    held: Family<PolicyHeldLabel, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyHeldLabel {
+    policy: String,
+    reason: String,
 }
 
 impl PolicyGauges {
@@ -88,6 +95,12 @@ impl PolicyGauges {
             self.schedulable.clone(),
         );
         registry.register(
+            "gpu_sharing_policy_held_nodes",
+            "A policy's nodes held as they are, by why (the status's heldNodes: \
+             WaitingForIdleGPUs, WaitingForRolloutWave, RolloutPaused, ...)",
+            self.held.clone(),
+        );
+        registry.register(
             "gpu_sharing_policy_rollout_halted",
             "1 while a policy's rollout is halted (a node failed or timed out)",
             self.halted.clone(),
@@ -99,6 +112,7 @@ impl PolicyGauges {
         self.nodes.clear();
         self.schedulable.clear();
         self.halted.clear();
+        self.held.clear();
     }
 
     fn set(&self, name: &str, s: &GpuSharingPolicyStatus) {
@@ -126,6 +140,14 @@ impl PolicyGauges {
                     state: state.into(),
                 })
                 .set(i64::from(n));
+        }
+        for (reason, n) in &s.held_nodes {
+            self.held
+                .get_or_create(&PolicyHeldLabel {
+                    policy: policy(),
+                    reason: reason.as_str().into(),
+                })
+                .set(i64::from(*n));
         }
         let label = PolicyLabel { policy: policy() };
         self.schedulable
@@ -438,6 +460,7 @@ mod tests {
                 schedulable_replicas: 32,
                 ..Default::default()
             }),
+            held_nodes: [(crate::api::state::HoldReason::WaitingForRolloutWave, 4)].into(),
             ..Default::default()
         };
         let gone = [("gone".to_string(), status(true, None))];
@@ -462,6 +485,7 @@ mod tests {
             "gpu_sharing_policy_nodes{policy=\"h200\",state=\"unavailable\"} 1",
             "gpu_sharing_policy_schedulable_replicas{policy=\"h200\"} 32",
             "gpu_sharing_policy_rollout_halted{policy=\"h200\"} 1",
+            "gpu_sharing_policy_held_nodes{policy=\"h200\",reason=\"WaitingForRolloutWave\"} 4",
             "# EOF",
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
