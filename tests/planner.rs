@@ -13,6 +13,8 @@
 //! - a node is never a VM host (`nvidia.com/gpu.workload.config=vm-*`) and a container-sharing
 //!   node (a sharing config, or MIG possibly on) at once;
 //! - planning is deterministic (same input, any order) and idempotent once converged;
+//! - the controller's incremental planner, kept across the history, plans every pass exactly
+//!   as planning from scratch does;
 //! - on the GPUs themselves: no MPS or full-GPU time-slicing loaded while a GPU has MIG on, no
 //!   VM host with MIG on, every config the plan labels is one NVIDIA's parser accepts, and no
 //!   device plugin refuses (or crash-loops on) what it was given;
@@ -31,6 +33,7 @@ use gpu_sharing_operator::api::crd::{
 use gpu_sharing_operator::api::names::{
     self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE,
 };
+use gpu_sharing_operator::api::state::NodeState;
 use gpu_sharing_operator::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use gpu_sharing_operator::plan::{self, Labels, NodeFacts, Plan, PlanInput};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
@@ -338,6 +341,10 @@ struct World {
     /// confirmed yet, with the policy they were changed for and whether GFD still has to
     /// relabel them (the rollout budget's "unavailable" nodes).
     unconfirmed: BTreeMap<String, (String, bool)>,
+    /// The facts given to the last input, by node: a node keeps them while they do not change,
+    /// as the controller's node cache does (so the incremental planner sees unchanged nodes as
+    /// the same shared facts).
+    shared: std::cell::RefCell<BTreeMap<String, std::sync::Arc<NodeFacts>>>,
 }
 
 impl World {
@@ -353,6 +360,7 @@ impl World {
             now: 1_800_000_000,
             base: base_layouts(),
             unconfirmed: BTreeMap::new(),
+            shared: Default::default(),
         }
     }
 
@@ -364,7 +372,17 @@ impl World {
     }
 
     fn input(&self) -> PlanInput {
-        let mut i = PlanInput::new(self.policies.clone(), self.nodes.clone());
+        let mut i = PlanInput::new(self.policies.clone(), vec![]);
+        let mut shared = self.shared.borrow_mut();
+        for n in &self.nodes {
+            let kept = shared.get(&n.name).filter(|f| ***f == *n).cloned();
+            let facts = kept.unwrap_or_else(|| std::sync::Arc::new(n.clone()));
+            shared.insert(n.name.clone(), facts.clone());
+            i.nodes.push(plan::NodeView {
+                facts,
+                ..Default::default()
+            });
+        }
         i.cluster.current_device_config = self.config.clone();
         i.cluster.base_mig_configs = Some(self.base.clone());
         i.cluster.current_mig_configs = self.mig_config.clone();
@@ -702,11 +720,19 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
     // GFD runs on every node: it has labelled each once already.
     w.gfd();
     let pristine = w.nodes.clone();
+    // The controller's planner, kept across the whole history: its plan of every pass must be
+    // the plan from scratch.
+    let mut planner = plan::Planner::default();
     for s in steps {
         match s {
             Step::Apply => {
                 let input = w.input();
                 let p = plan::plan(&input);
+                assert_eq!(
+                    planner.plan(&input),
+                    p,
+                    "the incremental plan differs from the plan from scratch"
+                );
                 // Determinism: same input (in another order) -> same plan.
                 let mut shuffled = input.clone();
                 shuffled.policies.reverse();
@@ -1657,4 +1683,79 @@ fn a_node_leaves_a_custom_layout_for_a_single_strategy_layout() {
         p.statuses["single"].node_details,
         w.nodes[0].labels
     );
+}
+
+/// A node whose plan stamps the time of its config change is planned again in the next pass,
+/// even when nothing about it changed: queued while `--pause-rollouts` was on, it is stamped
+/// with the time of the pass that starts it, as planning from scratch does.
+#[test]
+fn incremental_planning_stamps_a_node_queued_while_time_passed_with_the_new_time() {
+    let n = node("h200-0", "NVIDIA-H200", false, Some("a"));
+    let mut input = PlanInput::new(vec![policy("ts", 1, 4, false, Some("a"), 0, 0)], vec![n]);
+    input.cluster.now = 1_800_000_000;
+    input.settings.pause_rollouts = true;
+    let mut planner = plan::Planner::default();
+    let paused = planner.plan(&input);
+    assert_eq!(paused, plan::plan(&input));
+    assert!(paused.node_labels["h200-0"].is_empty(), "{paused:?}");
+    // Ten seconds later the rollout resumes; the node itself did not change.
+    input.cluster.now += 10;
+    input.settings.pause_rollouts = false;
+    let resumed = planner.plan(&input);
+    assert_eq!(resumed, plan::plan(&input));
+    assert_eq!(
+        resumed.node_annotations["h200-0"][names::ANNOTATION_CONFIG_WRITTEN],
+        "1800000010"
+    );
+    assert_eq!(planner.last_replanned(), 1);
+    // At rest (the write applied, GFD relabelled), nothing is planned again.
+    let mut done = input.clone();
+    plan::converge::apply(&mut done, &resumed);
+    let first = planner.plan(&done);
+    assert_eq!(first, plan::plan(&done));
+    done.cluster.now += 10;
+    let again = planner.plan(&done);
+    assert_eq!(again, plan::plan(&done));
+    assert_eq!(
+        planner.last_replanned(),
+        0,
+        "a node at rest is not planned again"
+    );
+}
+
+/// Cluster-wide inputs count too: when the GPU Operator's named layout changes content, the
+/// incremental planner re-plans the nodes under it (`Stale`), as planning from scratch does.
+#[test]
+fn incremental_planning_follows_a_named_layout_changed_under_a_node_at_rest() {
+    let mut w = World::new(
+        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
+        vec![policy("mig", 3, 2, true, Some("a"), 0, 0)],
+    );
+    w.boot();
+    let mut planner = plan::Planner::default();
+    let state = |p: &Plan| p.statuses["mig"].node_details[0].state;
+    for _ in 0..10 {
+        let p = planner.plan(&w.input());
+        assert_eq!(p, plan::plan(&w.input()));
+        if state(&p) == NodeState::Applied {
+            break;
+        }
+        w.apply_within_budget(&p);
+        w.mig_manager();
+        w.gfd();
+    }
+    let rest = planner.plan(&w.input());
+    assert_eq!(state(&rest), NodeState::Applied);
+    assert_eq!(planner.last_replanned(), 0);
+    // The GPU Operator's default config now says 6 instances per GPU for the same name.
+    w.base.insert(
+        "all-1g.10gb".into(),
+        gpu_sharing_operator::api::yaml::from_str(
+            "[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 6}}]",
+        )
+        .unwrap(),
+    );
+    let changed = planner.plan(&w.input());
+    assert_eq!(changed, plan::plan(&w.input()));
+    assert_eq!(state(&changed), NodeState::Stale);
 }

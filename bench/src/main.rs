@@ -51,6 +51,7 @@ mod converge;
 mod fixtures;
 mod metrics;
 mod operator;
+mod planonly;
 mod procstats;
 mod report;
 mod rollout;
@@ -123,6 +124,9 @@ struct Args {
     /// How long the rollout benchmark's simulated GFD takes to confirm a node's new config.
     #[arg(long, default_value_t = 1000)]
     confirm_delay_ms: u64,
+    /// Measure the planner alone, in memory, at the configurations (no API server).
+    #[arg(long)]
+    plan_only: bool,
 }
 
 /// A fresh control plane (no seeded nodes) from the test kit, tried twice: kube-local's seeding
@@ -204,6 +208,10 @@ fn parse_configs(args: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.plan_only {
+        println!("{}", planonly::run(&parse_configs(&args)?));
+        return Ok(());
+    }
     let kl = kube_local_bin(&args)?;
     let op = operator_bin(&args)?;
     std::fs::create_dir_all(args.out.join("logs"))?;

@@ -18,8 +18,11 @@ pub struct Env<'a> {
     pub gpu_pods: &'a [String],
     /// The node's MIG state has said `pending` for longer than the MIG timeout.
     pub mig_stuck: bool,
-    /// Unix seconds, recorded when the device-plugin config label changes.
-    pub now: i64,
+    /// Unix seconds, recorded when the device-plugin config label changes. Read through
+    /// [`Env::now`], which remembers that it was read: a node whose plan did not read the clock
+    /// plans the same at any time (incremental planning reuses it, see `memo`).
+    pub(super) now: i64,
+    pub(super) now_read: std::cell::Cell<bool>,
     /// What a layout name means now, as a content hash (`None`: unknown, or `all-disabled`).
     pub layout_hash: &'a dyn Fn(&str) -> Option<String>,
     /// Allocated `gpu.nvidia.com` ResourceClaims on this node (`namespace/name`).
@@ -47,6 +50,7 @@ impl<'a> Env<'a> {
             gpu_pods: &v.gpu_pods,
             mig_stuck: v.mig_stuck,
             now: c.now,
+            now_read: Default::default(),
             layout_hash,
             dra_claims: &v.dra_claims,
             gpu_cluster: c.gpu_cluster.as_deref(),
@@ -59,12 +63,24 @@ impl<'a> Env<'a> {
 }
 
 impl Env<'_> {
+    /// The clock (unix seconds), noting that this node's plan depends on it.
+    pub fn now(&self) -> i64 {
+        self.now_read.set(true);
+        self.now
+    }
+
+    /// Whether the plan made with this environment read the clock.
+    pub fn read_clock(&self) -> bool {
+        self.now_read.get()
+    }
+
     /// An environment with nothing in it (no pods, no claims), for offline planning and tests.
     pub fn idle(now: i64, layout_hash: &dyn Fn(&str) -> Option<String>) -> Env<'_> {
         Env {
             gpu_pods: &[],
             mig_stuck: false,
             now,
+            now_read: Default::default(),
             layout_hash,
             dra_claims: &[],
             gpu_cluster: None,

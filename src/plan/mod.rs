@@ -35,6 +35,7 @@ pub mod drain;
 pub mod facts;
 pub mod input;
 pub mod labels;
+pub mod memo;
 pub mod mig;
 pub mod node;
 pub mod outputs;
@@ -150,8 +151,9 @@ pub fn configmap(
 /// What planning the nodes produced.
 #[derive(Default)]
 struct NodePlans<'n> {
-    labels: BTreeMap<String, SmallMap>,
-    annotations: BTreeMap<String, SmallMap>,
+    /// By node, in the nodes' order: the labels and annotations we want to own.
+    labels: Vec<SmallMap>,
+    annotations: Vec<SmallMap>,
     /// Per policy (index in precedence order).
     tallies: BTreeMap<usize, Tally>,
     /// Per policy: the nodes it governs and does not reject.
@@ -198,27 +200,31 @@ fn plan_nodes<'n>(
     input: &PlanInput,
     prepared: &[Prepared],
     nodes: &[&'n NodeView],
-    winner: &BTreeMap<&str, usize>,
+    winner: &[Option<usize>],
+    memo: &mut memo::Memo,
 ) -> NodePlans<'n> {
     let hashes = layout_hashes(prepared, input);
+    let (versions, cluster) = memo.begin(prepared, &input.cluster);
     let mut entries: Vec<node::Entry<'n>> = Vec::with_capacity(nodes.len());
-    for &v in nodes {
-        let n: &'n NodeFacts = &v.facts;
-        let wi = winner.get(n.name.as_str()).copied();
+    for (&v, &wi) in nodes.iter().zip(winner) {
         let policy = wi.map(|i| &prepared[i]);
-        let env = Env::of(v, &input.cluster, &hashes);
-        let decision = node::decide(n, policy, &env);
-        let hold = matches!(decision, Decision::Hold { .. });
+        let under = memo::Under {
+            policy: wi.map(|i| versions[i]),
+            cluster,
+        };
+        let pre = memo.plan_node(v, under, || plan_node(input, v, policy, &hashes));
         entries.push(node::Entry {
             node: v,
             policy: wi,
-            target: policy
-                .and_then(|w| policies::node_target(w, n))
-                .map(|t| t.mark()),
-            hold,
-            outcome: node::outcome(n, policy, &env, decision),
+            target: pre.target.clone(),
+            hold: pre.hold,
+            outcome: pre.outcome.clone(),
+            capacity: pre.capacity,
+            in_sync: pre.in_sync,
+            earlier_unconfirmed: pre.earlier_unconfirmed,
         });
     }
+    memo.finish();
     let (progress, drains) = rollout::gate(&mut entries, prepared, input, node::queued);
     let mut out = NodePlans {
         drains,
@@ -233,6 +239,8 @@ fn plan_nodes<'n>(
         target: _,
         hold,
         outcome: o,
+        capacity: c,
+        ..
     } in entries
     {
         let n: &'n NodeFacts = &v.facts;
@@ -242,21 +250,20 @@ fn plan_nodes<'n>(
         {
             out.untaint.push(n.name.clone());
         }
-        if hold {
-            out.used_keys.extend(o.labels.values().cloned());
-        } else if let Some(k) = o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) {
-            out.used_keys.insert(k.clone());
+        let used: Box<dyn Iterator<Item = &String>> = if hold {
+            Box::new(o.labels.values())
+        } else {
+            Box::new(o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).into_iter())
+        };
+        for k in used {
+            if !out.used_keys.contains(k) {
+                out.used_keys.insert(k.clone());
+            }
         }
         if let (Some(i), Some(state)) = (wi, o.state) {
-            let p = &prepared[i];
             let t = out.tallies.entry(i).or_default();
             if state == NodeState::Applied {
-                t.applied += 1;
-                let c = if p.spec.strategy.is_vm() {
-                    capacity::vm_capacity(p, n)
-                } else {
-                    capacity::node_capacity(p.spec, n, input.cluster.base_mig_configs.as_ref())
-                };
+                let c = c.expect("a node applied after the gate was applied before it");
                 let total = t.capacity.get_or_insert_with(|| Capacity {
                     memory_isolation: true,
                     ..Default::default()
@@ -266,17 +273,74 @@ fn plan_nodes<'n>(
             if state != NodeState::Rejected {
                 out.accepted.entry(i).or_default().push(n);
             }
-            t.details.push(NodeDetail {
+            let (message, reason) = (o.message, o.reason);
+            t.add(state, reason, || NodeDetail {
                 name: n.name.clone(),
                 state,
-                message: o.message,
-                reason: o.reason,
+                message,
+                reason,
             });
         }
-        out.labels.insert(n.name.clone(), o.labels);
-        out.annotations.insert(n.name.clone(), o.annotations);
+        out.labels.push(o.labels);
+        out.annotations.push(o.annotations);
     }
     out
+}
+
+/// Per-node values, given in the nodes' (name) order, by node name (built in one sweep).
+fn by_name(nodes: &[&NodeFacts], values: Vec<SmallMap>) -> BTreeMap<String, SmallMap> {
+    nodes.iter().map(|n| n.name.clone()).zip(values).collect()
+}
+
+/// The nodes policy `i` selects that another policy governs, with that policy's index.
+fn matched_winners<'a>(
+    a: &'a policies::Assignment,
+    i: usize,
+) -> impl Iterator<Item = (&'a str, usize)> + 'a {
+    a.matched[i]
+        .iter()
+        .zip(&a.matched_at[i])
+        .filter_map(move |(name, pos)| {
+            let w = a.winner[*pos].expect("a matched node has a winner");
+            (w != i).then_some((*name, w))
+        })
+}
+
+/// One node's plan before the rollout gate, and whether it read the clock.
+fn plan_node(
+    input: &PlanInput,
+    v: &NodeView,
+    policy: Option<&Prepared>,
+    hashes: &dyn Fn(&str) -> Option<String>,
+) -> (memo::PreGate, bool) {
+    let n: &NodeFacts = &v.facts;
+    let env = Env::of(v, &input.cluster, hashes);
+    let decision = node::decide(n, policy, &env);
+    let hold = matches!(decision, Decision::Hold { .. });
+    let mut outcome = node::outcome(n, policy, &env, decision);
+    if policy.is_some() {
+        rollout::keep_mark(n, &mut outcome);
+    }
+    let capacity = policy
+        .filter(|_| outcome.state == Some(NodeState::Applied))
+        .map(|p| {
+            if p.spec.strategy.is_vm() {
+                capacity::vm_capacity(p, n)
+            } else {
+                capacity::node_capacity(p.spec, n, input.cluster.base_mig_configs.as_ref())
+            }
+        });
+    let pre = memo::PreGate {
+        in_sync: outcome.labels == node::owned_labels(n),
+        earlier_unconfirmed: rollout::last_change_unconfirmed(n),
+        hold,
+        target: policy
+            .and_then(|w| policies::node_target(w, n))
+            .map(|t| t.mark()),
+        outcome,
+        capacity,
+    };
+    (pre, env.read_clock())
 }
 
 /// The first node (by name) whose device-plugin config label names an MPS config of our
@@ -306,98 +370,120 @@ fn mps_running<'a>(input: &PlanInput, nodes: &[&'a NodeFacts]) -> Option<&'a str
         .map(|n| n.name.as_str())
 }
 
-/// Computes the desired state.
+/// Computes the desired state from scratch (nothing remembered; see [`Planner`]).
 pub fn plan(input: &PlanInput) -> Plan {
-    let c = &input.cluster;
-    let mut prepared = policies::prepare_all(&input.policies, c.base_mig_configs.as_ref());
-    policies::check_vgpu_types(&mut prepared, &c.base_vgpu_configs);
-    // Nodes in name order, whatever order the caches gave them in.
-    let mut views: Vec<&NodeView> = input.nodes.iter().collect();
-    views.sort_by(|a, b| a.name.cmp(&b.name));
-    let nodes: Vec<&NodeFacts> = views.iter().map(|v| &*v.facts).collect();
-    let assignment = policies::assign(&prepared, &nodes);
-    let mut cluster_mig = policies::cluster_mig_strategy(&mut prepared, &assignment.winner);
-    // `mixed` waits until no node runs MPS any more: NVIDIA's device plugin refuses MPS under
-    // mixed, so the MPS nodes go back to exclusive first (their policy is blocked and they are
-    // released, see `policies::cluster_mig_strategy`), then the cluster-wide setting changes.
-    if cluster_mig == Some(crate::api::crd::MigStrategy::Mixed)
-        && mps_running(input, &nodes).is_some()
-    {
-        cluster_mig = None;
-    }
-    let mut np = plan_nodes(input, &prepared, &views, &assignment.winner);
+    Planner::default().plan(input)
+}
 
-    let device_config = outputs::device_config(&prepared, input, &np.used_keys);
-    let mig_config = outputs::mig_config(&prepared, input, &nodes, &np.labels);
-    let vgpu_config = outputs::vgpu_config(&prepared, input, &nodes, &np.labels);
-    let cluster_policy_spec = outputs::cluster_policy_spec(
-        input,
-        outputs::Owned {
-            any_policy: !prepared.is_empty(),
-            mig_config: mig_config.is_some(),
-            cluster_mig,
-            vm_nodes: np.labels.values().any(|l| {
-                Workload::parse(l.get(LABEL_WORKLOAD).map(String::as_str))
-                    .is_some_and(Workload::is_vm)
-            }),
-            vgpu_config: vgpu_config.is_some(),
-        },
-    );
-    let cluster = Cluster {
-        cluster_policy_found: c.cluster_policy_found,
-        cluster_policy_contested: input.memory.cluster_policy_contested.as_deref(),
-        untolerated_taint: c
-            .readiness_taint
-            .as_ref()
-            .filter(|t| t.untolerated())
-            .map(|t| t.key.as_str()),
-        gpu_cluster: c.gpu_cluster.as_deref(),
-        gpu_operator_namespace_missing: input.memory.gpu_operator_namespace_missing.as_deref(),
-    };
-    let mut claim_templates = BTreeMap::new();
-    let mut statuses = BTreeMap::new();
-    let mut invalid = BTreeMap::new();
-    for (i, p) in prepared.iter().enumerate() {
-        let accepted = np.accepted.remove(&i).unwrap_or_default();
-        let (templates, missing_namespaces) =
-            outputs::claim_templates(p, &accepted, c.namespaces.as_ref());
-        let matched: &[&str] = assignment.matched.get(&p.name).map_or(&[], Vec::as_slice);
-        // A node another policy wins is overridden when that policy has the higher priority
-        // (intended), and a conflict when only age or name decided.
-        let (mut conflicting, mut overridden) = (Vec::new(), Vec::new());
-        for n in matched.iter().filter(|n| assignment.winner[*n] != i) {
-            let w = &prepared[assignment.winner[n]];
-            if w.spec.priority > p.spec.priority {
-                overridden.push(format!("{n} (overridden by {})", w.name));
-            } else {
-                conflicting.push(format!("{n} (won by {})", w.name));
+/// The planner as the controller runs it, pass after pass: it remembers what planning each
+/// node found (see [`memo`]) and re-plans only the nodes whose view, governing policy or
+/// cluster-wide inputs changed; everything decided across nodes is decided again every pass.
+/// Its plan equals [`plan`]'s for the same input, whatever the passes before (a property test
+/// in `tests/planner.rs` checks it on random histories).
+#[derive(Debug, Default, Clone)]
+pub struct Planner {
+    memo: memo::Memo,
+}
+
+impl Planner {
+    /// Nodes planned (not reused) in the last pass.
+    pub fn last_replanned(&self) -> usize {
+        self.memo.replanned
+    }
+
+    /// Computes the desired state.
+    pub fn plan(&mut self, input: &PlanInput) -> Plan {
+        let c = &input.cluster;
+        let mut prepared = policies::prepare_all(&input.policies, c.base_mig_configs.as_ref());
+        policies::check_vgpu_types(&mut prepared, &c.base_vgpu_configs);
+        // Nodes in name order, whatever order the caches gave them in.
+        let mut views: Vec<&NodeView> = input.nodes.iter().collect();
+        views.sort_by(|a, b| a.name.cmp(&b.name));
+        let nodes: Vec<&NodeFacts> = views.iter().map(|v| &*v.facts).collect();
+        let assignment = policies::assign(&prepared, &nodes);
+        let mut cluster_mig = policies::cluster_mig_strategy(&mut prepared, &assignment.winner);
+        // `mixed` waits until no node runs MPS any more: NVIDIA's device plugin refuses MPS under
+        // mixed, so the MPS nodes go back to exclusive first (their policy is blocked and they are
+        // released, see `policies::cluster_mig_strategy`), then the cluster-wide setting changes.
+        if cluster_mig == Some(crate::api::crd::MigStrategy::Mixed)
+            && mps_running(input, &nodes).is_some()
+        {
+            cluster_mig = None;
+        }
+        let mut np = plan_nodes(input, &prepared, &views, &assignment.winner, &mut self.memo);
+
+        let device_config = outputs::device_config(&prepared, input, &np.used_keys);
+        let mig_config = outputs::mig_config(&prepared, input, &nodes, &np.labels);
+        let vgpu_config = outputs::vgpu_config(&prepared, input, &nodes, &np.labels);
+        let cluster_policy_spec = outputs::cluster_policy_spec(
+            input,
+            outputs::Owned {
+                any_policy: !prepared.is_empty(),
+                mig_config: mig_config.is_some(),
+                cluster_mig,
+                vm_nodes: np.labels.iter().any(|l| {
+                    Workload::parse(l.get(LABEL_WORKLOAD).map(String::as_str))
+                        .is_some_and(Workload::is_vm)
+                }),
+                vgpu_config: vgpu_config.is_some(),
+            },
+        );
+        let cluster = Cluster {
+            cluster_policy_found: c.cluster_policy_found,
+            cluster_policy_contested: input.memory.cluster_policy_contested.as_deref(),
+            untolerated_taint: c
+                .readiness_taint
+                .as_ref()
+                .filter(|t| t.untolerated())
+                .map(|t| t.key.as_str()),
+            gpu_cluster: c.gpu_cluster.as_deref(),
+            gpu_operator_namespace_missing: input.memory.gpu_operator_namespace_missing.as_deref(),
+        };
+        let mut claim_templates = BTreeMap::new();
+        let mut statuses = BTreeMap::new();
+        let mut invalid = BTreeMap::new();
+        for (i, p) in prepared.iter().enumerate() {
+            let accepted = np.accepted.remove(&i).unwrap_or_default();
+            let (templates, missing_namespaces) =
+                outputs::claim_templates(p, &accepted, c.namespaces.as_ref());
+            let matched: &[&str] = &assignment.matched[i];
+            // A node another policy wins is overridden when that policy has the higher priority
+            // (intended), and a conflict when only age or name decided.
+            let (mut conflicting, mut overridden) = (Vec::new(), Vec::new());
+            for (n, w) in matched_winners(&assignment, i) {
+                let w = &prepared[w];
+                if w.spec.priority > p.spec.priority {
+                    overridden.push(format!("{n} (overridden by {})", w.name));
+                } else {
+                    conflicting.push(format!("{n} (won by {})", w.name));
+                }
+            }
+            let place = Placement {
+                matched,
+                conflicting,
+                overridden,
+                missing_namespaces,
+                templates: templates.iter().map(|(id, _)| id.clone()).collect(),
+            };
+            let tally = np.tallies.remove(&i).unwrap_or_default();
+            statuses.insert(p.name.clone(), status::status(p, tally, place, &cluster));
+            claim_templates.extend(templates);
+            if !p.errors.is_empty() {
+                invalid.insert(p.name.clone(), p.errors.clone());
             }
         }
-        let place = Placement {
-            matched,
-            conflicting,
-            overridden,
-            missing_namespaces,
-            templates: templates.iter().map(|(id, _)| id.clone()).collect(),
-        };
-        let tally = np.tallies.remove(&i).unwrap_or_default();
-        statuses.insert(p.name.clone(), status::status(p, tally, place, &cluster));
-        claim_templates.extend(templates);
-        if !p.errors.is_empty() {
-            invalid.insert(p.name.clone(), p.errors.clone());
+        Plan {
+            device_config,
+            mig_config,
+            vgpu_config,
+            cluster_policy_spec,
+            node_labels: by_name(&nodes, np.labels),
+            node_annotations: by_name(&nodes, np.annotations),
+            statuses,
+            claim_templates,
+            invalid,
+            untaint: np.untaint,
+            drains: np.drains,
         }
-    }
-    Plan {
-        device_config,
-        mig_config,
-        vgpu_config,
-        cluster_policy_spec,
-        node_labels: np.labels,
-        node_annotations: np.annotations,
-        statuses,
-        claim_templates,
-        invalid,
-        untaint: np.untaint,
-        drains: np.drains,
     }
 }

@@ -126,6 +126,12 @@ pub struct Entry<'n> {
     /// The transition holds the node as it is.
     pub hold: bool,
     pub outcome: Outcome,
+    /// What it offers, when `Applied` before the gate.
+    pub capacity: Option<super::capacity::NodeCapacity>,
+    /// Before the gate: the labels it wants are the ones we own on it now.
+    pub in_sync: bool,
+    /// An earlier change of ours on it is not confirmed yet.
+    pub earlier_unconfirmed: bool,
 }
 
 /// Turns a decision into the labels and annotations we want to own, and downgrades `Applied` to
@@ -289,7 +295,7 @@ fn annotations(n: &NodeFacts, env: &Env, dp: &str, mig: Option<&str>) -> super::
     let current = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG);
     let unchanged = current == Some(dp) || current.is_none() && dp == DEFAULT_KEY;
     if !unchanged {
-        a.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), env.now.to_string());
+        a.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), env.now().to_string());
     } else if let Some(v) = n.annotations.get(ANNOTATION_CONFIG_WRITTEN) {
         a.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), v.to_string());
     }

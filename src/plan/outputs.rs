@@ -51,7 +51,7 @@ pub fn mig_config(
     prepared: &[Prepared],
     input: &PlanInput,
     nodes: &[&NodeFacts],
-    wanted: &BTreeMap<String, super::SmallMap>,
+    wanted: &[super::SmallMap],
 ) -> Option<String> {
     let mut custom = BTreeMap::new();
     for p in prepared.iter().filter(|p| p.errors.is_empty()) {
@@ -63,10 +63,8 @@ pub fn mig_config(
     }
     let mut named = input.cluster.base_mig_configs.clone().unwrap_or_default();
     let mut carried = false;
-    for n in nodes {
-        let want = wanted
-            .get(&n.name)
-            .and_then(|l| l.get(LABEL_MIG_CONFIG).cloned());
+    for (n, w) in nodes.iter().zip(wanted) {
+        let want = w.get(LABEL_MIG_CONFIG).cloned();
         for layout in [n.labels.get(LABEL_MIG_CONFIG).map(str::to_string), want]
             .into_iter()
             .flatten()
@@ -139,7 +137,7 @@ pub fn vgpu_config(
     prepared: &[Prepared],
     input: &PlanInput,
     nodes: &[&NodeFacts],
-    wanted: &BTreeMap<String, super::SmallMap>,
+    wanted: &[super::SmallMap],
 ) -> Option<String> {
     let mut custom = BTreeMap::new();
     for p in prepared.iter().filter(|p| p.errors.is_empty()) {
@@ -151,10 +149,8 @@ pub fn vgpu_config(
     }
     let mut named = (*input.cluster.base_vgpu_configs).clone();
     let mut carried = false;
-    for n in nodes {
-        let want = wanted
-            .get(&n.name)
-            .and_then(|l| l.get(LABEL_VGPU_CONFIG).cloned());
+    for (n, w) in nodes.iter().zip(wanted) {
+        let want = w.get(LABEL_VGPU_CONFIG).cloned();
         for name in [n.labels.get(LABEL_VGPU_CONFIG).map(str::to_string), want]
             .into_iter()
             .flatten()

@@ -1,7 +1,7 @@
 //! Policies before nodes: validation, what each renders to, precedence, which policy governs
 //! which node, and the cluster-wide MIG strategy.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::api::crd::{Backend, GpuSharingPolicy, GpuSharingPolicySpec, MigStrategy, Strategy};
 use crate::api::names::ANNOTATION_REAPPLY_MIG;
@@ -10,7 +10,7 @@ use crate::validate::{self, FieldError};
 
 use super::NodeFacts;
 use super::backend::{Backing, MigBacking, NodeTarget, VmBacking};
-use super::labels::{selection_labels, selector_matches};
+use super::labels::{LabelLookup, selection_labels, selector_matches};
 
 /// A policy after validation, with what it renders to.
 pub struct Prepared<'a> {
@@ -305,24 +305,55 @@ pub fn prepare_all<'a>(
 /// Which policies select which nodes, and which one governs each node.
 #[derive(Default)]
 pub struct Assignment<'n> {
-    /// Policy name -> the nodes it selects, in name order.
-    pub matched: BTreeMap<String, Vec<&'n str>>,
-    /// Node name -> index (in precedence order) of the policy that governs it.
-    pub winner: BTreeMap<&'n str, usize>,
+    /// By policy (index in precedence order): the names of the nodes it selects, in the nodes'
+    /// order.
+    pub matched: Vec<Vec<&'n str>>,
+    /// The same nodes, by position in the nodes given.
+    pub matched_at: Vec<Vec<usize>>,
+    /// By node (position in the nodes given): the index of the policy that governs it.
+    pub winner: Vec<Option<usize>>,
 }
 
-/// Matches every node against every policy; the first in precedence order wins a node.
+/// Matches every node against the policies; the first in precedence order wins a node. A node
+/// is checked only against the policies that can select it: those whose first `matchLabels`
+/// entry it carries (looked up by that label's value), and those without `matchLabels`. The
+/// same answer as checking every policy, without the cost of nodes x policies.
 pub fn assign<'n>(prepared: &[Prepared], nodes: &[&'n NodeFacts]) -> Assignment<'n> {
-    let mut a = Assignment::default();
-    for n in nodes {
+    let mut by_label: HashMap<(&str, &str), Vec<usize>> = HashMap::new();
+    let mut keys: BTreeSet<&str> = BTreeSet::new();
+    let mut unindexed = Vec::new();
+    for (i, p) in prepared.iter().enumerate() {
+        let first = p.spec.node_selector.match_labels.as_ref();
+        match first.and_then(|m| m.iter().next()) {
+            Some((k, v)) => {
+                keys.insert(k);
+                by_label.entry((k, v)).or_default().push(i);
+            }
+            None => unindexed.push(i),
+        }
+    }
+    let mut a = Assignment {
+        matched: vec![Vec::new(); prepared.len()],
+        matched_at: vec![Vec::new(); prepared.len()],
+        winner: vec![None; nodes.len()],
+    };
+    let mut candidates = Vec::new();
+    for (pos, n) in nodes.iter().enumerate() {
         let sel_labels = selection_labels(&n.labels);
-        for (i, p) in prepared.iter().enumerate() {
+        candidates.clear();
+        candidates.extend_from_slice(&unindexed);
+        for k in &keys {
+            if let Some(found) = sel_labels.label(k).and_then(|v| by_label.get(&(*k, v))) {
+                candidates.extend_from_slice(found);
+            }
+        }
+        candidates.sort_unstable();
+        for &i in &candidates {
+            let p = &prepared[i];
             if selector_matches(&p.spec.node_selector, &sel_labels) {
-                a.matched
-                    .entry(p.name.clone())
-                    .or_default()
-                    .push(n.name.as_str());
-                a.winner.entry(n.name.as_str()).or_insert(i);
+                a.matched[i].push(n.name.as_str());
+                a.matched_at[i].push(pos);
+                a.winner[pos].get_or_insert(i);
             }
         }
     }
@@ -336,9 +367,9 @@ pub fn assign<'n>(prepared: &[Prepared], nodes: &[&'n NodeFacts]) -> Assignment<
 /// conflicts are still reported.
 pub fn cluster_mig_strategy(
     prepared: &mut [Prepared],
-    winner: &BTreeMap<&str, usize>,
+    winner: &[Option<usize>],
 ) -> Option<MigStrategy> {
-    let mut governing: BTreeSet<usize> = winner.values().copied().collect();
+    let mut governing: BTreeSet<usize> = winner.iter().flatten().copied().collect();
     if governing.is_empty() {
         governing = (0..prepared.len()).collect();
     }

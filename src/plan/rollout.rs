@@ -25,7 +25,7 @@ use crate::nvidia::state::ConfigState;
 
 use super::drain::{Drain, drain_nodes};
 use super::facts::{gfd_behind, is_vm_host, sandbox_resources};
-use super::node::{Outcome, owned_labels};
+use super::node::Outcome;
 use super::policies::Prepared;
 use super::{NodeFacts, PlanInput};
 
@@ -132,7 +132,7 @@ enum Phase {
 /// it was for: GFD has not relabelled since our last device-plugin config write (when GFD
 /// stamps the node, and not on a VM host, where GFD does not run), or the MIG manager (the vGPU
 /// Device Manager) has not reported on our last layout (vGPU config).
-fn last_change_unconfirmed(n: &NodeFacts) -> bool {
+pub fn last_change_unconfirmed(n: &NodeFacts) -> bool {
     let pending = |config: &str, state: &str| {
         n.owned.contains(config)
             && ConfigState::parse(n.labels.get(state)) == Some(ConfigState::Pending)
@@ -147,10 +147,18 @@ fn last_change_unconfirmed(n: &NodeFacts) -> bool {
 }
 
 fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
+    // Most nodes, most of the time: nothing to write or wait for (the match below says the
+    // same, after reading the node's mark).
+    let state = e.outcome.state;
+    if state == Some(NodeState::Applied) && e.in_sync
+        || matches!(state, Some(NodeState::Rejected | NodeState::Stale))
+    {
+        return Phase::Settled;
+    }
     let n: &NodeFacts = e.node;
     let target = e.target.as_deref().unwrap_or_default();
     let state = e.outcome.state;
-    let changes = e.outcome.labels != owned_labels(n);
+    let changes = !e.in_sync;
     let mark = n.annotations.get(ANNOTATION_ROLLOUT).and_then(Mark::parse);
     let started = mark.as_ref().is_some_and(|m| m.target == target);
     let timeout = node_timeout(w.spec);
@@ -161,7 +169,7 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
         .filter(|m| started && m.generation >= generation)
         .map(|m| now - m.since)
         .filter(|age| *age > timeout);
-    let earlier = last_change_unconfirmed(n);
+    let earlier = e.earlier_unconfirmed;
     match state {
         Some(NodeState::Failed) if started => Phase::Unavailable(Some(format!(
             "{}: {}",
@@ -312,7 +320,19 @@ fn start_or_queue(
     }
 }
 
-/// Applies every policy's rollout budget to its nodes' plans: starts as many candidates (in
+/// Keeps the rollout mark we own on a governed node (the gate replaces it when a change starts).
+pub fn keep_mark(n: &NodeFacts, outcome: &mut Outcome) {
+    if let Some(m) = n.annotations.get(ANNOTATION_ROLLOUT)
+        && n.owned_annotations.contains(ANNOTATION_ROLLOUT)
+    {
+        outcome
+            .annotations
+            .insert(ANNOTATION_ROLLOUT.to_string(), m.to_string());
+    }
+}
+
+/// Applies every policy's rollout budget to its nodes' plans (their outcomes keep their marks,
+/// see [`keep_mark`]): starts as many candidates (in
 /// name order) as the budget leaves, queues the rest (held as they are), and carries or sets
 /// the rollout mark. `queue` makes the held outcome of a queued node.
 pub fn gate(
@@ -325,14 +345,6 @@ pub fn gate(
     let mut drains = BTreeMap::new();
     let mut by_policy: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (i, e) in entries.iter_mut().enumerate() {
-        // Keep a mark we own unless a new one replaces it below.
-        if let (Some(_), Some(m)) = (e.policy, e.node.annotations.get(ANNOTATION_ROLLOUT))
-            && e.node.owned_annotations.contains(ANNOTATION_ROLLOUT)
-        {
-            e.outcome
-                .annotations
-                .insert(ANNOTATION_ROLLOUT.to_string(), m.to_string());
-        }
         if let Some(p) = e.policy.filter(|p| prepared[*p].accepted()) {
             by_policy.entry(p).or_default().push(i);
         }
@@ -362,8 +374,8 @@ pub fn gate(
                 .annotations
                 .get(ANNOTATION_ROLLOUT)
                 .and_then(|m| Mark::parse(m));
-            let settled = e.outcome.state == Some(NodeState::Applied)
-                && e.outcome.labels == owned_labels(e.node);
+            // An applied node's labels are the transition's (the gate queues only others).
+            let settled = e.outcome.state == Some(NodeState::Applied) && e.in_sync;
             mark.is_some_and(|m| Some(m.target) == e.target) && !settled
         };
         drains.extend(drain_nodes(entries, &idx, w, input, started));

@@ -17,8 +17,13 @@ pub const MAX_NODE_DETAILS: usize = 50;
 /// What the nodes a policy governs came to, gathered while planning them.
 #[derive(Debug, Default)]
 pub struct Tally {
-    /// One entry per governed node (conflicts are added by [`status`]).
+    /// One entry per governed node not `Applied`, and the first [`MAX_NODE_DETAILS`] applied
+    /// ones in name order (all a status lists; conflicts are added by [`status`]).
     pub details: Vec<NodeDetail>,
+    /// Governed nodes.
+    pub governed: usize,
+    /// Governed nodes held as they are, by why.
+    pub held: std::collections::BTreeMap<crate::api::state::HoldReason, i32>,
     pub applied: i32,
     /// Summed over applied nodes; `None` until one is applied.
     pub capacity: Option<Capacity>,
@@ -29,6 +34,27 @@ pub struct Tally {
 }
 
 impl Tally {
+    /// Counts a governed node in `state`, held for `reason`; keeps its detail when a status
+    /// may list it.
+    pub fn add(
+        &mut self,
+        state: NodeState,
+        reason: Option<crate::api::state::HoldReason>,
+        detail: impl FnOnce() -> NodeDetail,
+    ) {
+        self.governed += 1;
+        if let Some(r) = reason {
+            *self.held.entry(r).or_insert(0) += 1;
+        }
+        if state == NodeState::Applied {
+            self.applied += 1;
+            if self.applied as usize > MAX_NODE_DETAILS {
+                return;
+            }
+        }
+        self.details.push(detail());
+    }
+
     fn in_state(&self, s: NodeState) -> Vec<&NodeDetail> {
         self.details.iter().filter(|d| d.state == s).collect()
     }
@@ -101,7 +127,7 @@ fn accepted(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
         let msg = format!(
             "{} of {} nodes cannot run this policy and were left untouched: {}",
             rejected.len(),
-            t.details.len(),
+            t.governed,
             listed(&rejected, 5)
         );
         (false, Reason::IncompatibleNodes, msg)
@@ -117,7 +143,7 @@ fn ready(
     missing_namespaces: &[String],
     c: &Cluster,
 ) -> (bool, Reason, String) {
-    let won = t.details.len() as i32;
+    let won = t.governed as i32;
     let stale = t.in_state(NodeState::Stale).len();
     let all = t.applied == won && t.in_state(NodeState::Rejected).is_empty();
     if !p.accepted() {
@@ -190,7 +216,7 @@ fn progressing(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
             let msg = format!(
                 "{} of {} nodes updated, {} unavailable (maxUnavailable {}), {} queued ({})",
                 t.applied,
-                t.details.len(),
+                t.governed,
                 r.unavailable,
                 r.max_unavailable,
                 r.queued.len(),
@@ -382,10 +408,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
             ..Default::default()
         })
     });
-    let mut held_nodes = std::collections::BTreeMap::new();
-    for r in t.details.iter().filter_map(|d| d.reason) {
-        *held_nodes.entry(r).or_insert(0) += 1;
-    }
+    let held_nodes = t.held;
     let mut details = t.details;
     let others = [
         (&place.conflicting, NodeState::Conflicted),

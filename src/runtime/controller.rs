@@ -3,12 +3,13 @@
 //! the pure planner and applies only the difference, with server-side apply under one field
 //! manager. A steady cluster gets no writes.
 //!
-//! A pass: [`Context::plan_input`] (caches and memory -> input) -> [`plan::plan`] -> appliers in
+//! A pass: [`Context::plan_input`] (caches and memory -> input) -> [`plan::Planner::plan`]
+//! (incremental: only what changed is planned again) -> appliers in
 //! a safe order (ConfigMaps, ClusterPolicy, node metadata, ResourceClaimTemplates, unused
 //! mig-parted ConfigMap) -> finalizers and statuses. Every write lands in the pass's
 //! [`WriteReport`], which feeds the metrics and the pass's tracing span; what the writes taught
 //! goes from the same report into the control loop's [`ControllerMemory`], the only state kept
-//! from one pass to the next.
+//! from one pass to the next (the planner's memos included).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::api::names::*;
 use crate::observe::gpu_operator;
-use crate::plan::{self, Plan, PlanInput};
+use crate::plan::{Plan, PlanInput};
 use crate::runtime::apply::{self, WriteReport};
 use crate::runtime::finalize;
 use crate::runtime::memory::ControllerMemory;
@@ -213,7 +214,7 @@ pub async fn reconcile_all(
         // The node cache is listing nodes again (a new selector key); its last event wakes us.
         return Ok(true);
     };
-    let plan = plan::plan(&input);
+    let plan = memory.planner().plan(&input);
     record_plan_metrics(ctx, &input, &plan);
     // What the writes below need of the input, taken now: the pass then holds no node facts
     // while it writes, so the cache can let each node's old facts go as the watch reports our

@@ -39,6 +39,8 @@ pub struct ControllerMemory {
     foreign_cordons: BTreeSet<String>,
     /// The GPU Operator's namespace, when our last ConfigMap write found it missing.
     namespace_missing: Option<String>,
+    /// The planner, with what it planned for each node (it re-plans only what changed).
+    planner: plan::Planner,
 }
 
 impl ControllerMemory {
@@ -53,6 +55,7 @@ impl ControllerMemory {
             eviction_blocked: BTreeMap::new(),
             foreign_cordons: BTreeSet::new(),
             namespace_missing: None,
+            planner: plan::Planner::default(),
         }
     }
 
@@ -98,6 +101,11 @@ impl ControllerMemory {
                 Learnt::ClusterPolicyRepaired { what } => self.repairs.push((now, what.clone())),
             }
         }
+    }
+
+    /// The planner kept from pass to pass.
+    pub fn planner(&mut self) -> &mut plan::Planner {
+        &mut self.planner
     }
 
     /// ClusterPolicy fields this process has applied (a change by someone else is drift).

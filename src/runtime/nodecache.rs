@@ -41,8 +41,15 @@ struct State {
 }
 
 impl State {
+    /// The node's facts; the cached ones when they are the same (an update of something the
+    /// planner does not read, e.g. the node's status): a node keeps its identity while its
+    /// facts do not change, and the planner reuses what it planned for it (`plan::memo`).
     fn facts(&mut self, n: Node, manager: &str) -> Arc<NodeFacts> {
-        Arc::new(facts(n, manager, &self.filter, &mut self.strings))
+        let new = facts(n, manager, &self.filter, &mut self.strings);
+        match self.nodes.get(&new.name) {
+            Some(old) if **old == new => old.clone(),
+            _ => Arc::new(new),
+        }
     }
 
     /// Purges unused strings once about as many nodes changed as there are: amortised O(1) per
@@ -111,7 +118,9 @@ impl NodeCache {
         match event {
             watcher::Event::Apply(n) => {
                 let f = s.facts(n, &self.manager);
-                if s.nodes.insert(f.name.clone(), f).is_some() {
+                if let Some(old) = s.nodes.insert(f.name.clone(), f.clone())
+                    && !Arc::ptr_eq(&old, &f)
+                {
                     s.churned();
                 }
             }
