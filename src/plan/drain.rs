@@ -56,6 +56,7 @@ pub fn drain_nodes(
         let draining = w.drains() && e.outcome.state == Some(NodeState::Waiting);
         if owned || draining && !e.node.foreign_cordon {
             e.outcome
+                .to_mut()
                 .annotations
                 .insert(ANNOTATION_CORDONED.to_string(), "true".to_string());
         }
@@ -82,9 +83,10 @@ pub fn drain_nodes(
                 protected.join(", ")
             ));
         }
-        e.outcome.state = Some(NodeState::Draining);
-        e.outcome.reason = None;
-        e.outcome.message = msg;
+        let o = e.outcome.to_mut();
+        o.state = Some(NodeState::Draining);
+        o.reason = None;
+        o.message = msg;
         out.insert(
             e.node.name.clone(),
             Drain {

@@ -112,6 +112,11 @@ impl Labels {
         self.position(key).ok().map(|i| &*self.0[i].1)
     }
 
+    /// A label's value, shared (interned values are stored once).
+    pub fn get_shared(&self, key: &str) -> Option<Arc<str>> {
+        self.position(key).ok().map(|i| self.0[i].1.clone())
+    }
+
     pub fn contains_key(&self, key: &str) -> bool {
         self.position(key).is_ok()
     }

@@ -201,30 +201,22 @@ fn plan_nodes<'n>(
     prepared: &[Prepared],
     nodes: &[&'n NodeView],
     winner: &[Option<usize>],
-    memo: &mut memo::Memo,
+    memos: &[memo::NodeMemo],
 ) -> NodePlans<'n> {
-    let hashes = layout_hashes(prepared, input);
-    let (versions, cluster) = memo.begin(prepared, &input.cluster);
-    let mut entries: Vec<node::Entry<'n>> = Vec::with_capacity(nodes.len());
-    for (&v, &wi) in nodes.iter().zip(winner) {
-        let policy = wi.map(|i| &prepared[i]);
-        let under = memo::Under {
-            policy: wi.map(|i| versions[i]),
-            cluster,
-        };
-        let pre = memo.plan_node(v, under, || plan_node(input, v, policy, &hashes));
+    let mut entries: Vec<node::Entry<'n, '_>> = Vec::with_capacity(nodes.len());
+    for ((&v, &wi), m) in nodes.iter().zip(winner).zip(memos) {
+        let pre = m.pre();
         entries.push(node::Entry {
             node: v,
             policy: wi,
-            target: pre.target.clone(),
+            target: pre.target.as_deref(),
             hold: pre.hold,
-            outcome: pre.outcome.clone(),
+            outcome: std::borrow::Cow::Borrowed(&pre.outcome),
             capacity: pre.capacity,
             in_sync: pre.in_sync,
             earlier_unconfirmed: pre.earlier_unconfirmed,
         });
     }
-    memo.finish();
     let (progress, drains) = rollout::gate(&mut entries, prepared, input, node::queued);
     let mut out = NodePlans {
         drains,
@@ -244,6 +236,7 @@ fn plan_nodes<'n>(
     } in entries
     {
         let n: &'n NodeFacts = &v.facts;
+        let o = o.into_owned();
         if let Some(t) = input.cluster.readiness_taint.as_ref()
             && t.tolerated_on(&n.name)
             && taint::ready_to_untaint(n, wi.is_some(), o.state)
@@ -343,9 +336,9 @@ fn plan_node(
     (pre, env.read_clock())
 }
 
-/// The first node (by name) whose device-plugin config label names an MPS config of our
-/// ConfigMap as it is now: a node whose device plugin runs MPS.
-fn mps_running<'a>(input: &PlanInput, nodes: &[&'a NodeFacts]) -> Option<&'a str> {
+/// Whether some node's device-plugin config label names an MPS config of our ConfigMap as it
+/// is now: a node whose device plugin runs MPS.
+fn mps_running(input: &PlanInput, named: &[memo::NodeMemo]) -> bool {
     let mps_keys: BTreeSet<&str> = input
         .cluster
         .current_device_config
@@ -357,17 +350,13 @@ fn mps_running<'a>(input: &PlanInput, nodes: &[&'a NodeFacts]) -> Option<&'a str
         })
         .map(|(k, _)| k.as_str())
         .collect();
-    if mps_keys.is_empty() {
-        return None;
-    }
-    nodes
-        .iter()
-        .find(|n| {
-            n.labels
-                .get(LABEL_DEVICE_PLUGIN_CONFIG)
+    !mps_keys.is_empty()
+        && named.iter().any(|m| {
+            m.named()
+                .device_config
+                .as_deref()
                 .is_some_and(|k| mps_keys.contains(k))
         })
-        .map(|n| n.name.as_str())
 }
 
 /// Computes the desired state from scratch (nothing remembered; see [`Planner`]).
@@ -400,21 +389,39 @@ impl Planner {
         let mut views: Vec<&NodeView> = input.nodes.iter().collect();
         views.sort_by(|a, b| a.name.cmp(&b.name));
         let nodes: Vec<&NodeFacts> = views.iter().map(|v| &*v.facts).collect();
-        let assignment = policies::assign(&prepared, &nodes);
+        let mut memos = self.memo.recall(&views);
+        let selection = self.memo.selection(&prepared);
+        let known: Vec<Option<&[usize]>> = memos.iter().map(|m| m.selected(selection)).collect();
+        let (assignment, fresh) = policies::assign(&prepared, &nodes, &known);
+        for (pos, s) in fresh {
+            memos[pos].set_selected(selection, s);
+        }
         let mut cluster_mig = policies::cluster_mig_strategy(&mut prepared, &assignment.winner);
         // `mixed` waits until no node runs MPS any more: NVIDIA's device plugin refuses MPS under
         // mixed, so the MPS nodes go back to exclusive first (their policy is blocked and they are
         // released, see `policies::cluster_mig_strategy`), then the cluster-wide setting changes.
-        if cluster_mig == Some(crate::api::crd::MigStrategy::Mixed)
-            && mps_running(input, &nodes).is_some()
-        {
+        if cluster_mig == Some(crate::api::crd::MigStrategy::Mixed) && mps_running(input, &memos) {
             cluster_mig = None;
         }
-        let mut np = plan_nodes(input, &prepared, &views, &assignment.winner, &mut self.memo);
+        let pass = self.memo.begin(&prepared, c);
+        let hashes = layout_hashes(&prepared, input);
+        for ((m, &v), &wi) in memos.iter_mut().zip(&views).zip(&assignment.winner) {
+            let policy = wi.map(|i| &prepared[i]);
+            let under = memo::Under {
+                policy: wi.map(|i| pass.policies[i]),
+                cluster: pass.cluster,
+            };
+            self.memo
+                .plan_node(m, v, under, || plan_node(input, v, policy, &hashes));
+        }
+        let mut np = plan_nodes(input, &prepared, &views, &assignment.winner, &memos);
 
-        let device_config = outputs::device_config(&prepared, input, &np.used_keys);
-        let mig_config = outputs::mig_config(&prepared, input, &nodes, &np.labels);
-        let vgpu_config = outputs::vgpu_config(&prepared, input, &nodes, &np.labels);
+        let named: Vec<&memo::Named> = memos.iter().map(memo::NodeMemo::named).collect();
+        let device_config = outputs::device_config(&prepared, input, &named, &np.used_keys);
+        let mig_config = outputs::mig_config(&prepared, input, &named, &np.labels);
+        let vgpu_config = outputs::vgpu_config(&prepared, input, &named, &np.labels);
+        drop(named);
+        self.memo.finish(memos);
         let cluster_policy_spec = outputs::cluster_policy_spec(
             input,
             outputs::Owned {

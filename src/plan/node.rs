@@ -116,16 +116,17 @@ pub struct Outcome {
 }
 
 /// One governed node's plan, as the per-node transition made it, before the rollout gate.
-pub struct Entry<'n> {
+pub struct Entry<'n, 'm> {
     pub node: &'n super::NodeView,
     /// Index of the governing policy (precedence order).
     pub policy: Option<usize>,
     /// What the node should end up running, as its rollout mark records it (see
     /// [`super::backend::NodeTarget::mark`]); `None` without a valid policy.
-    pub target: Option<String>,
+    pub target: Option<&'m str>,
     /// The transition holds the node as it is.
     pub hold: bool,
-    pub outcome: Outcome,
+    /// The planner's memo of it until the gate changes it.
+    pub outcome: std::borrow::Cow<'m, Outcome>,
     /// What it offers, when `Applied` before the gate.
     pub capacity: Option<super::capacity::NodeCapacity>,
     /// Before the gate: the labels it wants are the ones we own on it now.

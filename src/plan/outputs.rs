@@ -10,6 +10,7 @@ use crate::api::names::*;
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::facts::label_i64;
+use super::memo::Named;
 use super::policies::Prepared;
 use super::{NodeFacts, PlanInput};
 
@@ -18,6 +19,7 @@ use super::{NodeFacts, PlanInput};
 pub fn device_config(
     prepared: &[Prepared],
     input: &PlanInput,
+    named: &[&Named],
     used_keys: &BTreeSet<String>,
 ) -> BTreeMap<String, String> {
     let mut data = BTreeMap::new();
@@ -30,11 +32,15 @@ pub fn device_config(
             data.insert(k.to_string(), t.clone());
         }
     }
-    let named = input
-        .nodes
+    // Each key once: thousands of nodes name a handful of keys.
+    let named: std::collections::HashSet<&str> = named
         .iter()
-        .filter_map(|n| n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG));
-    for k in named.chain(used_keys.iter().map(String::as_str)) {
+        .filter_map(|n| n.device_config.as_deref())
+        .collect();
+    for k in named
+        .into_iter()
+        .chain(used_keys.iter().map(String::as_str))
+    {
         if !data.contains_key(k)
             && let Some(t) = input.cluster.current_device_config.get(k)
         {
@@ -50,7 +56,7 @@ pub fn device_config(
 pub fn mig_config(
     prepared: &[Prepared],
     input: &PlanInput,
-    nodes: &[&NodeFacts],
+    named: &[&Named],
     wanted: &[super::SmallMap],
 ) -> Option<String> {
     let mut custom = BTreeMap::new();
@@ -61,28 +67,34 @@ pub fn mig_config(
             custom.insert(m.layout.clone(), entries.clone());
         }
     }
-    let mut named = input.cluster.base_mig_configs.clone().unwrap_or_default();
-    let mut carried = false;
-    for (n, w) in nodes.iter().zip(wanted) {
-        let want = w.get(LABEL_MIG_CONFIG).cloned();
-        for layout in [n.labels.get(LABEL_MIG_CONFIG).map(str::to_string), want]
-            .into_iter()
-            .flatten()
+    let base = input.cluster.base_mig_configs.as_ref();
+    // Layouts nodes name that only our ConfigMap still has.
+    let mut carried = BTreeMap::new();
+    for (n, w) in named.iter().zip(wanted) {
+        for layout in [
+            n.mig_config.as_deref(),
+            w.get(LABEL_MIG_CONFIG).map(String::as_str),
+        ]
+        .into_iter()
+        .flatten()
         {
             if layout == MIG_DISABLED_LAYOUT
-                || custom.contains_key(&layout)
-                || named.contains_key(&layout)
+                || custom.contains_key(layout)
+                || base.is_some_and(|b| b.contains_key(layout))
+                || carried.contains_key(layout)
             {
                 continue;
             }
-            if let Some(v) = input.cluster.current_mig_configs.get(&layout) {
-                named.insert(layout, v.clone());
-                carried = true;
+            if let Some(v) = input.cluster.current_mig_configs.get(layout) {
+                carried.insert(layout.to_string(), v.clone());
             }
         }
     }
-    (!custom.is_empty() || carried)
-        .then(|| nvidia::to_yaml(&nvidia::mig_parted_config(&named, &custom)))
+    (!custom.is_empty() || !carried.is_empty()).then(|| {
+        let mut named = base.cloned().unwrap_or_default();
+        named.extend(carried);
+        nvidia::to_yaml(&nvidia::mig_parted_config(&named, &custom))
+    })
 }
 
 /// What decides our part of the ClusterPolicy.
@@ -136,7 +148,7 @@ pub fn cluster_policy_spec(input: &PlanInput, o: Owned) -> serde_json::Value {
 pub fn vgpu_config(
     prepared: &[Prepared],
     input: &PlanInput,
-    nodes: &[&NodeFacts],
+    named: &[&Named],
     wanted: &[super::SmallMap],
 ) -> Option<String> {
     let mut custom = BTreeMap::new();
@@ -147,25 +159,30 @@ pub fn vgpu_config(
             custom.insert(name.clone(), entries.clone());
         }
     }
-    let mut named = (*input.cluster.base_vgpu_configs).clone();
-    let mut carried = false;
-    for (n, w) in nodes.iter().zip(wanted) {
-        let want = w.get(LABEL_VGPU_CONFIG).cloned();
-        for name in [n.labels.get(LABEL_VGPU_CONFIG).map(str::to_string), want]
-            .into_iter()
-            .flatten()
+    let base = &input.cluster.base_vgpu_configs;
+    // Configs nodes name that only our ConfigMap still has.
+    let mut carried = BTreeMap::new();
+    for (n, w) in named.iter().zip(wanted) {
+        for name in [
+            n.vgpu_config.as_deref(),
+            w.get(LABEL_VGPU_CONFIG).map(String::as_str),
+        ]
+        .into_iter()
+        .flatten()
         {
-            if custom.contains_key(&name) || named.contains_key(&name) {
+            if custom.contains_key(name) || base.contains_key(name) || carried.contains_key(name) {
                 continue;
             }
-            if let Some(v) = input.cluster.current_vgpu_configs.get(&name) {
-                named.insert(name, v.clone());
-                carried = true;
+            if let Some(v) = input.cluster.current_vgpu_configs.get(name) {
+                carried.insert(name.to_string(), v.clone());
             }
         }
     }
-    (!custom.is_empty() || carried)
-        .then(|| nvidia::to_yaml(&nvidia::vgpu::vgpu_config(&named, &custom)))
+    (!custom.is_empty() || !carried.is_empty()).then(|| {
+        let mut named = (**base).clone();
+        named.extend(carried);
+        nvidia::to_yaml(&nvidia::vgpu::vgpu_config(&named, &custom))
+    })
 }
 
 /// ResourceClaimTemplates of an accepted DRA policy, as `namespace/name` and object, in the

@@ -318,7 +318,14 @@ pub struct Assignment<'n> {
 /// is checked only against the policies that can select it: those whose first `matchLabels`
 /// entry it carries (looked up by that label's value), and those without `matchLabels`. The
 /// same answer as checking every policy, without the cost of nodes x policies.
-pub fn assign<'n>(prepared: &[Prepared], nodes: &[&'n NodeFacts]) -> Assignment<'n> {
+///
+/// `known` gives, by node, the policies that select it when already known (the planner's
+/// memo); the others are matched here and returned as `(position, policies)`.
+pub fn assign<'n>(
+    prepared: &[Prepared],
+    nodes: &[&'n NodeFacts],
+    known: &[Option<&[usize]>],
+) -> (Assignment<'n>, Vec<(usize, Vec<usize>)>) {
     let mut by_label: HashMap<(&str, &str), Vec<usize>> = HashMap::new();
     let mut keys: BTreeSet<&str> = BTreeSet::new();
     let mut unindexed = Vec::new();
@@ -337,27 +344,34 @@ pub fn assign<'n>(prepared: &[Prepared], nodes: &[&'n NodeFacts]) -> Assignment<
         matched_at: vec![Vec::new(); prepared.len()],
         winner: vec![None; nodes.len()],
     };
+    let mut fresh = Vec::new();
     let mut candidates = Vec::new();
     for (pos, n) in nodes.iter().enumerate() {
-        let sel_labels = selection_labels(&n.labels);
-        candidates.clear();
-        candidates.extend_from_slice(&unindexed);
-        for k in &keys {
-            if let Some(found) = sel_labels.label(k).and_then(|v| by_label.get(&(*k, v))) {
-                candidates.extend_from_slice(found);
+        let selecting = match known.get(pos).copied().flatten() {
+            Some(s) => s,
+            None => {
+                let sel_labels = selection_labels(&n.labels);
+                candidates.clear();
+                candidates.extend_from_slice(&unindexed);
+                for k in &keys {
+                    if let Some(found) = sel_labels.label(k).and_then(|v| by_label.get(&(*k, v))) {
+                        candidates.extend_from_slice(found);
+                    }
+                }
+                candidates.sort_unstable();
+                candidates
+                    .retain(|&i| selector_matches(&prepared[i].spec.node_selector, &sel_labels));
+                fresh.push((pos, candidates.clone()));
+                &candidates[..]
             }
-        }
-        candidates.sort_unstable();
-        for &i in &candidates {
-            let p = &prepared[i];
-            if selector_matches(&p.spec.node_selector, &sel_labels) {
-                a.matched[i].push(n.name.as_str());
-                a.matched_at[i].push(pos);
-                a.winner[pos].get_or_insert(i);
-            }
+        };
+        for &i in selecting {
+            a.matched[i].push(n.name.as_str());
+            a.matched_at[i].push(pos);
+            a.winner[pos].get_or_insert(i);
         }
     }
-    a
+    (a, fresh)
 }
 
 /// The cluster-wide MIG strategy: that of the highest-precedence valid MIG policy governing a

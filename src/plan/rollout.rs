@@ -156,7 +156,7 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
         return Phase::Settled;
     }
     let n: &NodeFacts = e.node;
-    let target = e.target.as_deref().unwrap_or_default();
+    let target = e.target.unwrap_or_default();
     let state = e.outcome.state;
     let changes = !e.in_sync;
     let mark = n.annotations.get(ANNOTATION_ROLLOUT).and_then(Mark::parse);
@@ -240,7 +240,9 @@ fn sort(
                     .annotations
                     .get(ANNOTATION_ROLLOUT)
                     .and_then(Mark::parse);
-                if old.is_some_and(|m| Some(m.target) == e.target && m.generation < generation) {
+                if old.is_some_and(|m| {
+                    Some(m.target.as_str()) == e.target && m.generation < generation
+                }) {
                     set_mark(e, generation, now);
                 }
             }
@@ -256,9 +258,10 @@ fn set_mark(e: &mut Entry, generation: i64, since: i64) {
     let mark = Mark {
         generation,
         since,
-        target: e.target.clone().unwrap_or_default(),
+        target: e.target.unwrap_or_default().to_string(),
     };
     e.outcome
+        .to_mut()
         .annotations
         .insert(ANNOTATION_ROLLOUT.to_string(), mark.to_string());
 }
@@ -314,7 +317,7 @@ fn start_or_queue(
             );
             (HoldReason::WaitingForRolloutWave, why)
         };
-        e.outcome = queue(e.node, why, reason);
+        e.outcome = std::borrow::Cow::Owned(queue(e.node, why, reason));
         e.hold = true;
         progress.queued.push(e.node.name.clone());
     }
@@ -369,14 +372,15 @@ pub fn gate(
         let generation = w.policy.metadata.generation.unwrap_or(0);
         start_or_queue(entries, sorted, generation, now, &mut progress, &queue);
         let started = |e: &Entry| {
-            let mark = e
-                .outcome
-                .annotations
-                .get(ANNOTATION_ROLLOUT)
-                .and_then(|m| Mark::parse(m));
             // An applied node's labels are the transition's (the gate queues only others).
             let settled = e.outcome.state == Some(NodeState::Applied) && e.in_sync;
-            mark.is_some_and(|m| Some(m.target) == e.target) && !settled
+            let mark = || {
+                e.outcome
+                    .annotations
+                    .get(ANNOTATION_ROLLOUT)
+                    .and_then(|m| Mark::parse(m))
+            };
+            !settled && mark().is_some_and(|m| Some(m.target.as_str()) == e.target)
         };
         drains.extend(drain_nodes(entries, &idx, w, input, started));
         let current = w.key.as_deref();
