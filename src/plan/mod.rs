@@ -359,6 +359,22 @@ fn mps_running(input: &PlanInput, named: &[memo::NodeMemo]) -> bool {
         })
 }
 
+/// The cluster facts every status reports on.
+fn cluster_of(input: &PlanInput) -> Cluster<'_> {
+    let c = &input.cluster;
+    Cluster {
+        cluster_policy_found: c.cluster_policy_found,
+        cluster_policy_contested: input.memory.cluster_policy_contested.as_deref(),
+        untolerated_taint: c
+            .readiness_taint
+            .as_ref()
+            .filter(|t| t.untolerated())
+            .map(|t| t.key.as_str()),
+        gpu_cluster: c.gpu_cluster.as_deref(),
+        gpu_operator_namespace_missing: input.memory.gpu_operator_namespace_missing.as_deref(),
+    }
+}
+
 /// Computes the desired state from scratch (nothing remembered; see [`Planner`]).
 pub fn plan(input: &PlanInput) -> Plan {
     Planner::default().plan(input)
@@ -378,6 +394,28 @@ impl Planner {
     /// Nodes planned (not reused) in the last pass.
     pub fn last_replanned(&self) -> usize {
         self.memo.replanned
+    }
+
+    /// Makes sure every node's memo holds its plan before the gate (kept, or planned again).
+    fn plan_memos(
+        &mut self,
+        input: &PlanInput,
+        prepared: &[Prepared],
+        views: &[&NodeView],
+        winner: &[Option<usize>],
+        memos: &mut [memo::NodeMemo],
+    ) {
+        let pass = self.memo.begin(prepared, &input.cluster);
+        let hashes = layout_hashes(prepared, input);
+        for ((m, &v), &wi) in memos.iter_mut().zip(views).zip(winner) {
+            let policy = wi.map(|i| &prepared[i]);
+            let under = memo::Under {
+                policy: wi.map(|i| pass.policies[i]),
+                cluster: pass.cluster,
+            };
+            self.memo
+                .plan_node(m, v, under, || plan_node(input, v, policy, &hashes));
+        }
     }
 
     /// Computes the desired state.
@@ -403,17 +441,7 @@ impl Planner {
         if cluster_mig == Some(crate::api::crd::MigStrategy::Mixed) && mps_running(input, &memos) {
             cluster_mig = None;
         }
-        let pass = self.memo.begin(&prepared, c);
-        let hashes = layout_hashes(&prepared, input);
-        for ((m, &v), &wi) in memos.iter_mut().zip(&views).zip(&assignment.winner) {
-            let policy = wi.map(|i| &prepared[i]);
-            let under = memo::Under {
-                policy: wi.map(|i| pass.policies[i]),
-                cluster: pass.cluster,
-            };
-            self.memo
-                .plan_node(m, v, under, || plan_node(input, v, policy, &hashes));
-        }
+        self.plan_memos(input, &prepared, &views, &assignment.winner, &mut memos);
         let mut np = plan_nodes(input, &prepared, &views, &assignment.winner, &memos);
 
         let named: Vec<&memo::Named> = memos.iter().map(memo::NodeMemo::named).collect();
@@ -435,17 +463,7 @@ impl Planner {
                 vgpu_config: vgpu_config.is_some(),
             },
         );
-        let cluster = Cluster {
-            cluster_policy_found: c.cluster_policy_found,
-            cluster_policy_contested: input.memory.cluster_policy_contested.as_deref(),
-            untolerated_taint: c
-                .readiness_taint
-                .as_ref()
-                .filter(|t| t.untolerated())
-                .map(|t| t.key.as_str()),
-            gpu_cluster: c.gpu_cluster.as_deref(),
-            gpu_operator_namespace_missing: input.memory.gpu_operator_namespace_missing.as_deref(),
-        };
+        let cluster = cluster_of(input);
         let mut claim_templates = BTreeMap::new();
         let mut statuses = BTreeMap::new();
         let mut invalid = BTreeMap::new();
