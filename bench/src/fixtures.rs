@@ -168,7 +168,8 @@ pub(crate) async fn create_nodes_with(
                     "apiVersion": "v1",
                     "kind": "Node",
                     "metadata": {"name": name, "labels": labels},
-                    "spec": {}
+                    "spec": {},
+                    "status": {"capacity": ADVERTISED.clone(), "allocatable": ADVERTISED.clone()},
                 }))?;
                 api.create(&PostParams::default(), &node).await?;
                 Ok::<_, anyhow::Error>(())
@@ -178,6 +179,20 @@ pub(crate) async fn create_nodes_with(
         .try_collect::<Vec<_>>()
         .await?;
     Ok(())
+}
+
+/// What the nodes' device plugins advertise (`status.allocatable`): 4 GPUs x replicas 4, what
+/// every benchmark policy serves (time-slicing or MPS, replicas 4; the edit keeps the replicas).
+/// A node counts as applied only when the device plugin advertises what its policy serves, and
+/// no kubelet runs here to follow the config: the nodes advertise it from the start, as they
+/// look like GFD run with `--no-timestamp` (see [`node_labels`]).
+pub(crate) static ADVERTISED: std::sync::LazyLock<serde_json::Value> =
+    std::sync::LazyLock::new(|| json!({"nvidia.com/gpu": "16"}));
+
+/// The benchmark's policy edit (time-slicing, group 0): a new config (so a new key, and its
+/// nodes are relabelled) that the device plugin serves with the same resources.
+pub(crate) fn edit_patch() -> serde_json::Value {
+    json!({"spec": {"timeSlicing": {"failRequestsGreaterThanOne": true}}})
 }
 
 pub(crate) fn policy_object(g: usize, replicas: i32) -> GpuSharingPolicy {

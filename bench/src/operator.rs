@@ -172,7 +172,7 @@ pub(crate) async fn run_operator(
         r.apply = Writes::from(&diff(&m2, &m1), p as i64);
         r.apply_min = 1 + 1 + n as i64 + p as i64;
 
-        // Edit one policy's replicas.
+        // Edit one policy (a new config key for its nodes, see `edit_patch`).
         let pol: Api<GpuSharingPolicy> = Api::all(client.clone());
         let old_keys: BTreeMap<String, String> = pol
             .list(&ListParams::default())
@@ -200,7 +200,7 @@ pub(crate) async fn run_operator(
         pol.patch(
             &edited,
             &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"timeSlicing": {"replicas": 8}}})),
+            &Patch::Merge(edit_patch()),
         )
         .await?;
         r.edit_time = wait_converged(&client, &per_group, &only_edited, start, timeout).await?;

@@ -10,9 +10,15 @@ use gpu_sharing_operator::plan::{LabelFilter, Planner, converge, selector_keys};
 
 use super::*;
 
-/// One policy edit (replicas 4 -> 8) as the API server would return it: a new generation.
+/// The benchmark's policy edit (see `edit_patch`) as the API server would return it: a new
+/// generation.
 fn edited(p: &GpuSharingPolicy) -> GpuSharingPolicy {
-    let mut e = policy_object(0, 8);
+    let mut e = policy_object(0, 4);
+    e.spec
+        .time_slicing
+        .as_mut()
+        .expect("group 0 time-slices")
+        .fail_requests_greater_than_one = true;
     e.metadata = p.metadata.clone();
     e.metadata.generation = Some(p.metadata.generation.unwrap_or(1) + 1);
     e
@@ -33,6 +39,7 @@ fn converged_input(n: usize, p: usize) -> PlanInput {
         .map(|i| NodeFacts {
             name: node_name(i),
             labels: filter.apply(&node_labels(i, p).into_iter().collect()),
+            allocatable: [("nvidia.com/gpu", "16")].into_iter().collect(),
             ..Default::default()
         })
         .collect();

@@ -169,7 +169,7 @@ pub async fn run(args: &Args, kl: &Path, op: &Path, n: usize) -> anyhow::Result<
         pol.patch(
             &policy_name(0),
             &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"timeSlicing": {"replicas": 8}}})),
+            &Patch::Merge(edit_patch()),
         )
         .await?;
         let old: BTreeMap<String, String> = [(policy_name(0), old_key)].into();
@@ -213,7 +213,7 @@ pub async fn run(args: &Args, kl: &Path, op: &Path, n: usize) -> anyhow::Result<
         args.confirm_delay_ms,
     );
     md.push_str(&row("first enablement", &first, ideal));
-    md.push_str(&row("edit (replicas 4 -> 8)", &edit, ideal));
+    md.push_str(&row("edit (failRequestsGreaterThanOne)", &edit, ideal));
     md.push_str(&format!(
         "\nOperator peak RSS {:.1} MiB, CPU {:.1} s. GFD stamps: {}.\n",
         stats.hwm_kib as f64 / 1024.0,

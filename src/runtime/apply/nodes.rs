@@ -2,7 +2,7 @@
 //! removal of the readiness taint once a node's sharing config is confirmed. The taint patch
 //! itself lives in [`crate::runtime::taints`], beside the reading the watches share.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use futures::{StreamExt, stream};
 use k8s_openapi::api::core::v1::Node;
@@ -24,32 +24,48 @@ pub fn node_in_sync(
     desired: &plan::SmallMap,
     desired_annotations: &plan::SmallMap,
 ) -> bool {
-    let owned: BTreeSet<&String> = node
-        .owned
-        .iter()
-        .filter(|k| MANAGED_LABELS.contains(&k.as_str()))
-        .collect();
-    let want: BTreeSet<&String> = desired.keys().collect();
-    let owned_annotations: BTreeSet<&String> = node.owned_annotations.iter().collect();
-    let want_annotations: BTreeSet<&String> = desired_annotations.keys().collect();
-    owned == want
+    // Checked for every node every pass: no allocation.
+    same_keys(node.owned, |k| MANAGED_LABELS.contains(&k), desired)
         && desired.iter().all(|(k, v)| node.labels.get(k) == Some(v))
-        && owned_annotations == want_annotations
+        && same_keys(node.owned_annotations, |_| true, desired_annotations)
         && desired_annotations
             .iter()
             .all(|(k, v)| node.annotations.get(k) == Some(v))
 }
 
+/// The keys we own (those `counted` counts) are exactly the keys we want.
+fn same_keys(
+    owned: plan::OwnedKeys,
+    counted: impl Fn(&str) -> bool,
+    want: &plan::SmallMap,
+) -> bool {
+    let mine = owned.iter().filter(|k| counted(k)).count();
+    mine == want.len() && want.keys().all(|k| counted(k) && owned.contains(k))
+}
+
 /// Nodes whose labels or annotations differ from the plan.
 pub fn nodes_to_change(nodes: &[plan::NodeView], plan: &Plan) -> Vec<String> {
     let none = plan::SmallMap::default();
+    // The cache gives nodes in name order, as the plan's maps are: walk them in step (a lookup
+    // by name only when they differ).
+    let mut labels = plan.node_labels.iter().peekable();
+    let mut annotations = plan.node_annotations.iter().peekable();
+    let mut next = |name: &str| {
+        let l = match labels.next_if(|(n, _)| *n == name) {
+            Some((_, l)) => Some(l),
+            None => plan.node_labels.get(name),
+        };
+        let a = match annotations.next_if(|(n, _)| *n == name) {
+            Some((_, a)) => a,
+            None => plan.node_annotations.get(name).unwrap_or(&none),
+        };
+        (l, a)
+    };
     nodes
         .iter()
         .filter(|node| {
-            let annotations = plan.node_annotations.get(&node.name).unwrap_or(&none);
-            plan.node_labels
-                .get(&node.name)
-                .is_some_and(|want| !node_in_sync(node, want, annotations))
+            let (want, annotations) = next(&node.name);
+            want.is_some_and(|want| !node_in_sync(node, want, annotations))
         })
         .map(|node| node.name.clone())
         .collect()
