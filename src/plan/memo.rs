@@ -198,9 +198,11 @@ impl Memo {
     /// cluster-wide inputs, as the node transitions read them.
     pub fn begin(&mut self, prepared: &[Prepared], cluster: &ClusterFacts) -> Pass {
         self.replanned = 0;
+        let names: std::collections::HashSet<&str> =
+            prepared.iter().map(|p| p.name.as_str()).collect();
         self.policies
             .by_name
-            .retain(|name, _| prepared.iter().any(|p| p.name == *name));
+            .retain(|name, _| names.contains(name.as_str()));
         let policies = prepared
             .iter()
             .map(|p| self.policies.version(&p.name, policy_text(p)))

@@ -243,12 +243,10 @@ fn plan_nodes<'n>(
         {
             out.untaint.push(n.name.clone());
         }
-        let used: Box<dyn Iterator<Item = &String>> = if hold {
-            Box::new(o.labels.values())
-        } else {
-            Box::new(o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).into_iter())
-        };
-        for k in used {
+        // A held node keeps every label value; otherwise only its config key names a key.
+        let held = o.labels.values().filter(|_| hold);
+        let written = o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).filter(|_| !hold);
+        for k in held.chain(written) {
             if !out.used_keys.contains(k) {
                 out.used_keys.insert(k.clone());
             }

@@ -68,33 +68,50 @@ pub fn mig_config(
         }
     }
     let base = input.cluster.base_mig_configs.as_ref();
-    // Layouts nodes name that only our ConfigMap still has.
-    let mut carried = BTreeMap::new();
-    for (n, w) in named.iter().zip(wanted) {
-        for layout in [
-            n.mig_config.as_deref(),
-            w.get(LABEL_MIG_CONFIG).map(String::as_str),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            if layout == MIG_DISABLED_LAYOUT
-                || custom.contains_key(layout)
-                || base.is_some_and(|b| b.contains_key(layout))
-                || carried.contains_key(layout)
-            {
-                continue;
-            }
-            if let Some(v) = input.cluster.current_mig_configs.get(layout) {
-                carried.insert(layout.to_string(), v.clone());
-            }
-        }
-    }
+    let current = named.iter().map(|n| n.mig_config.as_deref());
+    let carried = carried(
+        current,
+        wanted,
+        LABEL_MIG_CONFIG,
+        &input.cluster.current_mig_configs,
+        |l| {
+            l == MIG_DISABLED_LAYOUT
+                || custom.contains_key(l)
+                || base.is_some_and(|b| b.contains_key(l))
+        },
+    );
     (!custom.is_empty() || !carried.is_empty()).then(|| {
         let mut named = base.cloned().unwrap_or_default();
         named.extend(carried);
         nvidia::to_yaml(&nvidia::mig_parted_config(&named, &custom))
     })
+}
+
+/// The configs (MIG layouts, vGPU configs) that nodes name, by their `label` now (`current`)
+/// or in the plan (`wanted`), that are not `known` elsewhere and only our ConfigMap still has
+/// (`ours`): carried over so no node points at a name that is gone.
+fn carried<'a>(
+    current: impl Iterator<Item = Option<&'a str>>,
+    wanted: &'a [super::SmallMap],
+    label: &str,
+    ours: &BTreeMap<String, serde_json::Value>,
+    known: impl Fn(&str) -> bool,
+) -> BTreeMap<String, serde_json::Value> {
+    let mut carried = BTreeMap::new();
+    for (now, w) in current.zip(wanted) {
+        for name in [now, w.get(label).map(String::as_str)]
+            .into_iter()
+            .flatten()
+        {
+            if known(name) || carried.contains_key(name) {
+                continue;
+            }
+            if let Some(v) = ours.get(name) {
+                carried.insert(name.to_string(), v.clone());
+            }
+        }
+    }
+    carried
 }
 
 /// What decides our part of the ClusterPolicy.
@@ -160,24 +177,14 @@ pub fn vgpu_config(
         }
     }
     let base = &input.cluster.base_vgpu_configs;
-    // Configs nodes name that only our ConfigMap still has.
-    let mut carried = BTreeMap::new();
-    for (n, w) in named.iter().zip(wanted) {
-        for name in [
-            n.vgpu_config.as_deref(),
-            w.get(LABEL_VGPU_CONFIG).map(String::as_str),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            if custom.contains_key(name) || base.contains_key(name) || carried.contains_key(name) {
-                continue;
-            }
-            if let Some(v) = input.cluster.current_vgpu_configs.get(name) {
-                carried.insert(name.to_string(), v.clone());
-            }
-        }
-    }
+    let current = named.iter().map(|n| n.vgpu_config.as_deref());
+    let carried = carried(
+        current,
+        wanted,
+        LABEL_VGPU_CONFIG,
+        &input.cluster.current_vgpu_configs,
+        |c| custom.contains_key(c) || base.contains_key(c),
+    );
     (!custom.is_empty() || !carried.is_empty()).then(|| {
         let mut named = (**base).clone();
         named.extend(carried);
