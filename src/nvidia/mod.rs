@@ -16,6 +16,7 @@ use crate::api::crd::{GpuSharingPolicySpec, Mig, MigStrategy, Strategy, TimeSlic
 
 pub mod dra;
 pub mod emit;
+pub mod geometry;
 pub mod mig;
 pub mod state;
 pub mod vgpu;
