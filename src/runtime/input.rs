@@ -74,7 +74,7 @@ impl Context {
         .into_iter()
         .filter_map(|name| Some((name.to_string(), self.configmap(name)?.data.clone()?)))
         .collect();
-        let memory = memory.recall(&nodes, Instant::now());
+        let memory = memory.recall(&self.caches.nodes.pending(), Instant::now());
         let view = ClusterView {
             policies,
             nodes,

@@ -59,7 +59,8 @@ impl ControllerMemory {
         }
     }
 
-    /// What the next pass plans with, from the nodes it sees at `now`: this also starts, resets
+    /// What the next pass plans with, from the nodes it sees at `now` (at least those whose MIG
+    /// or vGPU change is pending; the others have no timer): this also starts, resets
     /// (config label changed) and forgets (no longer pending) the pending timers, and forgets
     /// repairs older than the contest window.
     pub fn recall(&mut self, nodes: &[Arc<NodeFacts>], now: Instant) -> Memory {

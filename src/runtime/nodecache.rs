@@ -14,21 +14,27 @@
 //! lists again; until that list is complete [`NodeCache::require`] says no and the controller
 //! does not plan (a node missing the label would look unselected and lose its config).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
+use crate::api::names::{LABEL_MIG_STATE, LABEL_VGPU_STATE};
+use crate::nvidia::state::ConfigState;
 pub use crate::observe::node::{Interner, facts};
 use crate::plan::{LabelFilter, NodeFacts};
 
 #[derive(Default)]
 struct State {
-    nodes: HashMap<String, Arc<NodeFacts>>,
+    /// By name: a pass takes them in name order, as the planner plans them.
+    nodes: BTreeMap<String, Arc<NodeFacts>>,
     /// A relist in progress: it replaces `nodes` when complete.
-    relist: Option<HashMap<String, Arc<NodeFacts>>>,
+    relist: Option<BTreeMap<String, Arc<NodeFacts>>>,
+    /// Nodes whose MIG or vGPU change is pending (see [`pending`]), of `nodes` and of the relist.
+    pending: BTreeSet<String>,
+    relist_pending: BTreeSet<String>,
     strings: Interner,
     /// Nodes replaced or removed since the last purge of unused strings.
     churn: usize,
@@ -49,6 +55,17 @@ impl State {
         match self.nodes.get(&new.name) {
             Some(old) if **old == new => old.clone(),
             _ => Arc::new(new),
+        }
+    }
+
+    /// Marks or unmarks a node as pending in `set`.
+    fn track(set: &mut BTreeSet<String>, f: &NodeFacts) {
+        if pending(f) {
+            if !set.contains(&f.name) {
+                set.insert(f.name.clone());
+            }
+        } else {
+            set.remove(&f.name);
         }
     }
 
@@ -118,6 +135,7 @@ impl NodeCache {
         match event {
             watcher::Event::Apply(n) => {
                 let f = s.facts(n, &self.manager);
+                State::track(&mut s.pending, &f);
                 if let Some(old) = s.nodes.insert(f.name.clone(), f.clone())
                     && !Arc::ptr_eq(&old, &f)
                 {
@@ -128,22 +146,26 @@ impl NodeCache {
                 if let Some(name) = &n.metadata.name
                     && s.nodes.remove(name).is_some()
                 {
+                    s.pending.remove(name);
                     s.churned();
                 }
             }
             watcher::Event::Init => {
-                s.relist = Some(HashMap::new());
+                s.relist = Some(BTreeMap::new());
+                s.relist_pending.clear();
                 s.relist_filter = Some(s.filter.clone());
             }
             watcher::Event::InitApply(n) => {
                 let f = s.facts(n, &self.manager);
+                State::track(&mut s.relist_pending, &f);
                 s.relist
-                    .get_or_insert_with(HashMap::new)
+                    .get_or_insert_with(BTreeMap::new)
                     .insert(f.name.clone(), f);
             }
             watcher::Event::InitDone => {
                 if let Some(fresh) = s.relist.take() {
                     s.nodes = fresh;
+                    s.pending = std::mem::take(&mut s.relist_pending);
                     s.strings.purge();
                     s.churn = 0;
                     s.listed = s.relist_filter.take();
@@ -157,9 +179,19 @@ impl NodeCache {
     /// Every node, in name order.
     pub fn snapshot(&self) -> Vec<Arc<NodeFacts>> {
         let s = self.state.read().expect("node cache lock");
-        let mut v: Vec<Arc<NodeFacts>> = s.nodes.values().cloned().collect();
-        v.sort_by(|a, b| a.name.cmp(&b.name));
-        v
+        s.nodes.values().cloned().collect()
+    }
+
+    /// The nodes whose MIG or vGPU change is pending (`nvidia.com/mig.config.state` or
+    /// `nvidia.com/vgpu.config.state` says `pending`), in name order: the only ones whose
+    /// pending timers can run (see [`crate::runtime::memory`]), found without reading every
+    /// node's labels each pass.
+    pub fn pending(&self) -> Vec<Arc<NodeFacts>> {
+        let s = self.state.read().expect("node cache lock");
+        s.pending
+            .iter()
+            .filter_map(|name| s.nodes.get(name).cloned())
+            .collect()
     }
 
     /// Distinct label strings held (a metric: the cache's memory grows with it).
@@ -172,6 +204,13 @@ impl NodeCache {
         let mut rx = self.ready.subscribe();
         let _ = rx.wait_for(|r| *r).await;
     }
+}
+
+/// Whether NVIDIA's MIG manager or vGPU Device Manager says a change is pending on the node.
+fn pending(f: &NodeFacts) -> bool {
+    [LABEL_MIG_STATE, LABEL_VGPU_STATE]
+        .iter()
+        .any(|l| ConfigState::parse(f.labels.get(l)) == Some(ConfigState::Pending))
 }
 
 #[cfg(test)]
@@ -321,6 +360,47 @@ mod tests {
         );
         // Keys under NVIDIA's and our prefixes are always there.
         assert!(c.require(&keys(&["nvidia.com/gpu.family", "gpusharing.io/x"])));
+    }
+
+    #[tokio::test]
+    async fn pending_lists_the_nodes_whose_mig_or_vgpu_change_is_pending() {
+        let c = NodeCache::new("ours", LabelFilter::default());
+        let names =
+            |c: &NodeCache| -> Vec<String> { c.pending().iter().map(|n| n.name.clone()).collect() };
+        c.apply(watcher::Event::Init);
+        c.apply(watcher::Event::InitApply(labelled(
+            "a",
+            &[("nvidia.com/mig.config.state", "pending")],
+        )));
+        c.apply(watcher::Event::InitApply(labelled(
+            "b",
+            &[("nvidia.com/mig.config.state", "success")],
+        )));
+        c.apply(watcher::Event::InitApply(labelled(
+            "c",
+            &[("nvidia.com/vgpu.config.state", "pending")],
+        )));
+        assert!(names(&c).is_empty(), "not before the list is complete");
+        c.apply(watcher::Event::InitDone);
+        assert_eq!(names(&c), ["a", "c"]);
+        c.apply(watcher::Event::Apply(labelled(
+            "a",
+            &[("nvidia.com/mig.config.state", "success")],
+        )));
+        c.apply(watcher::Event::Apply(labelled(
+            "b",
+            &[("nvidia.com/mig.config.state", "pending")],
+        )));
+        c.apply(watcher::Event::Delete(labelled("c", &[])));
+        assert_eq!(names(&c), ["b"]);
+        // A relist replaces them with its own.
+        c.apply(watcher::Event::Init);
+        c.apply(watcher::Event::InitApply(labelled(
+            "d",
+            &[("nvidia.com/mig.config.state", "pending")],
+        )));
+        c.apply(watcher::Event::InitDone);
+        assert_eq!(names(&c), ["d"]);
     }
 
     #[test]
