@@ -417,13 +417,26 @@ impl World {
             .as_deref()
             .map(|t| gpu_sharing_operator::nvidia::parse_mig_configs(t).unwrap())
             .unwrap_or_default();
+        let mut written = Vec::new();
         for n in &mut self.nodes {
             let before = n.labels.clone();
+            let metadata = |n: &NodeFacts| {
+                (
+                    n.labels.clone(),
+                    n.annotations.clone(),
+                    n.owned,
+                    n.owned_annotations,
+                )
+            };
+            let was = metadata(n);
             server_side_apply(
                 n,
                 &plan.node_labels[&n.name],
                 &plan.node_annotations[&n.name],
             );
+            if metadata(n) != was {
+                written.push(n.name.clone());
+            }
             self.nv.observe(&before, &cp_before, n, &cluster!(self));
             assert!(
                 n.labels.get(LABEL_MIG_CONFIG) == before.get(LABEL_MIG_CONFIG)
@@ -433,6 +446,11 @@ impl World {
                 n.labels
             );
         }
+        written.sort();
+        assert_eq!(
+            plan.nodes_to_write, written,
+            "the plan's node writes are not the nodes its labels and annotations change"
+        );
     }
 
     /// Applies a plan, and checks, independently of the planner's own counting, that no policy

@@ -49,7 +49,7 @@ pub(crate) async fn run_baseline(
         for f in &mut facts {
             if let Some(want) = first.node_labels.get(&f.name) {
                 f.labels.extend(want.clone());
-                f.owned = want.keys().cloned().collect();
+                f.owned = want.keys().map(str::to_string).collect();
             }
         }
         let mut input = PlanInput::new(policies.clone(), facts);
@@ -62,7 +62,7 @@ pub(crate) async fn run_baseline(
             .filter(|(_, l)| !l.is_empty())
             .map(|(k, v)| {
                 let a = first.node_annotations.get(k).cloned().unwrap_or_default();
-                (k.clone(), json!({"labels": v, "annotations": a}))
+                (k.to_string(), json!({"labels": v, "annotations": a}))
             })
             .collect();
         let now = k8s_openapi::jiff::Timestamp::now().to_string();

@@ -57,7 +57,7 @@ fn own(have: &mut Labels, owned: &mut OwnedKeys, want: &SmallMap) -> bool {
         }
     }
     for (k, v) in want {
-        have.insert(k.as_str(), v.as_str());
+        have.insert(k, v.as_str());
     }
     *owned = want.keys().collect();
     before != *have

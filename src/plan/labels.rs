@@ -6,7 +6,7 @@ use std::sync::Arc;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
 use crate::api::crd::GpuSharingPolicy;
-use crate::api::names::{LABEL_GPU_PRODUCT, SHARED_SUFFIX};
+use crate::api::names::{LABEL_GPU_PRODUCT, MANAGED_ANNOTATIONS, MANAGED_LABELS, SHARED_SUFFIX};
 
 /// The node label prefixes the planner reads on every node: NVIDIA's (GPU Feature Discovery's,
 /// the GPU Operator's, the ones we write) and ours. A node's other labels (the kubelet's, the
@@ -378,21 +378,48 @@ mod tests {
 
 /// A few key/value pairs (the labels or annotations a plan wants on one node): a sorted vector,
 /// which for a handful of entries costs a fraction of a `BTreeMap` node, across thousands of
-/// nodes a pass.
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct SmallMap(Vec<(String, String)>);
+/// nodes a pass. Shared: a clone is a reference (a pass hands each node's remembered labels to
+/// its plan without copying them) and a change copies only a shared map (copy on write). Our
+/// own keys ([`MANAGED_LABELS`], [`MANAGED_ANNOTATIONS`]) are kept as the constants themselves:
+/// looking one up reads no per-node string.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SmallMap(Arc<Vec<(Key, String)>>);
+
+type Key = std::borrow::Cow<'static, str>;
+
+/// The key as one of our constants when it is one.
+fn key_of(key: String) -> Key {
+    match MANAGED_LABELS
+        .iter()
+        .chain(MANAGED_ANNOTATIONS.iter())
+        .find(|k| **k == key)
+    {
+        Some(k) => Key::Borrowed(k),
+        None => Key::Owned(key),
+    }
+}
+
+impl Default for SmallMap {
+    /// The empty map: one shared allocation for all of them.
+    fn default() -> Self {
+        static EMPTY: std::sync::LazyLock<SmallMap> =
+            std::sync::LazyLock::new(|| SmallMap(Arc::new(Vec::new())));
+        EMPTY.clone()
+    }
+}
 
 impl SmallMap {
     pub fn insert(&mut self, key: String, value: String) {
-        match self.0.binary_search_by(|(k, _)| k.cmp(&key)) {
-            Ok(i) => self.0[i].1 = value,
-            Err(i) => self.0.insert(i, (key, value)),
+        let v = Arc::make_mut(&mut self.0);
+        match v.binary_search_by(|(k, _)| (**k).cmp(key.as_str())) {
+            Ok(i) => v[i].1 = value,
+            Err(i) => v.insert(i, (key_of(key), value)),
         }
     }
 
     pub fn get(&self, key: &str) -> Option<&String> {
         self.0
-            .binary_search_by(|(k, _)| k.as_str().cmp(key))
+            .binary_search_by(|(k, _)| (**k).cmp(key))
             .ok()
             .map(|i| &self.0[i].1)
     }
@@ -401,16 +428,16 @@ impl SmallMap {
         self.get(key).is_some()
     }
 
-    pub fn keys(&self) -> impl Iterator<Item = &String> {
-        self.0.iter().map(|(k, _)| k)
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(k, _)| &**k)
     }
 
     pub fn values(&self) -> impl Iterator<Item = &String> {
         self.0.iter().map(|(_, v)| v)
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &String)> {
-        self.0.iter().map(|(k, v)| (k, v))
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &String)> {
+        self.0.iter().map(|(k, v)| (&**k, v))
     }
 
     pub fn len(&self) -> usize {
@@ -436,13 +463,13 @@ impl std::ops::Index<&str> for SmallMap {
 }
 
 impl<'a> IntoIterator for &'a SmallMap {
-    type Item = (&'a String, &'a String);
+    type Item = (&'a str, &'a String);
     type IntoIter = std::iter::Map<
-        std::slice::Iter<'a, (String, String)>,
-        fn(&'a (String, String)) -> (&'a String, &'a String),
+        std::slice::Iter<'a, (Key, String)>,
+        fn(&'a (Key, String)) -> (&'a str, &'a String),
     >;
     fn into_iter(self) -> Self::IntoIter {
-        self.0.iter().map(|(k, v)| (k, v))
+        self.0.iter().map(|(k, v)| (&**k, v))
     }
 }
 
@@ -450,19 +477,27 @@ impl IntoIterator for SmallMap {
     type Item = (String, String);
     type IntoIter = std::vec::IntoIter<(String, String)>;
     fn into_iter(self) -> Self::IntoIter {
-        self.0.into_iter()
+        Arc::unwrap_or_clone(self.0)
+            .into_iter()
+            .map(|(k, v)| (k.into_owned(), v))
+            .collect::<Vec<_>>()
+            .into_iter()
     }
 }
 
 impl PartialEq<BTreeMap<String, String>> for SmallMap {
     fn eq(&self, other: &BTreeMap<String, String>) -> bool {
-        self.len() == other.len() && self.iter().zip(other.iter()).all(|(a, b)| a == b)
+        self.len() == other.len()
+            && self
+                .iter()
+                .zip(other.iter())
+                .all(|(a, b)| a.0 == b.0 && a.1 == b.1)
     }
 }
 
 impl FromIterator<(String, String)> for SmallMap {
     fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Self {
-        let mut m = SmallMap::default();
+        let mut m = SmallMap(Arc::new(Vec::new()));
         for (k, v) in iter {
             m.insert(k, v);
         }
@@ -492,5 +527,11 @@ mod small_map_tests {
             serde_json::to_value(&m).unwrap(),
             serde_json::json!({"a": "1", "b": "3"})
         );
+        // A clone shares the pairs until one of the two changes.
+        let mut c = m.clone();
+        assert!(Arc::ptr_eq(&c.0, &m.0));
+        c.insert("c".into(), "4".into());
+        assert!(!m.contains_key("c") && c["c"] == "4");
+        assert!(SmallMap::default().is_empty());
     }
 }

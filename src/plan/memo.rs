@@ -37,6 +37,9 @@ pub struct PreGate {
     pub capacity: Option<NodeCapacity>,
     /// The labels it wants are the ones we own on it now (no label change).
     pub in_sync: bool,
+    /// Its labels and annotations as planned here are exactly ours on it now: nothing to write
+    /// unless the rollout gate changes them (see `node::metadata_in_sync`).
+    pub metadata_in_sync: bool,
     /// An earlier change of ours on it is not confirmed yet (see
     /// `rollout::last_change_unconfirmed`).
     pub earlier_unconfirmed: bool,
@@ -63,7 +66,8 @@ pub struct Under {
 /// What planning one node found, and what from.
 #[derive(Debug, Clone)]
 pub struct NodeMemo {
-    name: String,
+    /// Shared with the plan, which names its nodes with it.
+    name: Arc<str>,
     /// The facts planned from, by identity: the node cache keeps a node's facts while they do
     /// not change. Weak, so the memo does not keep facts the cache has let go (only their
     /// allocation, which also means no other facts can appear at that address meanwhile).
@@ -85,7 +89,7 @@ pub struct NodeMemo {
 impl NodeMemo {
     fn new(v: &NodeView) -> Self {
         NodeMemo {
-            name: v.facts.name.clone(),
+            name: v.facts.name.as_str().into(),
             facts: Arc::downgrade(&v.facts),
             named: Named {
                 device_config: v.facts.labels.get_shared(LABEL_DEVICE_PLUGIN_CONFIG),
@@ -104,8 +108,18 @@ impl NodeMemo {
 
     /// Planned from these facts (the same shared facts, or equal ones still held elsewhere).
     fn same_facts(&self, v: &NodeView) -> bool {
+        self.same_allocation(v) || self.facts.upgrade().is_some_and(|f| *f == *v.facts)
+    }
+
+    /// Planned from the very facts of `v` (the weak reference keeps the allocation, so no
+    /// other node's facts can have taken its address).
+    fn same_allocation(&self, v: &NodeView) -> bool {
         std::ptr::eq(self.facts.as_ptr(), Arc::as_ptr(&v.facts))
-            || self.facts.upgrade().is_some_and(|f| *f == *v.facts)
+    }
+
+    /// The node's name, shared.
+    pub fn name(&self) -> &Arc<str> {
+        &self.name
     }
 
     /// The same pods, claims and flags as when planned.
@@ -215,14 +229,11 @@ impl Memo {
 
     /// The last pass's memos of these nodes (in their order) whose facts are the same; fresh
     /// memos for the others.
-    pub fn recall(&mut self, views: &[&NodeView]) -> Vec<NodeMemo> {
+    /// `in_order`: [`Memo::in_order`] is already known to hold.
+    pub fn recall(&mut self, views: &[&NodeView], in_order: bool) -> Vec<NodeMemo> {
+        let same_order = in_order || self.in_order(views);
         let mut old = std::mem::take(&mut self.nodes);
-        let same_order = old.len() == views.len()
-            && old
-                .iter()
-                .zip(views)
-                .all(|(m, v)| m.as_ref().is_some_and(|m| m.name == v.facts.name));
-        let index: HashMap<String, usize> = if same_order {
+        let index: HashMap<Arc<str>, usize> = if same_order {
             HashMap::new()
         } else {
             old.iter()
@@ -237,18 +248,31 @@ impl Memo {
                 let at = if same_order {
                     Some(pos)
                 } else {
-                    index.get(&v.facts.name).copied()
+                    index.get(v.facts.name.as_str()).copied()
                 };
                 at.and_then(|i| old[i].take())
                     .filter(|m| m.same_facts(v))
                     .map(|mut m| {
                         // The same facts, perhaps through another allocation.
-                        m.facts = Arc::downgrade(&v.facts);
+                        if !m.same_allocation(v) {
+                            m.facts = Arc::downgrade(&v.facts);
+                        }
                         m
                     })
                     .unwrap_or_else(|| NodeMemo::new(v))
             })
             .collect()
+    }
+
+    /// Whether `views` are the nodes of the last pass in its order (which was name order): the
+    /// same facts by identity, or else the same name. Comparing pointers first spares reading
+    /// every node's name each pass.
+    pub fn in_order(&self, views: &[&NodeView]) -> bool {
+        self.nodes.len() == views.len()
+            && self.nodes.iter().zip(views).all(|(m, v)| {
+                m.as_ref()
+                    .is_some_and(|m| m.same_allocation(v) || *m.name == *v.facts.name)
+            })
     }
 
     /// Makes sure the memo holds the node's plan before the gate under `under`: kept when it

@@ -15,6 +15,7 @@
 //! What this file declares ([`NodeFacts`], [`Plan`], ...) all of them share.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use serde_json::json;
 
@@ -38,6 +39,7 @@ pub mod labels;
 pub mod memo;
 pub mod mig;
 pub mod node;
+pub mod nodemap;
 pub mod outputs;
 pub mod policies;
 pub mod rollout;
@@ -53,6 +55,7 @@ pub use labels::{
     LabelFilter, LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, selection_labels,
     selector_keys, selector_matches,
 };
+pub use nodemap::NodeMap;
 pub use status::MAX_NODE_DETAILS;
 
 use decision::{Decision, Env};
@@ -114,9 +117,9 @@ pub struct Plan {
     pub cluster_policy_spec: serde_json::Value,
     /// For every node: the managed labels we want to own, with their values. Nodes that need
     /// none of our labels map to an empty set.
-    pub node_labels: BTreeMap<String, SmallMap>,
+    pub node_labels: NodeMap<SmallMap>,
     /// For every node in `node_labels`: the annotations we want to own ([`MANAGED_ANNOTATIONS`]).
-    pub node_annotations: BTreeMap<String, SmallMap>,
+    pub node_annotations: NodeMap<SmallMap>,
     /// Status of every policy, by name.
     pub statuses: BTreeMap<String, GpuSharingPolicyStatus>,
     /// ResourceClaimTemplates of DRA policies, by `namespace/name`.
@@ -127,6 +130,11 @@ pub struct Plan {
     pub untaint: Vec<String>,
     /// Nodes being drained (cordoned through their annotations), with the pods to evict.
     pub drains: BTreeMap<String, drain::Drain>,
+    /// The nodes of `node_labels` whose labels or annotations differ from what the plan wants
+    /// us to own on them (the node writes of this plan), in name order.
+    pub nodes_to_write: Vec<String>,
+    /// How many nodes the plan labels with each policy's name (`gpusharing.io/policy`).
+    pub labelled_nodes: BTreeMap<String, u64>,
 }
 
 /// One of the ConfigMaps we own, as the object we apply.
@@ -158,6 +166,12 @@ struct NodePlans<'n> {
     tallies: BTreeMap<usize, Tally>,
     /// Per policy: the nodes it governs and does not reject.
     accepted: BTreeMap<usize, Vec<&'n NodeFacts>>,
+    /// Nodes whose labels or annotations must be written, in name order.
+    to_write: Vec<String>,
+    /// By value of our policy label in the plan: how many nodes carry it (`labelled_by`: those
+    /// labelled with their governing policy's name, by its index).
+    labelled: BTreeMap<String, u64>,
+    labelled_by: Vec<u64>,
     /// Device-plugin config keys that node labels we keep or write name.
     used_keys: BTreeSet<String>,
     /// Tainted nodes ready to lose the readiness taint.
@@ -220,23 +234,42 @@ fn plan_nodes<'n>(
     let (progress, drains) = rollout::gate(&mut entries, prepared, input, node::queued);
     let mut out = NodePlans {
         drains,
+        labelled_by: vec![0; prepared.len()],
         ..Default::default()
     };
     for (i, p) in progress {
         out.tallies.entry(i).or_default().rollout = Some(p);
     }
-    for node::Entry {
-        node: v,
-        policy: wi,
-        target: _,
-        hold,
-        outcome: o,
-        capacity: c,
-        ..
-    } in entries
+    for (
+        node::Entry {
+            node: v,
+            policy: wi,
+            target: _,
+            hold,
+            outcome: o,
+            capacity: c,
+            ..
+        },
+        m,
+    ) in entries.into_iter().zip(memos)
     {
         let n: &'n NodeFacts = &v.facts;
-        let o = o.into_owned();
+        // Remembered unless the gate changed the outcome.
+        let in_sync = match &o {
+            std::borrow::Cow::Borrowed(_) => m.pre().metadata_in_sync,
+            std::borrow::Cow::Owned(o) => node::metadata_in_sync(n, &o.labels, &o.annotations),
+        };
+        if !in_sync {
+            out.to_write.push(n.name.clone());
+        }
+        // Borrowed from the memo unless the gate changed it: what the plan keeps is shared.
+        let o: &node::Outcome = &o;
+        match (o.labels.get(LABEL_POLICY), wi) {
+            // Nearly always its governing policy's name: counted without a lookup by name.
+            (Some(p), Some(i)) if *p == prepared[i].name => out.labelled_by[i] += 1,
+            (Some(p), _) => *out.labelled.entry(p.clone()).or_default() += 1,
+            (None, _) => {}
+        }
         if let Some(t) = input.cluster.readiness_taint.as_ref()
             && t.tolerated_on(&n.name)
             && taint::ready_to_untaint(n, wi.is_some(), o.state)
@@ -264,23 +297,22 @@ fn plan_nodes<'n>(
             if state != NodeState::Rejected {
                 out.accepted.entry(i).or_default().push(n);
             }
-            let (message, reason) = (o.message, o.reason);
-            t.add(state, reason, || NodeDetail {
+            t.add(state, o.reason, || NodeDetail {
                 name: n.name.clone(),
                 state,
-                message,
-                reason,
+                message: o.message.clone(),
+                reason: o.reason,
             });
         }
-        out.labels.push(o.labels);
-        out.annotations.push(o.annotations);
+        out.labels.push(o.labels.clone());
+        out.annotations.push(o.annotations.clone());
     }
     out
 }
 
 /// Per-node values, given in the nodes' (name) order, by node name (built in one sweep).
-fn by_name(nodes: &[&NodeFacts], values: Vec<SmallMap>) -> BTreeMap<String, SmallMap> {
-    nodes.iter().map(|n| n.name.clone()).zip(values).collect()
+fn by_name(names: &[Arc<str>], values: Vec<SmallMap>) -> NodeMap<SmallMap> {
+    NodeMap::from_sorted(names.iter().cloned().zip(values).collect())
 }
 
 /// The nodes policy `i` selects that another policy governs, with that policy's index.
@@ -295,6 +327,61 @@ fn matched_winners<'a>(
             let w = a.winner[*pos].expect("a matched node has a winner");
             (w != i).then_some((*name, w))
         })
+}
+
+/// What the plan says per policy.
+#[derive(Default)]
+struct PerPolicy {
+    statuses: BTreeMap<String, GpuSharingPolicyStatus>,
+    claim_templates: BTreeMap<String, serde_json::Value>,
+    invalid: BTreeMap<String, Vec<FieldError>>,
+}
+
+/// Each policy's status, claim templates and errors, from what planning its nodes found (taken
+/// out of `np`, which also gets its labelled-node counts by name).
+fn per_policy(
+    prepared: &[Prepared],
+    assignment: &policies::Assignment,
+    np: &mut NodePlans,
+    input: &PlanInput,
+    cluster: &Cluster,
+) -> PerPolicy {
+    let mut out = PerPolicy::default();
+    for (i, p) in prepared.iter().enumerate() {
+        if np.labelled_by[i] > 0 {
+            *np.labelled.entry(p.name.clone()).or_default() += np.labelled_by[i];
+        }
+        let accepted = np.accepted.remove(&i).unwrap_or_default();
+        let (templates, missing_namespaces) =
+            outputs::claim_templates(p, &accepted, input.cluster.namespaces.as_ref());
+        let matched: &[&str] = &assignment.matched[i];
+        // A node another policy wins is overridden when that policy has the higher priority
+        // (intended), and a conflict when only age or name decided.
+        let (mut conflicting, mut overridden) = (Vec::new(), Vec::new());
+        for (n, w) in matched_winners(assignment, i) {
+            let w = &prepared[w];
+            if w.spec.priority > p.spec.priority {
+                overridden.push(format!("{n} (overridden by {})", w.name));
+            } else {
+                conflicting.push(format!("{n} (won by {})", w.name));
+            }
+        }
+        let place = Placement {
+            matched,
+            conflicting,
+            overridden,
+            missing_namespaces,
+            templates: templates.iter().map(|(id, _)| id.clone()).collect(),
+        };
+        let tally = np.tallies.remove(&i).unwrap_or_default();
+        out.statuses
+            .insert(p.name.clone(), status::status(p, tally, place, cluster));
+        out.claim_templates.extend(templates);
+        if !p.errors.is_empty() {
+            out.invalid.insert(p.name.clone(), p.errors.clone());
+        }
+    }
+    out
 }
 
 /// One node's plan before the rollout gate, and whether it read the clock.
@@ -323,6 +410,7 @@ fn plan_node(
         });
     let pre = memo::PreGate {
         in_sync: outcome.labels == node::owned_labels(n),
+        metadata_in_sync: node::metadata_in_sync(n, &outcome.labels, &outcome.annotations),
         earlier_unconfirmed: rollout::last_change_unconfirmed(n),
         hold,
         target: policy
@@ -421,11 +509,15 @@ impl Planner {
         let c = &input.cluster;
         let mut prepared = policies::prepare_all(&input.policies, c.base_mig_configs.as_ref());
         policies::check_vgpu_types(&mut prepared, &c.base_vgpu_configs);
-        // Nodes in name order, whatever order the caches gave them in.
+        // Nodes in name order, whatever order the caches gave them in (the last pass's order
+        // is: the controller's cache gives them so).
         let mut views: Vec<&NodeView> = input.nodes.iter().collect();
-        views.sort_by(|a, b| a.name.cmp(&b.name));
+        let in_order = self.memo.in_order(&views);
+        if !in_order {
+            views.sort_by(|a, b| a.name.cmp(&b.name));
+        }
         let nodes: Vec<&NodeFacts> = views.iter().map(|v| &*v.facts).collect();
-        let mut memos = self.memo.recall(&views);
+        let mut memos = self.memo.recall(&views, in_order);
         let selection = self.memo.selection(&prepared);
         let known: Vec<Option<&[usize]>> = memos.iter().map(|m| m.selected(selection)).collect();
         let (assignment, fresh) = policies::assign(&prepared, &nodes, &known);
@@ -447,6 +539,7 @@ impl Planner {
         let mig_config = outputs::mig_config(&prepared, input, &named, &np.labels);
         let vgpu_config = outputs::vgpu_config(&prepared, input, &named, &np.labels);
         drop(named);
+        let names: Vec<Arc<str>> = memos.iter().map(|m| m.name().clone()).collect();
         self.memo.finish(memos);
         let cluster_policy_spec = outputs::cluster_policy_spec(
             input,
@@ -462,50 +555,20 @@ impl Planner {
             },
         );
         let cluster = cluster_of(input);
-        let mut claim_templates = BTreeMap::new();
-        let mut statuses = BTreeMap::new();
-        let mut invalid = BTreeMap::new();
-        for (i, p) in prepared.iter().enumerate() {
-            let accepted = np.accepted.remove(&i).unwrap_or_default();
-            let (templates, missing_namespaces) =
-                outputs::claim_templates(p, &accepted, c.namespaces.as_ref());
-            let matched: &[&str] = &assignment.matched[i];
-            // A node another policy wins is overridden when that policy has the higher priority
-            // (intended), and a conflict when only age or name decided.
-            let (mut conflicting, mut overridden) = (Vec::new(), Vec::new());
-            for (n, w) in matched_winners(&assignment, i) {
-                let w = &prepared[w];
-                if w.spec.priority > p.spec.priority {
-                    overridden.push(format!("{n} (overridden by {})", w.name));
-                } else {
-                    conflicting.push(format!("{n} (won by {})", w.name));
-                }
-            }
-            let place = Placement {
-                matched,
-                conflicting,
-                overridden,
-                missing_namespaces,
-                templates: templates.iter().map(|(id, _)| id.clone()).collect(),
-            };
-            let tally = np.tallies.remove(&i).unwrap_or_default();
-            statuses.insert(p.name.clone(), status::status(p, tally, place, &cluster));
-            claim_templates.extend(templates);
-            if !p.errors.is_empty() {
-                invalid.insert(p.name.clone(), p.errors.clone());
-            }
-        }
+        let per_policy = per_policy(&prepared, &assignment, &mut np, input, &cluster);
         Plan {
             device_config,
             mig_config,
             vgpu_config,
             cluster_policy_spec,
-            node_labels: by_name(&nodes, np.labels),
-            node_annotations: by_name(&nodes, np.annotations),
-            statuses,
-            claim_templates,
-            invalid,
+            node_labels: by_name(&names, np.labels),
+            node_annotations: by_name(&names, np.annotations),
+            statuses: per_policy.statuses,
+            claim_templates: per_policy.claim_templates,
+            invalid: per_policy.invalid,
             untaint: np.untaint,
+            nodes_to_write: np.to_write,
+            labelled_nodes: np.labelled,
             drains: np.drains,
         }
     }

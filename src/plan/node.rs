@@ -237,6 +237,32 @@ fn keep<T: FromIterator<(String, String)>>(owned: &super::OwnedKeys, have: &supe
         .collect()
 }
 
+/// Whether the node's labels and annotations already are the ones the plan wants us to own:
+/// the same keys owned by us, with the same values (nothing to write). Checked for every node
+/// a pass plans again: no allocation.
+pub fn metadata_in_sync(
+    n: &NodeFacts,
+    labels: &super::SmallMap,
+    annotations: &super::SmallMap,
+) -> bool {
+    same_keys(n.owned, |k| MANAGED_LABELS.contains(&k), labels)
+        && labels.iter().all(|(k, v)| n.labels.get(k) == Some(v))
+        && same_keys(n.owned_annotations, |_| true, annotations)
+        && annotations
+            .iter()
+            .all(|(k, v)| n.annotations.get(k) == Some(v))
+}
+
+/// The keys we own (those `counted` counts) are exactly the keys we want.
+fn same_keys(
+    owned: super::OwnedKeys,
+    counted: impl Fn(&str) -> bool,
+    want: &super::SmallMap,
+) -> bool {
+    let mine = owned.iter().filter(|k| counted(k)).count();
+    mine == want.len() && want.keys().all(|k| counted(k) && owned.contains(k))
+}
+
 /// The labels we own on a node now.
 pub fn owned_labels(n: &NodeFacts) -> super::SmallMap {
     keep(&n.owned, &n.labels)

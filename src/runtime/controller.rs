@@ -184,9 +184,9 @@ fn record_plan_metrics(ctx: &Context, input: &PlanInput, plan: &Plan) {
         .map(|p| (p.name_any(), p.spec.strategy.as_str()))
         .collect();
     let mut per_strategy: BTreeMap<String, u64> = BTreeMap::new();
-    for labels in plan.node_labels.values() {
-        if let Some(s) = labels.get(LABEL_POLICY).and_then(|p| strategy_of.get(p)) {
-            *per_strategy.entry(s.to_string()).or_default() += 1;
+    for (policy, nodes) in &plan.labelled_nodes {
+        if let Some(s) = strategy_of.get(policy) {
+            *per_strategy.entry(s.to_string()).or_default() += nodes;
         }
     }
     let m = &ctx.config.metrics;
@@ -220,7 +220,7 @@ pub async fn reconcile_all(
     // while it writes, so the cache can let each node's old facts go as the watch reports our
     // label changes (otherwise a first pass over every node holds two copies of all of them).
     let has_policies = !input.policies.is_empty();
-    let changes = apply::nodes_to_change(&input.nodes, &plan);
+    let changes = plan.nodes_to_write.clone();
     let cleanup_pending = finalize::cleanup_pending(&input, &plan);
     let planned_namespace_missing = input.memory.gpu_operator_namespace_missing.is_some();
     drop(input);

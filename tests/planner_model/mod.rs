@@ -65,7 +65,7 @@ pub fn server_side_apply(n: &mut NodeFacts, labels: &SmallMap, annotations: &Sma
             owned.remove(&k);
         }
         for (k, v) in want {
-            have.insert(k.as_str(), v.as_str());
+            have.insert(k, v.as_str());
             owned.insert(k);
         }
     }

@@ -21,7 +21,7 @@ pub use claims::apply_claim_templates;
 pub use cluster_policy::apply_cluster_policy;
 pub use configmaps::{apply_configmaps, delete_unused_mig_configmap, delete_unused_vgpu_configmap};
 pub use evict::{EVICTION_WAIT, evict};
-pub use nodes::{apply_nodes, node_in_sync, nodes_to_change, remove_readiness_taints};
+pub use nodes::{apply_nodes, remove_readiness_taints};
 
 /// One write to the API server.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -14,62 +14,9 @@ use tracing::{debug, info};
 
 use super::{Learnt, WriteReport, apply_params};
 use crate::api::names::*;
-use crate::plan::{self, NodeFacts, Plan};
+use crate::plan::{self, Plan};
 use crate::runtime::context::Context;
 use crate::runtime::error::Error;
-
-/// Whether the node's labels and annotations already are what we want to own.
-pub fn node_in_sync(
-    node: &NodeFacts,
-    desired: &plan::SmallMap,
-    desired_annotations: &plan::SmallMap,
-) -> bool {
-    // Checked for every node every pass: no allocation.
-    same_keys(node.owned, |k| MANAGED_LABELS.contains(&k), desired)
-        && desired.iter().all(|(k, v)| node.labels.get(k) == Some(v))
-        && same_keys(node.owned_annotations, |_| true, desired_annotations)
-        && desired_annotations
-            .iter()
-            .all(|(k, v)| node.annotations.get(k) == Some(v))
-}
-
-/// The keys we own (those `counted` counts) are exactly the keys we want.
-fn same_keys(
-    owned: plan::OwnedKeys,
-    counted: impl Fn(&str) -> bool,
-    want: &plan::SmallMap,
-) -> bool {
-    let mine = owned.iter().filter(|k| counted(k)).count();
-    mine == want.len() && want.keys().all(|k| counted(k) && owned.contains(k))
-}
-
-/// Nodes whose labels or annotations differ from the plan.
-pub fn nodes_to_change(nodes: &[plan::NodeView], plan: &Plan) -> Vec<String> {
-    let none = plan::SmallMap::default();
-    // The cache gives nodes in name order, as the plan's maps are: walk them in step (a lookup
-    // by name only when they differ).
-    let mut labels = plan.node_labels.iter().peekable();
-    let mut annotations = plan.node_annotations.iter().peekable();
-    let mut next = |name: &str| {
-        let l = match labels.next_if(|(n, _)| *n == name) {
-            Some((_, l)) => Some(l),
-            None => plan.node_labels.get(name),
-        };
-        let a = match annotations.next_if(|(n, _)| *n == name) {
-            Some((_, a)) => a,
-            None => plan.node_annotations.get(name).unwrap_or(&none),
-        };
-        (l, a)
-    };
-    nodes
-        .iter()
-        .filter(|node| {
-            let (want, annotations) = next(&node.name);
-            want.is_some_and(|want| !node_in_sync(node, want, annotations))
-        })
-        .map(|node| node.name.clone())
-        .collect()
-}
 
 /// After a failed pass or watch the node cache may lag the server: a write whose response was
 /// lost (an API server restart) is already in place while the cache still shows the old label.
