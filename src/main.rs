@@ -62,6 +62,24 @@ enum Command {
         #[arg(long)]
         single_pass: bool,
     },
+    /// Show the MIG geometry layouts are checked against: with no argument, the GPU models
+    /// known; with --product, that model's profiles and placements; with profiles too, where
+    /// one GPU's instances go. Exit code 0: placed, 1: they do not fit, 2: unknown model.
+    MigGeometry {
+        /// The GPU as GPU Feature Discovery labels it (`nvidia.com/gpu.product`), e.g.
+        /// NVIDIA-A100-SXM4-80GB.
+        #[arg(long)]
+        product: Option<String>,
+        /// `nvidia.com/gpu.memory` (MiB), where the product name leaves several models.
+        #[arg(long)]
+        memory: Option<u64>,
+        /// One GPU's instances, one profile per instance (e.g. 3g.40gb 2g.20gb 1g.10gb).
+        profiles: Vec<String>,
+        /// Read `PRODUCT<TAB>MEMORY_MIB<TAB>PROFILE,PROFILE,...` lines from stdin and print
+        /// one verdict line for each (feasible, infeasible, unknown-model).
+        #[arg(long, conflicts_with_all = ["product", "profiles"])]
+        batch: bool,
+    },
 }
 
 #[derive(clap::Args)]
@@ -427,6 +445,69 @@ fn main() -> ExitCode {
                     ExitCode::from(1)
                 }
             }
+        }
+        Command::MigGeometry {
+            product,
+            memory,
+            profiles,
+            batch,
+        } => mig_geometry(product, memory, &profiles, batch),
+    }
+}
+
+/// `mig-geometry`: see [`gpu_sharing_operator::offline::geometry`].
+fn mig_geometry(
+    product: Option<String>,
+    memory: Option<u64>,
+    profiles: &[String],
+    batch: bool,
+) -> ExitCode {
+    use gpu_sharing_operator::offline::geometry;
+    if batch {
+        let mut input = String::new();
+        if let Err(e) = std::io::Read::read_to_string(&mut std::io::stdin(), &mut input) {
+            eprintln!("error: reading stdin: {e}");
+            return ExitCode::from(1);
+        }
+        return match geometry::batch(&input) {
+            Ok(out) => {
+                print!("{out}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
+    let Some(product) = product else {
+        if !profiles.is_empty() {
+            eprintln!("error: name the GPU with --product to place instances");
+            return ExitCode::from(2);
+        }
+        print!("{}", geometry::models());
+        return ExitCode::SUCCESS;
+    };
+    let model = match geometry::model(&product, memory) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if profiles.is_empty() {
+        print!("{}", geometry::profiles(model));
+        return ExitCode::SUCCESS;
+    }
+    let instances: Vec<&str> = profiles.iter().map(String::as_str).collect();
+    match geometry::place(model, &instances) {
+        Ok(p) => {
+            println!("{p}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("{e}");
+            ExitCode::from(1)
         }
     }
 }
