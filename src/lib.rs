@@ -20,14 +20,14 @@
 //! - [`api`]: the `GpuSharingPolicy` resource, every label/annotation/finalizer/field-manager
 //!   name, and the typed node states and condition reasons.
 //! - [`nvidia`]: NVIDIA's formats (device-plugin config, mig-parted config, MIG profiles, the
-//!   DRA driver's GpuConfig) and the content keys.
+//!   DRA driver's GpuConfig), the MIG geometry of each GPU model, and the content keys.
 //! - [`validate`]: what a policy must satisfy, as typed field errors.
 //! - [`plan`]: the pure planner: policies + node facts -> desired objects and statuses.
 //! - [`observe`]: Kubernetes objects -> planner facts, one way for the controller's caches,
 //!   `plan`'s lists and `render`'s files.
 //! - [`runtime`]: watches, caches, appliers, finalizers, leader election.
 //! - [`telemetry`]: Prometheus metrics and health endpoints.
-//! - [`offline`]: `render` and the CRD reference.
+//! - [`offline`]: `render`, `mig-geometry` and the CRD reference.
 //! - [`preview`]: `plan`, what applying policy files would change in a live cluster (read-only).
 
 pub mod api;

@@ -9,6 +9,7 @@ mod support;
 use std::collections::BTreeMap;
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+use gpu_sharing_operator::api::names;
 use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, VersionMatch};
@@ -317,6 +318,107 @@ async fn custom_layout_edit_reaches_the_node() {
         (!text.contains(&before) && text.contains(&after)).then_some(())
     })
     .await;
+    op.stop().await;
+}
+
+/// A custom layout an A100 80GB cannot hold, although its compute slices add up to 7: the two
+/// 3g.40gb take memory slices 0-3 and 4-7 and leave no slot for the 1g.10gb. The node is
+/// refused (`Invalid`) before anything is written to it, the policy says which field, which
+/// model, why and the nearest feasible layout; edited to a layout the GPU can hold, it
+/// converges and shows where the instances went.
+#[tokio::test]
+async fn an_infeasible_custom_layout_is_refused_and_a_feasible_edit_converges() {
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    label_node(&c, A100, "gpusharing.io/profile", Some("mig-geometry")).await;
+    let node_before = Api::<Node>::all(c.clone()).get(A100).await.unwrap();
+    testkit::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: geometry}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: mig-geometry}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    customLayout:\n    - {migEnabled: true, migDevices: {3g.40gb: 2, 1g.10gb: 1}}\n",
+    )
+    .await
+    .unwrap();
+    let s = until("Degraded: MigGeometryInfeasible", LONG, || async {
+        let s = policy_status(&c, "geometry").await?;
+        (condition(&s, "Degraded")?["reason"] == "MigGeometryInfeasible").then_some(s)
+    })
+    .await;
+    let msg = condition(&s, "Degraded").unwrap()["message"]
+        .as_str()
+        .unwrap();
+    for part in [
+        "spec.mig.customLayout[0].migDevices",
+        "A100-SXM4-80GB cannot hold",
+        "no slot is left for 1g.10gb",
+        "nearest feasible layout",
+        A100,
+    ] {
+        assert!(msg.contains(part), "{part:?} not in {msg}");
+    }
+    assert_eq!(
+        condition(&s, "Accepted").unwrap()["reason"],
+        "IncompatibleNodes"
+    );
+    assert_eq!(condition(&s, "Ready").unwrap()["status"], "False");
+    assert_eq!(s["nodeDetails"][0]["name"], A100, "{s}");
+    assert_eq!(s["nodeDetails"][0]["state"], "Invalid", "{s}");
+    let u = condition(&s, "MigGeometryUnverified").unwrap();
+    assert_eq!(
+        (&u["status"], &u["reason"]),
+        (&json!("False"), &json!("GeometryChecked"))
+    );
+    // Nothing was written to the node (the status is written by the pass after the one that
+    // planned it, so a node write would have come first): the labels we manage are as they
+    // were, and our field manager owns nothing on it.
+    let node_after = Api::<Node>::all(c.clone()).get(A100).await.unwrap();
+    let managed = |n: &Node| -> Vec<(String, Option<String>)> {
+        names::MANAGED_LABELS
+            .iter()
+            .map(|k| (k.to_string(), n.labels().get(*k).cloned()))
+            .collect()
+    };
+    assert_eq!(managed(&node_after), managed(&node_before));
+    assert!(
+        node_after
+            .managed_fields()
+            .iter()
+            .all(|f| f.manager.as_deref() != Some(names::MANAGER)),
+        "{:?}",
+        node_after.managed_fields()
+    );
+    plan_agrees(&c).await;
+
+    edit(
+        &c,
+        "geometry",
+        json!({"spec": {"mig": {"customLayout": [
+            {"migEnabled": true, "migDevices": {"3g.40gb": 1, "2g.20gb": 1, "1g.10gb": 2}}
+        ]}}}),
+    )
+    .await;
+    node_runs(
+        &c,
+        "geometry",
+        A100,
+        &[
+            ("nvidia.com/mig-3g.40gb", "8"),
+            ("nvidia.com/mig-2g.20gb", "8"),
+            ("nvidia.com/mig-1g.10gb", "16"),
+        ],
+        &[("nvidia.com/mig.config.state", "success")],
+    )
+    .await;
+    let s = converged(&c, "geometry").await.unwrap();
+    assert_eq!(
+        s["migGeometry"],
+        json!([
+            "customLayout[0] on A100-SXM4-80GB: [3g.40gb@4][2g.20gb@0][1g.10gb@2][1g.10gb@3], free: none"
+        ]),
+        "{s}"
+    );
+    assert_eq!(condition(&s, "Degraded").unwrap()["status"], "False");
+    plan_agrees(&c).await;
     op.stop().await;
 }
 

@@ -570,6 +570,13 @@ pub struct GpuSharingPolicyStatus {
     /// `nodeDetails`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub held_nodes: BTreeMap<crate::api::state::HoldReason, i32>,
+
+    /// A custom MIG layout's instances on each GPU model of its nodes, with the free slots
+    /// left: for example `customLayout[0] on A100-SXM4-80GB: [3g.40gb@4][2g.20gb@0]
+    /// [1g.10gb@2][1g.10gb@3], free: none` (the start is the first memory slice; the MIG
+    /// manager's driver may choose other starts for the same instances).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_geometry: Vec<String>,
 }
 
 /// Where the rollout of the current generation stands.

@@ -58,6 +58,9 @@ string_enum!(
         Waiting,
         // The policy is not accepted, or cannot run on this node: the node is left as it was.
         Rejected,
+        // The policy's MIG layout cannot be placed on this node's GPUs (their model's MIG
+        // geometry): the node is left as it was.
+        Invalid,
         // The MIG manager failed (or stayed pending past the timeout): left untouched.
         Failed,
         // Its named MIG layout changed content since the node was configured.
@@ -73,6 +76,14 @@ string_enum!(
         Draining,
     }
 );
+
+impl NodeState {
+    /// The policy cannot run on the node as it is, which is left as it was (`Rejected`,
+    /// `Invalid`).
+    pub fn refused(self) -> bool {
+        matches!(self, NodeState::Rejected | NodeState::Invalid)
+    }
+}
 
 string_enum!(
     /// Why the operator holds a node it governs as it is (a `Waiting` or `Queued` node): the
@@ -119,6 +130,9 @@ string_enum!(
         Conflicted,
         Overridden,
         Degraded,
+        // Only on policies with a custom MIG layout: True when some of their nodes have a GPU
+        // model whose MIG geometry the operator does not know (the layout is not checked).
+        MigGeometryUnverified,
     }
 );
 
@@ -153,12 +167,16 @@ string_enum!(
         NotOverridden,
         // Degraded
         MigConfigFailed,
+        MigGeometryInfeasible,
         VgpuConfigFailed,
         ClusterPolicyMissing,
         ClusterPolicyContested,
         ReadinessTaintNotTolerated,
         GpuClusterPresent,
         Healthy,
+        // MigGeometryUnverified
+        UnknownGpuModel,
+        GeometryChecked,
     }
 );
 

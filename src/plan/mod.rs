@@ -34,6 +34,7 @@ pub mod decision;
 pub mod dra;
 pub mod drain;
 pub mod facts;
+pub mod geometry;
 pub mod input;
 pub mod labels;
 pub mod memo;
@@ -294,7 +295,7 @@ fn plan_nodes<'n>(
                 });
                 t.capacity_unknown |= !capacity::add_capacity(total, &c);
             }
-            if state != NodeState::Rejected {
+            if !state.refused() {
                 out.accepted.entry(i).or_default().push(n);
             }
             t.add(state, o.reason, || NodeDetail {
@@ -366,12 +367,15 @@ fn per_policy(
                 conflicting.push(format!("{n} (won by {})", w.name));
             }
         }
+        let (gpu_models, unverified_products) = gpu_models(p, &accepted);
         let place = Placement {
             matched,
             conflicting,
             overridden,
             missing_namespaces,
             templates: templates.iter().map(|(id, _)| id.clone()).collect(),
+            gpu_models,
+            unverified_products,
         };
         let tally = np.tallies.remove(&i).unwrap_or_default();
         out.statuses
@@ -382,6 +386,35 @@ fn per_policy(
         }
     }
     out
+}
+
+/// For a policy with a custom MIG layout: the GPU models of the nodes it runs on, known (by
+/// name) and unknown (by product); each distinct product and memory label is looked up once.
+fn gpu_models(p: &Prepared, accepted: &[&NodeFacts]) -> (BTreeSet<&'static str>, BTreeSet<String>) {
+    let (mut known, mut unknown) = (BTreeSet::new(), BTreeSet::new());
+    if !geometry::checks(p.spec) {
+        return (known, unknown);
+    }
+    let mut seen: BTreeSet<(Option<&str>, Option<&str>)> = BTreeSet::new();
+    for n in accepted {
+        let key = (
+            n.labels.get(LABEL_GPU_PRODUCT),
+            n.labels.get(LABEL_GPU_MEMORY),
+        );
+        if !seen.insert(key) {
+            continue;
+        }
+        match geometry::node_model(n) {
+            geometry::NodeModel::Known(m) => {
+                known.insert(m.name);
+            }
+            geometry::NodeModel::Unknown(product) => {
+                unknown.insert(product);
+            }
+            geometry::NodeModel::Unlabelled => {}
+        }
+    }
+    (known, unknown)
 }
 
 /// One node's plan before the rollout gate, and whether it read the clock.

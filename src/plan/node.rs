@@ -58,6 +58,9 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
     if let Some(reason) = rejection {
         return hold(NodeState::Rejected, reason);
     }
+    if let Some(why) = super::geometry::node_refusal(w.spec, n) {
+        return hold(NodeState::Invalid, why);
+    }
     if !vm_strategy && is_vm_host(n) && !n.owned.contains(LABEL_WORKLOAD) {
         return hold(
             NodeState::Rejected,

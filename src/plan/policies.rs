@@ -126,6 +126,9 @@ fn prepare<'a>(
 ) -> Prepared<'a> {
     let name = p.metadata.name.clone().unwrap_or_default();
     let (mut errors, warnings) = validate::validate(&name, &p.spec);
+    if errors.is_empty() {
+        errors.extend(super::geometry::pinned_errors(&p.spec));
+    }
     let backing = errors
         .is_empty()
         .then(|| backing(&name, &p.spec, base, &mut errors));

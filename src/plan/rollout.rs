@@ -151,7 +151,10 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
     // same, after reading the node's mark).
     let state = e.outcome.state;
     if state == Some(NodeState::Applied) && e.in_sync
-        || matches!(state, Some(NodeState::Rejected | NodeState::Stale))
+        || matches!(
+            state,
+            Some(NodeState::Rejected | NodeState::Invalid | NodeState::Stale)
+        )
     {
         return Phase::Settled;
     }
@@ -176,7 +179,9 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
             n.name, e.outcome.message
         ))),
         Some(NodeState::Applied) if !changes => Phase::Settled,
-        Some(NodeState::Rejected | NodeState::Failed | NodeState::Stale) => Phase::Settled,
+        Some(
+            NodeState::Rejected | NodeState::Invalid | NodeState::Failed | NodeState::Stale,
+        ) => Phase::Settled,
         // Busy GPUs under `drain`: starting the node means draining it.
         Some(NodeState::Waiting) if w.drains() && !started && earlier => {
             Phase::CandidateUnavailable
@@ -360,7 +365,7 @@ pub fn gate(
         }
         let governed = idx
             .iter()
-            .filter(|i| entries[**i].outcome.state != Some(NodeState::Rejected))
+            .filter(|i| !entries[**i].outcome.state.is_some_and(NodeState::refused))
             .count();
         let mut progress = Progress {
             max_unavailable: budget(w.spec, governed),

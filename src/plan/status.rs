@@ -84,6 +84,10 @@ pub struct Placement<'a> {
     pub templates: Vec<String>,
     /// Namespaces its DRA settings list that do not exist (their templates wait for them).
     pub missing_namespaces: Vec<String>,
+    /// For a custom MIG layout: the GPU models of the nodes it runs on, with a geometry table
+    /// (by name) and without one (by product).
+    pub gpu_models: std::collections::BTreeSet<&'static str>,
+    pub unverified_products: std::collections::BTreeSet<String>,
 }
 
 pub fn condition(
@@ -116,8 +120,41 @@ fn listed(details: &[&NodeDetail], n: usize) -> String {
     }
 }
 
+/// The `Invalid` nodes, by why (the layout's field, the model and the reason): one sentence per
+/// distinct reason, naming its nodes.
+fn infeasible_geometry(t: &Tally) -> Option<String> {
+    let invalid = t.in_state(NodeState::Invalid);
+    if invalid.is_empty() {
+        return None;
+    }
+    let mut by_why: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for d in &invalid {
+        by_why.entry(&d.message).or_default().push(&d.name);
+    }
+    let reasons: Vec<String> = by_why
+        .into_iter()
+        .map(|(why, nodes)| {
+            let more = nodes.len().saturating_sub(5);
+            let shown = nodes[..nodes.len().min(5)].join(", ");
+            let more = if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            };
+            format!("{why} (nodes {shown}{more})")
+        })
+        .collect();
+    Some(format!(
+        "the custom MIG layout cannot be created on the GPUs of {} nodes, left as they were: {}",
+        invalid.len(),
+        reasons.join("; ")
+    ))
+}
+
 fn accepted(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
-    let rejected = t.in_state(NodeState::Rejected);
+    let mut rejected = t.in_state(NodeState::Rejected);
+    rejected.extend(t.in_state(NodeState::Invalid));
+    rejected.sort_by(|a, b| a.name.cmp(&b.name));
     if !p.errors.is_empty() {
         let msgs: Vec<String> = p.errors.iter().map(|e| e.to_string()).collect();
         (false, Reason::InvalidSpec, msgs.join("; "))
@@ -145,7 +182,9 @@ fn ready(
 ) -> (bool, Reason, String) {
     let won = t.governed as i32;
     let stale = t.in_state(NodeState::Stale).len();
-    let all = t.applied == won && t.in_state(NodeState::Rejected).is_empty();
+    let all = t.applied == won
+        && t.in_state(NodeState::Rejected).is_empty()
+        && t.in_state(NodeState::Invalid).is_empty();
     if !p.accepted() {
         (
             false,
@@ -322,6 +361,8 @@ fn degraded(p: &Prepared, t: &Tally, c: &Cluster) -> (bool, Reason, String) {
                 "the operator runs with --readiness-taint={key}, but ClusterPolicy spec.daemonsets.tolerations does not tolerate {key}: the GPU Operator's driver, device plugin and GPU Feature Discovery would never start on a node with it, so no readiness taint is removed. Add {{key: {key}, operator: Exists, effect: NoSchedule}} there (and to NFD's worker)"
             ),
         )
+    } else if let Some(msg) = infeasible_geometry(t) {
+        (true, Reason::MigGeometryInfeasible, msg)
     } else if !t.in_state(NodeState::Stale).is_empty() {
         let layout = p
             .spec
@@ -401,6 +442,13 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         cond(ConditionType::Overridden, overridden(&place.overridden)),
         cond(ConditionType::Degraded, degraded(p, &t, c)),
     ];
+    let mut conditions = conditions;
+    if super::geometry::checks(p.spec) {
+        conditions.push(cond(
+            ConditionType::MigGeometryUnverified,
+            unverified(&place),
+        ));
+    }
     let warnings = warnings(p, &t);
     let capacity = p.errors.is_empty().then(|| {
         t.capacity.clone().unwrap_or(Capacity {
@@ -462,5 +510,35 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
             halted_nodes: r.halted.unwrap_or_default(),
         }),
         held_nodes,
+        mig_geometry: super::geometry::report(p.spec, &place.gpu_models),
     }
+}
+
+/// Whether the custom MIG layout lands on GPU models without a geometry table.
+fn unverified(place: &Placement) -> (bool, Reason, String) {
+    if place.unverified_products.is_empty() {
+        let models: Vec<&str> = place.gpu_models.iter().copied().collect();
+        let msg = if models.is_empty() {
+            "no node runs the layout yet".to_string()
+        } else {
+            format!(
+                "the layout was checked against the MIG geometry of {}",
+                models.join(", ")
+            )
+        };
+        return (false, Reason::GeometryChecked, msg);
+    }
+    let products: Vec<&str> = place
+        .unverified_products
+        .iter()
+        .map(String::as_str)
+        .collect();
+    (
+        true,
+        Reason::UnknownGpuModel,
+        format!(
+            "no MIG geometry is known for {}: the layout is applied there unchecked; if the MIG manager cannot create it, the node reports nvidia.com/mig.config.state=failed and the rollout halts",
+            products.join(", ")
+        ),
+    )
 }

@@ -65,6 +65,11 @@ fn side(p: &GpuSharingPolicy, s: Option<&GpuSharingPolicyStatus>) -> PolicySide 
         nodes: s.and_then(|s| s.nodes.clone()).unwrap_or_default(),
         ready,
         capacity: s.and_then(|s| s.capacity.clone()),
+        mig_geometry: s.map(|s| s.mig_geometry.clone()).unwrap_or_default(),
+        degraded: s
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Degraded"))
+            .filter(|c| c.status.as_str() == "True")
+            .map(|c| c.message.clone()),
     }
 }
 

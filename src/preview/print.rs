@@ -143,6 +143,30 @@ fn policies(out: &mut String, p: &Preview) {
     }
     let _ = writeln!(out, "Policies:");
     table(out, &rows);
+    let after = || {
+        p.policies
+            .iter()
+            .filter_map(|x| Some((&x.name, x.after.as_ref()?)))
+    };
+    if after().any(|(_, a)| !a.mig_geometry.is_empty()) {
+        let _ = writeln!(
+            out,
+            "\nMIG geometry (where each instance goes, per GPU model):"
+        );
+        for (name, a) in after() {
+            for g in &a.mig_geometry {
+                let _ = writeln!(out, "  {name}: {g}");
+            }
+        }
+    }
+    if after().any(|(_, a)| a.degraded.is_some()) {
+        let _ = writeln!(out, "\nDegraded:");
+        for (name, a) in after() {
+            if let Some(d) = &a.degraded {
+                let _ = writeln!(out, "  {name}: {d}");
+            }
+        }
+    }
 }
 
 fn nodes(out: &mut String, p: &Preview) {

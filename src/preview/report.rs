@@ -28,6 +28,12 @@ pub struct PolicySide {
     pub ready: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capacity: Option<Capacity>,
+    /// A custom MIG layout's placements per GPU model (`status.migGeometry`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mig_geometry: Vec<String>,
+    /// The `Degraded` condition's message, when it is True.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub degraded: Option<String>,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq)]
