@@ -388,6 +388,32 @@ async fn an_infeasible_custom_layout_is_refused_and_a_feasible_edit_converges() 
         node_after.managed_fields()
     );
     plan_agrees(&c).await;
+    // The same layout in a policy whose selector pins the product: refused at once, before any
+    // node matches (no node has this profile label).
+    testkit::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: geometry-pinned}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: nowhere, nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    customLayout:\n    - {migEnabled: true, migDevices: {3g.40gb: 2, 1g.10gb: 1}}\n",
+    )
+    .await
+    .unwrap();
+    let s = until("pinned policy refused", LONG, || async {
+        let s = policy_status(&c, "geometry-pinned").await?;
+        (condition(&s, "Accepted")?["reason"] == "InvalidSpec").then_some(s)
+    })
+    .await;
+    let msg = condition(&s, "Accepted").unwrap()["message"]
+        .as_str()
+        .unwrap();
+    assert!(
+        msg.contains("spec.mig.customLayout[0].migDevices")
+            && msg.contains("A100-SXM4-80GB cannot hold")
+            && msg.contains("pins nvidia.com/gpu.product"),
+        "{msg}"
+    );
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .delete("geometry-pinned", &DeleteParams::default())
+        .await
+        .unwrap();
 
     edit(
         &c,

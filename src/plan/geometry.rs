@@ -109,15 +109,20 @@ fn pinned_products(selector: &LabelSelector) -> BTreeSet<&str> {
     products
 }
 
+/// The models of the products a policy's selector pins (those with a table).
+pub fn pinned_models(spec: &GpuSharingPolicySpec) -> impl Iterator<Item = &'static Model> + '_ {
+    pinned_products(&spec.node_selector)
+        .into_iter()
+        .filter_map(|p| hw::model_for(p, None))
+}
+
 /// The errors of a policy whose selector pins GPU products whose GPUs cannot hold its custom
 /// layout: known before any node matches.
 pub fn pinned_errors(spec: &GpuSharingPolicySpec) -> Vec<FieldError> {
     let Some((_, groups)) = custom_layout(spec) else {
         return Vec::new();
     };
-    pinned_products(&spec.node_selector)
-        .into_iter()
-        .filter_map(|p| hw::model_for(p, None))
+    pinned_models(spec)
         .filter_map(|model| {
             let mut e = first_infeasible(groups, model)?;
             e.message = format!(

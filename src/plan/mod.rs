@@ -388,13 +388,15 @@ fn per_policy(
     out
 }
 
-/// For a policy with a custom MIG layout: the GPU models of the nodes it runs on, known (by
-/// name) and unknown (by product); each distinct product and memory label is looked up once.
+/// For a policy with a custom MIG layout: the GPU models of the nodes it runs on, and of the
+/// products its selector pins, known (by name) and unknown (by product); each distinct product
+/// and memory label is looked up once.
 fn gpu_models(p: &Prepared, accepted: &[&NodeFacts]) -> (BTreeSet<&'static str>, BTreeSet<String>) {
     let (mut known, mut unknown) = (BTreeSet::new(), BTreeSet::new());
     if !geometry::checks(p.spec) {
         return (known, unknown);
     }
+    known.extend(geometry::pinned_models(p.spec).map(|m| m.name));
     let mut seen: BTreeSet<(Option<&str>, Option<&str>)> = BTreeSet::new();
     for n in accepted {
         let key = (
