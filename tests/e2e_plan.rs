@@ -217,6 +217,34 @@ async fn plan_previews_changes_read_only_with_ci_exit_codes() {
     );
     assert!(b.stdout.is_empty());
 
+    // MIG geometry: a custom layout on the A100 node (selected by hostname, so the product is
+    // not pinned): where its instances go, or, when they cannot all be placed, why.
+    let geometry = |count: i32| {
+        let f = dir.path().join(format!("geometry-{count}.yaml"));
+        std::fs::write(
+            &f,
+            format!(
+                "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: a100-geometry}}\nspec:\n  nodeSelector: {{matchLabels: {{kubernetes.io/hostname: a100-node-0}}}}\n  strategy: mig\n  mig:\n    migStrategy: single\n    customLayout:\n    - {{migEnabled: true, migDevices: {{1g.20gb: {count}}}}}\n"
+            ),
+        )
+        .unwrap();
+        let o = plan(&kubeconfig, &["-f", f.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    let fits = geometry(4);
+    assert!(
+        fits.contains("a100-geometry: customLayout[0] on A100-SXM4-80GB: [1g.20gb@0][1g.20gb@2][1g.20gb@4][1g.20gb@6], free: 3 compute slices"),
+        "{fits}"
+    );
+    let five = geometry(5);
+    assert!(
+        five.contains("Degraded:")
+            && five.contains("spec.mig.customLayout[0].migDevices: A100-SXM4-80GB cannot hold")
+            && five.contains("nearest feasible layout: drop one 1g.20gb"),
+        "{five}"
+    );
+
     // Read-only: nothing changed, and the ServiceAccount never attempted anything but reads.
     assert_eq!(resource_versions(&c).await, before);
     let events = audited(&log);
