@@ -462,11 +462,21 @@ func PlanMig(n *Node, hw Hardware, in MigInput, p *Patch) MigResult {
 }
 
 func formatPlacements(places Placements) string {
+	// Runs of GPUs with the same instances in one part: "GPUs 0-7: [...]".
 	var parts []string
-	for i, gpu := range places {
-		if len(gpu) > 0 {
-			parts = append(parts, fmt.Sprintf("GPU %d: %s", i, nvmig.FormatPlacements(gpu)))
+	for i := 0; i < len(places); {
+		j, s := i+1, nvmig.FormatPlacements(places[i])
+		for j < len(places) && nvmig.FormatPlacements(places[j]) == s {
+			j++
 		}
+		switch {
+		case s == "":
+		case j-i == 1:
+			parts = append(parts, fmt.Sprintf("GPU %d: %s", i, s))
+		default:
+			parts = append(parts, fmt.Sprintf("GPUs %d-%d: %s", i, j-1, s))
+		}
+		i = j
 	}
 	if len(parts) == 0 {
 		return "no MIG instances"
