@@ -3,9 +3,12 @@ module gpusharing.io/tests/nvidia
 go 1.26.0
 
 require (
+	github.com/NVIDIA/go-nvlib v0.12.0
+	github.com/NVIDIA/go-nvml v0.13.4-1
 	github.com/NVIDIA/k8s-device-plugin v0.19.1
 	github.com/NVIDIA/mig-parted v0.13.1
 	github.com/NVIDIA/vgpu-device-manager v0.4.2
+	github.com/sirupsen/logrus v1.9.4
 	github.com/urfave/cli/v2 v2.27.7
 	golang.org/x/mod v0.40.0
 	k8s.io/api v0.37.0-rc.0
@@ -18,8 +21,6 @@ require (
 )
 
 require (
-	github.com/NVIDIA/go-nvlib v0.12.0 // indirect
-	github.com/NVIDIA/go-nvml v0.13.3-1 // indirect
 	github.com/beorn7/perks v1.0.1 // indirect
 	github.com/blang/semver/v4 v4.0.0 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
@@ -59,7 +60,6 @@ require (
 	github.com/prometheus/common v0.70.1 // indirect
 	github.com/prometheus/procfs v0.21.1 // indirect
 	github.com/russross/blackfriday/v2 v2.1.0 // indirect
-	github.com/sirupsen/logrus v1.9.4 // indirect
 	github.com/spf13/cobra v1.10.2 // indirect
 	github.com/spf13/pflag v1.0.10 // indirect
 	github.com/x448/float16 v0.8.4 // indirect
@@ -67,7 +67,7 @@ require (
 	go.opentelemetry.io/otel v1.44.0 // indirect
 	go.opentelemetry.io/otel/trace v1.44.0 // indirect
 	go.yaml.in/yaml/v2 v2.4.4 // indirect
-	go.yaml.in/yaml/v3 v3.0.4 // indirect
+	go.yaml.in/yaml/v3 v3.0.5 // indirect
 	golang.org/x/net v0.58.0 // indirect
 	golang.org/x/oauth2 v0.36.0 // indirect
 	golang.org/x/sys v0.47.0 // indirect

@@ -21,6 +21,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -29,6 +30,7 @@ import (
 	vgpuv1 "github.com/NVIDIA/vgpu-device-manager/api/spec/v1"
 
 	"gpusharing.io/tests/nvidia/internal/nvconf"
+	"gpusharing.io/tests/nvidia/internal/nvmig"
 	"gpusharing.io/tests/nvidia/internal/policy"
 	"gpusharing.io/tests/nvidia/internal/render"
 )
@@ -47,8 +49,10 @@ type options struct {
 	skipInvalid  bool
 	skipCorpus   bool
 	skipExamples bool
-	nodes        string
-	fuzzCases    string
+	// skipMigGeometry: skip the MIG geometry differential test (miggeometry.go).
+	skipMigGeometry bool
+	nodes           string
+	fuzzCases       string
 }
 
 func main() {
@@ -66,6 +70,7 @@ func main() {
 	flag.BoolVar(&o.skipInvalid, "skip-invalid", false, "skip the invalid-policy cases")
 	flag.BoolVar(&o.skipCorpus, "skip-corpus", false, "skip the generated corpus")
 	flag.BoolVar(&o.skipExamples, "skip-examples", false, "skip the examples directory")
+	flag.BoolVar(&o.skipMigGeometry, "skip-mig-geometry", false, "skip the MIG geometry differential test (operator's mig-geometry vs mig-parted on the go-nvml mock)")
 	flag.StringVar(&o.nodes, "nodes", "", "optional: Nodes manifest; the examples are also rendered with --nodes and the Node label writes checked")
 	flag.StringVar(&o.fuzzCases, "fuzz-cases", "", "optional: directory of the fuzz corpora's rendering cases (target/fuzz-cases, written by tests/fuzz_corpus.rs); each must render to what NVIDIA's parsers accept or be refused naming a field")
 	flag.Parse()
@@ -244,6 +249,23 @@ func runAll(o *options) (passed, failed, skipped int, err error) {
 				return 0, 0, 0, err
 			}
 			record(name, checkInvalid(o, path, &ic))
+		}
+	}
+	if !o.skipMigGeometry {
+		var names []string
+		for _, m := range nvmig.Models {
+			names = append(names, "mig-geometry/"+m.Name)
+		}
+		if filter == nil || slices.ContainsFunc(names, filter.MatchString) {
+			summary, reports := checkMigGeometry(o)
+			for _, line := range summary {
+				fmt.Println(line)
+			}
+			for i, name := range names {
+				if filter == nil || filter.MatchString(name) {
+					record(name, reports[i])
+				}
+			}
 		}
 	}
 	return passed, failed, skipped, nil

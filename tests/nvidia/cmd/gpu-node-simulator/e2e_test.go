@@ -207,6 +207,11 @@ func TestE2ESimulatorAgainstAPIServer(t *testing.T) {
 		t.Log("pending state not observed (polling may have missed it)")
 	}
 	waitFor("MIG capacity", func() bool { return capacity("a100-node-0", "nvidia.com/gpu") == "112" })
+	// Each instance placed by the go-nvml mock's A100 80GB data: seven 1g at 0..6.
+	if geo := node("a100-node-0").Annotations[sim.AnnMigGeometry]; !strings.Contains(geo, `"p":[{"profile":"1g.10gb","start":0,"size":1}`) ||
+		!strings.Contains(geo, `{"profile":"1g.10gb","start":6,"size":1}]`) {
+		t.Fatalf("geometry %s", geo)
+	}
 
 	// A GPU pod on a100-node-1 makes its reconfiguration fail.
 	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "busy", Namespace: "default"}, Spec: corev1.PodSpec{
@@ -221,6 +226,33 @@ func TestE2ESimulatorAgainstAPIServer(t *testing.T) {
 	waitFor("MIG failed", func() bool { return node("a100-node-1").Labels[sim.LabelMigState] == sim.StateFailed })
 	if msg := node("a100-node-1").Annotations[sim.AnnMigError]; !strings.Contains(msg, "In use by another client") {
 		t.Fatalf("mig error %q", msg)
+	}
+
+	// A layout no A100 can hold (two 3g.40gb take all 8 memory slices): failed,
+	// with mig-parted's error; mig-parted stops at GPU 0 and leaves it
+	// cleared, the other GPUs keep their 1g.10gb: nothing of the new layout.
+	migCM := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "mig-test", Namespace: "gpu-operator"}, Data: map[string]string{
+		"config.yaml": "version: v1\nmig-configs:\n  all-disabled:\n  - devices: all\n    mig-enabled: false\n" +
+			"  all-1g.10gb:\n  - devices: all\n    mig-enabled: true\n    mig-devices: {1g.10gb: 7}\n" +
+			"  two-3g-and-2g:\n  - devices: all\n    mig-enabled: true\n    mig-devices: {3g.40gb: 2, 2g.20gb: 1}\n",
+	}}
+	if _, err := core.ConfigMaps("gpu-operator").Create(ctx, migCM, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cpPatch = `{"spec":{"migManager":{"config":{"name":"mig-test"}}}}`
+	if _, err := dyn.Resource(clusterPolicyGVR).Patch(ctx, "cluster-policy", types.MergePatchType, []byte(cpPatch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	label("a100-node-0", sim.LabelMigConfig, "two-3g-and-2g")
+	waitFor("infeasible MIG layout failed", func() bool { return node("a100-node-0").Labels[sim.LabelMigState] == sim.StateFailed })
+	n := node("a100-node-0")
+	if msg := n.Annotations[sim.AnnMigError]; !strings.Contains(msg, "all orderings failed") || !strings.Contains(msg, "ERROR_INSUFFICIENT_RESOURCES") {
+		t.Fatalf("mig error %q", msg)
+	}
+	for i, gpu := range sim.GeometryOf(n.Annotations, 8) {
+		if gpu.MigDevices["3g.40gb"] != 0 || (i == 0) != (len(gpu.MigDevices) == 0) {
+			t.Fatalf("GPU %d after the failure: %s", i, n.Annotations[sim.AnnMigGeometry])
+		}
 	}
 	fmt.Fprintln(os.Stderr, "e2e: simulator scenario passed")
 }

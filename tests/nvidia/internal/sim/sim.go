@@ -16,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"gpusharing.io/tests/nvidia/internal/nvconf"
+	"gpusharing.io/tests/nvidia/internal/nvmig"
 )
 
 const (
@@ -26,6 +27,7 @@ const (
 	LabelMigCapable = "nvidia.com/mig.capable"
 	LabelProduct    = "nvidia.com/gpu.product"
 	LabelCount      = "nvidia.com/gpu.count"
+	LabelMemory     = "nvidia.com/gpu.memory"
 
 	AnnPrefix = "simulator.gpusharing.io/"
 	// AnnHardware: the node's simulated hardware (JSON), recorded from its
@@ -35,7 +37,9 @@ const (
 	// manager acted on (success or failed).
 	AnnAppliedMig = AnnPrefix + "applied-mig-config"
 	// AnnMigGeometry: the MIG state of each GPU (JSON) after the last
-	// successful reconfiguration.
+	// reconfiguration that touched the GPUs: "e" MIG mode, "d" devices by
+	// profile, "p" each instance's placement (profile, start, size) when the
+	// node's model has go-nvml mock data (see GeometryAnnotation).
 	AnnMigGeometry = AnnPrefix + "mig-geometry"
 	AnnMigError    = AnnPrefix + "mig-manager-error"
 	// AnnDPLoaded: what the simulated device plugin last loaded its config
@@ -60,6 +64,10 @@ const (
 	// the node never confirms its new config.
 	AnnFault              = AnnPrefix + "fault"
 	FaultDevicePluginHang = "device-plugin-hang"
+	// FaultMigApplyFail: the MIG manager fails its next reconfiguration
+	// (after pending, before touching the GPUs), e.g. to fail a layout on a
+	// GPU model the simulator has no placement data for.
+	FaultMigApplyFail = "mig-apply-fail"
 
 	StatePending = "pending"
 	StateSuccess = "success"
@@ -75,6 +83,9 @@ type Hardware struct {
 	ComputeCapability string `json:"computeCapability,omitempty"`
 	MigCapable        bool   `json:"migCapable"`
 	DeviceID          string `json:"deviceID,omitempty"` // PCI device ID used by mig-parted device-filter
+	// MemoryMiB: nvidia.com/gpu.memory; with Product it selects the go-nvml
+	// mock model whose MIG data the MIG manager uses (nvmig.ModelFor).
+	MemoryMiB int `json:"memoryMiB,omitempty"`
 }
 
 // deviceIDs maps GFD product names to the PCI device IDs that NVIDIA's
@@ -109,6 +120,7 @@ func HardwareOf(labels, annotations map[string]string) (hw Hardware, recorded bo
 	product = strings.TrimSuffix(product, "-SHARED")
 	hw = Hardware{Product: product, Count: 1, MigCapable: labels[LabelMigCapable] == "true", DeviceID: deviceIDs[product]}
 	fmt.Sscan(labels[LabelCount], &hw.Count)
+	fmt.Sscan(labels[LabelMemory], &hw.MemoryMiB)
 	if hw.Count < 1 {
 		hw.Count = 1
 	}
@@ -125,11 +137,19 @@ func HardwareOf(labels, annotations map[string]string) (hw Hardware, recorded bo
 type Geometry []nvconf.GPU
 
 type geoGPU struct {
-	Enabled bool           `json:"e"`
-	Devices map[string]int `json:"d,omitempty"`
+	Enabled    bool              `json:"e"`
+	Devices    map[string]int    `json:"d,omitempty"`
+	Placements []nvmig.Placement `json:"p,omitempty"`
 }
 
+// String: each GPU's MIG mode and devices (JSON, without placements): what
+// the device plugin sees, and what "already applied" compares.
 func (g Geometry) String() string {
+	b, _ := json.Marshal(g.gpus())
+	return string(b)
+}
+
+func (g Geometry) gpus() []geoGPU {
 	out := make([]geoGPU, len(g))
 	for i, gpu := range g {
 		out[i] = geoGPU{Enabled: gpu.MigEnabled}
@@ -142,8 +162,7 @@ func (g Geometry) String() string {
 			}
 		}
 	}
-	b, _ := json.Marshal(out)
-	return string(b)
+	return out
 }
 
 // GeometryOf reads the geometry annotation; without one, all GPUs have MIG
@@ -405,11 +424,64 @@ func PlanMig(n *Node, hw Hardware, in MigInput, p *Patch) MigResult {
 		p.logf("MIG config %q failed: %s", desired, msg)
 		return res
 	}
+	if n.Annotations[AnnFault] == FaultMigApplyFail {
+		msg := "fault injected (" + AnnFault + "=" + FaultMigApplyFail + "): the MIG manager failed before changing the GPUs"
+		finish(StateFailed, msg)
+		p.logf("MIG config %q failed: %s", desired, msg)
+		return res
+	}
+	model := nvmig.ModelFor(hw.Product, hw.MemoryMiB)
+	if model == nil {
+		// No go-nvml mock data for this GPU: nothing to place the instances
+		// with. They are created as asked, unchecked.
+		finish(StateSuccess, "")
+		p.setAnn(n, AnnMigGeometry, GeometryAnnotation(next, nil))
+		res.Geometry = next
+		p.logf("MIG config %q applied: %s (MIG geometry unverified: the go-nvml mock describes no %s with %d MiB; instances created without placement checks)",
+			desired, next.String(), hw.Product, hw.MemoryMiB)
+		return res
+	}
+	applied, places, err := ApplyOnModel(model, slice, hw, geo, PlacementsOf(n.Annotations, hw.Count))
+	p.setAnn(n, AnnMigGeometry, GeometryAnnotation(applied, places))
+	res.Geometry = applied
+	if err != nil {
+		finish(StateFailed, err.Error())
+		p.logf("MIG config %q failed on %s: %v; GPUs left as %s", desired, model, err, applied.String())
+		return res
+	}
 	finish(StateSuccess, "")
-	p.setAnn(n, AnnMigGeometry, next.String())
-	res.Geometry = next
-	p.logf("MIG config %q applied: %s", desired, next.String())
+	p.logf("MIG config %q applied with %s: %s", desired, model, formatPlacements(places))
+	if applied.String() != next.String() {
+		// mig-parted v0.13.1 creates nothing on a GPU whose mig-devices name
+		// a profile the GPU does not have (its Flatten drops the whole map)
+		// and still reports success.
+		p.logf("MIG config %q: the GPUs have %s, not the %s asked for: a profile the %s does not have makes mig-parted create no instance on that GPU",
+			desired, applied.String(), next.String(), model.Product)
+	}
 	return res
+}
+
+func formatPlacements(places Placements) string {
+	// Runs of GPUs with the same instances in one part: "GPUs 0-7: [...]".
+	var parts []string
+	for i := 0; i < len(places); {
+		j, s := i+1, nvmig.FormatPlacements(places[i])
+		for j < len(places) && nvmig.FormatPlacements(places[j]) == s {
+			j++
+		}
+		switch {
+		case s == "":
+		case j-i == 1:
+			parts = append(parts, fmt.Sprintf("GPU %d: %s", i, s))
+		default:
+			parts = append(parts, fmt.Sprintf("GPUs %d-%d: %s", i, j-1, s))
+		}
+		i = j
+	}
+	if len(parts) == 0 {
+		return "no MIG instances"
+	}
+	return strings.Join(parts, ", ")
 }
 
 // BusyPods lists the unfinished pods of a node that request NVIDIA GPU
