@@ -448,6 +448,69 @@ async fn an_infeasible_custom_layout_is_refused_and_a_feasible_edit_converges() 
     op.stop().await;
 }
 
+/// A custom layout on a GPU model without a MIG geometry table is applied unchecked, and the
+/// policy says so (`MigGeometryUnverified`, naming the product); when NVIDIA's MIG manager
+/// (simulated, with a fault injected) then fails it, the rollout halts, naming the node.
+#[tokio::test]
+async fn a_layout_on_an_unknown_gpu_model_applies_with_a_warning_and_its_failure_halts_the_rollout()
+{
+    const PRODUCT: &str = "NVIDIA-Future-GPU-80GB";
+    const HARDWARE: &str = "simulator.gpusharing.io/hardware";
+    let (_g, cluster, _sim) = setup().await;
+    let c = cluster.client.clone();
+    let nodes: Api<Node> = Api::all(c.clone());
+    // The A100 node becomes a GPU no table describes (its product label, and the hardware the
+    // simulator recorded), whose MIG manager fails its next reconfiguration.
+    let mut hw: Value = until("hardware recorded", LONG, || async {
+        let n = nodes.get(A100).await.ok()?;
+        serde_json::from_str(n.annotations().get(HARDWARE)?).ok()
+    })
+    .await;
+    hw["product"] = json!(PRODUCT);
+    nodes
+        .patch(
+            A100,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {
+                "labels": {"nvidia.com/gpu.product": PRODUCT, "gpusharing.io/profile": "future"},
+                "annotations": {HARDWARE: hw.to_string(), "simulator.gpusharing.io/fault": "mig-apply-fail"}
+            }})),
+        )
+        .await
+        .unwrap();
+    let op = Operator::start(c.clone(), Some(NS));
+    testkit::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: future}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: future}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    customLayout:\n    - {migEnabled: true, migDevices: {1g.10gb: 7}}\n",
+    )
+    .await
+    .unwrap();
+    let s = until("RolloutHalted", LONG, || async {
+        let s = policy_status(&c, "future").await?;
+        (condition(&s, "Progressing")?["reason"] == "RolloutHalted").then_some(s)
+    })
+    .await;
+    let halted = condition(&s, "Progressing").unwrap()["message"]
+        .as_str()
+        .unwrap();
+    assert!(halted.contains(A100), "{halted}");
+    let u = condition(&s, "MigGeometryUnverified").unwrap();
+    assert_eq!(
+        (&u["status"], &u["reason"]),
+        (&json!("True"), &json!("UnknownGpuModel")),
+        "{u}"
+    );
+    assert!(u["message"].as_str().unwrap().contains(PRODUCT), "{u}");
+    // The layout did reach the node (unchecked): the MIG manager is what failed it.
+    let l = labels(&c, A100).await;
+    assert!(
+        l["nvidia.com/mig.config"].starts_with("custom-future-"),
+        "{l:?}"
+    );
+    assert_eq!(l["nvidia.com/mig.config.state"], "failed");
+    op.stop().await;
+}
+
 #[tokio::test]
 async fn mig_time_slicing_replicas_edit_reaches_the_node() {
     // all-1g.10gb (7 instances per GPU, single strategy: advertised as nvidia.com/gpu), x2.
