@@ -134,8 +134,9 @@ pub fn pinned_errors(spec: &GpuSharingPolicySpec) -> Vec<FieldError> {
         .collect()
 }
 
-/// For the status: where each group's instances go on each model among `models`, and the
-/// products among `unknown` without a table. Nothing for a policy without a custom layout.
+/// For the status: where each group's instances go on each of `models` (groups that cannot be
+/// placed there are reported by the nodes they make `Invalid`). Nothing for a policy without a
+/// custom layout.
 pub fn report(spec: &GpuSharingPolicySpec, models: &BTreeSet<&'static str>) -> Vec<String> {
     let Some((_, groups)) = custom_layout(spec) else {
         return Vec::new();

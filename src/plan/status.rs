@@ -431,7 +431,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
     let cond = |type_, (ok, reason, msg): (bool, Reason, String)| {
         condition(type_, ok, reason, msg, generation)
     };
-    let conditions = vec![
+    let mut conditions = vec![
         cond(ConditionType::Accepted, accepted(p, &t)),
         cond(
             ConditionType::Ready,
@@ -442,7 +442,6 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         cond(ConditionType::Overridden, overridden(&place.overridden)),
         cond(ConditionType::Degraded, degraded(p, &t, c)),
     ];
-    let mut conditions = conditions;
     if super::geometry::checks(p.spec) {
         conditions.push(cond(
             ConditionType::MigGeometryUnverified,
