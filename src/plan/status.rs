@@ -58,6 +58,11 @@ impl Tally {
     fn in_state(&self, s: NodeState) -> Vec<&NodeDetail> {
         self.details.iter().filter(|d| d.state == s).collect()
     }
+
+    /// The nodes the policy cannot run on, left as they were (see [`NodeState::refused`]).
+    fn refused(&self) -> Vec<&NodeDetail> {
+        self.details.iter().filter(|d| d.state.refused()).collect()
+    }
 }
 
 /// Cluster facts every status reports on.
@@ -133,16 +138,7 @@ fn infeasible_geometry(t: &Tally) -> Option<String> {
     }
     let reasons: Vec<String> = by_why
         .into_iter()
-        .map(|(why, nodes)| {
-            let more = nodes.len().saturating_sub(5);
-            let shown = nodes[..nodes.len().min(5)].join(", ");
-            let more = if more > 0 {
-                format!(" and {more} more")
-            } else {
-                String::new()
-            };
-            format!("{why} (nodes {shown}{more})")
-        })
+        .map(|(why, nodes)| format!("{why} (nodes {})", names_of(&nodes, 5)))
         .collect();
     Some(format!(
         "the custom MIG layout cannot be created on the GPUs of {} nodes, left as they were: {}",
@@ -152,9 +148,7 @@ fn infeasible_geometry(t: &Tally) -> Option<String> {
 }
 
 fn accepted(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
-    let mut rejected = t.in_state(NodeState::Rejected);
-    rejected.extend(t.in_state(NodeState::Invalid));
-    rejected.sort_by(|a, b| a.name.cmp(&b.name));
+    let rejected = t.refused();
     if !p.errors.is_empty() {
         let msgs: Vec<String> = p.errors.iter().map(|e| e.to_string()).collect();
         (false, Reason::InvalidSpec, msgs.join("; "))
@@ -182,9 +176,7 @@ fn ready(
 ) -> (bool, Reason, String) {
     let won = t.governed as i32;
     let stale = t.in_state(NodeState::Stale).len();
-    let all = t.applied == won
-        && t.in_state(NodeState::Rejected).is_empty()
-        && t.in_state(NodeState::Invalid).is_empty();
+    let all = t.applied == won && t.refused().is_empty();
     if !p.accepted() {
         (
             false,
@@ -279,8 +271,13 @@ fn progressing(p: &Prepared, t: &Tally) -> (bool, Reason, String) {
 }
 
 /// Up to `n` names, and how many more there are.
-fn names_of(names: &[String], n: usize) -> String {
-    let shown = names.iter().take(n).cloned().collect::<Vec<_>>().join(", ");
+fn names_of<S: AsRef<str>>(names: &[S], n: usize) -> String {
+    let shown = names
+        .iter()
+        .take(n)
+        .map(AsRef::as_ref)
+        .collect::<Vec<_>>()
+        .join(", ");
     match names.len().saturating_sub(n) {
         0 => shown,
         more => format!("{shown} and {more} more"),
