@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
-use crate::api::crd::{GpuSharingPolicySpec, Mig, MigDeviceGroup, Strategy};
+use crate::api::crd::{GpuSharingPolicySpec, MigDeviceGroup, Strategy};
 use crate::api::names::{LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT, SHARED_SUFFIX};
 use crate::nvidia::geometry::{self as hw, Model};
 use crate::validate::FieldError;
@@ -21,12 +21,11 @@ use crate::validate::FieldError;
 use super::NodeFacts;
 
 /// The custom layout a policy spec checks, when it has one.
-fn custom_layout(spec: &GpuSharingPolicySpec) -> Option<(&Mig, &[MigDeviceGroup])> {
+fn custom_layout(spec: &GpuSharingPolicySpec) -> Option<&[MigDeviceGroup]> {
     if spec.strategy != Strategy::Mig {
         return None;
     }
-    let mig = spec.mig.as_ref()?;
-    Some((mig, mig.custom_layout.as_deref()?))
+    spec.mig.as_ref()?.custom_layout.as_deref()
 }
 
 /// One GPU's instances in a group: each profile as many times as its count.
@@ -84,7 +83,7 @@ fn first_infeasible(groups: &[MigDeviceGroup], model: &'static Model) -> Option<
 
 /// Why this node's GPUs cannot hold the policy's custom layout, when they cannot.
 pub fn node_refusal(spec: &GpuSharingPolicySpec, n: &NodeFacts) -> Option<String> {
-    let (_, groups) = custom_layout(spec)?;
+    let groups = custom_layout(spec)?;
     let NodeModel::Known(model) = node_model(n) else {
         return None;
     };
@@ -119,7 +118,7 @@ pub fn pinned_models(spec: &GpuSharingPolicySpec) -> impl Iterator<Item = &'stat
 /// The errors of a policy whose selector pins GPU products whose GPUs cannot hold its custom
 /// layout: known before any node matches.
 pub fn pinned_errors(spec: &GpuSharingPolicySpec) -> Vec<FieldError> {
-    let Some((_, groups)) = custom_layout(spec) else {
+    let Some(groups) = custom_layout(spec) else {
         return Vec::new();
     };
     pinned_models(spec)
@@ -138,7 +137,7 @@ pub fn pinned_errors(spec: &GpuSharingPolicySpec) -> Vec<FieldError> {
 /// placed there are reported by the nodes they make `Invalid`). Nothing for a policy without a
 /// custom layout.
 pub fn report(spec: &GpuSharingPolicySpec, models: &BTreeSet<&'static str>) -> Vec<String> {
-    let Some((_, groups)) = custom_layout(spec) else {
+    let Some(groups) = custom_layout(spec) else {
         return Vec::new();
     };
     let mut lines = Vec::new();
@@ -153,6 +152,40 @@ pub fn report(spec: &GpuSharingPolicySpec, models: &BTreeSet<&'static str>) -> V
         }
     }
     lines
+}
+
+/// For a policy with a custom layout: the GPU models of the nodes it runs on (`accepted`) and
+/// of the products its selector pins, known (by name) and unknown (by product); each distinct
+/// product and memory label is looked up once.
+pub fn gpu_models(
+    spec: &GpuSharingPolicySpec,
+    accepted: &[&NodeFacts],
+) -> (BTreeSet<&'static str>, BTreeSet<String>) {
+    let (mut known, mut unknown) = (BTreeSet::new(), BTreeSet::new());
+    if !checks(spec) {
+        return (known, unknown);
+    }
+    known.extend(pinned_models(spec).map(|m| m.name));
+    let mut seen: BTreeSet<(Option<&str>, Option<&str>)> = BTreeSet::new();
+    for n in accepted {
+        let key = (
+            n.labels.get(LABEL_GPU_PRODUCT),
+            n.labels.get(LABEL_GPU_MEMORY),
+        );
+        if !seen.insert(key) {
+            continue;
+        }
+        match node_model(n) {
+            NodeModel::Known(m) => {
+                known.insert(m.name);
+            }
+            NodeModel::Unknown(product) => {
+                unknown.insert(product);
+            }
+            NodeModel::Unlabelled => {}
+        }
+    }
+    (known, unknown)
 }
 
 /// Whether the policy has a custom layout to check.

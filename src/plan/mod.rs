@@ -367,7 +367,7 @@ fn per_policy(
                 conflicting.push(format!("{n} (won by {})", w.name));
             }
         }
-        let (gpu_models, unverified_products) = gpu_models(p, &accepted);
+        let (gpu_models, unverified_products) = geometry::gpu_models(p.spec, &accepted);
         let place = Placement {
             matched,
             conflicting,
@@ -386,37 +386,6 @@ fn per_policy(
         }
     }
     out
-}
-
-/// For a policy with a custom MIG layout: the GPU models of the nodes it runs on, and of the
-/// products its selector pins, known (by name) and unknown (by product); each distinct product
-/// and memory label is looked up once.
-fn gpu_models(p: &Prepared, accepted: &[&NodeFacts]) -> (BTreeSet<&'static str>, BTreeSet<String>) {
-    let (mut known, mut unknown) = (BTreeSet::new(), BTreeSet::new());
-    if !geometry::checks(p.spec) {
-        return (known, unknown);
-    }
-    known.extend(geometry::pinned_models(p.spec).map(|m| m.name));
-    let mut seen: BTreeSet<(Option<&str>, Option<&str>)> = BTreeSet::new();
-    for n in accepted {
-        let key = (
-            n.labels.get(LABEL_GPU_PRODUCT),
-            n.labels.get(LABEL_GPU_MEMORY),
-        );
-        if !seen.insert(key) {
-            continue;
-        }
-        match geometry::node_model(n) {
-            geometry::NodeModel::Known(m) => {
-                known.insert(m.name);
-            }
-            geometry::NodeModel::Unknown(product) => {
-                unknown.insert(product);
-            }
-            geometry::NodeModel::Unlabelled => {}
-        }
-    }
-    (known, unknown)
 }
 
 /// One node's plan before the rollout gate, and whether it read the clock.
