@@ -318,6 +318,60 @@ async fn custom_layout_edit_reaches_the_node() {
         (!text.contains(&before) && text.contains(&after)).then_some(())
     })
     .await;
+
+    // `devices: all`, as mig-parted's own configs write it, is accepted and rendered so.
+    edit(
+        &c,
+        "a100-mig-split",
+        json!({"spec": {"mig": {"customLayout": [
+            {"devices": "all", "migEnabled": true, "migDevices": {"2g.20gb": 3}}
+        ]}}}),
+    )
+    .await;
+    node_runs(
+        &c,
+        "a100-mig-split",
+        A100,
+        &[("nvidia.com/mig-2g.20gb", "24")],
+        &[("nvidia.com/mig.config.state", "success")],
+    )
+    .await;
+    let all = converged(&c, "a100-mig-split").await.unwrap()["migConfig"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let data = configmap_data(&c, "gpu-sharing-mig-parted-config")
+        .await
+        .unwrap();
+    let config: Value = testkit::parse_yaml_documents(&data["config.yaml"]).unwrap()[0].clone();
+    assert_eq!(
+        config["mig-configs"][&all],
+        json!([{"devices": "all", "mig-enabled": true, "mig-devices": {"2g.20gb": 3}}]),
+        "{config}"
+    );
+    // Anything else is kept by the API server (no schema can type "a word or a list"), and
+    // refused by the operator naming the field; the node keeps running the last layout.
+    edit(
+        &c,
+        "a100-mig-split",
+        json!({"spec": {"mig": {"customLayout": [
+            {"devices": "every", "migEnabled": true, "migDevices": {"1g.10gb": 7}}
+        ]}}}),
+    )
+    .await;
+    let s = until("devices: every refused", LONG, || async {
+        let s = policy_status(&c, "a100-mig-split").await?;
+        (condition(&s, "Accepted")?["reason"] == "InvalidSpec").then_some(s)
+    })
+    .await;
+    let msg = condition(&s, "Accepted").unwrap()["message"]
+        .as_str()
+        .unwrap();
+    assert!(
+        msg.contains("spec.mig.customLayout[0].devices") && msg.contains("got \"every\""),
+        "{msg}"
+    );
+    assert_eq!(labels(&c, A100).await["nvidia.com/mig.config"], all);
     op.stop().await;
 }
 

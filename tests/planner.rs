@@ -27,7 +27,7 @@ mod planner_model;
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpu_sharing_operator::api::crd::{
-    GpuSharingPolicy, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Mps,
+    GpuSelection, GpuSharingPolicy, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Mps,
     Strategy as Sharing, TimeSlicing, Vgpu,
 };
 use gpu_sharing_operator::api::names::{
@@ -150,7 +150,7 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
                 custom_layout: Some(vec![
                     // The layout's content follows `replicas`, so histories edit custom layouts.
                     MigDeviceGroup {
-                        devices: Some(vec![0, 1, 2, 3]),
+                        devices: Some(GpuSelection::Indices(vec![0, 1, 2, 3])),
                         mig_enabled: true,
                         mig_devices: [
                             ("1g.10gb".to_string(), 1 + replicas % 3),
@@ -159,7 +159,7 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
                         .into(),
                     },
                     MigDeviceGroup {
-                        devices: Some(vec![4, 5, 6, 7]),
+                        devices: Some(GpuSelection::Indices(vec![4, 5, 6, 7])),
                         mig_enabled: false,
                         mig_devices: BTreeMap::new(),
                     },

@@ -406,13 +406,11 @@ pub struct Vgpu {
 #[x_kube(validation = Rule::new("self.vgpuDevices.all(t, t.matches('^[A-Z0-9]+(-[a-zA-Z]+)*-(0|[1-9][0-9]*)[ABCQ]$') || t.matches('^[A-Z0-9]+-[1-9]-(0|[1-9][0-9]*)[ABCQ](ME|NOME|MEALL|GFX)?$'))").message("vGPU type names look like A10-12Q, L4-6Q, A100-40C (time-sliced) or A100-1-5C, H200-1-18CME (MIG-backed)"))]
 #[x_kube(validation = Rule::new("self.vgpuDevices.all(t, self.vgpuDevices[t] >= 1 && self.vgpuDevices[t] <= 64)").message("vGPU device counts must be between 1 and 64"))]
 #[x_kube(validation = Rule::new("self.vgpuDevices.all(t, t.matches('^[A-Z0-9]+-[1-9]-')) || self.vgpuDevices.all(t, !t.matches('^[A-Z0-9]+-[1-9]-'))").message("a group cannot mix time-sliced and MIG-backed vGPU types (the vGPU Device Manager refuses it)"))]
-#[x_kube(validation = Rule::new("!has(self.devices) || self.devices.all(d, self.devices.exists_one(e, e == d))").message("device indices must be unique"))]
 pub struct VgpuDeviceGroup {
-    /// GPU indices of this group; all GPUs when absent.
+    /// GPUs of this group: `all`, or a list of GPU indices (0-15), as the vGPU Device Manager
+    /// writes them; all GPUs when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 16))]
-    #[x_kube(validation = Rule::new("self.all(d, d >= 0 && d <= 15)").message("GPU indices must be between 0 and 15"))]
-    pub devices: Option<Vec<i32>>,
+    pub devices: Option<GpuSelection>,
 
     /// vGPU type -> number of vGPU devices per GPU.
     #[schemars(extend("minProperties" = 1, "maxProperties" = 8))]
@@ -477,13 +475,11 @@ impl MigStrategy {
 #[x_kube(validation = Rule::new("self.migEnabled ? (has(self.migDevices) && size(self.migDevices) > 0) : (!has(self.migDevices) || size(self.migDevices) == 0)").message("migDevices is required when migEnabled is true and must be empty when it is false"))]
 #[x_kube(validation = Rule::new("!has(self.migDevices) || self.migDevices.all(p, p.matches('^([1-9][0-9]?c\\\\.)?[1-9]g\\\\.[0-9]+gb(\\\\+me|\\\\+me\\\\.all|\\\\+gfx|-me)?$'))").message("MIG profile names look like 1g.10gb, 1c.2g.20gb, 1g.10gb+me, 1g.24gb+gfx, 1g.24gb-me or 1g.24gb+me.all"))]
 #[x_kube(validation = Rule::new("!has(self.migDevices) || self.migDevices.all(p, self.migDevices[p] >= 1 && self.migDevices[p] <= 7)").message("MIG device counts must be between 1 and 7 (mig-parted rejects 0)"))]
-#[x_kube(validation = Rule::new("!has(self.devices) || self.devices.all(d, self.devices.exists_one(e, e == d))").message("device indices must be unique"))]
 pub struct MigDeviceGroup {
-    /// GPU indices of this group; all GPUs when absent.
+    /// GPUs of this group: `all`, or a list of GPU indices (0-15), as mig-parted writes them;
+    /// all GPUs when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 16))]
-    #[x_kube(validation = Rule::new("self.all(d, d >= 0 && d <= 15)").message("GPU indices must be between 0 and 15"))]
-    pub devices: Option<Vec<i32>>,
+    pub devices: Option<GpuSelection>,
 
     /// Whether MIG mode is on for these GPUs.
     pub mig_enabled: bool,
@@ -492,6 +488,92 @@ pub struct MigDeviceGroup {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(extend("maxProperties" = 16))]
     pub mig_devices: BTreeMap<String, i32>,
+}
+
+impl MigDeviceGroup {
+    /// The GPU indices of this group, `None` for all GPUs (`devices` absent or `all`).
+    pub fn indices(&self) -> Option<&[i32]> {
+        self.devices.as_ref().and_then(GpuSelection::indices)
+    }
+}
+
+impl VgpuDeviceGroup {
+    /// The GPU indices of this group, `None` for all GPUs (`devices` absent or `all`).
+    pub fn indices(&self) -> Option<&[i32]> {
+        self.devices.as_ref().and_then(GpuSelection::indices)
+    }
+}
+
+/// The GPUs a device group applies to, as NVIDIA's mig-parted and vGPU Device Manager configs
+/// write `devices`: the word `all`, or a list of GPU indices.
+///
+/// No admission rule can check this field: a structural schema cannot type "a string or a
+/// list" (only int-or-string), so the field keeps what it is given, and CEL cannot see a field
+/// without a type. Anything else than `all` or a list of integers is kept as
+/// [`GpuSelection::Invalid`], so that the policy still reads, and the planner refuses the
+/// policy with a status condition naming the field (`validate`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(from = "RawGpuSelection", into = "RawGpuSelection")]
+pub enum GpuSelection {
+    /// `devices: all`.
+    All,
+    /// `devices: [0, 1]`.
+    Indices(Vec<i32>),
+    /// Anything else, as written.
+    Invalid(serde_json::Value),
+}
+
+impl GpuSelection {
+    /// The listed indices, `None` for `all`; an invalid value lists no GPU.
+    pub fn indices(&self) -> Option<&[i32]> {
+        match self {
+            GpuSelection::All => None,
+            GpuSelection::Indices(d) => Some(d),
+            GpuSelection::Invalid(_) => Some(&[]),
+        }
+    }
+}
+
+/// The wire form of [`GpuSelection`].
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum RawGpuSelection {
+    List(Vec<i32>),
+    Other(serde_json::Value),
+}
+
+impl From<RawGpuSelection> for GpuSelection {
+    fn from(raw: RawGpuSelection) -> Self {
+        match raw {
+            RawGpuSelection::List(d) => GpuSelection::Indices(d),
+            RawGpuSelection::Other(v) if v.as_str() == Some("all") => GpuSelection::All,
+            RawGpuSelection::Other(v) => GpuSelection::Invalid(v),
+        }
+    }
+}
+
+impl From<GpuSelection> for RawGpuSelection {
+    fn from(s: GpuSelection) -> Self {
+        match s {
+            GpuSelection::All => RawGpuSelection::Other("all".into()),
+            GpuSelection::Indices(d) => RawGpuSelection::List(d),
+            GpuSelection::Invalid(v) => RawGpuSelection::Other(v),
+        }
+    }
+}
+
+impl JsonSchema for GpuSelection {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "GpuSelection".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({ "x-kubernetes-preserve-unknown-fields": true })
+    }
 }
 
 /// Observed state, written by the controller.

@@ -386,9 +386,9 @@ pub fn custom_layout_entries(mig: &Mig) -> Vec<MigConfigEntry> {
         .iter()
         .flatten()
         .map(|g| MigConfigEntry {
-            devices: match &g.devices {
+            devices: match g.indices() {
                 None => MigDevices::All(AllDevices::All),
-                Some(d) => MigDevices::Indices(d.clone()),
+                Some(d) => MigDevices::Indices(d.to_vec()),
             },
             mig_enabled: g.mig_enabled,
             mig_devices: if g.mig_enabled {
@@ -528,5 +528,58 @@ mod tests {
         assert!(!is_key_of("l4", &k), "another policy's prefix");
         assert!(!is_key_of("l4-heavy", "l4-heavy-default"));
         assert!(!is_key_of("l4-heavy", "default"));
+    }
+
+    /// `devices: all` (mig-parted's own spelling) and an absent `devices` mean the same GPUs:
+    /// both render `devices: all`, so a policy rewritten from one to the other keeps its layout
+    /// name and no node is relabelled. A list renders as the list.
+    #[test]
+    fn devices_all_renders_as_nvidia_writes_it_and_keeps_the_layout_name() {
+        let mig = |yaml: &str| -> Mig { crate::api::yaml::from_str(yaml).unwrap() };
+        let absent = mig(
+            "{migStrategy: mixed, customLayout: [{migEnabled: true, migDevices: {1g.10gb: 7}}]}",
+        );
+        let all = mig(
+            "{migStrategy: mixed, customLayout: [{devices: all, migEnabled: true, migDevices: {1g.10gb: 7}}]}",
+        );
+        let listed = mig(
+            "{migStrategy: mixed, customLayout: [{devices: [0, 1], migEnabled: true, migDevices: {1g.10gb: 7}}, {devices: [2, 3], migEnabled: false}]}",
+        );
+        let (a, b) = (custom_layout_entries(&absent), custom_layout_entries(&all));
+        assert_eq!(a, b);
+        assert_eq!(custom_layout_name("p", &a), custom_layout_name("p", &b));
+        let text = |m: &Mig| serde_json::to_value(custom_layout_entries(m)).unwrap();
+        assert_eq!(text(&all)[0]["devices"], "all");
+        assert_eq!(text(&listed)[0]["devices"], serde_json::json!([0, 1]));
+        assert_eq!(text(&listed)[1]["devices"], serde_json::json!([2, 3]));
+    }
+
+    /// The API reads `devices` as NVIDIA's formats do: the word `all` or a list of indices.
+    #[test]
+    fn devices_is_all_or_a_list_and_round_trips() {
+        use crate::api::crd::{GpuSelection, MigDeviceGroup};
+        let g: MigDeviceGroup =
+            crate::api::yaml::from_str("{devices: all, migEnabled: false}").unwrap();
+        assert_eq!(g.devices, Some(GpuSelection::All));
+        assert_eq!(g.indices(), None);
+        assert_eq!(serde_json::to_value(&g).unwrap()["devices"], "all");
+        let g: MigDeviceGroup =
+            crate::api::yaml::from_str("{devices: [3, 1], migEnabled: false}").unwrap();
+        assert_eq!(g.indices(), Some(&[3, 1][..]));
+        assert_eq!(
+            serde_json::to_value(&g).unwrap()["devices"],
+            serde_json::json!([3, 1])
+        );
+        // Anything else still reads (the policy must get a status), kept as written.
+        let g: MigDeviceGroup =
+            crate::api::yaml::from_str("{devices: any, migEnabled: false}").unwrap();
+        assert_eq!(g.devices, Some(GpuSelection::Invalid("any".into())));
+        assert_eq!(serde_json::to_value(&g).unwrap()["devices"], "any");
+        let g: MigDeviceGroup =
+            crate::api::yaml::from_str("{devices: [0, \"1\"], migEnabled: false}").unwrap();
+        assert_eq!(
+            g.devices,
+            Some(GpuSelection::Invalid(serde_json::json!([0, "1"])))
+        );
     }
 }

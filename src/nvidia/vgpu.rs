@@ -121,9 +121,9 @@ pub fn custom_entries(v: &Vgpu) -> Vec<VgpuConfigEntry> {
         .flatten()
         .map(|g| VgpuConfigEntry {
             device_filter: None,
-            devices: match &g.devices {
+            devices: match g.indices() {
                 None => MigDevices::All(AllDevices::All),
-                Some(d) => MigDevices::Indices(d.clone()),
+                Some(d) => MigDevices::Indices(d.to_vec()),
             },
             vgpu_devices: g.vgpu_devices.clone(),
         })

@@ -41,7 +41,13 @@ fn constraints(s: &Value) -> String {
 }
 
 fn walk(path: &str, s: &Value, required: bool, rows: &mut Vec<String>) {
-    let ty = s.get("type").and_then(|t| t.as_str()).unwrap_or("object");
+    let untyped = s.get("x-kubernetes-preserve-unknown-fields") == Some(&Value::Bool(true));
+    let ty = match s.get("type").and_then(|t| t.as_str()) {
+        Some(t) => t,
+        // Kept as written (a word or a list): the description says what is allowed.
+        None if untyped => "any",
+        None => "object",
+    };
     let desc = s
         .get("description")
         .and_then(|d| d.as_str())

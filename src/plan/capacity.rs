@@ -22,7 +22,7 @@ pub use super::facts::label_i64;
 fn listed_gpus(groups: &[MigDeviceGroup]) -> i64 {
     groups
         .iter()
-        .filter_map(|g| g.devices.as_ref())
+        .filter_map(|g| g.indices())
         .map(|d| d.len() as i64)
         .sum()
 }
@@ -92,8 +92,7 @@ fn mig_candidates(
         let listed = listed_gpus(groups);
         for g in groups.iter().filter(|g| g.mig_enabled) {
             let n = g
-                .devices
-                .as_ref()
+                .indices()
                 .map_or((gpus - listed).max(0), |d| d.len() as i64);
             for (p, c) in &g.mig_devices {
                 out.push((mig::parse_mig_profile(p)?, n * *c as i64));
@@ -156,10 +155,10 @@ fn physical_gpus(
         // Every GPU is in one group: explicit indices, or `all` for the rest.
         let enabled = || groups.iter().filter(|g| g.mig_enabled);
         let instances_listed: i64 = enabled()
-            .filter_map(|g| Some(g.devices.as_ref()?.len() as i64 * group_instances(g)))
+            .filter_map(|g| Some(g.indices()?.len() as i64 * group_instances(g)))
             .sum();
         let all: i64 = enabled()
-            .filter(|g| g.devices.is_none())
+            .filter(|g| g.indices().is_none())
             .map(group_instances)
             .sum();
         let listed = listed_gpus(groups);

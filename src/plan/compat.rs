@@ -58,7 +58,7 @@ pub fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<S
             if let (Some(groups), Some(gpus)) = (&mig.custom_layout, gpus) {
                 let mut covered = BTreeSet::new();
                 for g in groups {
-                    match &g.devices {
+                    match g.indices() {
                         None => covered.extend(0..gpus as i32),
                         Some(d) => {
                             for i in d {

@@ -223,16 +223,22 @@ fn check_custom_layout(groups: &[crate::api::crd::MigDeviceGroup], errs: &mut Ve
         ));
     }
     let mut used: BTreeSet<i32> = BTreeSet::new();
-    let all_groups = groups.iter().filter(|g| g.devices.is_none()).count();
+    let all_groups = groups.iter().filter(|g| g.indices().is_none()).count();
     if all_groups > 0 && groups.len() > 1 {
         errs.push(err(
             "spec.mig.customLayout",
-            "a group without devices covers all GPUs, so it must be the only group",
+            "a group with `devices: all` (or without devices) covers all GPUs, so it must be the only group",
         ));
     }
     for (i, g) in groups.iter().enumerate() {
         check_group(i, g, &mut used, errs);
     }
+}
+
+/// The error for a `devices` value that is neither `all` nor a list of GPU indices (the schema
+/// cannot refuse it: see [`crate::api::crd::GpuSelection`]).
+pub(crate) fn invalid_devices(v: &serde_json::Value) -> String {
+    format!("must be `all` or a list of GPU indices (0-15), as NVIDIA's configs write it; got {v}")
 }
 
 /// One device group of a custom layout (`used`: GPUs already in earlier groups).
@@ -243,11 +249,13 @@ fn check_group(
     errs: &mut Vec<FieldError>,
 ) {
     let gp = format!("spec.mig.customLayout[{i}]");
-    if let Some(devs) = &g.devices {
+    if let Some(crate::api::crd::GpuSelection::Invalid(v)) = &g.devices {
+        errs.push(err(format!("{gp}.devices"), invalid_devices(v)));
+    } else if let Some(devs) = g.indices() {
         if devs.is_empty() {
             errs.push(err(
                 format!("{gp}.devices"),
-                "list at least one GPU index, or omit devices for all GPUs",
+                "list at least one GPU index, or write `devices: all`",
             ));
         }
         for d in devs {
@@ -479,5 +487,47 @@ mod tests {
         assert!(is_label_value(""));
         assert!(!is_label_value("-x"));
         assert!(!is_label_value(&"a".repeat(64)));
+    }
+
+    /// `devices: all` is a group for all GPUs, like a group without devices: alone it is
+    /// valid, next to another group it is refused, naming the field.
+    #[test]
+    fn devices_all_covers_every_gpu() {
+        let spec = |groups: &str| -> GpuSharingPolicySpec {
+            crate::api::yaml::from_str(&format!(
+                "{{nodeSelector: {{}}, strategy: mig, mig: {{migStrategy: mixed, customLayout: {groups}}}}}"
+            ))
+            .unwrap()
+        };
+        let (errs, _) = validate(
+            "p",
+            &spec("[{devices: all, migEnabled: true, migDevices: {1g.10gb: 7}}]"),
+        );
+        assert!(errs.is_empty(), "{errs:?}");
+        let (errs, _) = validate(
+            "p",
+            &spec(
+                "[{devices: all, migEnabled: true, migDevices: {1g.10gb: 7}}, {devices: [0], migEnabled: false}]",
+            ),
+        );
+        let text = format!("{errs:?}");
+        assert!(
+            text.contains("spec.mig.customLayout") && text.contains("`devices: all`"),
+            "{text}"
+        );
+        let (errs, _) = validate("p", &spec("[{devices: [0, 0], migEnabled: false}]"));
+        assert!(
+            format!("{errs:?}").contains("spec.mig.customLayout[0].devices"),
+            "{errs:?}"
+        );
+        // What the schema cannot refuse (see GpuSelection) is refused here, naming the field.
+        let (errs, _) = validate("p", &spec("[{devices: any, migEnabled: false}]"));
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].path, "spec.mig.customLayout[0].devices");
+        assert!(
+            errs[0].message.ends_with("got \"any\""),
+            "{}",
+            errs[0].message
+        );
     }
 }

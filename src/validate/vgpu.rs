@@ -70,12 +70,20 @@ pub fn validate(spec: &GpuSharingPolicySpec, errs: &mut Vec<FieldError>) {
                 "cannot mix time-sliced and MIG-backed vGPU types on the same GPUs (the vGPU Device Manager refuses it)",
             ));
         }
-        match &g.devices {
+        if let Some(crate::api::crd::GpuSelection::Invalid(v)) = &g.devices {
+            errs.push(err(format!("{path}.devices"), super::invalid_devices(v)));
+            continue;
+        }
+        match g.indices() {
             None if all || !seen.is_empty() || i > 0 => errs.push(err(
                 format!("{path}.devices"),
-                "a group without devices covers all GPUs: it must be the only group",
+                "a group with `devices: all` (or without devices) covers all GPUs: it must be the only group",
             )),
             None => all = true,
+            Some([]) => errs.push(err(
+                format!("{path}.devices"),
+                "list at least one GPU index, or write `devices: all`",
+            )),
             Some(d) => {
                 for idx in d {
                     if !(0..=15).contains(idx) {
@@ -135,6 +143,34 @@ mod tests {
             "strategy: vgpu\nvgpu: {customLayout: [{devices: [0], vgpuDevices: {L4-6Q: 4}}, {devices: [0], vgpuDevices: {L4-12Q: 2}}]}",
         );
         assert!(e[0].contains("GPU 0 is in more than one group"), "{e:?}");
+        assert!(
+            errors(
+                "strategy: vgpu\nvgpu: {customLayout: [{devices: all, vgpuDevices: {L4-6Q: 4}}]}"
+            )
+            .is_empty()
+        );
+        let e = errors(
+            "strategy: vgpu\nvgpu: {customLayout: [{devices: all, vgpuDevices: {L4-6Q: 4}}, {devices: [1], vgpuDevices: {L4-12Q: 2}}]}",
+        );
+        assert!(
+            e[0].starts_with("spec.vgpu.customLayout[1].devices")
+                && e[0].contains("GPU 1 is in more than one group"),
+            "{e:?}"
+        );
+        let e = errors(
+            "strategy: vgpu\nvgpu: {customLayout: [{devices: some, vgpuDevices: {L4-6Q: 4}}]}",
+        );
+        assert!(
+            e[0].starts_with("spec.vgpu.customLayout[0].devices") && e[0].ends_with("got \"some\""),
+            "{e:?}"
+        );
+        let e = errors(
+            "strategy: vgpu\nvgpu: {customLayout: [{devices: [], vgpuDevices: {L4-6Q: 4}}]}",
+        );
+        assert!(
+            e[0].starts_with("spec.vgpu.customLayout[0].devices"),
+            "{e:?}"
+        );
         let e = errors("strategy: vgpu\nvgpu: {customLayout: [{vgpuDevices: {L4-6Q: 0}}]}");
         assert!(e[0].contains("between 1 and 64"), "{e:?}");
         let e = errors("strategy: vgpu\nvgpu: {type: L4-6Q}\nbackend: dra\ndra: {namespaces: [a]}");
