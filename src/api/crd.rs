@@ -659,6 +659,47 @@ pub struct GpuSharingPolicyStatus {
     /// manager's driver may choose other starts for the same instances).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mig_geometry: Vec<String>,
+
+    /// What Karpenter is told about the nodes this policy would configure: the NodeOverlays
+    /// the operator keeps for it, which NodePools matched and why others did not. Absent when
+    /// the NodeOverlay kind is not served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingStatus>,
+}
+
+/// Autoscaler-visible capacity of a policy (Karpenter NodeOverlays).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingStatus {
+    /// The overlays kept for this policy, one per capacity class.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overlays: Vec<NodeOverlayStatus>,
+    /// Every NodePool, whether the policy would select its nodes, and why (not).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub node_pools: Vec<NodePoolMatch>,
+    /// Instance types left to another actor's overlay, and errors of the instance-type table.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conflicts: Vec<String>,
+}
+
+/// One NodeOverlay of a policy.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeOverlayStatus {
+    pub name: String,
+    /// The extended resources it sets, as a node of these instance types will advertise them.
+    pub capacity: BTreeMap<String, String>,
+    pub instance_types: Vec<String>,
+    pub node_pools: Vec<String>,
+}
+
+/// Whether a NodePool's nodes would be selected by the policy.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodePoolMatch {
+    pub name: String,
+    pub matched: bool,
+    pub reason: String,
 }
 
 /// Where the rollout of the current generation stands.

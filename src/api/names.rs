@@ -121,3 +121,20 @@ pub const DEFAULT_VGPU_CONFIGMAP: &str = "default-vgpu-devices-config";
 pub const VGPU_DEVICES_CONFIGMAP: &str = "gpu-sharing-vgpu-devices-config";
 /// Default name of the mig-parted ConfigMap the operator owns.
 pub const MIG_PARTED_CONFIGMAP: &str = "gpu-sharing-mig-parted-config";
+/// The admin's table of instance types and their GPUs, for Karpenter NodeOverlays (key
+/// `instance-types.yaml`; the admin writes it, the operator only reads it).
+pub const INSTANCE_TYPES_CONFIGMAP: &str = "gpu-sharing-instance-types";
+
+/// Kubernetes' well-known instance-type label (Karpenter's too).
+pub const LABEL_INSTANCE_TYPE: &str = "node.kubernetes.io/instance-type";
+/// The label Karpenter puts on a NodePool's nodes (and matches overlays on).
+pub const LABEL_NODEPOOL: &str = "karpenter.sh/nodepool";
+/// Cloud providers' GPU labels on Karpenter's instance types (AWS, Azure), kept from nodes so
+/// that NodePool requirements on them can be judged.
+pub const PROVIDER_GPU_LABELS: [&str; 5] = [
+    "karpenter.k8s.aws/instance-gpu-count",
+    "karpenter.k8s.aws/instance-gpu-name",
+    "karpenter.k8s.aws/instance-gpu-memory",
+    "karpenter.azure.com/sku-gpu-count",
+    "karpenter.azure.com/sku-gpu-name",
+];

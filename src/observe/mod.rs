@@ -10,9 +10,11 @@
 //! - [`pods`]: pods using GPUs or running VMs, by node.
 //! - [`claims`]: allocated DRA claims, by node.
 //! - [`gpu_operator`]: the ClusterPolicy in force, its settings, NVIDIA's ConfigMaps.
+//! - [`karpenter`]: Karpenter's NodePools and NodeOverlays, when served.
 
 pub mod claims;
 pub mod gpu_operator;
+pub mod karpenter;
 pub mod managed;
 pub mod node;
 pub mod pods;
@@ -25,7 +27,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::DynamicObject;
 
 use crate::api::crd::GpuSharingPolicy;
-use crate::api::names::{DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP};
+use crate::api::names::{DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP, INSTANCE_TYPES_CONFIGMAP};
 pub use crate::plan::Settings;
 use crate::plan::taint::{ReadinessTaint, Taint};
 use crate::plan::{self, ClusterFacts, NodeFacts, NodeView, PlanInput};
@@ -52,6 +54,8 @@ pub struct ClusterView<'a> {
     pub namespaces: Option<BTreeSet<String>>,
     /// With `--readiness-taint`: its key and the nodes that carry it.
     pub tainted: Option<(String, BTreeMap<String, Taint>)>,
+    /// Karpenter's NodePools and NodeOverlays, when the NodeOverlay kind is served.
+    pub karpenter: Option<karpenter::KarpenterView<'a>>,
     /// Unix seconds when the view was taken.
     pub now: i64,
 }
@@ -83,6 +87,9 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
             .unwrap_or_default(),
         gpu_cluster: view.gpu_clusters.into_iter().min(),
         namespaces: view.namespaces,
+        autoscaling: view
+            .karpenter
+            .map(|k| karpenter::facts(k, cm(INSTANCE_TYPES_CONFIGMAP), None)),
         ..Default::default()
     };
     if let Some(base) = gpu_operator::vgpu_configs(cm(DEFAULT_VGPU_CONFIGMAP)) {

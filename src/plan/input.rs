@@ -78,6 +78,64 @@ impl std::ops::Deref for NodeView {
     }
 }
 
+/// What the cluster says that autoscaling needs; `None` in [`ClusterFacts`] when the
+/// NodeOverlay kind is not served (no Karpenter, or its feature is off).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AutoscalingFacts {
+    pub node_pools: Vec<NodePool>,
+    /// Overlays not ours (an admin's, another tool's).
+    pub foreign_overlays: Vec<Overlay>,
+    /// The admin's instance-type table (`instance-types.yaml` of the operator's ConfigMap),
+    /// as text, when there is one.
+    pub table: Option<String>,
+    /// Weight of our overlays.
+    pub weight: i32,
+}
+
+/// A Karpenter NodePool, as far as selection goes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodePool {
+    pub name: String,
+    /// `spec.template.metadata.labels`.
+    pub labels: BTreeMap<String, String>,
+    /// `spec.template.spec.requirements`.
+    pub requirements: Vec<Requirement>,
+}
+
+/// A node-selector requirement (NodePool template, NodeOverlay).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Requirement {
+    pub key: String,
+    pub operator: String,
+    pub values: Vec<String>,
+}
+
+impl Requirement {
+    /// Whether `value` (the key's value, `None` when absent) satisfies the requirement.
+    pub fn admits(&self, value: Option<&str>) -> bool {
+        let num = |s: &str| s.parse::<i64>().ok();
+        let bound = self.values.first().and_then(|v| num(v));
+        match self.operator.as_str() {
+            "In" => value.is_some_and(|v| self.values.iter().any(|x| x == v)),
+            "NotIn" => value.is_none_or(|v| self.values.iter().all(|x| x != v)),
+            "Exists" => value.is_some(),
+            "DoesNotExist" => value.is_none(),
+            "Gt" => matches!((value.and_then(num), bound), (Some(v), Some(b)) if v > b),
+            "Lt" => matches!((value.and_then(num), bound), (Some(v), Some(b)) if v < b),
+            _ => false,
+        }
+    }
+}
+
+/// Another actor's NodeOverlay: what it matches and which resources it sets.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Overlay {
+    pub name: String,
+    pub weight: i32,
+    pub requirements: Vec<Requirement>,
+    pub resources: Vec<String>,
+}
+
 /// What the cluster says besides its nodes.
 #[derive(Debug, Clone)]
 pub struct ClusterFacts {
@@ -108,6 +166,8 @@ pub struct ClusterFacts {
     pub readiness_taint: Option<ReadinessTaint>,
     /// The GPU Operator's DRA-only `GPUCluster`, by name, when one exists.
     pub gpu_cluster: Option<String>,
+    /// Karpenter's NodePools and NodeOverlays, when the NodeOverlay kind is served.
+    pub autoscaling: Option<AutoscalingFacts>,
 }
 
 impl Default for ClusterFacts {
@@ -124,6 +184,7 @@ impl Default for ClusterFacts {
             sandbox: Sandbox::default(),
             readiness_taint: None,
             gpu_cluster: None,
+            autoscaling: None,
         }
     }
 }

@@ -6,7 +6,10 @@ use std::sync::Arc;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
 use crate::api::crd::GpuSharingPolicy;
-use crate::api::names::{LABEL_GPU_PRODUCT, MANAGED_ANNOTATIONS, MANAGED_LABELS, SHARED_SUFFIX};
+use crate::api::names::{
+    LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, MANAGED_ANNOTATIONS, MANAGED_LABELS,
+    PROVIDER_GPU_LABELS, SHARED_SUFFIX,
+};
 
 /// The node label prefixes the planner reads on every node: NVIDIA's (GPU Feature Discovery's,
 /// the GPU Operator's, the ones we write) and ours. A node's other labels (the kubelet's, the
@@ -33,7 +36,9 @@ pub fn selector_keys<'a>(
 }
 
 /// The node labels a cache must keep for the planner to plan as it would with all of them:
-/// those under [`PLANNER_LABEL_PREFIXES`] and the keys given (the policies' selector keys).
+/// those under [`PLANNER_LABEL_PREFIXES`], the instance type and the cloud providers' GPU labels
+/// (what Karpenter's instance types are learnt from) and the keys given (the policies' selector
+/// keys).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LabelFilter {
     keys: BTreeSet<String>,
@@ -56,6 +61,8 @@ impl LabelFilter {
     pub fn keeps(&self, key: &str) -> bool {
         self.all
             || PLANNER_LABEL_PREFIXES.iter().any(|p| key.starts_with(p))
+            || key == LABEL_INSTANCE_TYPE
+            || PROVIDER_GPU_LABELS.contains(&key)
             || self.keys.contains(key)
     }
 

@@ -26,6 +26,7 @@ use crate::nvidia::state::Workload;
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
 use crate::validate::FieldError;
 
+pub mod autoscaling;
 pub mod backend;
 pub mod capacity;
 pub mod compat;
@@ -136,6 +137,8 @@ pub struct Plan {
     pub nodes_to_write: Vec<String>,
     /// How many nodes the plan labels with each policy's name (`gpusharing.io/policy`).
     pub labelled_nodes: BTreeMap<String, u64>,
+    /// Karpenter NodeOverlays of the policies, by name (empty when the kind is not served).
+    pub node_overlays: BTreeMap<String, serde_json::Value>,
 }
 
 /// One of the ConfigMaps we own, as the object we apply.
@@ -559,7 +562,20 @@ impl Planner {
             },
         );
         let cluster = cluster_of(input);
-        let per_policy = per_policy(&prepared, &assignment, &mut np, input, &cluster);
+        let mut per_policy = per_policy(&prepared, &assignment, &mut np, input, &cluster);
+        let node_overlays = match &c.autoscaling {
+            Some(a) => {
+                let (overlays, statuses) =
+                    autoscaling::plan(&prepared, &input.nodes, a, c.base_mig_configs.as_ref());
+                for (name, st) in statuses {
+                    if let Some(s) = per_policy.statuses.get_mut(&name) {
+                        s.autoscaling = Some(st);
+                    }
+                }
+                overlays
+            }
+            None => BTreeMap::new(),
+        };
         Plan {
             device_config,
             mig_config,
@@ -574,6 +590,7 @@ impl Planner {
             nodes_to_write: np.to_write,
             labelled_nodes: np.labelled,
             drains: np.drains,
+            node_overlays,
         }
     }
 }

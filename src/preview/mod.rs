@@ -15,10 +15,11 @@ use kube::{Client, ResourceExt};
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{
-    DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP, DEVICE_PLUGIN_CONFIGMAP, MANAGER,
-    MIG_PARTED_CONFIGMAP, VGPU_DEVICES_CONFIGMAP,
+    DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP, DEVICE_PLUGIN_CONFIGMAP,
+    INSTANCE_TYPES_CONFIGMAP, MANAGER, MIG_PARTED_CONFIGMAP, VGPU_DEVICES_CONFIGMAP,
 };
 use crate::observe::gpu_operator::{DEFAULT_NAMESPACE, active_cluster_policy};
+use crate::observe::karpenter::{KarpenterView, node_overlay_resource, node_pool_resource};
 use crate::observe::node::{Interner, facts};
 use crate::observe::{self, ClusterView, Memory, Settings};
 use crate::plan::{LabelFilter, PlanInput};
@@ -138,20 +139,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         Err(e) if matches!(&e, kube::Error::Api(s) if s.code == 404) => vec![],
         Err(e) => return Err(read("ClusterPolicies")(e)),
     };
-    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
-    let mut configmaps = BTreeMap::new();
-    for name in [
-        DEVICE_PLUGIN_CONFIGMAP,
-        MIG_PARTED_CONFIGMAP,
-        DEFAULT_MIG_CONFIGMAP,
-        VGPU_DEVICES_CONFIGMAP,
-        DEFAULT_VGPU_CONFIGMAP,
-    ] {
-        let got = cms.get_opt(name).await.map_err(read("ConfigMaps"))?;
-        if let Some(data) = got.and_then(|c| c.data) {
-            configmaps.insert(name.to_string(), data);
-        }
-    }
+    let configmaps = configmaps(client, &namespace).await?;
     let mut assumptions = Vec::new();
     let running = ListParams::default().fields(RUNNING_BOUND_PODS);
     let pods = optional(
@@ -181,6 +169,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
     )
     .await?
     .map(|l| l.items.iter().map(|n| n.name_any()).collect());
+    let karpenter = karpenter_objects(client).await?;
     let cluster_policy_spec =
         active_cluster_policy(&cluster_policies).and_then(|c| c.data.get("spec").cloned());
     let view = ClusterView {
@@ -193,6 +182,10 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         configmaps,
         namespaces,
         tainted: None,
+        karpenter: karpenter.as_ref().map(|(pools, overlays)| KarpenterView {
+            node_pools: pools.iter().collect(),
+            overlays: overlays.iter().collect(),
+        }),
         now: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64),
@@ -204,4 +197,48 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         namespace,
         assumptions,
     })
+}
+
+/// Karpenter's NodePools and NodeOverlays, when the NodeOverlay kind is served.
+async fn karpenter_objects(
+    client: &Client,
+) -> Result<Option<(Vec<DynamicObject>, Vec<DynamicObject>)>, Error> {
+    let lp = ListParams::default();
+    let overlays = Api::<DynamicObject>::all_with(client.clone(), &node_overlay_resource());
+    let overlays = match overlays.list(&lp).await {
+        Ok(l) => l.items,
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(None),
+        Err(e) => return Err(read("NodeOverlays")(e)),
+    };
+    let pools = Api::<DynamicObject>::all_with(client.clone(), &node_pool_resource());
+    let pools = match pools.list(&lp).await {
+        Ok(l) => l.items,
+        Err(kube::Error::Api(s)) if s.code == 404 => vec![],
+        Err(e) => return Err(read("NodePools")(e)),
+    };
+    Ok(Some((pools, overlays)))
+}
+
+/// The data of the ConfigMaps the planner reads (ours, NVIDIA's defaults, the admin's
+/// instance-type table), by name, from the GPU Operator's namespace.
+async fn configmaps(
+    client: &Client,
+    namespace: &str,
+) -> Result<BTreeMap<String, BTreeMap<String, String>>, Error> {
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let mut out = BTreeMap::new();
+    for name in [
+        DEVICE_PLUGIN_CONFIGMAP,
+        MIG_PARTED_CONFIGMAP,
+        DEFAULT_MIG_CONFIGMAP,
+        VGPU_DEVICES_CONFIGMAP,
+        DEFAULT_VGPU_CONFIGMAP,
+        INSTANCE_TYPES_CONFIGMAP,
+    ] {
+        let got = cms.get_opt(name).await.map_err(read("ConfigMaps"))?;
+        if let Some(data) = got.and_then(|c| c.data) {
+            out.insert(name.to_string(), data);
+        }
+    }
+    Ok(out)
 }

@@ -243,8 +243,10 @@ pub async fn reconcile_all(
     apply::evict(ctx, &plan, report).await?;
     // 5. Readiness taints of nodes whose config is confirmed.
     apply::remove_readiness_taints(ctx, &plan, report).await?;
-    // 6. ResourceClaimTemplates of DRA policies; the mig-parted ConfigMap once unused.
+    // 6. ResourceClaimTemplates of DRA policies, Karpenter NodeOverlays; the mig-parted
+    // ConfigMap once unused.
     apply::apply_claim_templates(ctx, &plan, report).await?;
+    apply::apply_node_overlays(ctx, &plan, report).await?;
     apply::delete_unused_mig_configmap(ctx, &plan, report).await?;
     apply::delete_unused_vgpu_configmap(ctx, &plan, report).await?;
 

@@ -61,13 +61,18 @@ async fn finalize(
             FinalizerEvent::Apply(_) => Ok(Action::await_change()),
             FinalizerEvent::Cleanup(p) => {
                 // Done when no node carries its labels, no config key of its remains and no
-                // claim template of its is left.
+                // claim template or NodeOverlay of its is left.
                 let templates_left = ctx.caches.claim_templates.as_ref().is_some_and(|s| {
                     s.state()
                         .iter()
                         .any(|t| t.labels().get(LABEL_POLICY) == Some(&name))
                 });
-                if cleanup_pending.contains(&name) || templates_left {
+                let overlays_left = ctx.caches.karpenter.as_ref().is_some_and(|(_, s)| {
+                    s.state()
+                        .iter()
+                        .any(|o| o.labels().get(LABEL_POLICY) == Some(&name))
+                });
+                if cleanup_pending.contains(&name) || templates_left || overlays_left {
                     return Err(Error::CleanupPending(name.clone()));
                 }
                 ctx.event(

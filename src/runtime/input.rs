@@ -12,6 +12,7 @@ use kube::runtime::reflector::ObjectRef;
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::*;
+use crate::observe::karpenter::KarpenterView;
 use crate::observe::{self, ClusterView, Settings};
 use crate::plan::{PlanInput, selector_keys};
 use crate::runtime::controller::Context;
@@ -70,11 +71,17 @@ impl Context {
             settings.vgpu_configmap.as_str(),
             DEFAULT_MIG_CONFIGMAP,
             DEFAULT_VGPU_CONFIGMAP,
+            INSTANCE_TYPES_CONFIGMAP,
         ]
         .into_iter()
         .filter_map(|name| Some((name.to_string(), self.configmap(name)?.data.clone()?)))
         .collect();
         let memory = memory.recall(&self.caches.nodes.pending(), Instant::now());
+        let karpenter = self
+            .caches
+            .karpenter
+            .as_ref()
+            .map(|(pools, overlays)| (pools.state(), overlays.state()));
         let view = ClusterView {
             policies,
             nodes,
@@ -98,6 +105,10 @@ impl Context {
                 .tainted
                 .as_ref()
                 .map(|t| (t.key().to_string(), t.snapshot())),
+            karpenter: karpenter.as_ref().map(|(pools, overlays)| KarpenterView {
+                node_pools: pools.iter().map(|p| &**p).collect(),
+                overlays: overlays.iter().map(|o| &**o).collect(),
+            }),
             now: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs() as i64),

@@ -71,6 +71,9 @@ pub struct Caches {
     pub claims: Option<Store<ResourceClaim>>,
     /// The GPU Operator's DRA-only `GPUCluster` objects, when that kind is served.
     pub gpu_clusters: Option<Store<DynamicObject>>,
+    /// Karpenter's NodePools and every NodeOverlay (ours and others'), when the NodeOverlay
+    /// kind is served.
+    pub karpenter: Option<(Store<DynamicObject>, Store<DynamicObject>)>,
 }
 
 impl Caches {
@@ -94,6 +97,10 @@ impl Caches {
         }
         if let Some(c) = &self.gpu_clusters {
             c.wait_until_ready().await.ok();
+        }
+        if let Some((pools, overlays)) = &self.karpenter {
+            pools.wait_until_ready().await.ok();
+            overlays.wait_until_ready().await.ok();
         }
         while self.tainted.as_ref().is_some_and(|t| !t.is_ready()) {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -176,6 +183,7 @@ pub async fn start(
     let namespaces = namespace_watch(client, &mut streams).await;
     let claims = claim_watch(client, &mut streams).await;
     let gpu_clusters = gpu_cluster_watch(client, &mut streams).await;
+    let karpenter = karpenter_watch(client, &mut streams).await;
     let cluster_policies = if cluster_policy_served {
         // The GPU Operator acts on the oldest ClusterPolicy.
         Some(cache(
@@ -215,6 +223,7 @@ pub async fn start(
         tainted,
         claims,
         gpu_clusters,
+        karpenter,
     };
     (caches, events)
 }
@@ -321,6 +330,33 @@ async fn gpu_cluster_watch(client: &Client, streams: &mut Streams) -> Option<Sto
         return None;
     }
     Some(cache(api, watcher::Config::default(), ar, streams))
+}
+
+/// Karpenter's NodePools and NodeOverlays, when NodeOverlays can be listed (Karpenter's CRD is
+/// installed; its `NodeOverlay` feature gate is Karpenter's own business). Looked for at start,
+/// like the other optional kinds: installing Karpenter later needs a restart of the operator.
+async fn karpenter_watch(
+    client: &Client,
+    streams: &mut Streams,
+) -> Option<(Store<DynamicObject>, Store<DynamicObject>)> {
+    use crate::observe::karpenter::{node_overlay_resource, node_pool_resource};
+    let overlays: Api<DynamicObject> = Api::all_with(client.clone(), &node_overlay_resource());
+    let lp = kube::api::ListParams::default().limit(1);
+    if let Err(e) = overlays.list(&lp).await {
+        if !matches!(&e, kube::Error::Api(s) if s.code == 404) {
+            warn!(error = %e, "NodeOverlays cannot be listed: Karpenter is not told about shared GPUs");
+        }
+        return None;
+    }
+    let pools: Api<DynamicObject> = Api::all_with(client.clone(), &node_pool_resource());
+    if let Err(e) = pools.list(&lp).await {
+        warn!(error = %e, "NodeOverlays are served but NodePools cannot be listed: Karpenter is not told about shared GPUs");
+        return None;
+    }
+    let all = watcher::Config::default;
+    let pools = cache(pools, all(), node_pool_resource(), streams);
+    let overlays = cache(overlays, all(), node_overlay_resource(), streams);
+    Some((pools, overlays))
 }
 
 /// Kind of the GPU Operator's DRA-only cluster resource.

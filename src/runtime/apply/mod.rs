@@ -3,7 +3,8 @@
 //! from which logs and metrics are fed, with what the writes taught about the cluster
 //! ([`Learnt`]), from which the control loop's memory is kept (the appliers hold none). One file per kind of object written: our ConfigMaps
 //! ([`configmaps`]), node metadata, cordons and readiness taints ([`nodes`]), the ClusterPolicy
-//! ([`cluster_policy`]), ResourceClaimTemplates ([`claims`]) and pod evictions ([`evict`]).
+//! ([`cluster_policy`]), ResourceClaimTemplates ([`claims`]), Karpenter NodeOverlays
+//! ([`overlays`]) and pod evictions ([`evict`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -16,12 +17,14 @@ pub mod cluster_policy;
 pub mod configmaps;
 pub mod evict;
 pub mod nodes;
+pub mod overlays;
 
 pub use claims::apply_claim_templates;
 pub use cluster_policy::apply_cluster_policy;
 pub use configmaps::{apply_configmaps, delete_unused_mig_configmap, delete_unused_vgpu_configmap};
 pub use evict::{EVICTION_WAIT, evict};
 pub use nodes::{apply_nodes, remove_readiness_taints};
+pub use overlays::apply_node_overlays;
 
 /// One write to the API server.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,0 +1,577 @@
+//! Autoscaler-visible capacity: Karpenter `NodeOverlay`s that give the instance types a policy's
+//! nodes would be launched as the capacity the policy makes them advertise.
+//!
+//! Karpenter simulates a pending pod on the instance types a NodePool may launch; with GPU
+//! sharing the node advertises, say, 32 `nvidia.com/gpu` for 8 GPUs, which Karpenter cannot know
+//! before the node exists. A `NodeOverlay` (`karpenter.sh/v1alpha1`) sets extended resources of
+//! the instance types its requirements match, replacing the instance type's own value.
+//!
+//! For each valid device-plugin policy and each NodePool whose nodes it would select, judged per
+//! known instance type from the NodePool's template labels and requirements together with the
+//! instance type's GPU labels, the policy gets one overlay per capacity class (GPU count and the
+//! resources that follow), not one per instance type. Instance types are known from the nodes
+//! the cluster runs (GPU Feature Discovery's labels under `node.kubernetes.io/instance-type`)
+//! and from an optional admin table for types never seen. Where another actor's overlay already
+//! sets one of those resources on a matched instance type, the policy steps aside for that type
+//! and says so: an admin's overlay wins whatever the weights (Karpenter v1.8 applied the lowest
+//! weight's capacity, kubernetes-sigs/karpenter#2764).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::{Value, json};
+
+use crate::api::crd::{AutoscalingStatus, Backend, NodeOverlayStatus, NodePoolMatch};
+use crate::api::names::{
+    LABEL_GPU_COUNT, LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_NODEPOOL, LABEL_POLICY,
+    MANAGED_BY, PROVIDER_GPU_LABELS,
+};
+use crate::nvidia;
+
+use super::capacity;
+use super::input::{AutoscalingFacts, NodePool, Requirement};
+use super::labels::{Labels, selector_matches};
+use super::policies::Prepared;
+use super::{NodeFacts, NodeView};
+
+/// Key of the admin's instance-type table in its ConfigMap.
+pub const TABLE_KEY: &str = "instance-types.yaml";
+/// The weight our overlays carry unless told otherwise: the lowest Karpenter accepts.
+pub const DEFAULT_WEIGHT: i32 = 1;
+
+/// An instance type's GPUs as node labels would say them (GFD's `nvidia.com/gpu.*`, provider
+/// GPU labels), and where we learnt them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstanceType {
+    pub labels: BTreeMap<String, String>,
+    pub source: String,
+}
+
+/// One row of the admin's table.
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct TableRow {
+    gpus: i64,
+    product: Option<String>,
+    #[serde(rename = "memoryMiB")]
+    memory_mib: Option<i64>,
+    #[serde(default)]
+    mig_capable: bool,
+}
+
+/// The instance types we know the GPUs of: from the nodes the cluster runs (GPU Feature
+/// Discovery's labels; a node under the `single` MIG strategy describes its MIG devices there,
+/// so it teaches nothing), then from the admin's table for types no node showed. Errors name
+/// the table's rows.
+pub fn catalogue(
+    nodes: &[NodeView],
+    table: Option<&str>,
+) -> (BTreeMap<String, InstanceType>, Vec<String>) {
+    let mut out = BTreeMap::new();
+    for v in nodes {
+        let n: &NodeFacts = &v.facts;
+        let (Some(t), Some(_)) = (
+            n.labels.get(LABEL_INSTANCE_TYPE),
+            n.labels.get(LABEL_GPU_COUNT),
+        ) else {
+            continue;
+        };
+        if out.contains_key(t)
+            || n.labels
+                .get(LABEL_GPU_PRODUCT)
+                .is_some_and(|p| p.contains("-MIG-"))
+        {
+            continue;
+        }
+        let labels = n
+            .labels
+            .iter()
+            .filter(|(k, _)| {
+                k.starts_with("nvidia.com/gpu.")
+                    || *k == "nvidia.com/mig.capable"
+                    || PROVIDER_GPU_LABELS.contains(k)
+            })
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        out.insert(
+            t.to_string(),
+            InstanceType {
+                labels,
+                source: format!("node {}", n.name),
+            },
+        );
+    }
+    let mut errors = Vec::new();
+    if let Some(text) = table {
+        match crate::api::yaml::from_str::<BTreeMap<String, TableRow>>(text) {
+            Err(e) => errors.push(format!("{TABLE_KEY}: {e}")),
+            Ok(rows) => {
+                for (t, row) in rows {
+                    if row.gpus < 1 {
+                        errors.push(format!("{TABLE_KEY}: {t}: gpus must be at least 1"));
+                        continue;
+                    }
+                    let mut labels =
+                        BTreeMap::from([(LABEL_GPU_COUNT.to_string(), row.gpus.to_string())]);
+                    if let Some(p) = row.product {
+                        labels.insert(LABEL_GPU_PRODUCT.to_string(), p);
+                    }
+                    if let Some(m) = row.memory_mib {
+                        labels.insert(
+                            crate::api::names::LABEL_GPU_MEMORY.to_string(),
+                            m.to_string(),
+                        );
+                    }
+                    if row.mig_capable {
+                        labels.insert("nvidia.com/mig.capable".into(), "true".into());
+                    }
+                    out.entry(t).or_insert(InstanceType {
+                        labels,
+                        source: "table".into(),
+                    });
+                }
+            }
+        }
+    }
+    (out, errors)
+}
+
+/// The labels a node of `pool` launched as instance type `t` would carry, as far as we know
+/// them: the template's labels, the NodePool's name, the instance type, what single-valued
+/// requirements pin, and the instance type's GPU labels.
+fn node_labels(pool: &NodePool, t: &str, it: &InstanceType) -> BTreeMap<String, String> {
+    let mut l = it.labels.clone();
+    for r in &pool.requirements {
+        if r.operator == "In" && r.values.len() == 1 {
+            l.insert(r.key.clone(), r.values[0].clone());
+        }
+    }
+    l.extend(pool.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+    l.insert(LABEL_NODEPOOL.into(), pool.name.clone());
+    l.insert(LABEL_INSTANCE_TYPE.into(), t.into());
+    l
+}
+
+/// Whether requirements admit a node with `labels`; a key we do not know (zone, capacity
+/// type...) is not held against it.
+fn admits(reqs: &[Requirement], labels: &BTreeMap<String, String>) -> bool {
+    reqs.iter().all(|r| match labels.get(&r.key) {
+        Some(v) => r.admits(Some(v)),
+        None => {
+            !matches!(r.operator.as_str(), "In" | "Exists" | "Gt" | "Lt") || !is_known_key(&r.key)
+        }
+    })
+}
+
+/// Keys whose absence we can judge: the instance type's GPU labels are complete for a type we
+/// know.
+fn is_known_key(key: &str) -> bool {
+    key.starts_with("nvidia.com/gpu.") || PROVIDER_GPU_LABELS.contains(&key)
+}
+
+/// The resources a node of this instance type advertises under the policy, as a Karpenter
+/// capacity map; `nvidia.com/gpu` is set to 0 when the policy advertises the GPUs under other
+/// names (MIG `mixed`, `renameByDefault`), so Karpenter does not count them twice.
+fn overlay_capacity(
+    p: &Prepared,
+    it: &InstanceType,
+    base: Option<&BTreeMap<String, Value>>,
+) -> Option<BTreeMap<String, String>> {
+    let facts = NodeFacts {
+        labels: Labels::from_pairs(
+            it.labels
+                .iter()
+                .map(|(k, v)| (k.as_str().into(), v.as_str().into()))
+                .collect(),
+        ),
+        ..Default::default()
+    };
+    let adv = capacity::device_plugin_advertises(p.spec, &facts, base)?;
+    let mut out: BTreeMap<String, String> = adv
+        .resources
+        .iter()
+        .map(|(r, (min, _))| (r.clone(), min.to_string()))
+        .collect();
+    out.entry(nvidia::GPU_RESOURCE.to_string())
+        .or_insert_with(|| "0".into());
+    Some(out)
+}
+
+/// One overlay being built: its capacity and what it matches.
+#[derive(Default)]
+struct Class {
+    gpus: String,
+    pools: BTreeSet<String>,
+    types: BTreeSet<String>,
+}
+
+/// Capacity classes of one policy: capacity -> what it covers.
+type Classes = BTreeMap<BTreeMap<String, String>, Class>;
+
+/// One planning of the overlays: what every policy reads, and which policy won each
+/// (NodePool, instance type) so far (the first in precedence order).
+struct Pass<'a> {
+    facts: &'a AutoscalingFacts,
+    types: BTreeMap<String, InstanceType>,
+    base: Option<&'a BTreeMap<String, Value>>,
+    won: BTreeMap<(String, String), String>,
+}
+
+impl Pass<'_> {
+    /// The instance types of `pool` the policy selects, added to its classes; the NodePool's
+    /// line of the status.
+    fn pool(
+        &mut self,
+        p: &Prepared,
+        pool: &NodePool,
+        st: &mut AutoscalingStatus,
+        classes: &mut Classes,
+    ) -> NodePoolMatch {
+        let (mut matched, mut why) = (Vec::new(), Vec::new());
+        for (t, it) in &self.types {
+            let labels = node_labels(pool, t, it);
+            if !admits(&pool.requirements, &labels)
+                || !selector_matches(&p.spec.node_selector, &labels)
+            {
+                continue;
+            }
+            let key = (pool.name.clone(), t.clone());
+            if let Some(w) = self.won.get(&key) {
+                why.push(format!("{t}: won by policy {w}"));
+                continue;
+            }
+            let Some(cap) = overlay_capacity(p, it, self.base) else {
+                let gpu = it.labels.get(LABEL_GPU_PRODUCT);
+                why.push(format!(
+                    "{t}: the capacity is unknown for {}",
+                    gpu.map_or("this GPU", |s| s.as_str())
+                ));
+                continue;
+            };
+            self.won.insert(key, p.name.clone());
+            if let Some(o) = self.facts.foreign_overlays.iter().find(|o| {
+                admits(&o.requirements, &labels) && o.resources.iter().any(|r| cap.contains_key(r))
+            }) {
+                let shared: Vec<&str> = o
+                    .resources
+                    .iter()
+                    .filter(|r| cap.contains_key(*r))
+                    .map(String::as_str)
+                    .collect();
+                st.conflicts.push(format!(
+                    "NodeOverlay {} (weight {}) sets {} on {t} in NodePool {}: left to it",
+                    o.name,
+                    o.weight,
+                    shared.join(", "),
+                    pool.name
+                ));
+                continue;
+            }
+            let c = classes.entry(cap).or_default();
+            c.gpus = it.labels.get(LABEL_GPU_COUNT).cloned().unwrap_or_default();
+            c.pools.insert(pool.name.clone());
+            c.types.insert(t.clone());
+            matched.push(t.clone());
+        }
+        let reason = if !matched.is_empty() {
+            format!("instance types {}", matched.join(", "))
+        } else if !why.is_empty() {
+            why.join("; ")
+        } else {
+            not_selected(p, pool, &self.types)
+        };
+        NodePoolMatch {
+            name: pool.name.clone(),
+            matched: !matched.is_empty(),
+            reason,
+        }
+    }
+}
+
+/// The overlays of every policy (by name, as objects to apply), and each policy's
+/// `status.autoscaling`, for the policies in precedence order.
+pub fn plan(
+    prepared: &[Prepared],
+    nodes: &[NodeView],
+    facts: &AutoscalingFacts,
+    base: Option<&BTreeMap<String, Value>>,
+) -> (BTreeMap<String, Value>, BTreeMap<String, AutoscalingStatus>) {
+    let (types, table_errors) = catalogue(nodes, facts.table.as_deref());
+    let mut pass = Pass {
+        facts,
+        types,
+        base,
+        won: BTreeMap::new(),
+    };
+    let mut overlays = BTreeMap::new();
+    let mut statuses = BTreeMap::new();
+    for p in prepared {
+        if !p.errors.is_empty() || p.spec.backend == Backend::Dra || p.spec.strategy.is_vm() {
+            continue;
+        }
+        let mut st = AutoscalingStatus {
+            conflicts: table_errors.clone(),
+            ..Default::default()
+        };
+        let mut classes = Classes::new();
+        for pool in &facts.node_pools {
+            let m = pass.pool(p, pool, &mut st, &mut classes);
+            st.node_pools.push(m);
+        }
+        let mut per_count = BTreeMap::<String, usize>::new();
+        for c in classes.values() {
+            *per_count.entry(c.gpus.clone()).or_default() += 1;
+        }
+        for (cap, c) in classes {
+            // One overlay per GPU count; a second capacity for the same count (another GPU
+            // model under MIG) gets its capacity's hash in the name.
+            let mut name = format!("gpusharing-{}-{}gpu", p.name, c.gpus);
+            if per_count[&c.gpus] > 1 {
+                name = format!("{name}-{}", &nvidia::content_hash(&json!(cap))[..6]);
+            }
+            let object = overlay_object(&name, &p.name, &c, &cap, facts.weight);
+            overlays.insert(name.clone(), object);
+            st.overlays.push(NodeOverlayStatus {
+                name,
+                capacity: cap,
+                instance_types: c.types.into_iter().collect(),
+                node_pools: c.pools.into_iter().collect(),
+            });
+        }
+        statuses.insert(p.name.clone(), st);
+    }
+    (overlays, statuses)
+}
+
+/// Why no known instance type of `pool` is selected by the policy.
+fn not_selected(p: &Prepared, pool: &NodePool, types: &BTreeMap<String, InstanceType>) -> String {
+    if types.is_empty() {
+        return "no instance type with GPUs is known: no node shows one, and the instance-type table lists none".into();
+    }
+    let admitted: Vec<&String> = types
+        .iter()
+        .filter(|(t, it)| admits(&pool.requirements, &node_labels(pool, t, it)))
+        .map(|(t, _)| t)
+        .collect();
+    if admitted.is_empty() {
+        return format!(
+            "its requirements admit none of the known GPU instance types ({})",
+            types.keys().cloned().collect::<Vec<_>>().join(", ")
+        );
+    }
+    let sel = &p.spec.node_selector;
+    let missing: Vec<String> = sel
+        .match_labels
+        .iter()
+        .flatten()
+        .filter(|(k, v)| pool.labels.get(*k) != Some(*v) && !is_known_key(k))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    if missing.is_empty() {
+        "the selector matches none of its instance types' labels".into()
+    } else {
+        format!("its template labels lack {}", missing.join(", "))
+    }
+}
+
+/// A NodeOverlay object as we apply it.
+fn overlay_object(
+    name: &str,
+    policy: &str,
+    c: &Class,
+    cap: &BTreeMap<String, String>,
+    weight: i32,
+) -> Value {
+    json!({
+        "apiVersion": "karpenter.sh/v1alpha1",
+        "kind": "NodeOverlay",
+        "metadata": {
+            "name": name,
+            "labels": {MANAGED_BY.0: MANAGED_BY.1, LABEL_POLICY: policy},
+        },
+        "spec": {
+            "requirements": [
+                {"key": LABEL_NODEPOOL, "operator": "In", "values": c.pools},
+                {"key": LABEL_INSTANCE_TYPE, "operator": "In", "values": c.types},
+            ],
+            "capacity": cap,
+            "weight": weight,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::crd::GpuSharingPolicy;
+    use crate::plan::input::Overlay;
+    use crate::plan::testing::a100_node;
+    use crate::plan::{PlanInput, plan as plan_all};
+
+    fn policy(name: &str, yaml: &str) -> GpuSharingPolicy {
+        crate::api::yaml::from_str(&format!(
+            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n{yaml}"
+        ))
+        .unwrap()
+    }
+
+    fn pool(name: &str, labels: &[(&str, &str)]) -> NodePool {
+        NodePool {
+            name: name.into(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            requirements: vec![],
+        }
+    }
+
+    const TABLE: &str = "{gpu-1x: {gpus: 1, product: NVIDIA-L4, memoryMiB: 23034}, gpu-8x: {gpus: 8, product: NVIDIA-L4, memoryMiB: 23034}}";
+
+    fn input(policies: Vec<GpuSharingPolicy>, pools: Vec<NodePool>, table: &str) -> PlanInput {
+        let mut i = PlanInput::new(policies, vec![]);
+        i.cluster.autoscaling = Some(AutoscalingFacts {
+            node_pools: pools,
+            foreign_overlays: vec![],
+            table: Some(table.into()),
+            weight: DEFAULT_WEIGHT,
+        });
+        i
+    }
+
+    const TS4: &str = "  nodeSelector: {matchLabels: {gpusharing.io/profile: ts4}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n";
+
+    /// The case of Karpenter's issue #729: a time-sliced NodePool's instance types get GPUs x
+    /// replicas, one overlay per GPU count; a NodePool the policy does not select gets none,
+    /// and the status says why.
+    #[test]
+    fn time_slicing_gives_each_gpu_count_its_replicas() {
+        let i = input(
+            vec![policy("ts", TS4)],
+            vec![
+                pool("shared", &[("gpusharing.io/profile", "ts4")]),
+                pool("plain", &[]),
+            ],
+            TABLE,
+        );
+        let plan = plan_all(&i);
+        let names: Vec<&String> = plan.node_overlays.keys().collect();
+        assert_eq!(names, ["gpusharing-ts-1gpu", "gpusharing-ts-8gpu"]);
+        let o = &plan.node_overlays["gpusharing-ts-8gpu"];
+        assert_eq!(o["spec"]["capacity"], json!({"nvidia.com/gpu": "32"}));
+        assert_eq!(
+            o["spec"]["requirements"],
+            json!([
+                {"key": LABEL_NODEPOOL, "operator": "In", "values": ["shared"]},
+                {"key": LABEL_INSTANCE_TYPE, "operator": "In", "values": ["gpu-8x"]},
+            ])
+        );
+        assert_eq!(o["spec"]["weight"], DEFAULT_WEIGHT);
+        assert_eq!(o["metadata"]["labels"][LABEL_POLICY], "ts");
+        assert_eq!(
+            plan.node_overlays["gpusharing-ts-1gpu"]["spec"]["capacity"]["nvidia.com/gpu"],
+            "4"
+        );
+        let st = plan.statuses["ts"].autoscaling.clone().unwrap();
+        assert_eq!(st.node_pools[0].name, "shared");
+        assert!(st.node_pools[0].matched);
+        assert_eq!(st.node_pools[1].name, "plain");
+        assert!(!st.node_pools[1].matched);
+        assert_eq!(
+            st.node_pools[1].reason,
+            "its template labels lack gpusharing.io/profile=ts4"
+        );
+    }
+
+    /// MIG: per-profile counts from the layout and the GPU model, `nvidia.com/gpu` set to 0 (the
+    /// GPUs are advertised as MIG devices); a policy selecting on GFD's product learns the
+    /// model from the instance type. Learnt from a running node, no table needed.
+    #[test]
+    fn mig_counts_profiles_from_a_node_of_the_same_type() {
+        let mut node = a100_node(&[(LABEL_INSTANCE_TYPE, "p4de")]);
+        node.name = "a100-0".into();
+        let mut i = input(
+            vec![policy(
+                "mig",
+                "  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mig\n  mig: {migStrategy: mixed, customLayout: [{migEnabled: true, migDevices: {3g.40gb: 1, 2g.20gb: 1, 1g.10gb: 2}}]}\n",
+            )],
+            vec![pool("a100s", &[])],
+            "{}",
+        );
+        i.nodes.push(crate::plan::NodeView::idle(node));
+        let plan = plan_all(&i);
+        let o = &plan.node_overlays["gpusharing-mig-8gpu"];
+        assert_eq!(
+            o["spec"]["capacity"],
+            json!({"nvidia.com/gpu": "0", "nvidia.com/mig-1g.10gb": "16", "nvidia.com/mig-2g.20gb": "8", "nvidia.com/mig-3g.40gb": "8"})
+        );
+        let st = plan.statuses["mig"].autoscaling.clone().unwrap();
+        assert_eq!(st.overlays[0].instance_types, ["p4de"]);
+    }
+
+    /// An admin's overlay that already sets the resource on a matched type wins: the policy
+    /// steps aside for that type and says so; a NodePool whose requirements admit no known GPU
+    /// type is reported; the higher-precedence policy wins a type two policies select.
+    #[test]
+    fn foreign_overlays_requirements_and_precedence() {
+        let mut i = input(
+            vec![
+                policy("ts", TS4),
+                policy(
+                    "ts-low",
+                    "  nodeSelector: {}\n  priority: -1\n  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n",
+                ),
+            ],
+            vec![
+                pool("shared", &[("gpusharing.io/profile", "ts4")]),
+                NodePool {
+                    requirements: vec![Requirement {
+                        key: LABEL_INSTANCE_TYPE.into(),
+                        operator: "In".into(),
+                        values: vec!["cpu-only".into()],
+                    }],
+                    ..pool("cpu", &[("gpusharing.io/profile", "ts4")])
+                },
+            ],
+            TABLE,
+        );
+        i.cluster.autoscaling.as_mut().unwrap().foreign_overlays = vec![Overlay {
+            name: "admin-8x".into(),
+            weight: 50,
+            requirements: vec![Requirement {
+                key: LABEL_INSTANCE_TYPE.into(),
+                operator: "In".into(),
+                values: vec!["gpu-8x".into()],
+            }],
+            resources: vec!["nvidia.com/gpu".into()],
+        }];
+        let plan = plan_all(&i);
+        assert!(!plan.node_overlays.contains_key("gpusharing-ts-8gpu"));
+        let st = plan.statuses["ts"].autoscaling.clone().unwrap();
+        assert_eq!(
+            st.conflicts,
+            [
+                "NodeOverlay admin-8x (weight 50) sets nvidia.com/gpu on gpu-8x in NodePool shared: left to it"
+            ]
+        );
+        assert_eq!(
+            st.node_pools[1].reason,
+            "its requirements admit none of the known GPU instance types (gpu-1x, gpu-8x)"
+        );
+        let low = plan.statuses["ts-low"].autoscaling.clone().unwrap();
+        assert!(!low.node_pools[0].matched);
+        assert_eq!(
+            low.node_pools[0].reason,
+            "gpu-1x: won by policy ts; gpu-8x: won by policy ts"
+        );
+    }
+
+    #[test]
+    fn table_errors_are_reported() {
+        let (_, errors) = catalogue(&[], Some("{x: {gpus: 0}, y: {gpu: 1}}"));
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].starts_with("instance-types.yaml: "), "{errors:?}");
+        let (types, errors) = catalogue(&[], Some("{x: {gpus: 0}}"));
+        assert!(types.is_empty());
+        assert_eq!(errors, ["instance-types.yaml: x: gpus must be at least 1"]);
+    }
+}
