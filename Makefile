@@ -11,6 +11,7 @@ demo:
 test:
 	bash tests/cluster/cluster.sh build
 	bash tests/nvidia/build.sh
+	bash tests/karpenter/build.sh
 	bash tests/image/build.sh >/dev/null
 	bash tests/tools/build.sh
 	cargo build --locked -p scale-bench

@@ -209,6 +209,36 @@ pub enum PreviewError {
     NotConverged(#[from] NotConverged),
 }
 
+/// One line per NodeOverlay of a plan: `name: capacity (NodePools: instance types)`.
+pub fn overlay_lines(plan: &plan::Plan) -> Vec<String> {
+    let list = |v: &serde_json::Value| -> String {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    plan.node_overlays
+        .iter()
+        .map(|(name, o)| {
+            let spec = &o["spec"];
+            let capacity: Vec<String> = spec["capacity"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(r, q)| format!("{r}={}", q.as_str().unwrap_or_default()))
+                .collect();
+            format!(
+                "{name}: {} (NodePools {}: {})",
+                capacity.join(" "),
+                list(&spec["requirements"][0]["values"]),
+                list(&spec["requirements"][1]["values"])
+            )
+        })
+        .collect()
+}
+
 /// What applying the desired policies (see [`desired`]) to the cluster `current` would change.
 /// `cluster_policy` is the active ClusterPolicy's spec; `checked` names the policies whose
 /// planner errors make the input invalid (the files'; the cluster's own keep their status).
@@ -258,6 +288,7 @@ pub fn preview(
             before.claim_templates.keys(),
             after.claim_templates.keys(),
         ),
+        node_overlays: KeyChanges::of(&overlay_lines(&before), &overlay_lines(after)),
         cluster_policy: cluster_policy_changes(cluster_policy, &before, after),
         waves: c
             .waves
@@ -277,6 +308,7 @@ pub fn preview(
         || !p.device_plugin_config_keys.is_empty()
         || !p.mig_layouts.is_empty()
         || !p.claim_templates.is_empty()
+        || !p.node_overlays.is_empty()
         || !p.cluster_policy.is_empty();
     Ok(p)
 }

@@ -239,6 +239,8 @@ pub fn text(p: &Preview) -> String {
     );
     let k = &p.claim_templates;
     keys(&mut out, "ResourceClaimTemplates", &k.added, &k.removed);
+    let k = &p.node_overlays;
+    keys(&mut out, "Karpenter NodeOverlays", &k.added, &k.removed);
     cluster_policy(&mut out, &p.cluster_policy);
     for a in &p.assumptions {
         let _ = writeln!(out, "\nnote: {a}");

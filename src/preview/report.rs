@@ -124,6 +124,9 @@ pub struct Preview {
     pub device_plugin_config_keys: KeyChanges,
     pub mig_layouts: KeyChanges,
     pub claim_templates: KeyChanges,
+    /// Karpenter NodeOverlays, one line each (name, capacity, NodePools and instance types):
+    /// a changed capacity shows as the old line removed and the new one added.
+    pub node_overlays: KeyChanges,
     /// ClusterPolicy `spec` fields, dotted; `after: None` is a field the operator releases.
     pub cluster_policy: Vec<Change<serde_json::Value>>,
     /// Planning passes until convergence.
