@@ -61,6 +61,10 @@ enum Command {
         /// the operator writes first; for debugging).
         #[arg(long)]
         single_pass: bool,
+        /// Karpenter's NodePools and NodeOverlays (and the operator's instance-type table, the
+        /// ConfigMap gpu-sharing-instance-types): render the policies' NodeOverlays too.
+        #[arg(long)]
+        karpenter: Option<PathBuf>,
     },
     /// Show the MIG geometry layouts are checked against: with no argument, the GPU models
     /// known; with --product, that model's profiles and placements; with profiles too, where
@@ -398,6 +402,7 @@ fn main() -> ExitCode {
             namespace,
             mig_parted_config,
             single_pass,
+            karpenter,
         } => {
             let policies = match render::load_policies(&file) {
                 Ok(p) => p,
@@ -422,10 +427,18 @@ fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
+            let karpenter = match karpenter.map(|k| render::load_documents(&k)).transpose() {
+                Ok(k) => k,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(1);
+                }
+            };
             let options = render::RenderOptions {
                 namespace,
                 base_mig_configs: base,
                 single_pass,
+                karpenter,
             };
             match render::render_text(policies, nodes, &options) {
                 Ok(r) => {

@@ -445,6 +445,7 @@ fn the_clusterpolicy_policy_allows_exactly_what_the_operator_writes() {
         namespace: NS.into(),
         base_mig_configs: Default::default(),
         single_pass: false,
+        karpenter: None,
     };
     let rendered =
         gpu_sharing_operator::offline::render::render_text(policies, Some(nodes), &options)

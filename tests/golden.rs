@@ -970,3 +970,85 @@ metadata:
     assert_eq!(split["capacity"]["memoryPerClientMib"], 10240);
     assert_eq!(split["vgpuConfig"], "custom-vgpu-a100-split-5d75df2f");
 }
+
+/// `render --karpenter`: with a NodePool of L4 instance types (from the instance-type table) the
+/// time-slicing example renders a NodeOverlay per GPU count, with GPUs x replicas, and the
+/// policy's status says which NodePool matched.
+#[test]
+fn render_with_karpenter_shows_the_node_overlays() {
+    let dir = tempfile::tempdir().unwrap();
+    let karpenter = dir.path().join("karpenter.yaml");
+    std::fs::write(
+        &karpenter,
+        r#"
+apiVersion: karpenter.sh/v1
+kind: NodePool
+metadata: {name: l4}
+spec:
+  template:
+    spec:
+      nodeClassRef: {group: karpenter.kwok.sh, kind: KWOKNodeClass, name: default}
+      requirements:
+      - {key: node.kubernetes.io/instance-type, operator: In, values: [g6.xlarge, g6.12xlarge]}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: gpu-sharing-instance-types, namespace: gpu-operator}
+data:
+  instance-types.yaml: |
+    g6.xlarge: {gpus: 1, product: NVIDIA-L4, memoryMiB: 23034}
+    g6.12xlarge: {gpus: 4, product: NVIDIA-L4, memoryMiB: 23034}
+    p5.48xlarge: {gpus: 8, product: NVIDIA-H100-80GB-HBM3, memoryMiB: 81559}
+"#,
+    )
+    .unwrap();
+    let out = bin()
+        .args([
+            "render",
+            "-f",
+            "examples/time-slicing-l4.yaml",
+            "--karpenter",
+        ])
+        .arg(&karpenter)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let docs: Vec<serde_json::Value> = gpu_sharing_operator::api::yaml::documents(&text).unwrap();
+    let overlays: Vec<(&str, &serde_json::Value)> = docs
+        .iter()
+        .filter(|d| d["kind"] == "NodeOverlay")
+        .map(|d| {
+            (
+                d["metadata"]["name"].as_str().unwrap(),
+                &d["spec"]["capacity"],
+            )
+        })
+        .collect();
+    assert_eq!(
+        overlays,
+        [
+            (
+                "gpusharing-l4-time-slicing-1gpu",
+                &serde_json::json!({"nvidia.com/gpu": "4"})
+            ),
+            (
+                "gpusharing-l4-time-slicing-4gpu",
+                &serde_json::json!({"nvidia.com/gpu": "16"})
+            ),
+        ]
+    );
+    let status = docs
+        .iter()
+        .find(|d| d["kind"] == "GpuSharingPolicy" && d["metadata"]["name"] == "l4-time-slicing")
+        .unwrap();
+    assert_eq!(
+        status["status"]["autoscaling"]["nodePools"],
+        serde_json::json!([{"name": "l4", "matched": true, "reason": "instance types g6.12xlarge, g6.xlarge"}])
+    );
+}

@@ -89,6 +89,7 @@ fn options() -> RenderOptions {
         namespace: "gpu-operator".into(),
         base_mig_configs: default_layouts().clone(),
         single_pass: false,
+        karpenter: None,
     }
 }
 

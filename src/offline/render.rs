@@ -13,11 +13,13 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
+use kube::api::DynamicObject;
 use serde_json::json;
 
 use crate::api::crd::GpuSharingPolicy;
-use crate::api::names::MANAGER;
+use crate::api::names::{INSTANCE_TYPES_CONFIGMAP, MANAGER};
 use crate::nvidia::MIG_PARTED_KEY;
+use crate::observe::karpenter::KarpenterView;
 use crate::observe::node::{Interner, facts};
 use crate::observe::{self, ClusterView, Memory, Settings};
 use crate::plan::{self, LabelFilter, NodeFacts, Plan, PlanInput, configmap};
@@ -353,6 +355,7 @@ pub fn documents_of(
         "spec": plan.cluster_policy_spec,
     }));
     out.extend(plan.claim_templates.values().cloned());
+    out.extend(plan.node_overlays.values().cloned());
     if with_nodes {
         for (name, labels) in &plan.node_labels {
             out.push(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}));
@@ -381,6 +384,9 @@ pub struct RenderOptions {
     pub base_mig_configs: BTreeMap<String, serde_json::Value>,
     /// With nodes: show the first pass only, not the converged result.
     pub single_pass: bool,
+    /// Karpenter's NodePools and NodeOverlays, and the instance-type table ConfigMap, as
+    /// documents (`--karpenter`): the policies' NodeOverlays are rendered too.
+    pub karpenter: Option<Vec<serde_json::Value>>,
 }
 
 /// What `render` prints: the YAML, and a summary for stderr.
@@ -404,6 +410,44 @@ fn planner_errors(plan: &Plan) -> Vec<RenderError> {
         .collect()
 }
 
+/// Every document of a file or directory (for `--karpenter`).
+pub fn load_documents(path: &Path) -> Result<Vec<serde_json::Value>, RenderError> {
+    documents(path)
+}
+
+/// NodePools, NodeOverlays, and the instance-type table ConfigMap (name, data).
+type KarpenterDocs = (
+    Vec<DynamicObject>,
+    Vec<DynamicObject>,
+    Option<(String, BTreeMap<String, String>)>,
+);
+
+/// NodePools and NodeOverlays among `docs`, and the data of the instance-type table ConfigMap.
+fn karpenter_objects(docs: Option<&[serde_json::Value]>) -> KarpenterDocs {
+    let (mut pools, mut overlays, mut table) = (Vec::new(), Vec::new(), None);
+    for d in docs.into_iter().flatten() {
+        let kind = d.get("kind").and_then(|k| k.as_str());
+        let name = d["metadata"]["name"].as_str();
+        match kind {
+            Some("NodePool" | "NodeOverlay") => {
+                if let Ok(o) = serde_json::from_value::<DynamicObject>(d.clone()) {
+                    if kind == Some("NodePool") {
+                        pools.push(o);
+                    } else {
+                        overlays.push(o);
+                    }
+                }
+            }
+            Some("ConfigMap") if name == Some(INSTANCE_TYPES_CONFIGMAP) => {
+                let data = serde_json::from_value(d["data"].clone()).unwrap_or_default();
+                table = Some((INSTANCE_TYPES_CONFIGMAP.to_string(), data));
+            }
+            _ => {}
+        }
+    }
+    (pools, overlays, table)
+}
+
 /// Renders to multi-document YAML text; policies the planner finds invalid (for example a named
 /// layout the mig-parted config lacks) are errors, as in [`load_policies`]. With nodes the
 /// result is the converged state (see [`converge`](crate::plan::converge)) unless `single_pass`.
@@ -416,6 +460,7 @@ pub fn render_text(
     // Without a cluster the ClusterPolicy is unknown: VM policies are rendered as the GPU
     // Operator would serve them with its vGPU Manager on and KubeVirt's sandbox device plugin
     // (the controller checks the real ClusterPolicy and names the field when it is not so).
+    let (pools, overlays, table) = karpenter_objects(options.karpenter.as_deref());
     let view = ClusterView {
         policies,
         nodes: nodes
@@ -424,6 +469,11 @@ pub fn render_text(
             .map(Arc::new)
             .collect(),
         cluster_policies: None,
+        configmaps: table.into_iter().collect(),
+        karpenter: options.karpenter.as_ref().map(|_| KarpenterView {
+            node_pools: pools.iter().collect(),
+            overlays: overlays.iter().collect(),
+        }),
         ..Default::default()
     };
     let mut input = observe::plan_input(view, &Settings::default(), Memory::default());
