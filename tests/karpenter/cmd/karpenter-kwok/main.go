@@ -15,8 +15,13 @@
 package main
 
 import (
+	"context"
 	"fmt"
+	"io"
 	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
 
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/controller-runtime/pkg/log"
@@ -59,8 +64,23 @@ func main() {
 	cluster := state.NewCluster(op.Clock, op.GetClient(), withOverlays)
 
 	op.WithControllers(ctx, controllers.NewControllers(ctx, op.Manager, op.Clock, op.GetClient(),
-		op.EventRecorder, withOverlays, base, cluster, op.InstanceTypeStore)...).
-		Start(ctx)
+		op.EventRecorder, withOverlays, base, cluster, op.InstanceTypeStore)...)
+
+	// Upstream's operator runs until killed. Stop cleanly on SIGINT/SIGTERM and,
+	// with EXIT_ON_STDIN_EOF=true, when stdin closes: a test harness that dies
+	// without cleaning up then takes this process with it.
+	runCtx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if exit, _ := strconv.ParseBool(os.Getenv("EXIT_ON_STDIN_EOF")); exit {
+		var cancel context.CancelFunc
+		runCtx, cancel = context.WithCancel(runCtx)
+		go func() {
+			_, _ = io.Copy(io.Discard, os.Stdin)
+			logger.Info("stdin closed: stopping")
+			cancel()
+		}()
+	}
+	op.Start(runCtx)
 }
 
 // checkInstanceTypes rejects an instance-types file Karpenter would accept but
