@@ -86,6 +86,9 @@ type Hardware struct {
 	// MemoryMiB: nvidia.com/gpu.memory; with Product it selects the go-nvml
 	// mock model whose MIG data the MIG manager uses (nvmig.ModelFor).
 	MemoryMiB int `json:"memoryMiB,omitempty"`
+	// InstanceType: set when the hardware was taken from the --instance-types
+	// table for this node.kubernetes.io/instance-type (not from GFD labels).
+	InstanceType string `json:"instanceType,omitempty"`
 }
 
 // deviceIDs maps GFD product names to the PCI device IDs that NVIDIA's
@@ -264,7 +267,10 @@ type Patch struct {
 	// Allocatable: extended resources to set in status.allocatable only
 	// (a stopped device plugin: capacity lingers).
 	Allocatable map[string]string
-	Log         []string
+	// Ready: a node condition the simulated kubelet posts (status
+	// subresource, merged by type).
+	Ready *corev1.NodeCondition
+	Log   []string
 }
 
 func (p *Patch) setLabel(n *Node, k, v string) {
@@ -313,7 +319,7 @@ func (p *Patch) logf(format string, args ...any) {
 
 // Empty reports whether the patch writes nothing.
 func (p *Patch) Empty() bool {
-	return len(p.Labels) == 0 && len(p.Annotations) == 0 && p.Resources == nil && p.Allocatable == nil
+	return len(p.Labels) == 0 && len(p.Annotations) == 0 && p.Resources == nil && p.Allocatable == nil && p.Ready == nil
 }
 
 // MigInput is what the simulated MIG manager sees.
