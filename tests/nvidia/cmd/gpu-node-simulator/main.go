@@ -37,8 +37,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/selection"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
@@ -65,6 +67,7 @@ type options struct {
 	fallbacks        string
 	defaultMigConfig string
 	defaultVgpu      string
+	instanceTypes    string
 	retry            time.Duration
 	restartDelay     time.Duration
 }
@@ -80,6 +83,7 @@ func main() {
 	flag.StringVar(&o.fallbacks, "fallback-strategies", sim.FallbackEmpty, "config-manager FALLBACK_STRATEGIES when neither label nor default names a config (the GPU Operator uses 'empty'; the plugin's Helm chart 'named,single')")
 	flag.StringVar(&o.defaultMigConfig, "default-mig-config", "", "mig-parted config (file: ConfigMap manifest or raw) used when the ClusterPolicy names none and the namespace has no "+sim.DefaultMigConfigMap+" (default: a small built-in config)")
 	flag.StringVar(&o.defaultVgpu, "default-vgpu-config", "", "vGPU-devices config (file: ConfigMap manifest or raw) played as the GPU Operator's "+sim.DefaultVgpuConfigMap+" when the namespace has none (default: assets/default-vgpu-devices-config.yaml beside the executable, if present)")
+	flag.StringVar(&o.instanceTypes, "instance-types", "", "the operator's instance-type table (file: ConfigMap manifest with data key "+sim.InstanceTypesKey+", or the YAML/JSON map itself): a node without nvidia.com/gpu.product whose "+sim.LabelInstanceType+" is in it gets that hardware, GPU Feature Discovery's labels and, if it has no Ready condition, Ready=True (nodes Karpenter's kwok provider creates)")
 	flag.DurationVar(&o.restartDelay, "restart-delay", time.Second, "how long the device plugin and GPU Feature Discovery take to restart after a reload trigger (config label, ClusterPolicy, MIG geometry) before they load the config and GFD relabels with a new nvidia.com/gfd.timestamp")
 	flag.DurationVar(&o.retry, "crashloop-retry", 5*time.Second, "how often a node whose simulated device plugin cannot start is re-evaluated")
 	flag.Parse()
@@ -103,14 +107,18 @@ func main() {
 }
 
 type simulator struct {
-	o       *options
-	core    corev1client.CoreV1Interface
-	dyn     dynamic.Interface
-	queue   workqueue.TypedRateLimitingInterface[string]
-	nodes   cache.Store
-	cms     cache.Store
-	cps     cache.Store
-	builtin string
+	o     *options
+	core  corev1client.CoreV1Interface
+	dyn   dynamic.Interface
+	queue workqueue.TypedRateLimitingInterface[string]
+	nodes cache.Store
+	// tableNodes: nodes whose instance type is in the --instance-types
+	// table (nil without the flag).
+	tableNodes cache.Store
+	table      sim.InstanceTypes
+	cms        cache.Store
+	cps        cache.Store
+	builtin    string
 	// vgpuDefault: the GPU Operator's default vGPU-devices config.
 	vgpuDefault string
 
@@ -165,6 +173,15 @@ func run(ctx context.Context, o *options) error {
 			return err
 		}
 	}
+	if o.instanceTypes != "" {
+		data, err := os.ReadFile(o.instanceTypes)
+		if err != nil {
+			return fmt.Errorf("--instance-types: %w", err)
+		}
+		if s.table, err = sim.ParseInstanceTypes(data); err != nil {
+			return fmt.Errorf("--instance-types %s: %w", o.instanceTypes, err)
+		}
+	}
 	if o.defaultVgpu == "" {
 		if exe, err := os.Executable(); err == nil {
 			p := filepath.Join(filepath.Dir(exe), "assets", "default-vgpu-devices-config.yaml")
@@ -190,6 +207,11 @@ func run(ctx context.Context, o *options) error {
 		for _, name := range s.nodes.ListKeys() {
 			s.queue.Add(name)
 		}
+		if s.tableNodes != nil {
+			for _, name := range s.tableNodes.ListKeys() {
+				s.queue.Add(name)
+			}
+		}
 	}
 	handlers := func(f func(any)) cache.ResourceEventHandlerFuncs {
 		return cache.ResourceEventHandlerFuncs{
@@ -205,6 +227,25 @@ func run(ctx context.Context, o *options) error {
 	nodeInf := cache.NewSharedIndexInformer(nodeLW, &corev1.Node{}, 0, cache.Indexers{})
 	_, _ = nodeInf.AddEventHandler(handlers(enqueueNode))
 	s.nodes = nodeInf.GetStore()
+	synced := []cache.InformerSynced{nodeInf.HasSynced}
+	if len(s.table) > 0 {
+		// Nodes of the table's instance types, GPU-labelled or not (a label
+		// selector cannot say "gpu.present=true OR instance type in ...").
+		req, err := labels.NewRequirement(sim.LabelInstanceType, selection.In, s.table.Names())
+		if err != nil {
+			return fmt.Errorf("--instance-types: %w", err)
+		}
+		sel := labels.NewSelector().Add(*req).String()
+		tableLW := cache.NewFilteredListWatchFromClient(core.RESTClient(), "nodes", metav1.NamespaceAll, func(lo *metav1.ListOptions) {
+			lo.LabelSelector = sel
+		})
+		tableInf := cache.NewSharedIndexInformer(tableLW, &corev1.Node{}, 0, cache.Indexers{})
+		_, _ = tableInf.AddEventHandler(handlers(enqueueNode))
+		s.tableNodes = tableInf.GetStore()
+		synced = append(synced, tableInf.HasSynced)
+		go tableInf.Run(ctx.Done())
+		log.Printf("instance types from %s: %s", o.instanceTypes, strings.Join(s.table.Names(), ", "))
+	}
 
 	cmLW := cache.NewListWatchFromClient(core.RESTClient(), "configmaps", o.namespace, fields.Everything())
 	cmInf := cache.NewSharedIndexInformer(cmLW, &corev1.ConfigMap{}, 0, cache.Indexers{})
@@ -250,7 +291,7 @@ func run(ctx context.Context, o *options) error {
 	go nodeInf.Run(ctx.Done())
 	go cmInf.Run(ctx.Done())
 	go cpInf.Run(ctx.Done())
-	if !cache.WaitForCacheSync(ctx.Done(), nodeInf.HasSynced, cmInf.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), append(synced, cmInf.HasSynced)...) {
 		return ctx.Err()
 	}
 	// Pods are handled once the GPU nodes are known (a pod on a node not yet
@@ -334,7 +375,8 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 	if err != nil {
 		return 0, err
 	}
-	if node.Labels[sim.LabelGPUPresent] != "true" {
+	tableType, fromTable := sim.TableNode(node.Labels, node.Annotations, s.table)
+	if node.Labels[sim.LabelGPUPresent] != "true" && !fromTable {
 		return 0, nil
 	}
 	n := &sim.Node{
@@ -348,6 +390,24 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		n.Annotations = map[string]string{}
 	}
 	patch := &sim.Patch{}
+	if fromTable {
+		// A node of a table instance type (Karpenter's kwok provider creates
+		// them bare): GFD labels it, and its kubelet posts Ready.
+		_, recorded := sim.PlanInstanceType(n, tableType, s.table[tableType], patch)
+		if !sim.HasReadyCondition(node.Status.Conditions) {
+			c := sim.KubeletReady(time.Now())
+			patch.Ready = &c
+			patch.Log = append(patch.Log, "kubelet: no Ready condition: posting Ready=True")
+		}
+		if !recorded || patch.Ready != nil {
+			// Written on their own (whatever taints or ClusterPolicy say);
+			// the next pass plays the node as any GPU node.
+			if err := s.write(ctx, node, patch); err != nil {
+				return 0, err
+			}
+			return time.Millisecond, nil
+		}
+	}
 	hw, recorded := sim.HardwareOf(n.Labels, n.Annotations)
 	if !recorded {
 		b, _ := json.Marshal(hw)
@@ -485,7 +545,7 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) e
 		return nil
 	}
 	pod := obj.(*corev1.Pod)
-	if _, ours, _ := s.nodes.GetByKey(pod.Spec.NodeName); !ours {
+	if !s.ours(pod.Spec.NodeName) {
 		return nil
 	}
 	if pod.DeletionTimestamp != nil {
@@ -526,6 +586,24 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) e
 	return err
 }
 
+// ours reports whether the simulator plays the node's kubelet: a GPU node,
+// or one whose hardware the instance-type table gives.
+func (s *simulator) ours(name string) bool {
+	if _, ok, _ := s.nodes.GetByKey(name); ok {
+		return true
+	}
+	if s.tableNodes == nil {
+		return false
+	}
+	obj, ok, _ := s.tableNodes.GetByKey(name)
+	if !ok {
+		return false
+	}
+	node := obj.(*corev1.Node)
+	_, fromTable := sim.TableNode(node.Labels, node.Annotations, s.table)
+	return fromTable
+}
+
 // logOnce logs msg for a node unless it was the last message logged for it.
 func (s *simulator) logOnce(node, msg string) {
 	s.mu.Lock()
@@ -554,6 +632,14 @@ func (s *simulator) write(ctx context.Context, node *corev1.Node, p *sim.Patch) 
 			return fmt.Errorf("patching labels: %w", err)
 		}
 		log.Printf("node %s: patched %s", node.Name, describePatch(p))
+	}
+	if p.Ready != nil {
+		// Strategic merge: conditions merge by type, others stay.
+		body, _ := json.Marshal(map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{*p.Ready}}})
+		if _, err := s.core.Nodes().Patch(ctx, node.Name, types.StrategicMergePatchType, body, metav1.PatchOptions{FieldManager: fieldManager}, "status"); err != nil {
+			return fmt.Errorf("patching conditions: %w", err)
+		}
+		log.Printf("node %s: condition %s=%s (%s)", node.Name, p.Ready.Type, p.Ready.Status, p.Ready.Reason)
 	}
 	if p.Resources != nil {
 		body, _ := json.Marshal(map[string]any{"status": map[string]any{"capacity": p.Resources, "allocatable": p.Resources}})
