@@ -17,6 +17,7 @@ test:
 	cargo build --locked -p scale-bench
 	cargo test --locked
 	bash tests/nvidia/build.sh test
+	bash tests/cluster/cluster.sh test
 	bash tests/nvidia/conformance.sh
 
 # Regenerate crds/ (and the chart's copy) and the CRD reference (docs/crd-reference.md) from the

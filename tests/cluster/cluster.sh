@@ -12,6 +12,9 @@
 #   cluster.sh status             say whether it runs (exit 1 if not)
 #   cluster.sh run [kube-local flags]
 #                                 run in the foreground (Ctrl-C stops it)
+#   cluster.sh test [go test flags]
+#                                 build, then run this module's Go tests
+#                                 against the binary (KUBE_LOCAL)
 #
 # Environment:
 #   KUBE_LOCAL_OUT      output directory (default: <repo>/target/kube-local)
@@ -43,14 +46,14 @@ ldflags() {
 	echo "-s -w -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 }
 
-# Hash of everything the binary depends on.
+# Hash of everything the binary depends on (tests are not part of it).
 source_hash() {
 	(
 		cd "$HERE"
 		go version
 		ldflags
 		go env GOFLAGS CGO_ENABLED GOOS GOARCH
-		find . -maxdepth 1 -type f \( -name '*.go' -o -name go.mod -o -name go.sum \) -print0 |
+		find . -maxdepth 1 -type f \( -name '*.go' -o -name go.mod -o -name go.sum \) ! -name '*_test.go' -print0 |
 			LC_ALL=C sort -z | xargs -0 sha256sum
 	) | sha256sum | cut -d' ' -f1
 }
@@ -214,6 +217,12 @@ cmd_run() {
 	exec "$BIN" --watch-stdin=false "$@"
 }
 
+cmd_test() {
+	cmd_build
+	# Same -trimpath as the binary: the test build reuses its compiled packages.
+	(cd "$HERE" && KUBE_LOCAL=$BIN go test -trimpath -ldflags "$(ldflags)" "$@" .)
+}
+
 case ${1:-} in
 build) shift; cmd_build "$@" ;;
 path) shift; cmd_build; echo "$BIN" ;;
@@ -221,6 +230,7 @@ start) shift; cmd_start "$@" ;;
 stop) shift; cmd_stop ;;
 status) shift; cmd_status ;;
 run) shift; cmd_run "$@" ;;
+test) shift; cmd_test "$@" ;;
 *)
 	sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
 	exit 2

@@ -55,6 +55,7 @@ type kubeLocalOptions struct {
 	watchParent       bool
 	pdeathsig         bool
 	controllers       bool
+	scheduler         bool
 	keep              bool
 	persist           bool
 	readyTimeout      time.Duration
@@ -82,6 +83,7 @@ func parseFlags() (*kubeLocalOptions, error) {
 	fs.BoolVar(&o.watchParent, "watch-parent", true, "exit when the parent process exits")
 	fs.BoolVar(&o.pdeathsig, "pdeathsig", false, "ask the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG); beware: it fires when the parent *thread* that started kube-local exits, so not for multi-threaded parents such as test harnesses")
 	fs.BoolVar(&o.controllers, "controllers", true, "run the garbage-collector and namespace controllers (of kube-controller-manager) in-process")
+	fs.BoolVar(&o.scheduler, "scheduler", false, "run kube-scheduler (default profile, no leader election, no serving port) in-process: pods without spec.nodeName are bound to nodes by their allocatable, taints, affinity, ...")
 	fs.BoolVar(&o.keep, "keep", false, "keep the etcd data on exit")
 	fs.BoolVar(&o.persist, "persist", false, "with --dir: keep the etcd data (<dir>/etcd) and certificates (<dir>/pki) there and, when they exist, start again on them (a restart: same objects, same CA and admin credentials, nothing seeded); pass the same --port to keep the kubeconfig valid")
 	fs.DurationVar(&o.readyTimeout, "ready-timeout", 90*time.Second, "how long to wait for the apiserver to become ready")
@@ -420,11 +422,39 @@ func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, resta
 		}
 		logf("garbage-collector and namespace controllers running")
 	}
+	// stopControllers stops the in-process controllers and waits (bounded)
+	// for the scheduler, so that it does not outlive the apiserver.
+	stopControllers := ctrlCancel
+	if o.scheduler {
+		schedDone, err := runScheduler(ctrlCtx, kubeconfig, o.readyTimeout)
+		stopControllers = func() {
+			ctrlCancel()
+			if schedDone == nil {
+				return
+			}
+			select {
+			case <-schedDone:
+			case <-time.After(10 * time.Second):
+				logf("kube-scheduler did not stop within 10s")
+			}
+		}
+		if err != nil {
+			stopControllers()
+			shutdown()
+			if ctx.Err() != nil {
+				logf("stopped before ready: %s", reason(stopReason))
+				return 0
+			}
+			logf("kube-scheduler: %v", err)
+			return 1
+		}
+		logf("kube-scheduler running")
+	}
 
 	if restarted {
 		logf("ready in %.1fs (restarted: nothing seeded)", time.Since(start).Seconds())
 		fmt.Fprintf(os.Stdout, "READY %s\n", kubeconfig)
-		return waitStop(ctx, stopReason, ctrlCancel, shutdown, apiDied, &apiErr)
+		return waitStop(ctx, stopReason, stopControllers, shutdown, apiDied, &apiErr)
 	}
 	err = seed(readyCtx, cfg, seedOptions{
 		namespace:         o.namespace,
@@ -436,7 +466,7 @@ func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, resta
 		extra:             o.manifests,
 	})
 	if err != nil {
-		ctrlCancel()
+		stopControllers()
 		shutdown()
 		if ctx.Err() != nil {
 			logf("stopped while seeding: %s", reason(stopReason))
@@ -450,7 +480,7 @@ func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, resta
 	}
 	logf("ready in %.1fs", time.Since(start).Seconds())
 	fmt.Fprintf(os.Stdout, "READY %s\n", kubeconfig)
-	return waitStop(ctx, stopReason, ctrlCancel, shutdown, apiDied, &apiErr)
+	return waitStop(ctx, stopReason, stopControllers, shutdown, apiDied, &apiErr)
 }
 
 // waitStop blocks until kube-local is told to stop (then stops the controllers and the
