@@ -18,6 +18,7 @@ test:
 	cargo test --locked
 	bash tests/nvidia/build.sh test
 	bash tests/cluster/cluster.sh test
+	bash tests/karpenter/build.sh test
 	bash tests/nvidia/conformance.sh
 
 # Regenerate crds/ (and the chart's copy) and the CRD reference (docs/crd-reference.md) from the

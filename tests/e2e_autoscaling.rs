@@ -6,6 +6,7 @@
 mod support;
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -184,5 +185,356 @@ async fn node_overlays_follow_policies_and_node_pools() {
         ["admin-8x"],
         "the policy's overlays are gone once its finalizer is"
     );
+    op.stop().await;
+}
+
+/// Karpenter v1.8.0 itself (its kwok provider, `tests/karpenter`) as a child process: dies with
+/// the test (its stdin is our pipe).
+struct Karpenter(std::process::Child);
+
+impl Drop for Karpenter {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The kwok provider's instance types: a 1-GPU and an 8-GPU L4 type, and an 8-GPU A100 type,
+/// about the same price per GPU (price alone never explains a choice).
+fn kwok_instance_types() -> Value {
+    let offering = |price: f64| {
+        json!([{"Price": price, "Available": true, "Requirements": [
+            {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["zone-a"]},
+            {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
+        ]}])
+    };
+    let t = |name: &str, cpu: &str, memory: &str, gpus: &str, price: f64| {
+        json!({"name": name, "architecture": "amd64", "operatingSystems": ["linux"],
+            "resources": {"cpu": cpu, "memory": memory, "ephemeral-storage": "500Gi", "pods": "110", "nvidia.com/gpu": gpus},
+            "offerings": offering(price)})
+    };
+    json!([
+        t("gpu-1x", "8", "64Gi", "1", 1.2),
+        t("gpu-8x", "96", "1024Gi", "8", 9.6),
+        t("a100-8x", "96", "1152Gi", "8", 32.0),
+    ])
+}
+
+/// The same types as the GPUs GPU Feature Discovery will find on them: the operator's table
+/// and the node simulator's hardware for the nodes Karpenter creates.
+const GPU_TABLE: &str = "gpu-1x: {gpus: 1, product: NVIDIA-L4, memoryMiB: 23034}\ngpu-8x: {gpus: 8, product: NVIDIA-L4, memoryMiB: 23034}\na100-8x: {gpus: 8, product: NVIDIA-A100-SXM4-80GB, memoryMiB: 81920, migCapable: true}\n";
+
+fn start_karpenter(dir: &std::path::Path, cluster: &testkit::TestCluster) -> Karpenter {
+    let types = cluster.dir.path().join("kwok-instance-types.json");
+    std::fs::write(&types, kwok_instance_types().to_string()).unwrap();
+    let log = std::fs::File::create(cluster.dir.path().join("karpenter.log")).unwrap();
+    let child = std::process::Command::new(dir.join("karpenter-kwok"))
+        .env_clear()
+        .env("KUBECONFIG", &cluster.kubeconfig)
+        .env("INSTANCE_TYPES_FILE_PATH", &types)
+        .env("FEATURE_GATES", "NodeOverlay=true")
+        .env("DISABLE_LEADER_ELECTION", "true")
+        .env("METRICS_PORT", free_port().to_string())
+        .env("HEALTH_PROBE_PORT", free_port().to_string())
+        .env("EXIT_ON_STDIN_EOF", "true")
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .stdin(std::process::Stdio::piped())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("karpenter-kwok starts");
+    Karpenter(child)
+}
+
+fn karpenter_api(c: &Client, version: &str, kind: &str, plural: &str) -> Api<DynamicObject> {
+    let ar = ApiResource {
+        group: "karpenter.sh".into(),
+        version: version.into(),
+        api_version: format!("karpenter.sh/{version}"),
+        kind: kind.into(),
+        plural: plural.into(),
+    };
+    Api::all_with(c.clone(), &ar)
+}
+
+/// NodeClaims: (name, instance type, node name once registered).
+async fn node_claims(c: &Client) -> Vec<(String, String, String)> {
+    karpenter_api(c, "v1", "NodeClaim", "nodeclaims")
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|n| {
+            let t = n
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("node.kubernetes.io/instance-type"))
+                .cloned();
+            let node = n.data["status"]["nodeName"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            (
+                n.metadata.name.unwrap_or_default(),
+                t.unwrap_or_default(),
+                node,
+            )
+        })
+        .collect()
+}
+
+fn node_pool_for(name: &str, profile: &str, types: &[&str]) -> String {
+    format!(
+        "apiVersion: karpenter.sh/v1\nkind: NodePool\nmetadata: {{name: {name}}}\nspec:\n  template:\n    metadata: {{labels: {{gpusharing.io/profile: {profile}}}}}\n    spec:\n      nodeClassRef: {{group: karpenter.kwok.sh, kind: KWOKNodeClass, name: default}}\n      expireAfter: Never\n      requirements:\n      - {{key: node.kubernetes.io/instance-type, operator: In, values: {types:?}}}\n      - {{key: karpenter.sh/capacity-type, operator: In, values: [on-demand]}}\n  disruption: {{consolidationPolicy: WhenEmptyOrUnderutilized, consolidateAfter: 5s}}\n"
+    )
+}
+
+fn gpu_pod(
+    name: &str,
+    profile: &str,
+    resource: &str,
+    count: u32,
+) -> k8s_openapi::api::core::v1::Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeSelector": {"gpusharing.io/profile": profile},
+            "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
+                "resources": {"limits": {resource: count.to_string()}}}],
+        },
+    }))
+    .unwrap()
+}
+
+/// A node's allocatable.
+async fn allocatable(c: &Client, node: &str) -> BTreeMap<String, String> {
+    let n = Api::<k8s_openapi::api::core::v1::Node>::all(c.clone())
+        .get(node)
+        .await
+        .unwrap();
+    n.status
+        .and_then(|s| s.allocatable)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.0))
+        .collect()
+}
+
+/// Karpenter's own messages about a pod (its `FailedScheduling` / `Nominated` events).
+async fn karpenter_events(c: &Client, pod: &str) -> Vec<String> {
+    Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.clone(), "default")
+        .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={pod}")))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.source.as_ref().and_then(|s| s.component.as_deref()) == Some("karpenter"))
+        .map(|e| {
+            format!(
+                "{}: {}",
+                e.reason.unwrap_or_default(),
+                e.message.unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
+async fn bound_node(c: &Client, pod: &str) -> Option<String> {
+    let p = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(c.clone(), "default")
+        .get(pod)
+        .await
+        .ok()?;
+    p.spec?.node_name
+}
+
+/// The loop of karpenter#729 closed with Karpenter itself: a pod asking for 16 time-sliced
+/// `nvidia.com/gpu` fits no instance type until the operator's NodeOverlay says a time-sliced
+/// 8-GPU type has 32; then Karpenter launches one 8-GPU node (not eight 1-GPU ones), the node
+/// simulator plays its GPU Feature Discovery, kubelet and device plugin, the operator
+/// configures it, and kube-scheduler binds the pod. The same for a MIG policy and a pod asking
+/// for `nvidia.com/mig-1g.10gb`. Deleting the policies removes the overlays.
+#[tokio::test]
+async fn karpenter_launches_the_shared_instance_type_for_a_pod_it_could_not_place() {
+    let dir = karpenter_dir();
+    let table = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(table.path(), GPU_TABLE).unwrap();
+    let (_g, cluster, _sim) = setup_with_simulator(
+        testkit::ClusterOptions::default()
+            .manifest(dir.join("crds"))
+            .arg("--scheduler"),
+        &[
+            "--instance-types".into(),
+            table.path().display().to_string(),
+        ],
+    )
+    .await;
+    let c = cluster.client.clone();
+    let _karpenter = start_karpenter(&dir, &cluster);
+    testkit::apply_yaml(
+        &c,
+        "apiVersion: karpenter.kwok.sh/v1alpha1\nkind: KWOKNodeClass\nmetadata: {name: default}\n",
+    )
+    .await
+    .unwrap();
+    testkit::apply_yaml(&c, &node_pool_for("ts4", "ts4", &["gpu-1x", "gpu-8x"]))
+        .await
+        .unwrap();
+    testkit::apply_yaml(&c, &node_pool_for("mig", "mig", &["a100-8x"]))
+        .await
+        .unwrap();
+    let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(c.clone(), "default");
+    pods.create(
+        &PostParams::default(),
+        &gpu_pod("gpu16", "ts4", "nvidia.com/gpu", 16),
+    )
+    .await
+    .unwrap();
+
+    // Without the operator: Karpenter's own reason, and no NodeClaim.
+    let events = until("Karpenter's FailedScheduling", LONG, || async {
+        let e = karpenter_events(&c, "gpu16").await;
+        e.iter()
+            .any(|m| m.starts_with("FailedScheduling"))
+            .then_some(e)
+    })
+    .await;
+    assert!(
+        events
+            .iter()
+            .any(|m| m.contains("no instance type has enough resources")),
+        "{events:?}"
+    );
+    assert!(node_claims(&c).await.is_empty());
+
+    // The operator, its table and two policies: the overlays tell Karpenter.
+    let cm: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "gpu-sharing-instance-types", "namespace": NS},
+        "data": {"instance-types.yaml": GPU_TABLE},
+    }))
+    .unwrap();
+    Api::<ConfigMap>::namespaced(c.clone(), NS)
+        .create(&PostParams::default(), &cm)
+        .await
+        .unwrap();
+    let op = Operator::start(c.clone(), Some(NS));
+    testkit::apply_yaml(&c, TS4).await.unwrap();
+    testkit::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: mig}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: mig}}\n  strategy: mig\n  mig: {migStrategy: mixed, layout: all-1g.10gb}\n",
+    )
+    .await
+    .unwrap();
+    let o = until("overlays", LONG, || async {
+        let o = overlays(&c).await;
+        (o.contains_key("gpusharing-ts4-8gpu") && o.contains_key("gpusharing-mig-8gpu"))
+            .then_some(o)
+    })
+    .await;
+    assert_eq!(
+        o["gpusharing-ts4-8gpu"]["capacity"],
+        json!({"nvidia.com/gpu": "32"})
+    );
+    assert_eq!(
+        o["gpusharing-mig-8gpu"]["capacity"],
+        json!({"nvidia.com/gpu": "0", "nvidia.com/mig-1g.10gb": "56"})
+    );
+
+    // Only 8-GPU NodeClaims, never 1-GPU ones. Karpenter v1.8 counts a NodeClaim in flight by
+    // its instance type without the overlay (8 GPUs) until the node advertises what the device
+    // plugin says, so it may launch a few more 8-GPU nodes meanwhile; its consolidation removes
+    // the empty ones. The pod is bound by kube-scheduler on a configured node, which stays.
+    let node = until("gpu16 bound", Duration::from_secs(90), || {
+        bound_node(&c, "gpu16")
+    })
+    .await;
+    let launched = node_claims(&c).await;
+    assert!(
+        launched.iter().all(|(_, t, _)| t == "gpu-8x"),
+        "{launched:?}"
+    );
+    assert_eq!(labels(&c, &node).await["gpusharing.io/profile"], "ts4");
+    assert_eq!(
+        allocatable(&c, &node)
+            .await
+            .get("nvidia.com/gpu")
+            .map(String::as_str),
+        Some("32")
+    );
+    let claims = until(
+        "the empty ones consolidated",
+        Duration::from_secs(90),
+        || async {
+            let n = node_claims(&c).await;
+            (n.len() == 1).then_some(n)
+        },
+    )
+    .await;
+    assert_eq!(claims[0].2, node, "{claims:?}");
+    eprintln!(
+        "Karpenter launched {} gpu-8x NodeClaims for gpu16; one stayed, {} consolidated",
+        launched.len(),
+        launched.len() - 1
+    );
+
+    // MIG: a pod asking for a 1g.10gb instance gets an A100 node with the layout, bound there;
+    // the time-sliced node with its pod is not consolidated away meanwhile.
+    pods.create(
+        &PostParams::default(),
+        &gpu_pod("mig1g", "mig", "nvidia.com/mig-1g.10gb", 1),
+    )
+    .await
+    .unwrap();
+    let mig_node = until("mig1g bound", Duration::from_secs(120), || {
+        bound_node(&c, "mig1g")
+    })
+    .await;
+    assert_eq!(
+        labels(&c, &mig_node).await["nvidia.com/mig.config"],
+        "all-1g.10gb"
+    );
+    assert_eq!(
+        allocatable(&c, &mig_node)
+            .await
+            .get("nvidia.com/mig-1g.10gb")
+            .map(String::as_str),
+        Some("56")
+    );
+    let claims = until(
+        "the empty A100s consolidated",
+        Duration::from_secs(90),
+        || async {
+            let n = node_claims(&c).await;
+            (n.len() == 2).then_some(n)
+        },
+    )
+    .await;
+    assert!(
+        claims
+            .iter()
+            .any(|(_, t, n)| t == "a100-8x" && *n == mig_node),
+        "{claims:?}"
+    );
+    assert!(
+        claims.iter().any(|(_, t, n)| t == "gpu-8x" && *n == node),
+        "{claims:?}"
+    );
+    assert_eq!(
+        bound_node(&c, "gpu16").await.as_deref(),
+        Some(node.as_str())
+    );
+
+    // Deleting the policies removes their overlays.
+    for name in ["ts4", "mig"] {
+        Api::<GpuSharingPolicy>::all(c.clone())
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    until("overlays removed", LONG, || async {
+        overlays(&c).await.is_empty().then_some(())
+    })
+    .await;
     op.stop().await;
 }

@@ -57,9 +57,47 @@ fn mig_instances(
     mig: &Mig,
     base: Option<&BTreeMap<String, serde_json::Value>>,
     gpus: i64,
-    memory_mib: Option<i64>,
+    gpu: Gpu,
 ) -> Option<Vec<(MigProfile, i64)>> {
-    mig_instances_known(mig, base, gpus, memory_mib).map(|(i, _)| i)
+    mig_instances_known(mig, base, gpus, gpu).map(|(i, _)| i)
+}
+
+/// What GPU Feature Discovery says of a node's GPUs that picks a named layout's entry: the
+/// product (through its PCI device IDs, which the entries' `device-filter` names) and memory.
+#[derive(Clone, Copy, Default)]
+struct Gpu<'a> {
+    product: Option<&'a str>,
+    memory_mib: Option<i64>,
+}
+
+impl<'a> Gpu<'a> {
+    fn of(node: &'a NodeFacts) -> Self {
+        Gpu {
+            product: node.labels.get(LABEL_GPU_PRODUCT),
+            memory_mib: label_i64(node, LABEL_GPU_MEMORY),
+        }
+    }
+
+    /// PCI device IDs of the GPU model, when the product names a model we know.
+    fn pci_ids(&self) -> Option<&'static [u32]> {
+        let m = nvidia::geometry::model_for(self.product?, self.memory_mib.map(|m| m as u64))?;
+        Some(m.pci_device_ids)
+    }
+}
+
+/// Whether a layout entry applies to a GPU with one of `ids`: it has no `device-filter`, or
+/// its filter names one of them.
+fn entry_applies(e: &serde_json::Value, ids: &[u32]) -> bool {
+    let parse = |v: &serde_json::Value| {
+        v.as_str().and_then(|s| {
+            u32::from_str_radix(s.trim_start_matches("0x").trim_start_matches("0X"), 16).ok()
+        })
+    };
+    match e.get("device-filter") {
+        None => true,
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(parse).any(|id| ids.contains(&id)),
+        Some(v) => parse(v).is_some_and(|id| ids.contains(&id)),
+    }
 }
 
 /// MIG-instance counts of a node under a MIG policy, when known, and whether they are exact:
@@ -69,9 +107,9 @@ fn mig_instances_known(
     mig: &Mig,
     base: Option<&BTreeMap<String, serde_json::Value>>,
     gpus: i64,
-    memory_mib: Option<i64>,
+    gpu: Gpu,
 ) -> Option<(Vec<(MigProfile, i64)>, bool)> {
-    let candidates = mig_candidates(mig, base, gpus, memory_mib)?;
+    let candidates = mig_candidates(mig, base, gpus, gpu)?;
     let exact = candidates.len() == 1;
     let chosen = candidates.into_iter().max_by_key(|c| total(c))?;
     Some((chosen, exact))
@@ -85,8 +123,9 @@ fn mig_candidates(
     mig: &Mig,
     base: Option<&BTreeMap<String, serde_json::Value>>,
     gpus: i64,
-    memory_mib: Option<i64>,
+    gpu: Gpu,
 ) -> Option<Vec<Vec<(MigProfile, i64)>>> {
+    let memory_mib = gpu.memory_mib;
     let mut out = Vec::new();
     if let Some(groups) = &mig.custom_layout {
         let listed = listed_gpus(groups);
@@ -103,8 +142,20 @@ fn mig_candidates(
     if mig.layout.as_deref()? == MIG_DISABLED_LAYOUT {
         return Some(vec![out]);
     }
-    let candidates: Vec<Vec<(MigProfile, i64)>> = layout_entries(mig, base)?
-        .iter()
+    let entries = layout_entries(mig, base)?;
+    // The entries for this GPU model, when the product names a model whose PCI IDs we know and
+    // an entry's filter names one; otherwise every entry may be the one.
+    let for_model: Vec<&serde_json::Value> = gpu
+        .pci_ids()
+        .map(|ids| entries.iter().filter(|e| entry_applies(e, ids)).collect())
+        .unwrap_or_default();
+    let chosen: Vec<&serde_json::Value> = if for_model.is_empty() {
+        entries.iter().collect()
+    } else {
+        for_model
+    };
+    let candidates: Vec<Vec<(MigProfile, i64)>> = chosen
+        .into_iter()
         .map(|e| {
             (e.get("devices").and_then(|d| d.as_str()) == Some("all"))
                 .then(|| entry_devices(e))
@@ -173,7 +224,11 @@ fn physical_gpus(
     };
     let divides = |k: &i64| *k > 0 && count % k == 0;
     let fitting = memory_mib.and_then(|m| {
-        mig_instances(mig, base, 1, Some(m))
+        let gpu = Gpu {
+            product: None,
+            memory_mib: Some(m),
+        };
+        mig_instances(mig, base, 1, gpu)
             .map(|e| total(&e))
             .filter(divides)
     });
@@ -377,7 +432,7 @@ pub fn device_plugin_advertises(
             let mig = spec.mig.as_ref()?;
             let mem = label_i64(node, LABEL_GPU_MEMORY);
             let gpus = physical_gpus(mig, base, node, count, mem);
-            let candidates = mig_candidates(mig, base, gpus, mem)?;
+            let candidates = mig_candidates(mig, base, gpus, Gpu::of(node))?;
             let per: Vec<BTreeMap<String, i64>> =
                 candidates.iter().map(|c| mig_resources(mig, c)).collect();
             let names: std::collections::BTreeSet<&String> =
@@ -448,7 +503,7 @@ pub fn node_capacity(
                 return cap(gpus, None, None, None, true);
             };
             let gpus = physical_gpus(mig, base, node, gpus, mem);
-            let Some(instances) = mig_instances(mig, base, gpus, mem) else {
+            let Some(instances) = mig_instances(mig, base, gpus, Gpu::of(node)) else {
                 return cap(gpus, None, None, None, true);
             };
             let ts = mig.time_slicing.as_ref();
@@ -522,18 +577,68 @@ mod tests {
     fn a_named_layout_per_gpu_model_counts_what_fits_the_nodes_gpus() {
         // NVIDIA's all-1g.10gb: 7 per GPU on 80 GB models, 4 on 40 GB ones (by PCI device ID).
         let base = crate::nvidia::default_mig_configs();
-        let count = |mem| {
-            mig_instances(&named("all-1g.10gb"), Some(&base), 8, mem)
+        let count = |product, memory_mib| {
+            let gpu = Gpu {
+                product,
+                memory_mib,
+            };
+            mig_instances(&named("all-1g.10gb"), Some(&base), 8, gpu)
                 .map(|v| v.iter().map(|(_, n)| n).sum::<i64>())
         };
-        assert_eq!(count(Some(81920)), Some(56));
-        assert_eq!(count(Some(40960)), Some(32));
+        assert_eq!(count(None, Some(81920)), Some(56));
+        assert_eq!(count(None, Some(40960)), Some(32));
         // Without the GPU's memory the models cannot be told apart.
-        assert_eq!(count(None), None);
+        assert_eq!(count(None, None), None);
         // One entry for every model: no memory needed.
         assert_eq!(
-            mig_instances(&named("all-disabled"), Some(&base), 8, None),
+            mig_instances(&named("all-disabled"), Some(&base), 8, Gpu::default()),
             Some(vec![])
+        );
+    }
+
+    /// With GPU Feature Discovery's product the entry is the one whose `device-filter` names
+    /// the model's PCI device ID, as mig-parted picks it: 7 x 1g.10gb on an A100 80GB, where
+    /// memory alone leaves 4 (the 40 GB models' entry) to 7.
+    #[test]
+    fn the_product_picks_a_named_layouts_entry_by_pci_device_id() {
+        let base = crate::nvidia::default_mig_configs();
+        let mig = Mig {
+            mig_strategy: MigStrategy::Mixed,
+            ..named("all-1g.10gb")
+        };
+        let node = |product: &str, memory: &str| NodeFacts {
+            labels: [
+                (LABEL_GPU_PRODUCT, product),
+                (LABEL_GPU_MEMORY, memory),
+                (LABEL_GPU_COUNT, "8"),
+            ]
+            .into_iter()
+            .collect(),
+            ..Default::default()
+        };
+        let spec = GpuSharingPolicySpec {
+            node_selector: Default::default(),
+            strategy: Strategy::Mig,
+            mig: Some(mig),
+            ..crate::api::yaml::from_str("{nodeSelector: {}, strategy: exclusive}").unwrap()
+        };
+        let advertised = |n: &NodeFacts| {
+            device_plugin_advertises(&spec, n, Some(&base))
+                .unwrap()
+                .resources
+        };
+        assert_eq!(
+            advertised(&node("NVIDIA-A100-SXM4-80GB", "81920"))["nvidia.com/mig-1g.10gb"],
+            (56, 56)
+        );
+        assert_eq!(
+            advertised(&node("NVIDIA-A100-SXM4-40GB", "40960"))["nvidia.com/mig-1g.10gb"],
+            (32, 32)
+        );
+        // A product we have no model for: the entries that fit its memory, as before.
+        assert_eq!(
+            advertised(&node("NVIDIA-Future-GPU", "81920"))["nvidia.com/mig-1g.10gb"],
+            (32, 56)
         );
     }
 }

@@ -100,6 +100,11 @@ impl Drop for Simulator {
 }
 
 pub fn start_simulator(cluster: &TestCluster) -> Simulator {
+    start_simulator_with(cluster, &[])
+}
+
+/// [`start_simulator`] with extra flags (e.g. `--instance-types FILE`).
+pub fn start_simulator_with(cluster: &TestCluster, extra: &[String]) -> Simulator {
     let root = testkit::repo_root();
     let out = std::process::Command::new("bash")
         .arg(root.join("tests/nvidia/build.sh"))
@@ -123,6 +128,7 @@ pub fn start_simulator(cluster: &TestCluster) -> Simulator {
             "300ms",
             "--exit-on-stdin-eof",
         ])
+        .args(extra)
         .stdin(std::process::Stdio::piped())
         .stdout(log.try_clone().unwrap())
         .stderr(log)
@@ -360,6 +366,14 @@ pub async fn setup() -> (Serial, TestCluster, Simulator) {
 
 /// [`setup`] with cluster options (e.g. another GPU Operator namespace).
 pub async fn setup_with(opts: testkit::ClusterOptions) -> (Serial, TestCluster, Simulator) {
+    setup_with_simulator(opts, &[]).await
+}
+
+/// [`setup_with`], the simulator started with extra flags.
+pub async fn setup_with_simulator(
+    opts: testkit::ClusterOptions,
+    simulator_flags: &[String],
+) -> (Serial, TestCluster, Simulator) {
     let lock = SERIAL.lock().await;
     let cluster = TestCluster::start_with(opts).await;
     install_crd(&cluster.client).await;
@@ -367,7 +381,7 @@ pub async fn setup_with(opts: testkit::ClusterOptions) -> (Serial, TestCluster, 
     // stamps) about a second after it starts, and a test whose operator writes within that
     // same second would wait for GFD's next periodic report, which the simulator does not
     // play (docs/reliability.md, Known).
-    let sim = start_simulator(&cluster);
+    let sim = start_simulator_with(&cluster, simulator_flags);
     let invariants = Arc::new(
         invariants::InvariantWatcher::start(&cluster.kubeconfig, &cluster.gpu_operator_namespace)
             .await,

@@ -27,6 +27,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -398,6 +399,16 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 			c := sim.KubeletReady(time.Now())
 			patch.Ready = &c
 			patch.Log = append(patch.Log, "kubelet: no Ready condition: posting Ready=True")
+			// A kubelet reports extended resources only once a device plugin
+			// registers them: drop the NVIDIA ones the node was created with
+			// (Karpenter's kwok provider copies the pod's requests there).
+			for _, m := range []corev1.ResourceList{node.Status.Capacity, node.Status.Allocatable} {
+				for r := range m {
+					if strings.HasPrefix(string(r), "nvidia.com/") && !slices.Contains(patch.DropResources, string(r)) {
+						patch.DropResources = append(patch.DropResources, string(r))
+					}
+				}
+			}
 		}
 		if !recorded || patch.Ready != nil {
 			// Written on their own (whatever taints or ClusterPolicy say);
@@ -640,6 +651,17 @@ func (s *simulator) write(ctx context.Context, node *corev1.Node, p *sim.Patch) 
 			return fmt.Errorf("patching conditions: %w", err)
 		}
 		log.Printf("node %s: condition %s=%s (%s)", node.Name, p.Ready.Type, p.Ready.Status, p.Ready.Reason)
+	}
+	if len(p.DropResources) > 0 {
+		gone := map[string]any{}
+		for _, r := range p.DropResources {
+			gone[r] = nil
+		}
+		body, _ := json.Marshal(map[string]any{"status": map[string]any{"capacity": gone, "allocatable": gone}})
+		if _, err := s.core.Nodes().Patch(ctx, node.Name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: fieldManager}, "status"); err != nil {
+			return fmt.Errorf("patching status: %w", err)
+		}
+		log.Printf("node %s: kubelet: no device plugin registered yet: dropped %v", node.Name, p.DropResources)
 	}
 	if p.Resources != nil {
 		body, _ := json.Marshal(map[string]any{"status": map[string]any{"capacity": p.Resources, "allocatable": p.Resources}})

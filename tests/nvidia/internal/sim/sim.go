@@ -267,6 +267,10 @@ type Patch struct {
 	// Allocatable: extended resources to set in status.allocatable only
 	// (a stopped device plugin: capacity lingers).
 	Allocatable map[string]string
+	// DropResources: extended resources to remove from status.capacity and
+	// status.allocatable (what a node reports before any device plugin has
+	// registered, e.g. the pod requests Karpenter's kwok provider copies).
+	DropResources []string
 	// Ready: a node condition the simulated kubelet posts (status
 	// subresource, merged by type).
 	Ready *corev1.NodeCondition
@@ -319,7 +323,7 @@ func (p *Patch) logf(format string, args ...any) {
 
 // Empty reports whether the patch writes nothing.
 func (p *Patch) Empty() bool {
-	return len(p.Labels) == 0 && len(p.Annotations) == 0 && p.Resources == nil && p.Allocatable == nil && p.Ready == nil
+	return len(p.Labels) == 0 && len(p.Annotations) == 0 && p.Resources == nil && p.Allocatable == nil && p.Ready == nil && len(p.DropResources) == 0
 }
 
 // MigInput is what the simulated MIG manager sees.
