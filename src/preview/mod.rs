@@ -139,8 +139,8 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         Err(e) if matches!(&e, kube::Error::Api(s) if s.code == 404) => vec![],
         Err(e) => return Err(read("ClusterPolicies")(e)),
     };
-    let configmaps = configmaps(client, &namespace).await?;
     let mut assumptions = Vec::new();
+    let configmaps = configmaps(client, &namespace, &mut assumptions).await?;
     let running = ListParams::default().fields(RUNNING_BOUND_PODS);
     let pods = optional(
         "pods",
@@ -169,7 +169,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
     )
     .await?
     .map(|l| l.items.iter().map(|n| n.name_any()).collect());
-    let karpenter = karpenter_objects(client).await?;
+    let karpenter = karpenter_objects(client, &mut assumptions).await?;
     let cluster_policy_spec =
         active_cluster_policy(&cluster_policies).and_then(|c| c.data.get("spec").cloned());
     let view = ClusterView {
@@ -199,23 +199,34 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
     })
 }
 
-/// Karpenter's NodePools and NodeOverlays, when the NodeOverlay kind is served.
+/// Karpenter's NodePools and NodeOverlays, when the NodeOverlay kind is served and may be
+/// listed (otherwise no overlay is planned, and a forbidden list is said).
 async fn karpenter_objects(
     client: &Client,
+    assumptions: &mut Vec<String>,
 ) -> Result<Option<(Vec<DynamicObject>, Vec<DynamicObject>)>, Error> {
     let lp = ListParams::default();
     let overlays = Api::<DynamicObject>::all_with(client.clone(), &node_overlay_resource());
     let overlays = match overlays.list(&lp).await {
         Ok(l) => l.items,
         Err(kube::Error::Api(s)) if s.code == 404 => return Ok(None),
+        Err(e) if forbidden(&e) => {
+            assumptions
+                .push("NodeOverlays cannot be listed: Karpenter's overlays are not planned".into());
+            return Ok(None);
+        }
         Err(e) => return Err(read("NodeOverlays")(e)),
     };
     let pools = Api::<DynamicObject>::all_with(client.clone(), &node_pool_resource());
-    let pools = match pools.list(&lp).await {
-        Ok(l) => l.items,
-        Err(kube::Error::Api(s)) if s.code == 404 => vec![],
-        Err(e) => return Err(read("NodePools")(e)),
-    };
+    let pools = optional(
+        "NodePools",
+        "no NodePool is assumed (no overlay is planned)",
+        assumptions,
+        pools.list(&lp),
+    )
+    .await?
+    .map(|l| l.items)
+    .unwrap_or_default();
     Ok(Some((pools, overlays)))
 }
 
@@ -224,6 +235,7 @@ async fn karpenter_objects(
 async fn configmaps(
     client: &Client,
     namespace: &str,
+    assumptions: &mut Vec<String>,
 ) -> Result<BTreeMap<String, BTreeMap<String, String>>, Error> {
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
     let mut out = BTreeMap::new();
@@ -235,7 +247,16 @@ async fn configmaps(
         DEFAULT_VGPU_CONFIGMAP,
         INSTANCE_TYPES_CONFIGMAP,
     ] {
-        let got = cms.get_opt(name).await.map_err(read("ConfigMaps"))?;
+        let got = match cms.get_opt(name).await {
+            // The admin's table is optional to read (a viewer role from before it existed).
+            Err(e) if name == INSTANCE_TYPES_CONFIGMAP && forbidden(&e) => {
+                assumptions.push(format!(
+                    "ConfigMap {INSTANCE_TYPES_CONFIGMAP} cannot be read: instance types are learnt from the nodes only"
+                ));
+                None
+            }
+            got => got.map_err(read("ConfigMaps"))?,
+        };
         if let Some(data) = got.and_then(|c| c.data) {
             out.insert(name.to_string(), data);
         }
