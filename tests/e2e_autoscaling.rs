@@ -32,14 +32,7 @@ fn karpenter_dir() -> std::path::PathBuf {
 }
 
 fn overlay_api(c: &Client) -> Api<DynamicObject> {
-    let ar = ApiResource {
-        group: "karpenter.sh".into(),
-        version: "v1alpha1".into(),
-        api_version: "karpenter.sh/v1alpha1".into(),
-        kind: "NodeOverlay".into(),
-        plural: "nodeoverlays".into(),
-    };
-    Api::all_with(c.clone(), &ar)
+    karpenter_api(c, "v1alpha1", "NodeOverlay", "nodeoverlays")
 }
 
 /// NodeOverlays by name: their spec.
@@ -125,6 +118,25 @@ async fn node_overlays_follow_policies_and_node_pools() {
             {"name": "shared", "matched": true, "reason": "instance types gpu-1x, gpu-8x"},
         ])
     );
+    // At rest the overlays are not written again.
+    let versions = || async {
+        overlay_api(&c)
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .map(|o| {
+                (
+                    o.metadata.name.unwrap(),
+                    o.metadata.resource_version.unwrap(),
+                )
+            })
+            .collect::<BTreeMap<_, _>>()
+    };
+    let before = versions().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(versions().await, before, "steady state writes no overlay");
 
     // An edit reaches the overlays.
     Api::<GpuSharingPolicy>::all(c.clone())

@@ -16,7 +16,7 @@ use crate::runtime::context::Context;
 use crate::runtime::error::Error;
 
 /// Whether `have` holds everything in `want` (the API server adds defaults, e.g. allocationMode).
-fn json_contains(have: &serde_json::Value, want: &serde_json::Value) -> bool {
+pub(super) fn json_contains(have: &serde_json::Value, want: &serde_json::Value) -> bool {
     match (have, want) {
         (serde_json::Value::Object(h), serde_json::Value::Object(w)) => w
             .iter()

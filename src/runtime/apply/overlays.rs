@@ -8,21 +8,12 @@ use kube::ResourceExt;
 use kube::api::{Api, DynamicObject, Patch};
 use tracing::info;
 
+use super::claims::json_contains;
 use super::{WriteReport, apply_params};
 use crate::observe::karpenter::{is_ours, node_overlay_resource};
 use crate::plan::Plan;
 use crate::runtime::context::Context;
 use crate::runtime::error::Error;
-
-/// Whether `have` holds everything in `want` (the API server may add defaults).
-fn contains(have: &serde_json::Value, want: &serde_json::Value) -> bool {
-    match (have, want) {
-        (serde_json::Value::Object(h), serde_json::Value::Object(w)) => w
-            .iter()
-            .all(|(k, v)| h.get(k).is_some_and(|hv| contains(hv, v))),
-        _ => have == want,
-    }
-}
 
 /// Applies the plan's NodeOverlays and deletes ours it no longer has. Nothing when the kind
 /// is not served.
@@ -43,7 +34,7 @@ pub async fn apply_node_overlays(
     let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &node_overlay_resource());
     for (name, want) in &plan.node_overlays {
         let same = ours.get(name).is_some_and(|cur| {
-            contains(&cur.data["spec"], &want["spec"])
+            json_contains(&cur.data["spec"], &want["spec"])
                 && want["spec"].as_object().map(|m| m.len())
                     == cur.data["spec"].as_object().map(|m| m.len())
                 && want["metadata"]["labels"]
