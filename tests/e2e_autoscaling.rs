@@ -197,7 +197,106 @@ async fn node_overlays_follow_policies_and_node_pools() {
         ["admin-8x"],
         "the policy's overlays are gone once its finalizer is"
     );
+    overlay_api(&c)
+        .delete("admin-8x", &DeleteParams::default())
+        .await
+        .unwrap();
+
+    // VM hosts and a NodePool that pins the provider's GPU count.
+    testkit::apply_yaml(
+        &c,
+        &pool_yaml(
+            "vms",
+            "vm",
+            "node.kubernetes.io/instance-type",
+            "p4de.24xlarge",
+        ),
+    )
+    .await
+    .unwrap();
+    testkit::apply_yaml(
+        &c,
+        &pool_yaml(
+            "by-count",
+            "ts2",
+            "karpenter.k8s.aws/instance-gpu-count",
+            "2",
+        ),
+    )
+    .await
+    .unwrap();
+    testkit::apply_yaml(&c, PASS).await.unwrap();
+    testkit::apply_yaml(&c, TS2).await.unwrap();
+    // Types of any name with 2 GPUs, by the provider's label.
+    let o = until("the count overlay", LONG, || async {
+        overlays(&c).await.remove("gpusharing-ts2-2gpu")
+    })
+    .await;
+    assert_eq!(o["capacity"], json!({"nvidia.com/gpu": "4"}));
+    assert_eq!(
+        o["requirements"],
+        json!([
+            {"key": "karpenter.sh/nodepool", "operator": "In", "values": ["by-count"]},
+            {"key": "karpenter.k8s.aws/instance-gpu-count", "operator": "In", "values": ["2"]},
+        ])
+    );
+    // Passthrough: the sandbox device plugin's name for an A100 is not known before a
+    // passthrough host of the type runs.
+    let s = until("passthrough status", LONG, || async {
+        policy_status(&c, "pass")
+            .await
+            .filter(|s| s.get("autoscaling").is_some())
+    })
+    .await;
+    let vms = s["autoscaling"]["nodePools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "vms")
+        .cloned()
+        .unwrap();
+    assert_eq!(vms["matched"], false, "{vms}");
+    assert!(
+        vms["reason"]
+            .as_str()
+            .unwrap()
+            .contains("p4de.24xlarge: the sandbox device plugin's name for its GPUs is unknown"),
+        "{vms}"
+    );
+    // One A100 host of the type goes passthrough; the simulator names its GPUs from NVIDIA's
+    // pci.ids as the sandbox device plugin does, and the overlay learns that name.
+    label_node(&c, "a100-node-1", "gpusharing.io/profile", Some("vm")).await;
+    let o = until("the passthrough overlay", LONG, || async {
+        overlays(&c).await.remove("gpusharing-pass-8gpu")
+    })
+    .await;
+    let host = allocatable(&c, "a100-node-1").await;
+    assert_eq!(
+        host.get("nvidia.com/GA100_A100_SXM4_80GB")
+            .map(String::as_str),
+        Some("8"),
+        "{host:?}"
+    );
+    assert_eq!(
+        o["capacity"],
+        json!({"nvidia.com/gpu": "0", "nvidia.com/GA100_A100_SXM4_80GB": "8"})
+    );
+    assert_eq!(
+        o["requirements"][1],
+        json!({"key": "node.kubernetes.io/instance-type", "operator": "In", "values": ["p4de.24xlarge"]})
+    );
     op.stop().await;
+}
+
+const PASS: &str = "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: pass}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: vm}}\n  strategy: passthrough\n";
+const TS2: &str = "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: ts2}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: ts2}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n";
+
+/// A NodePool whose template carries `gpusharing.io/profile: <profile>` and which requires
+/// `key In [value]`.
+fn pool_yaml(name: &str, profile: &str, key: &str, value: &str) -> String {
+    format!(
+        "apiVersion: karpenter.sh/v1\nkind: NodePool\nmetadata: {{name: {name}}}\nspec:\n  template:\n    metadata: {{labels: {{gpusharing.io/profile: {profile}}}}}\n    spec:\n      nodeClassRef: {{group: karpenter.kwok.sh, kind: KWOKNodeClass, name: default}}\n      expireAfter: Never\n      requirements:\n      - {{key: {key}, operator: In, values: [\"{value}\"]}}\n"
+    )
 }
 
 /// Karpenter v1.8.0 itself (its kwok provider, `tests/karpenter`) as a child process: dies with

@@ -689,8 +689,13 @@ pub struct NodeOverlayStatus {
     pub name: String,
     /// The extended resources it sets, as a node of these instance types will advertise them.
     pub capacity: BTreeMap<String, String>,
+    /// The instance types it names; empty when it matches types by a provider's GPU-count label.
     pub instance_types: Vec<String>,
     pub node_pools: Vec<String>,
+    /// The provider GPU-count label it matches instance types by (`key=value`), for NodePools
+    /// that pin one: types no node or table showed get the capacity too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_count_label: Option<String>,
 }
 
 /// Whether a NodePool's nodes would be selected by the policy.

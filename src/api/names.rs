@@ -129,6 +129,12 @@ pub const INSTANCE_TYPES_CONFIGMAP: &str = "gpu-sharing-instance-types";
 pub const LABEL_INSTANCE_TYPE: &str = "node.kubernetes.io/instance-type";
 /// The label Karpenter puts on a NodePool's nodes (and matches overlays on).
 pub const LABEL_NODEPOOL: &str = "karpenter.sh/nodepool";
+/// The providers' GPU-count labels on Karpenter's instance types: a NodePool that pins one has
+/// nodes of that many GPUs whatever the instance type.
+pub const PROVIDER_COUNT_LABELS: [&str; 2] = [
+    "karpenter.k8s.aws/instance-gpu-count",
+    "karpenter.azure.com/sku-gpu-count",
+];
 /// Cloud providers' GPU labels on Karpenter's instance types (AWS, Azure), kept from nodes so
 /// that NodePool requirements on them can be judged.
 pub const PROVIDER_GPU_LABELS: [&str; 5] = [

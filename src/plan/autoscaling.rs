@@ -20,15 +20,17 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::{Value, json};
 
+use crate::api::crd::Strategy;
 use crate::api::crd::{AutoscalingStatus, Backend, NodeOverlayStatus, NodePoolMatch};
 use crate::api::names::{
-    LABEL_GPU_COUNT, LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_NODEPOOL, LABEL_POLICY,
-    MANAGED_BY, PROVIDER_GPU_LABELS,
+    LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_NODEPOOL,
+    LABEL_POLICY, LABEL_WORKLOAD, MANAGED_BY, PROVIDER_COUNT_LABELS, PROVIDER_GPU_LABELS,
 };
 use crate::nvidia;
 
 use super::capacity;
-use super::input::{AutoscalingFacts, NodePool, Requirement};
+use super::facts::sandbox_resources;
+use super::input::{AutoscalingFacts, NodePool, Requirement, Sandbox};
 use super::labels::{Labels, selector_matches};
 use super::policies::Prepared;
 use super::{NodeFacts, NodeView};
@@ -39,10 +41,15 @@ pub const TABLE_KEY: &str = "instance-types.yaml";
 pub const DEFAULT_WEIGHT: i32 = 1;
 
 /// An instance type's GPUs as node labels would say them (GFD's `nvidia.com/gpu.*`, provider
-/// GPU labels), and where we learnt them.
+/// GPU labels), how many, and where we learnt them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InstanceType {
     pub labels: BTreeMap<String, String>,
+    pub gpus: i64,
+    /// The name the sandbox device plugin advertises these GPUs under when handed through whole
+    /// (`nvidia.com/<name>`, from the PCI device name): learnt from a passthrough node of the
+    /// type, or the table's `pciDeviceName`.
+    pub pci_name: Option<String>,
     pub source: String,
 }
 
@@ -56,23 +63,61 @@ struct TableRow {
     memory_mib: Option<i64>,
     #[serde(default)]
     mig_capable: bool,
+    pci_device_name: Option<String>,
+}
+
+/// The GPU labels of a node worth keeping for its instance type.
+fn gpu_labels(n: &NodeFacts) -> BTreeMap<String, String> {
+    n.labels
+        .iter()
+        .filter(|(k, _)| {
+            k.starts_with("nvidia.com/gpu.")
+                || *k == "nvidia.com/mig.capable"
+                || PROVIDER_GPU_LABELS.contains(k)
+        })
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// A passthrough VM host's GPUs as the sandbox device plugin advertises them: its one
+/// PCI-device-named resource (vGPU types are named `NVIDIA_<type>`) and their count.
+fn passthrough_resource(n: &NodeFacts) -> Option<(String, i64)> {
+    if n.labels
+        .get(LABEL_WORKLOAD)
+        .is_none_or(|w| w != "vm-passthrough")
+    {
+        return None;
+    }
+    let mut named = sandbox_resources(n)
+        .into_iter()
+        .filter(|(r, _)| !r.starts_with("nvidia.com/NVIDIA_"));
+    let (r, c) = named.next()?;
+    named
+        .next()
+        .is_none()
+        .then(|| (r.trim_start_matches("nvidia.com/").to_string(), c))
 }
 
 /// The instance types we know the GPUs of: from the nodes the cluster runs (GPU Feature
 /// Discovery's labels; a node under the `single` MIG strategy describes its MIG devices there,
-/// so it teaches nothing), then from the admin's table for types no node showed. Errors name
-/// the table's rows.
+/// so it teaches nothing; a passthrough VM host its GPUs' PCI name), then from the admin's
+/// table for what no node showed. Errors name the table's rows.
 pub fn catalogue(
     nodes: &[NodeView],
     table: Option<&str>,
 ) -> (BTreeMap<String, InstanceType>, Vec<String>) {
     let mut out = BTreeMap::new();
+    let mut passthrough = BTreeMap::new();
     for v in nodes {
         let n: &NodeFacts = &v.facts;
-        let (Some(t), Some(_)) = (
-            n.labels.get(LABEL_INSTANCE_TYPE),
-            n.labels.get(LABEL_GPU_COUNT),
-        ) else {
+        let Some(t) = n.labels.get(LABEL_INSTANCE_TYPE) else {
+            continue;
+        };
+        if let Some((name, count)) = passthrough_resource(n) {
+            passthrough.entry(t.to_string()).or_insert((name, count, n));
+            continue;
+        }
+        let Some(gpus) = n.labels.get(LABEL_GPU_COUNT).and_then(|c| c.parse().ok()) else {
             continue;
         };
         if out.contains_key(t)
@@ -82,57 +127,66 @@ pub fn catalogue(
         {
             continue;
         }
-        let labels = n
-            .labels
-            .iter()
-            .filter(|(k, _)| {
-                k.starts_with("nvidia.com/gpu.")
-                    || *k == "nvidia.com/mig.capable"
-                    || PROVIDER_GPU_LABELS.contains(k)
-            })
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
         out.insert(
             t.to_string(),
             InstanceType {
-                labels,
+                labels: gpu_labels(n),
+                gpus,
+                pci_name: None,
                 source: format!("node {}", n.name),
             },
         );
     }
+    for (t, (name, gpus, n)) in passthrough {
+        out.entry(t)
+            .or_insert_with(|| InstanceType {
+                labels: gpu_labels(n),
+                gpus,
+                pci_name: None,
+                source: format!("node {}", n.name),
+            })
+            .pci_name = Some(name);
+    }
+    let errors = match table {
+        Some(text) => add_table(&mut out, text),
+        None => Vec::new(),
+    };
+    (out, errors)
+}
+
+/// The admin's table's rows, for the types no node showed (and the PCI name a node did not).
+fn add_table(out: &mut BTreeMap<String, InstanceType>, text: &str) -> Vec<String> {
+    let rows = match crate::api::yaml::from_str::<BTreeMap<String, TableRow>>(text) {
+        Err(e) => return vec![format!("{TABLE_KEY}: {e}")],
+        Ok(rows) => rows,
+    };
     let mut errors = Vec::new();
-    if let Some(text) = table {
-        match crate::api::yaml::from_str::<BTreeMap<String, TableRow>>(text) {
-            Err(e) => errors.push(format!("{TABLE_KEY}: {e}")),
-            Ok(rows) => {
-                for (t, row) in rows {
-                    if row.gpus < 1 {
-                        errors.push(format!("{TABLE_KEY}: {t}: gpus must be at least 1"));
-                        continue;
-                    }
-                    let mut labels =
-                        BTreeMap::from([(LABEL_GPU_COUNT.to_string(), row.gpus.to_string())]);
-                    if let Some(p) = row.product {
-                        labels.insert(LABEL_GPU_PRODUCT.to_string(), p);
-                    }
-                    if let Some(m) = row.memory_mib {
-                        labels.insert(
-                            crate::api::names::LABEL_GPU_MEMORY.to_string(),
-                            m.to_string(),
-                        );
-                    }
-                    if row.mig_capable {
-                        labels.insert("nvidia.com/mig.capable".into(), "true".into());
-                    }
-                    out.entry(t).or_insert(InstanceType {
-                        labels,
-                        source: "table".into(),
-                    });
-                }
-            }
+    for (t, row) in rows {
+        if row.gpus < 1 {
+            errors.push(format!("{TABLE_KEY}: {t}: gpus must be at least 1"));
+            continue;
+        }
+        let mut labels = BTreeMap::from([(LABEL_GPU_COUNT.to_string(), row.gpus.to_string())]);
+        if let Some(p) = row.product {
+            labels.insert(LABEL_GPU_PRODUCT.to_string(), p);
+        }
+        if let Some(m) = row.memory_mib {
+            labels.insert(LABEL_GPU_MEMORY.to_string(), m.to_string());
+        }
+        if row.mig_capable {
+            labels.insert("nvidia.com/mig.capable".into(), "true".into());
+        }
+        let it = out.entry(t).or_insert(InstanceType {
+            labels,
+            gpus: row.gpus,
+            pci_name: None,
+            source: "table".into(),
+        });
+        if it.pci_name.is_none() {
+            it.pci_name = row.pci_device_name;
         }
     }
-    (out, errors)
+    errors
 }
 
 /// The labels a node of `pool` launched as instance type `t` would carry, as far as we know
@@ -142,7 +196,8 @@ fn node_labels(pool: &NodePool, t: &str, it: &InstanceType) -> BTreeMap<String, 
     let mut l = it.labels.clone();
     for r in &pool.requirements {
         if r.operator == "In" && r.values.len() == 1 {
-            l.insert(r.key.clone(), r.values[0].clone());
+            l.entry(r.key.clone())
+                .or_insert_with(|| r.values[0].clone());
         }
     }
     l.extend(pool.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
@@ -168,35 +223,92 @@ fn is_known_key(key: &str) -> bool {
     key.starts_with("nvidia.com/gpu.") || PROVIDER_GPU_LABELS.contains(&key)
 }
 
+/// What an overlay sets: resource -> quantity.
+type Capacity = BTreeMap<String, String>;
+
 /// The resources a node of this instance type advertises under the policy, as a Karpenter
 /// capacity map; `nvidia.com/gpu` is set to 0 when the policy advertises the GPUs under other
-/// names (MIG `mixed`, `renameByDefault`), so Karpenter does not count them twice.
+/// names (MIG `mixed`, `renameByDefault`, VMs), so Karpenter does not count them twice. `Err`
+/// says why it is unknown.
 fn overlay_capacity(
     p: &Prepared,
     it: &InstanceType,
     base: Option<&BTreeMap<String, Value>>,
-) -> Option<BTreeMap<String, String>> {
-    let facts = NodeFacts {
-        labels: Labels::from_pairs(
-            it.labels
-                .iter()
-                .map(|(k, v)| (k.as_str().into(), v.as_str().into()))
-                .collect(),
-        ),
-        ..Default::default()
+    sandbox: &Sandbox,
+) -> Result<Capacity, String> {
+    let mut out = if p.spec.strategy.is_vm() {
+        vm_capacity(p, it, sandbox)?
+    } else {
+        let facts = NodeFacts {
+            labels: Labels::from_pairs(
+                it.labels
+                    .iter()
+                    .map(|(k, v)| (k.as_str().into(), v.as_str().into()))
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+        let adv = capacity::device_plugin_advertises(p.spec, &facts, base).ok_or_else(|| {
+            let gpu = it.labels.get(LABEL_GPU_PRODUCT);
+            format!(
+                "the capacity is unknown for {}",
+                gpu.map_or("this GPU", |s| s.as_str())
+            )
+        })?;
+        adv.resources
+            .iter()
+            .map(|(r, (min, _))| (r.clone(), min.to_string()))
+            .collect()
     };
-    let adv = capacity::device_plugin_advertises(p.spec, &facts, base)?;
-    let mut out: BTreeMap<String, String> = adv
-        .resources
-        .iter()
-        .map(|(r, (min, _))| (r.clone(), min.to_string()))
-        .collect();
     out.entry(nvidia::GPU_RESOURCE.to_string())
         .or_insert_with(|| "0".into());
-    Some(out)
+    Ok(out)
 }
 
-/// One overlay being built: its capacity and what it matches.
+/// What the sandbox device plugin (KubeVirt's, deployed by the GPU Operator) advertises on a VM
+/// host of this type: passthrough GPUs under their PCI device name, vGPUs under
+/// `NVIDIA_<type>`, as many as the policy's layout creates on this many GPUs.
+fn vm_capacity(p: &Prepared, it: &InstanceType, sandbox: &Sandbox) -> Result<Capacity, String> {
+    if let Some(m) = sandbox.mode.as_deref().filter(|m| *m != "kubevirt") {
+        return Err(format!(
+            "the ClusterPolicy's sandboxWorkloads.mode is {m}: no KubeVirt device plugin advertises the GPUs"
+        ));
+    }
+    if p.spec.strategy == Strategy::Passthrough {
+        let name = it.pci_name.as_ref().ok_or(
+            "the sandbox device plugin's name for its GPUs is unknown: no passthrough node of this type runs, and the instance-type table gives no pciDeviceName",
+        )?;
+        return Ok(BTreeMap::from([(
+            format!("nvidia.com/{name}"),
+            it.gpus.to_string(),
+        )]));
+    }
+    if !sandbox.vgpu_manager_enabled {
+        return Err(
+            "the ClusterPolicy's vgpuManager.enabled is false: no vGPU devices are created".into(),
+        );
+    }
+    let entries = p.vm().map_or(&[][..], |v| &v.vgpu_entries);
+    if entries.is_empty() || entries.iter().any(|e| e.device_filter.is_some()) {
+        return Err("the vGPU layout's devices per GPU are unknown for this type".into());
+    }
+    let mut out = BTreeMap::<String, i64>::new();
+    for g in 0..it.gpus {
+        for e in entries {
+            let on = match &e.devices {
+                nvidia::MigDevices::All(_) => true,
+                nvidia::MigDevices::Indices(d) => d.contains(&(g as i32)),
+            };
+            for (t, c) in e.vgpu_devices.iter().filter(|_| on) {
+                *out.entry(format!("nvidia.com/NVIDIA_{t}")).or_default() += i64::from(*c);
+            }
+        }
+    }
+    Ok(out.into_iter().map(|(r, c)| (r, c.to_string())).collect())
+}
+
+/// One overlay being built: its capacity and what it matches (instance types by name, or, for
+/// `by_label`, any type whose provider GPU-count label has `gpus`).
 #[derive(Default)]
 struct Class {
     gpus: String,
@@ -204,8 +316,9 @@ struct Class {
     types: BTreeSet<String>,
 }
 
-/// Capacity classes of one policy: capacity -> what it covers.
-type Classes = BTreeMap<BTreeMap<String, String>, Class>;
+/// Capacity classes of one policy: (provider count label matched on, or none for types by
+/// name; capacity) -> what it covers.
+type Classes = BTreeMap<(Option<String>, Capacity), Class>;
 
 /// One planning of the overlays: what every policy reads, and which policy won each
 /// (NodePool, instance type) so far (the first in precedence order).
@@ -213,10 +326,36 @@ struct Pass<'a> {
     facts: &'a AutoscalingFacts,
     types: BTreeMap<String, InstanceType>,
     base: Option<&'a BTreeMap<String, Value>>,
+    sandbox: &'a Sandbox,
     won: BTreeMap<(String, String), String>,
+    /// (NodePool, GPU count) -> the first policy that took a type of that count there: in a
+    /// NodePool that pins a provider count label, an overlay by that label and one by type
+    /// name would both match its types, so one policy takes the whole count.
+    won_counts: BTreeMap<(String, i64), String>,
+}
+
+/// What one NodePool gave one policy: the types matched, why others were not.
+#[derive(Default)]
+struct PoolResult {
+    matched: Vec<String>,
+    why: Vec<String>,
 }
 
 impl Pass<'_> {
+    /// The earlier policy that already took `t` (or, where the NodePool pins a provider count
+    /// label, any type of its GPU count) in `pool`.
+    fn won_by(&self, p: &Prepared, pool: &NodePool, t: &str, gpus: i64) -> Option<&String> {
+        if let Some(w) = self.won.get(&(pool.name.clone(), t.to_string())) {
+            return Some(w);
+        }
+        if pinned_counts(pool).is_empty() {
+            return None;
+        }
+        self.won_counts
+            .get(&(pool.name.clone(), gpus))
+            .filter(|w| **w != p.name)
+    }
+
     /// The instance types of `pool` the policy selects, added to its classes; the NodePool's
     /// line of the status.
     fn pool(
@@ -226,65 +365,145 @@ impl Pass<'_> {
         st: &mut AutoscalingStatus,
         classes: &mut Classes,
     ) -> NodePoolMatch {
-        let (mut matched, mut why) = (Vec::new(), Vec::new());
-        for (t, it) in &self.types {
+        let mut r = PoolResult::default();
+        let types = std::mem::take(&mut self.types);
+        for (t, it) in &types {
             let labels = node_labels(pool, t, it);
-            if !admits(&pool.requirements, &labels)
-                || !selector_matches(&p.spec.node_selector, &labels)
-            {
-                continue;
-            }
-            let key = (pool.name.clone(), t.clone());
-            if let Some(w) = self.won.get(&key) {
-                why.push(format!("{t}: won by policy {w}"));
-                continue;
-            }
-            let Some(cap) = overlay_capacity(p, it, self.base) else {
-                let gpu = it.labels.get(LABEL_GPU_PRODUCT);
-                why.push(format!(
-                    "{t}: the capacity is unknown for {}",
-                    gpu.map_or("this GPU", |s| s.as_str())
-                ));
-                continue;
-            };
-            self.won.insert(key, p.name.clone());
-            if let Some(o) = self.facts.foreign_overlays.iter().find(|o| {
-                admits(&o.requirements, &labels) && o.resources.iter().any(|r| cap.contains_key(r))
-            }) {
-                let shared: Vec<&str> = o
-                    .resources
-                    .iter()
-                    .filter(|r| cap.contains_key(*r))
-                    .map(String::as_str)
-                    .collect();
-                st.conflicts.push(format!(
-                    "NodeOverlay {} (weight {}) sets {} on {t} in NodePool {}: left to it",
-                    o.name,
-                    o.weight,
-                    shared.join(", "),
-                    pool.name
-                ));
-                continue;
-            }
-            let c = classes.entry(cap).or_default();
-            c.gpus = it.labels.get(LABEL_GPU_COUNT).cloned().unwrap_or_default();
-            c.pools.insert(pool.name.clone());
-            c.types.insert(t.clone());
-            matched.push(t.clone());
+            self.candidate(p, pool, (None, t), it, &labels, st, classes, &mut r);
         }
-        let reason = if !matched.is_empty() {
-            format!("instance types {}", matched.join(", "))
-        } else if !why.is_empty() {
-            why.join("; ")
+        self.types = types;
+        for (key, n) in pinned_counts(pool) {
+            let it = InstanceType {
+                labels: BTreeMap::from([
+                    (LABEL_GPU_COUNT.to_string(), n.to_string()),
+                    (key.to_string(), n.to_string()),
+                ]),
+                gpus: n,
+                pci_name: None,
+                source: format!("NodePool {}'s {key}", pool.name),
+            };
+            let mut labels = node_labels(pool, "", &it);
+            labels.remove(LABEL_INSTANCE_TYPE);
+            let name = format!("{key}={n}");
+            self.candidate(
+                p,
+                pool,
+                (Some(key), &name),
+                &it,
+                &labels,
+                st,
+                classes,
+                &mut r,
+            );
+        }
+        let reason = if !r.matched.is_empty() {
+            let why = r.why.iter().map(|w| format!("; {w}"));
+            format!(
+                "instance types {}{}",
+                r.matched.join(", "),
+                why.collect::<String>()
+            )
+        } else if !r.why.is_empty() {
+            r.why.join("; ")
         } else {
             not_selected(p, pool, &self.types)
         };
         NodePoolMatch {
             name: pool.name.clone(),
-            matched: !matched.is_empty(),
+            matched: !r.matched.is_empty(),
             reason,
         }
     }
+
+    /// One instance type of `pool` (by name, or by a provider count label: `(Some(key), "key=N")`)
+    /// for the policy: selected, not won by an earlier policy, capacity known, not left to
+    /// another actor's overlay: then into its class.
+    #[allow(clippy::too_many_arguments)]
+    fn candidate(
+        &mut self,
+        p: &Prepared,
+        pool: &NodePool,
+        (by_label, t): (Option<&str>, &str),
+        it: &InstanceType,
+        labels: &BTreeMap<String, String>,
+        st: &mut AutoscalingStatus,
+        classes: &mut Classes,
+        r: &mut PoolResult,
+    ) {
+        if !admits(&pool.requirements, labels) || !selector_matches(&p.spec.node_selector, labels) {
+            return;
+        }
+        if let Some(w) = self.won_by(p, pool, t, it.gpus) {
+            r.why.push(format!("{t}: won by policy {w}"));
+            return;
+        }
+        if by_label.is_some() && p.spec.strategy == Strategy::Mig {
+            r.why.push(format!(
+                "{t}: MIG capacity needs the GPU model, which the count label does not give"
+            ));
+            return;
+        }
+        let cap = match overlay_capacity(p, it, self.base, self.sandbox) {
+            Ok(cap) => cap,
+            Err(why) => {
+                r.why.push(format!("{t}: {why}"));
+                return;
+            }
+        };
+        self.won
+            .insert((pool.name.clone(), t.to_string()), p.name.clone());
+        self.won_counts
+            .entry((pool.name.clone(), it.gpus))
+            .or_insert_with(|| p.name.clone());
+        if let Some(o) = self.facts.foreign_overlays.iter().find(|o| {
+            admits(&o.requirements, labels) && o.resources.iter().any(|r| cap.contains_key(r))
+        }) {
+            let shared: Vec<&str> = o
+                .resources
+                .iter()
+                .filter(|r| cap.contains_key(*r))
+                .map(String::as_str)
+                .collect();
+            st.conflicts.push(format!(
+                "NodeOverlay {} (weight {}) sets {} on {t} in NodePool {}: left to it",
+                o.name,
+                o.weight,
+                shared.join(", "),
+                pool.name
+            ));
+            return;
+        }
+        let c = classes
+            .entry((by_label.map(str::to_string), cap))
+            .or_default();
+        c.gpus = it.gpus.to_string();
+        c.pools.insert(pool.name.clone());
+        if by_label.is_none() {
+            c.types.insert(t.to_string());
+        }
+        r.matched.push(t.to_string());
+    }
+}
+
+/// The GPU counts a NodePool pins through a provider's count label (`In` values): its nodes
+/// have that many GPUs whatever instance type the provider picks, known to us or not.
+fn pinned_counts(pool: &NodePool) -> Vec<(&'static str, i64)> {
+    let mut out = Vec::new();
+    for key in PROVIDER_COUNT_LABELS {
+        for r in pool
+            .requirements
+            .iter()
+            .filter(|r| r.key == key && r.operator == "In")
+        {
+            out.extend(
+                r.values
+                    .iter()
+                    .filter_map(|v| v.parse().ok())
+                    .map(|n| (key, n)),
+            );
+        }
+    }
+    out
 }
 
 /// The overlays of every policy (by name, as objects to apply), and each policy's
@@ -294,18 +513,21 @@ pub fn plan(
     nodes: &[NodeView],
     facts: &AutoscalingFacts,
     base: Option<&BTreeMap<String, Value>>,
+    sandbox: &Sandbox,
 ) -> (BTreeMap<String, Value>, BTreeMap<String, AutoscalingStatus>) {
     let (types, table_errors) = catalogue(nodes, facts.table.as_deref());
     let mut pass = Pass {
         facts,
         types,
         base,
+        sandbox,
         won: BTreeMap::new(),
+        won_counts: BTreeMap::new(),
     };
     let mut overlays = BTreeMap::new();
     let mut statuses = BTreeMap::new();
     for p in prepared {
-        if !p.errors.is_empty() || p.spec.backend == Backend::Dra || p.spec.strategy.is_vm() {
+        if !p.errors.is_empty() || p.spec.backend == Backend::Dra {
             continue;
         }
         let mut st = AutoscalingStatus {
@@ -321,20 +543,23 @@ pub fn plan(
         for c in classes.values() {
             *per_count.entry(c.gpus.clone()).or_default() += 1;
         }
-        for (cap, c) in classes {
+        for ((by_label, cap), c) in classes {
             // One overlay per GPU count; a second capacity for the same count (another GPU
-            // model under MIG) gets its capacity's hash in the name.
+            // model under MIG, or types matched by a provider label) gets a hash in the name.
             let mut name = format!("gpusharing-{}-{}gpu", p.name, c.gpus);
             if per_count[&c.gpus] > 1 {
-                name = format!("{name}-{}", &nvidia::content_hash(&json!(cap))[..6]);
+                let h = nvidia::content_hash(&json!([by_label, cap]));
+                name = format!("{name}-{}", &h[..6]);
             }
-            let object = overlay_object(&name, &p.name, &c, &cap, facts.weight);
+            let object =
+                overlay_object(&name, &p.name, &c, by_label.as_deref(), &cap, facts.weight);
             overlays.insert(name.clone(), object);
             st.overlays.push(NodeOverlayStatus {
                 name,
                 capacity: cap,
                 instance_types: c.types.into_iter().collect(),
                 node_pools: c.pools.into_iter().collect(),
+                gpu_count_label: by_label.map(|k| format!("{k}={}", c.gpus)),
             });
         }
         statuses.insert(p.name.clone(), st);
@@ -378,9 +603,14 @@ fn overlay_object(
     name: &str,
     policy: &str,
     c: &Class,
-    cap: &BTreeMap<String, String>,
+    by_label: Option<&str>,
+    cap: &Capacity,
     weight: i32,
 ) -> Value {
+    let types = match by_label {
+        Some(key) => json!({"key": key, "operator": "In", "values": [c.gpus]}),
+        None => json!({"key": LABEL_INSTANCE_TYPE, "operator": "In", "values": c.types}),
+    };
     json!({
         "apiVersion": "karpenter.sh/v1alpha1",
         "kind": "NodeOverlay",
@@ -391,7 +621,7 @@ fn overlay_object(
         "spec": {
             "requirements": [
                 {"key": LABEL_NODEPOOL, "operator": "In", "values": c.pools},
-                {"key": LABEL_INSTANCE_TYPE, "operator": "In", "values": c.types},
+                types,
             ],
             "capacity": cap,
             "weight": weight,
@@ -562,6 +792,144 @@ mod tests {
         assert_eq!(
             low.node_pools[0].reason,
             "gpu-1x: won by policy ts; gpu-8x: won by policy ts"
+        );
+    }
+
+    /// VM hosts: passthrough GPUs under the PCI name the sandbox device plugin advertises (learnt
+    /// from a passthrough node of the type, or the table's `pciDeviceName`), vGPUs under
+    /// `NVIDIA_<type>` from the layout; no KubeVirt device plugin in `kata` mode, no vGPUs
+    /// without the vGPU Manager.
+    #[test]
+    fn vm_hosts_get_the_sandbox_device_plugins_resources() {
+        let mut host = a100_node(&[
+            (LABEL_INSTANCE_TYPE, "p4de"),
+            (LABEL_WORKLOAD, "vm-passthrough"),
+        ]);
+        host.allocatable = [
+            ("nvidia.com/GA100_A100_SXM4_80GB", "8"),
+            ("nvidia.com/gpu", "0"),
+        ]
+        .into_iter()
+        .collect();
+        let mut i = input(
+            vec![
+                policy(
+                    "pass",
+                    "  nodeSelector: {matchLabels: {gpusharing.io/profile: vm}}\n  strategy: passthrough\n",
+                ),
+                policy(
+                    "vdi",
+                    "  nodeSelector: {matchLabels: {gpusharing.io/profile: vdi}}\n  strategy: vgpu\n  vgpu: {customLayout: [{vgpuDevices: {L4-12Q: 2}}]}\n",
+                ),
+            ],
+            vec![
+                pool("vms", &[("gpusharing.io/profile", "vm")]),
+                pool("vdi", &[("gpusharing.io/profile", "vdi")]),
+            ],
+            "{gpu-1x: {gpus: 1, product: NVIDIA-L4, pciDeviceName: AD104GL_L4}, l4-4x: {gpus: 4}}",
+        );
+        i.nodes.push(crate::plan::NodeView::idle(host));
+        i.cluster.sandbox.vgpu_manager_enabled = true;
+        let plan = plan_all(&i);
+        let cap = |o: &str| plan.node_overlays[o]["spec"]["capacity"].clone();
+        assert_eq!(
+            cap("gpusharing-pass-8gpu"),
+            json!({"nvidia.com/gpu": "0", "nvidia.com/GA100_A100_SXM4_80GB": "8"})
+        );
+        assert_eq!(
+            cap("gpusharing-pass-1gpu"),
+            json!({"nvidia.com/gpu": "0", "nvidia.com/AD104GL_L4": "1"})
+        );
+        let st = plan.statuses["pass"].autoscaling.clone().unwrap();
+        assert_eq!(
+            st.node_pools[0].reason,
+            "instance types gpu-1x, p4de; l4-4x: the sandbox device plugin's name for its GPUs is unknown: no passthrough node of this type runs, and the instance-type table gives no pciDeviceName"
+        );
+        assert_eq!(
+            cap("gpusharing-vdi-4gpu"),
+            json!({"nvidia.com/gpu": "0", "nvidia.com/NVIDIA_L4-12Q": "8"})
+        );
+
+        i.cluster.sandbox.vgpu_manager_enabled = false;
+        let plan = plan_all(&i);
+        assert!(
+            !plan
+                .node_overlays
+                .keys()
+                .any(|o| o.starts_with("gpusharing-vdi"))
+        );
+        let st = plan.statuses["vdi"].autoscaling.clone().unwrap();
+        assert!(
+            st.node_pools[1]
+                .reason
+                .contains("l4-4x: the ClusterPolicy's vgpuManager.enabled is false"),
+            "{}",
+            st.node_pools[1].reason
+        );
+
+        i.cluster.sandbox.mode = Some("kata".into());
+        let plan = plan_all(&i);
+        assert!(
+            plan.node_overlays.is_empty(),
+            "{:?}",
+            plan.node_overlays.keys()
+        );
+        let st = plan.statuses["pass"].autoscaling.clone().unwrap();
+        assert!(
+            st.node_pools[0]
+                .reason
+                .contains("sandboxWorkloads.mode is kata")
+        );
+    }
+
+    /// A NodePool that pins a provider's GPU-count label gets the capacity for instance types
+    /// no node or table showed, matched by that label; MIG needs the GPU model and says so.
+    #[test]
+    fn a_pinned_provider_gpu_count_is_a_source_of_capacity() {
+        let count = |values: &[&str]| Requirement {
+            key: "karpenter.k8s.aws/instance-gpu-count".into(),
+            operator: "In".into(),
+            values: values.iter().map(|v| v.to_string()).collect(),
+        };
+        let i = input(
+            vec![
+                policy("ts", TS4),
+                policy(
+                    "mig",
+                    "  nodeSelector: {matchLabels: {gpusharing.io/profile: mig}}\n  strategy: mig\n  mig: {migStrategy: mixed, layout: all-1g.10gb}\n",
+                ),
+            ],
+            vec![
+                NodePool {
+                    requirements: vec![count(&["4", "8"])],
+                    ..pool("aws", &[("gpusharing.io/profile", "ts4")])
+                },
+                NodePool {
+                    requirements: vec![count(&["8"])],
+                    ..pool("aws-mig", &[("gpusharing.io/profile", "mig")])
+                },
+            ],
+            "{}",
+        );
+        let plan = plan_all(&i);
+        let names: Vec<&String> = plan.node_overlays.keys().collect();
+        assert_eq!(names, ["gpusharing-ts-4gpu", "gpusharing-ts-8gpu"]);
+        let o = &plan.node_overlays["gpusharing-ts-8gpu"];
+        assert_eq!(o["spec"]["capacity"], json!({"nvidia.com/gpu": "32"}));
+        assert_eq!(
+            o["spec"]["requirements"][1],
+            json!({"key": "karpenter.k8s.aws/instance-gpu-count", "operator": "In", "values": ["8"]})
+        );
+        let st = plan.statuses["ts"].autoscaling.clone().unwrap();
+        assert_eq!(
+            st.overlays[1].gpu_count_label.as_deref(),
+            Some("karpenter.k8s.aws/instance-gpu-count=8")
+        );
+        assert!(st.overlays[1].instance_types.is_empty());
+        let st = plan.statuses["mig"].autoscaling.clone().unwrap();
+        assert_eq!(
+            st.node_pools[1].reason,
+            "karpenter.k8s.aws/instance-gpu-count=8: MIG capacity needs the GPU model, which the count label does not give"
         );
     }
 

@@ -565,8 +565,13 @@ impl Planner {
         let mut per_policy = per_policy(&prepared, &assignment, &mut np, input, &cluster);
         let node_overlays = match &c.autoscaling {
             Some(a) => {
-                let (overlays, statuses) =
-                    autoscaling::plan(&prepared, &input.nodes, a, c.base_mig_configs.as_ref());
+                let (overlays, statuses) = autoscaling::plan(
+                    &prepared,
+                    &input.nodes,
+                    a,
+                    c.base_mig_configs.as_ref(),
+                    &c.sandbox,
+                );
                 for (name, st) in statuses {
                     if let Some(s) = per_policy.statuses.get_mut(&name) {
                         s.autoscaling = Some(st);

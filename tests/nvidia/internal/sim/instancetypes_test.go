@@ -80,7 +80,7 @@ func TestInstanceTypeHardware(t *testing.T) {
 	}
 	for name, want := range map[string]Hardware{
 		"gpu-8x": {Product: "NVIDIA-A100-SXM4-80GB", Count: 8, ComputeCapability: "8.0", MigCapable: true, DeviceID: "0x20B210DE", MemoryMiB: 81920, InstanceType: "gpu-8x"},
-		"gpu-1x": {Product: "NVIDIA-L4", Count: 1, ComputeCapability: "8.9", MemoryMiB: 23034, InstanceType: "gpu-1x"},
+		"gpu-1x": {Product: "NVIDIA-L4", Count: 1, ComputeCapability: "8.9", DeviceID: "0x27B810DE", MemoryMiB: 23034, InstanceType: "gpu-1x"},
 		"t4":     {Product: "Tesla-T4", Count: 2, ComputeCapability: "7.5", InstanceType: "t4"},
 		"odd":    {Product: "Foo-X", Count: 1, InstanceType: "odd"},
 		"bare":   {Count: 3, InstanceType: "bare"},

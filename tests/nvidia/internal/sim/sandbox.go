@@ -2,8 +2,12 @@ package sim
 
 import (
 	"fmt"
+	"regexp"
 	"sort"
+	"strconv"
 	"strings"
+
+	"github.com/NVIDIA/go-nvlib/pkg/pciids"
 
 	"gpusharing.io/tests/nvidia/internal/nvconf"
 )
@@ -42,24 +46,34 @@ func Workload(n *Node, cp ClusterPolicy) string {
 	return WorkloadCtr
 }
 
-// pciNames: the PCI device names the sandbox device plugin advertises
-// passthrough GPUs under (nvidia.com/<name>), for the simulated products.
-var pciNames = map[string]string{
-	"NVIDIA-A100-SXM4-80GB": "GA100_A100_SXM4_80GB",
-	"NVIDIA-A100-SXM4-40GB": "GA100_A100_SXM4_40GB",
-	"NVIDIA-H100-80GB-HBM3": "GH100_H100_SXM5_80GB",
-	"NVIDIA-H200":           "GH100_H200_SXM_141GB",
-	"NVIDIA-L4":             "AD104GL_L4",
-	"NVIDIA-A10":            "GA102GL_A10",
-}
+// pciIDs is NVIDIA's copy of the PCI ID database (go-nvlib's pci.ids), where
+// the sandbox device plugin looks its GPUs' names up.
+var pciIDs = pciids.NewDB()
 
 // PCIName is the resource name the sandbox device plugin uses for a GPU
-// handed through whole.
+// handed through whole: the product's PCI device name from pci.ids, upper-cased,
+// '/', '.' and runs of whitespace made '_', and anything but letters, digits
+// and '_' dropped (NVIDIA/kubevirt-gpu-device-plugin's getDeviceName). A
+// product without a known device ID keeps its upper-cased GFD name.
 func PCIName(product string) string {
-	if n, ok := pciNames[product]; ok {
-		return n
+	if id, err := strconv.ParseUint(strings.TrimPrefix(deviceIDs[product], "0x"), 16, 32); err == nil {
+		if name, err := pciIDs.GetDeviceName(0x10de, uint16(id>>16)); err == nil {
+			return sandboxDeviceName(name)
+		}
 	}
 	return strings.ToUpper(strings.ReplaceAll(strings.TrimPrefix(product, "NVIDIA-"), "-", "_"))
+}
+
+var (
+	whitespace  = regexp.MustCompile(`\s+`)
+	notNameChar = regexp.MustCompile(`[^A-Za-z0-9_]+`)
+)
+
+func sandboxDeviceName(pciName string) string {
+	n := strings.ToUpper(strings.TrimSpace(pciName))
+	n = strings.NewReplacer("/", "_", ".", "_").Replace(n)
+	n = whitespace.ReplaceAllString(n, "_")
+	return notNameChar.ReplaceAllString(n, "")
 }
 
 // SandboxInput is what the simulated sandbox operands read: the vGPU

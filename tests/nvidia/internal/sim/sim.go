@@ -91,8 +91,8 @@ type Hardware struct {
 	InstanceType string `json:"instanceType,omitempty"`
 }
 
-// deviceIDs maps GFD product names to the PCI device IDs that NVIDIA's
-// default mig-parted config uses in device-filter.
+// deviceIDs maps GFD product names to their PCI device IDs (device, then
+// vendor), as NVIDIA's default mig-parted config writes them in device-filter.
 var deviceIDs = map[string]string{
 	"NVIDIA-A100-SXM4-40GB": "0x20B010DE",
 	"NVIDIA-A100-PCIE-40GB": "0x20F110DE",
@@ -105,6 +105,8 @@ var deviceIDs = map[string]string{
 	"NVIDIA-H200":           "0x233510DE",
 	"NVIDIA-H200-NVL":       "0x233B10DE",
 	"NVIDIA-B200":           "0x290110DE",
+	"NVIDIA-L4":             "0x27B810DE",
+	"NVIDIA-A10":            "0x223610DE",
 }
 
 // HardwareOf returns the node's recorded hardware, or derives it from the

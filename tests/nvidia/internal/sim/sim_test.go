@@ -516,3 +516,20 @@ func TestSandboxOperandsOnVMHosts(t *testing.T) {
 		t.Fatalf("a container node advertises no VM resources: %v", p.Allocatable)
 	}
 }
+
+// The sandbox device plugin's names come from NVIDIA's pci.ids through its
+// own rules (upper case, '_' for spaces, brackets dropped).
+func TestPCINameFromPCIIDs(t *testing.T) {
+	for product, want := range map[string]string{
+		"NVIDIA-A100-SXM4-80GB": "GA100_A100_SXM4_80GB",
+		"NVIDIA-A100-80GB-PCIe": "GA100_A100_PCIE_80GB",
+		"NVIDIA-H200":           "GH100_H200_SXM_141GB",
+		"NVIDIA-L4":             "AD104GL_L4",
+		"NVIDIA-A10":            "GA102GL_A10",
+		"Foo-X":                 "FOO_X",
+	} {
+		if got := PCIName(product); got != want {
+			t.Errorf("PCIName(%s) = %s, want %s", product, got, want)
+		}
+	}
+}
