@@ -303,11 +303,15 @@ func run(ctx context.Context, o *options) error {
 			if shutdown {
 				return
 			}
-			if err := s.kubelet(ctx, podInf.GetStore(), key); err != nil && ctx.Err() == nil {
+			after, err := s.kubelet(ctx, podInf.GetStore(), key)
+			if err != nil && ctx.Err() == nil {
 				log.Printf("pod %s: %v (retrying)", key, err)
 				podQueue.AddRateLimited(key)
 			} else {
 				podQueue.Forget(key)
+				if after > 0 {
+					podQueue.AddAfter(key, after)
+				}
 			}
 			podQueue.Done(key)
 		}
@@ -549,15 +553,18 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 	return requeue, nil
 }
 
-// kubelet plays the kubelet for one pod bound to a simulated GPU node.
-func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) error {
+// kubelet plays the kubelet for one pod bound to a simulated GPU node: it
+// runs it, and a pod with the run-seconds annotation Succeeds after that long
+// (its resources are free again for the scheduler). Returns when to look at
+// the pod again.
+func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) (time.Duration, error) {
 	obj, ok, _ := pods.GetByKey(key)
 	if !ok {
-		return nil
+		return 0, nil
 	}
 	pod := obj.(*corev1.Pod)
 	if !s.ours(pod.Spec.NodeName) {
-		return nil
+		return 0, nil
 	}
 	if pod.DeletionTimestamp != nil {
 		zero := int64(0)
@@ -566,18 +573,25 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) e
 			log.Printf("pod %s: terminated (kubelet)", key)
 		}
 		if apierrors.IsNotFound(err) {
-			return nil
+			return 0, nil
 		}
-		return err
+		return 0, err
 	}
-	ready := pod.Status.Phase == corev1.PodRunning
-	for _, c := range pod.Status.Conditions {
-		if c.Type == corev1.PodReady && c.Status != corev1.ConditionTrue {
-			ready = false
+	switch run := sim.PodRun(pod, time.Now()); {
+	case run.Done:
+		return 0, nil
+	case run.Finish:
+		p := sim.Succeeded(pod, metav1.Now())
+		_, err := s.core.Pods(pod.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{FieldManager: fieldManager})
+		if err == nil {
+			log.Printf("pod %s: succeeded after its run time (kubelet)", key)
 		}
-	}
-	if ready && len(pod.Status.Conditions) > 0 {
-		return nil
+		if apierrors.IsNotFound(err) {
+			return 0, nil
+		}
+		return 0, err
+	case run.Running:
+		return run.After, nil
 	}
 	p := pod.DeepCopy()
 	now := metav1.Now()
@@ -592,9 +606,9 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) e
 		log.Printf("pod %s: running and ready (kubelet)", key)
 	}
 	if apierrors.IsNotFound(err) {
-		return nil
+		return 0, nil
 	}
-	return err
+	return sim.PodRun(p, time.Now()).After, err
 }
 
 // ours reports whether the simulator plays the node's kubelet: a GPU node,
