@@ -14,7 +14,7 @@ mod support;
 
 use std::collections::BTreeSet;
 
-use gpu_sharing_operator::api::names::{MANAGED_ANNOTATIONS, MANAGED_LABELS};
+use gpu_sharing_operator::api::names::{MANAGED_LABELS, OBSERVED_ANNOTATIONS};
 use gpu_sharing_operator::plan::outputs::{Owned, cluster_policy_spec};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
@@ -107,7 +107,7 @@ fn the_policy_lists_exactly_what_the_operator_manages() {
     );
     assert_eq!(sorted(&MANAGED_LABELS), sorted(&allowed::NODE_LABELS));
     assert_eq!(
-        sorted(&MANAGED_ANNOTATIONS),
+        sorted(&OBSERVED_ANNOTATIONS),
         sorted(&allowed::NODE_ANNOTATIONS)
     );
     let taint = cel_strings(&var("readinessTaint"));

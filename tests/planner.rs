@@ -131,6 +131,7 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
                     ..Default::default()
                 }),
                 proceed_with_busy_gpus: false,
+                dynamic: None,
             });
         }
         5 => s.strategy = Sharing::Passthrough,
@@ -166,6 +167,7 @@ fn spec_of(kind: u8, replicas: i32, mixed: bool) -> GpuSharingPolicySpec {
                 ]),
                 time_slicing: None,
                 proceed_with_busy_gpus: false,
+                dynamic: None,
             });
         }
     }

@@ -421,6 +421,7 @@ pub struct VgpuDeviceGroup {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("has(self.layout) != has(self.customLayout)").message("set exactly one of layout (a named mig-parted layout) and customLayout"))]
+#[x_kube(validation = Rule::new("!has(self.dynamic) || self.migStrategy == 'mixed'").message("dynamic needs migStrategy: mixed: under single every MIG device is advertised as nvidia.com/gpu, so pods cannot ask for a profile"))]
 pub struct Mig {
     /// How MIG devices are advertised: `single` (all as `nvidia.com/gpu`) or `mixed`
     /// (`nvidia.com/mig-<profile>`). Cluster-wide in the GPU Operator.
@@ -448,6 +449,57 @@ pub struct Mig {
     /// operator waits (`Progressing`, reason `WaitingForIdleGPUs`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub proceed_with_busy_gpus: bool,
+
+    /// Layouts that follow demand: an idle node may be reshaped to another layout of this
+    /// catalogue when pending pods ask for MIG profiles no node offers (`mixed` only). The
+    /// node starts with `layout`/`customLayout`, which stays in the catalogue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic: Option<DynamicMig>,
+}
+
+/// Demand-driven MIG: which layouts a node may be given for pending pods, and how cautiously.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DynamicMig {
+    /// Named mig-parted layouts (besides the policy's own) a node may be reshaped to. MIG must
+    /// be enabled on every GPU they configure: switching MIG mode needs a GPU reset, which the
+    /// catalogue never asks for.
+    #[schemars(length(min = 1, max = 16))]
+    #[x_kube(validation = Rule::new("self.all(l, l != 'all-disabled')").message("all-disabled switches MIG mode off: the catalogue holds MIG-enabled layouts only"))]
+    pub layouts: Vec<String>,
+
+    /// Seconds without new pending demand before the operator acts on it (batches a burst).
+    #[serde(default = "default_quiet_seconds")]
+    #[schemars(range(min = 0, max = 300))]
+    pub quiet_seconds: i64,
+
+    /// The longest demand waits for a quiet moment, in seconds.
+    #[serde(default = "default_max_delay_seconds")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub max_delay_seconds: i64,
+
+    /// Seconds a node must have run no GPU pod before it may be reshaped.
+    #[serde(default = "default_idle_seconds")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub idle_seconds: i64,
+
+    /// Seconds a layout stays on a node before demand may change it again (against flapping).
+    #[serde(default = "default_min_layout_lifetime_seconds")]
+    #[schemars(range(min = 0, max = 604800))]
+    pub min_layout_lifetime_seconds: i64,
+}
+
+fn default_quiet_seconds() -> i64 {
+    2
+}
+fn default_max_delay_seconds() -> i64 {
+    10
+}
+fn default_idle_seconds() -> i64 {
+    30
+}
+fn default_min_layout_lifetime_seconds() -> i64 {
+    600
 }
 
 /// `single` or `mixed`.
@@ -665,6 +717,43 @@ pub struct GpuSharingPolicyStatus {
     /// the NodeOverlay kind is not served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<AutoscalingStatus>,
+
+    /// Demand-driven MIG (`spec.mig.dynamic`): the pending pods' demand per profile, what
+    /// serves it, and why the rest waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub demand: Option<DemandStatus>,
+}
+
+/// Pending MIG demand of a dynamic policy.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DemandStatus {
+    /// Per MIG profile (`1g.10gb`...): instances pending pods ask for, how many of them free
+    /// instances or nodes being reshaped will serve, and why the rest waits.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub profiles: Vec<ProfileDemand>,
+    /// Nodes being reshaped for demand: `node: layout`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reshaping: Vec<String>,
+}
+
+/// Demand for one MIG profile.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProfileDemand {
+    pub profile: String,
+    /// Instances asked for by pods the scheduler could not place.
+    pub pending: i64,
+    /// Of those, instances free now on the policy's nodes.
+    pub served: i64,
+    /// Of those, instances nodes being reshaped will bring.
+    pub coming: i64,
+    /// Why demand left over waits (`ProfileNotInCatalogue`, `NoMatchingNode`, `NoIdleNode`,
+    /// `Cooldown`, `BudgetExhausted`, `Infeasible`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 /// Autoscaler-visible capacity of a policy (Karpenter NodeOverlays).

@@ -57,6 +57,20 @@ pub const ANNOTATION_ROLLOUT: &str = "gpusharing.io/rollout";
 /// the same apply). Only a node with it is ever uncordoned by the operator, so a cordon of
 /// someone else's (e.g. the GPU Operator's driver upgrade) is left alone, across restarts.
 pub const ANNOTATION_CORDONED: &str = "gpusharing.io/cordoned";
+/// Node annotation: `<layout>@<unix seconds>`, the MIG layout demand (`spec.mig.dynamic`) chose
+/// for the node and since when. Written by its own field manager ([`DEMAND_MANAGER`]), so the
+/// node's other metadata applies never remove it; the node's layout follows it.
+pub const ANNOTATION_MIG_DEMAND: &str = "gpusharing.io/mig-demand-layout";
+/// The field manager of [`ANNOTATION_MIG_DEMAND`].
+pub const DEMAND_MANAGER: &str = "gpu-sharing-operator-demand";
+/// The annotations the planner reads on a node: ours, and the demand's layout.
+pub const OBSERVED_ANNOTATIONS: [&str; 5] = [
+    ANNOTATION_CONFIG_WRITTEN,
+    ANNOTATION_MIG_LAYOUT,
+    ANNOTATION_ROLLOUT,
+    ANNOTATION_CORDONED,
+    ANNOTATION_MIG_DEMAND,
+];
 /// The annotations this operator may own on a node.
 pub const MANAGED_ANNOTATIONS: [&str; 4] = [
     ANNOTATION_CONFIG_WRITTEN,

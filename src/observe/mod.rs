@@ -40,6 +40,8 @@ pub struct ClusterView<'a> {
     pub nodes: Vec<Arc<NodeFacts>>,
     /// Pods bound to nodes (running or about to).
     pub pods: Vec<&'a Pod>,
+    /// Pods not bound to a node yet (those asking for MIG instances are demand).
+    pub pending: Vec<&'a Pod>,
     /// ResourceClaims (only allocated `gpu.nvidia.com` ones count).
     pub claims: Vec<&'a ResourceClaim>,
     /// Every ClusterPolicy; `None` when there is no cluster to ask (`render`): then the
@@ -72,6 +74,10 @@ pub struct Memory {
     pub mig_stuck: BTreeSet<String>,
     /// Nodes whose vGPU state has said `pending` past the timeout.
     pub vgpu_stuck: BTreeSet<String>,
+    /// Unix seconds each node was last seen running GPU pods (absent: not since `started`).
+    pub last_busy: BTreeMap<String, i64>,
+    /// Unix seconds the controller started.
+    pub started: i64,
 }
 
 /// The planner's input from one view of the cluster.
@@ -90,6 +96,15 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
         autoscaling: view
             .karpenter
             .map(|k| karpenter::facts(k, cm(INSTANCE_TYPES_CONFIGMAP), None)),
+        demand: {
+            let mut d: Vec<_> = view
+                .pending
+                .iter()
+                .filter_map(|p| pods::pending_pod(p))
+                .collect();
+            d.sort_by(|a, b| a.id.cmp(&b.id));
+            d
+        },
         ..Default::default()
     };
     if let Some(base) = gpu_operator::vgpu_configs(cm(DEFAULT_VGPU_CONFIGMAP)) {
@@ -131,6 +146,12 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
                 mig_stuck: memory.mig_stuck.contains(name),
                 vgpu_stuck: memory.vgpu_stuck.contains(name),
                 foreign_cordon: memory.foreign_cordons.contains(name),
+                gpu_requests: pods.requests.remove(name).unwrap_or_default(),
+                last_busy: memory
+                    .last_busy
+                    .get(name)
+                    .copied()
+                    .unwrap_or(memory.started),
                 facts,
             }
         })

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 
-use crate::api::names::MANAGED_ANNOTATIONS;
+use crate::api::names::OBSERVED_ANNOTATIONS;
 use crate::observe::managed::owned_keys;
 use crate::plan::{LabelFilter, Labels, NodeFacts, OwnedKeys};
 
@@ -72,7 +72,7 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
         .annotations
         .iter()
         .flatten()
-        .filter(|(k, _)| MANAGED_ANNOTATIONS.contains(&k.as_str()))
+        .filter(|(k, _)| OBSERVED_ANNOTATIONS.contains(&k.as_str()))
         .map(|(k, v)| (strings.intern(k), strings.intern(v)))
         .collect::<Vec<_>>();
     let labels = meta

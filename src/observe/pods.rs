@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
+use crate::plan::input::{PendingPod, Requirement};
 use crate::plan::{Labels, is_device_plugin_resource};
 
 /// The extended resources a pod's containers ask for (limits and requests).
@@ -41,6 +42,48 @@ pub struct GpuPods {
     pub gpu_pod_labels: BTreeMap<String, Labels>,
     /// Pods using the sandbox device plugin's resources (VMs), by node, sorted.
     pub vm_pods: BTreeMap<String, Vec<String>>,
+    /// What the GPU pods of each node request of NVIDIA's resources, summed.
+    pub requests: BTreeMap<String, BTreeMap<String, i64>>,
+}
+
+/// What a pod's containers request of each NVIDIA device-plugin resource (limits where no
+/// request is given: extended resources are requested as their limit), summed; init
+/// containers count by their largest, as the scheduler counts them.
+pub fn gpu_requests(p: &Pod) -> BTreeMap<String, i64> {
+    let Some(spec) = p.spec.as_ref() else {
+        return BTreeMap::new();
+    };
+    let of = |c: &k8s_openapi::api::core::v1::Container| -> BTreeMap<String, i64> {
+        let r = c.resources.as_ref();
+        let mut out = BTreeMap::new();
+        for m in [
+            r.and_then(|r| r.limits.as_ref()),
+            r.and_then(|r| r.requests.as_ref()),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            for (k, q) in m.iter().filter(|(k, _)| is_device_plugin_resource(k)) {
+                if let Ok(v) = q.0.parse::<i64>() {
+                    out.insert(k.clone(), v);
+                }
+            }
+        }
+        out
+    };
+    let mut total = BTreeMap::<String, i64>::new();
+    for c in &spec.containers {
+        for (k, v) in of(c) {
+            *total.entry(k).or_default() += v;
+        }
+    }
+    for c in spec.init_containers.iter().flatten() {
+        for (k, v) in of(c) {
+            let e = total.entry(k).or_default();
+            *e = (*e).max(v);
+        }
+    }
+    total
 }
 
 /// Reads the pods bound to nodes that use GPUs or run VMs.
@@ -62,6 +105,10 @@ pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
                 .push(id.clone());
         }
         if gpu {
+            let sum = out.requests.entry(node.clone()).or_default();
+            for (k, v) in gpu_requests(p) {
+                *sum.entry(k).or_default() += v;
+            }
             out.gpu_pod_labels
                 .insert(id.clone(), p.labels().clone().into());
             out.gpu_pods.entry(node).or_default().push(id);
@@ -71,4 +118,63 @@ pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
         v.sort();
     }
     out
+}
+
+/// A pod the scheduler marked unschedulable (`PodScheduled=False`, reason `Unschedulable`)
+/// that asks for MIG instances, as demand planning reads it.
+pub fn pending_pod(p: &Pod) -> Option<PendingPod> {
+    let spec = p.spec.as_ref()?;
+    if spec.node_name.is_some() {
+        return None;
+    }
+    let status = p.status.as_ref()?;
+    let cond = status.conditions.iter().flatten().find(|c| {
+        c.type_ == "PodScheduled"
+            && c.status == "False"
+            && c.reason.as_deref() == Some("Unschedulable")
+    })?;
+    let profiles: BTreeMap<String, i64> = gpu_requests(p)
+        .into_iter()
+        .filter_map(|(r, c)| Some((r.strip_prefix("nvidia.com/mig-")?.to_string(), c)))
+        .filter(|(_, c)| *c > 0)
+        .collect();
+    if profiles.is_empty() {
+        return None;
+    }
+    let affinity = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|a| {
+            a.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .map(|r| {
+            r.node_selector_terms
+                .iter()
+                .map(|t| {
+                    t.match_expressions
+                        .iter()
+                        .flatten()
+                        .map(|e| Requirement {
+                            key: e.key.clone(),
+                            operator: e.operator.clone(),
+                            values: e.values.clone().unwrap_or_default(),
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(PendingPod {
+        id: format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()),
+        priority: spec.priority.unwrap_or(0),
+        since: cond
+            .last_transition_time
+            .as_ref()
+            .map_or(0, |t| t.0.as_second()),
+        profiles,
+        node_selector: spec.node_selector.clone().unwrap_or_default(),
+        affinity,
+    })
 }

@@ -552,6 +552,33 @@ pub fn add_capacity(total: &mut Capacity, n: &NodeCapacity) -> bool {
     }
 }
 
+/// The device plugin's resources on `node` under the MIG policy `mig` with its layout replaced by
+/// the named `layout` (`None`: its own), when exactly known: the layout's entry for the node's
+/// GPU model is the only one that may apply.
+pub fn layout_resources(
+    mig: &Mig,
+    layout: Option<&str>,
+    node: &NodeFacts,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+) -> Option<BTreeMap<String, i64>> {
+    let count = label_i64(node, LABEL_GPU_COUNT)?;
+    let owned;
+    let mig = match layout {
+        Some(l) => {
+            owned = Mig {
+                layout: Some(l.into()),
+                custom_layout: None,
+                ..mig.clone()
+            };
+            &owned
+        }
+        None => mig,
+    };
+    let gpus = physical_gpus(mig, base, node, count, label_i64(node, LABEL_GPU_MEMORY));
+    let c = mig_candidates(mig, base, gpus, Gpu::of(node))?;
+    (c.len() == 1).then(|| mig_resources(mig, &c[0]))
+}
+
 fn profile_name(p: &MigProfile) -> String {
     match p.compute {
         Some(c) => format!("{c}c.{}g.{}gb", p.slices, p.memory_gb),
@@ -570,6 +597,7 @@ mod tests {
             custom_layout: None,
             time_slicing: None,
             proceed_with_busy_gpus: false,
+            dynamic: None,
         }
     }
 

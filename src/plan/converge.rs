@@ -10,8 +10,9 @@ use std::sync::Arc;
 use super::facts::{gfd_behind, is_vm_host};
 use super::{Labels, NodeFacts, Plan, PlanInput, SmallMap};
 use crate::api::names::{
-    LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT,
-    LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY, LABEL_MIG_STATE, LABEL_VGPU_STATE,
+    ANNOTATION_MIG_DEMAND, LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG,
+    LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT, LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY,
+    LABEL_MIG_STATE, LABEL_VGPU_STATE,
 };
 use crate::nvidia::state::{ConfigState, deployed};
 use crate::nvidia::{self, DevicePluginConfig};
@@ -64,6 +65,19 @@ pub fn apply(input: &mut PlanInput, plan: &Plan) -> BTreeSet<String> {
         let labels = plan.node_labels.get(&n.name).unwrap_or(&empty);
         let annotations = plan.node_annotations.get(&n.name).unwrap_or(&empty);
         if apply_to_node(Arc::make_mut(&mut n.facts), labels, annotations) {
+            changed.insert(n.name.clone());
+        }
+        // The layout demand chose (its own field manager's annotation).
+        if let Some(want) = plan.demand.annotations.get(&n.name)
+            && n.annotations.get(ANNOTATION_MIG_DEMAND) != want.as_deref()
+        {
+            let f = Arc::make_mut(&mut n.facts);
+            match want {
+                Some(v) => f.annotations.insert(ANNOTATION_MIG_DEMAND, v.as_str()),
+                None => {
+                    f.annotations.remove(ANNOTATION_MIG_DEMAND);
+                }
+            }
             changed.insert(n.name.clone());
         }
     }
@@ -121,7 +135,8 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<super::capacity::Advertise
         .policies
         .iter()
         .find(|p| kube::ResourceExt::name_any(*p) == name)?;
-    super::capacity::device_plugin_advertises(&p.spec, n, input.cluster.base_mig_configs.as_ref())
+    let spec = super::policies::spec_on_node(&p.spec, n);
+    super::capacity::device_plugin_advertises(&spec, n, input.cluster.base_mig_configs.as_ref())
 }
 
 /// NVIDIA's components answer, all successfully: the MIG manager confirms a pending layout, the

@@ -55,6 +55,12 @@ pub struct NodeView {
     /// Someone else had cordoned the node when a drain of ours started: it is drained without
     /// claiming the cordon.
     pub foreign_cordon: bool,
+    /// NVIDIA resources the pods in `gpu_pods` request (`nvidia.com/mig-1g.10gb` -> 2): what
+    /// of the node's allocatable is taken.
+    pub gpu_requests: BTreeMap<String, i64>,
+    /// Unix seconds the node was last seen running a GPU pod (or, not seen so since the
+    /// operator started, its start): how long it has been idle.
+    pub last_busy: i64,
 }
 
 impl NodeView {
@@ -75,6 +81,45 @@ impl std::ops::Deref for NodeView {
     type Target = NodeFacts;
     fn deref(&self) -> &NodeFacts {
         &self.facts
+    }
+}
+
+/// A pod the scheduler could not place (`PodScheduled=False`, reason `Unschedulable`) that asks
+/// for MIG instances: demand for `spec.mig.dynamic` policies.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PendingPod {
+    /// `namespace/name`.
+    pub id: String,
+    pub priority: i32,
+    /// Unix seconds the scheduler marked it unschedulable.
+    pub since: i64,
+    /// MIG profile (`1g.10gb`) -> instances the whole pod asks for (one node gives them all).
+    pub profiles: BTreeMap<String, i64>,
+    /// `spec.nodeSelector`.
+    pub node_selector: BTreeMap<String, String>,
+    /// Required node affinity: a node must satisfy every requirement of one term.
+    pub affinity: Vec<Vec<Requirement>>,
+}
+
+impl PendingPod {
+    /// Whether the pod may be placed on a node with these labels (its node selector and
+    /// required node affinity; taints are not judged).
+    pub fn fits_labels(&self, labels: &super::Labels) -> bool {
+        self.node_selector
+            .iter()
+            .all(|(k, v)| labels.get(k).is_some_and(|have| have == v))
+            && (self.affinity.is_empty()
+                || self
+                    .affinity
+                    .iter()
+                    .any(|term| term.iter().all(|r| r.admits(labels.get(&r.key)))))
+    }
+
+    /// The label keys its placement reads (the node cache must keep them).
+    pub fn label_keys(&self) -> impl Iterator<Item = &String> {
+        self.node_selector
+            .keys()
+            .chain(self.affinity.iter().flatten().map(|r| &r.key))
     }
 }
 
@@ -168,6 +213,8 @@ pub struct ClusterFacts {
     pub gpu_cluster: Option<String>,
     /// Karpenter's NodePools and NodeOverlays, when the NodeOverlay kind is served.
     pub autoscaling: Option<AutoscalingFacts>,
+    /// Pods waiting for MIG instances no node offers, sorted by id.
+    pub demand: Vec<PendingPod>,
 }
 
 impl Default for ClusterFacts {
@@ -185,6 +232,7 @@ impl Default for ClusterFacts {
             readiness_taint: None,
             gpu_cluster: None,
             autoscaling: None,
+            demand: Vec::new(),
         }
     }
 }

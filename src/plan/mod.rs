@@ -32,6 +32,7 @@ pub mod capacity;
 pub mod compat;
 pub mod converge;
 pub mod decision;
+pub mod demand;
 pub mod dra;
 pub mod drain;
 pub mod facts;
@@ -139,6 +140,9 @@ pub struct Plan {
     pub labelled_nodes: BTreeMap<String, u64>,
     /// Karpenter NodeOverlays of the policies, by name (empty when the kind is not served).
     pub node_overlays: BTreeMap<String, serde_json::Value>,
+    /// Demand-driven MIG: the layouts to record on nodes, the events for the pods acted for,
+    /// and when to look again.
+    pub demand: demand::DemandPlan,
 }
 
 /// One of the ConfigMaps we own, as the object we apply.
@@ -412,7 +416,8 @@ fn plan_node(
             if p.spec.strategy.is_vm() {
                 capacity::vm_capacity(p, n)
             } else {
-                capacity::node_capacity(p.spec, n, input.cluster.base_mig_configs.as_ref())
+                let spec = policies::node_spec(p, n);
+                capacity::node_capacity(&spec, n, input.cluster.base_mig_configs.as_ref())
             }
         });
     let pre = memo::PreGate {
@@ -563,6 +568,19 @@ impl Planner {
         );
         let cluster = cluster_of(input);
         let mut per_policy = per_policy(&prepared, &assignment, &mut np, input, &cluster);
+        let demand = demand::plan(
+            &prepared,
+            &views,
+            &assignment.winner,
+            &c.demand,
+            c.base_mig_configs.as_ref(),
+            c.now,
+        );
+        for (name, st) in &demand.statuses {
+            if let Some(s) = per_policy.statuses.get_mut(name) {
+                s.demand = Some(st.clone());
+            }
+        }
         let node_overlays = match &c.autoscaling {
             Some(a) => {
                 let (overlays, statuses) = autoscaling::plan(
@@ -596,6 +614,7 @@ impl Planner {
             labelled_nodes: np.labelled,
             drains: np.drains,
             node_overlays,
+            demand,
         }
     }
 }

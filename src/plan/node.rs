@@ -440,7 +440,8 @@ fn not_advertised(
     w: &Prepared,
     layouts: Option<&std::collections::BTreeMap<String, serde_json::Value>>,
 ) -> Option<String> {
-    let want = super::capacity::device_plugin_advertises(w.spec, n, layouts)?;
+    let spec = super::policies::node_spec(w, n);
+    let want = super::capacity::device_plugin_advertises(&spec, n, layouts)?;
     let missing: Vec<String> = want
         .resources
         .iter()

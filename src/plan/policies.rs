@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::api::crd::{Backend, GpuSharingPolicy, GpuSharingPolicySpec, MigStrategy, Strategy};
-use crate::api::names::ANNOTATION_REAPPLY_MIG;
+use crate::api::names::{ANNOTATION_MIG_DEMAND, ANNOTATION_REAPPLY_MIG};
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use crate::validate::{self, FieldError};
 
@@ -82,9 +82,9 @@ fn field_error(path: &str, message: String) -> FieldError {
 }
 
 /// What node `n` of the valid policy `w` should end up running: one function for every backend,
-/// and the one place a per-node choice (a MIG layout for the node's pending pods) goes. Today
-/// every node of a policy gets the same target.
-pub fn node_target(w: &Prepared, _n: &NodeFacts) -> Option<NodeTarget> {
+/// and the one place a per-node choice goes: the MIG layout demand recorded on the node
+/// (`spec.mig.dynamic`, see [`super::demand`]).
+pub fn node_target(w: &Prepared, n: &NodeFacts) -> Option<NodeTarget> {
     let key = w.key.clone()?;
     let mut t = NodeTarget {
         device_config: key,
@@ -95,7 +95,10 @@ pub fn node_target(w: &Prepared, _n: &NodeFacts) -> Option<NodeTarget> {
     };
     match w.backing.as_ref()? {
         Backing::Sharing => {}
-        Backing::Mig(m) => t.mig_layout = Some(m.layout.clone()),
+        Backing::Mig(m) => {
+            // Demand may have recorded another layout of the catalogue for this node.
+            t.mig_layout = Some(node_layout(w, n).unwrap_or_else(|| m.layout.clone()));
+        }
         Backing::Vm(v) => {
             t.workload = Some(v.workload);
             t.vgpu_config = v.vgpu_config.clone();
@@ -103,6 +106,92 @@ pub fn node_target(w: &Prepared, _n: &NodeFacts) -> Option<NodeTarget> {
         Backing::Dra => t.dra = true,
     }
     Some(t)
+}
+
+/// The layouts a dynamic policy may put on a node: its own first, then the catalogue's.
+pub fn catalogue(w: &Prepared) -> Vec<String> {
+    let own = w.mig().map(|m| m.layout.clone());
+    let dynamic = w.spec.mig.as_ref().and_then(|m| m.dynamic.as_ref());
+    own.into_iter()
+        .chain(dynamic.into_iter().flat_map(|d| d.layouts.iter().cloned()))
+        .fold(Vec::new(), |mut out, l| {
+            if !out.contains(&l) {
+                out.push(l);
+            }
+            out
+        })
+}
+
+/// The layout node `v` of dynamic policy `w` should run: the one demand recorded on it while it
+/// is in the catalogue, else the policy's own.
+pub fn node_layout(w: &Prepared, v: &NodeFacts) -> Option<String> {
+    let (l, _) = v.annotations.get(ANNOTATION_MIG_DEMAND)?.rsplit_once('@')?;
+    w.mig()?;
+    catalogue(w).iter().any(|c| c == l).then(|| l.to_string())
+}
+
+/// The policy's spec as node `n` runs it: with the MIG layout demand recorded for the node in
+/// place of the policy's own (what the device plugin advertises there, and what the node is
+/// judged Ready against).
+pub fn node_spec<'a>(w: &'a Prepared, n: &NodeFacts) -> std::borrow::Cow<'a, GpuSharingPolicySpec> {
+    spec_on_node(w.spec, n)
+}
+
+/// [`node_spec`] from the spec alone: the recorded layout counts when it is one of
+/// `spec.mig.dynamic.layouts` (the policy's own layout needs no change).
+pub fn spec_on_node<'a>(
+    spec: &'a GpuSharingPolicySpec,
+    n: &NodeFacts,
+) -> std::borrow::Cow<'a, GpuSharingPolicySpec> {
+    let recorded = n
+        .annotations
+        .get(ANNOTATION_MIG_DEMAND)
+        .and_then(|v| v.rsplit_once('@'))
+        .map(|(l, _)| l);
+    let mig = spec.mig.as_ref();
+    let dynamic = mig.and_then(|m| m.dynamic.as_ref());
+    match (recorded, dynamic) {
+        (Some(l), Some(d))
+            if mig.and_then(|m| m.layout.as_deref()) != Some(l)
+                && d.layouts.iter().any(|x| x == l) =>
+        {
+            let mut spec = spec.clone();
+            if let Some(mig) = spec.mig.as_mut() {
+                mig.layout = Some(l.to_string());
+                mig.custom_layout = None;
+            }
+            std::borrow::Cow::Owned(spec)
+        }
+        _ => std::borrow::Cow::Borrowed(spec),
+    }
+}
+
+/// Whether a named layout may be in a dynamic catalogue: in the mig-parted config, with MIG
+/// enabled on every GPU it configures. `Err` says why not.
+pub fn check_layout(
+    layout: &str,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+) -> Result<(), String> {
+    if layout == MIG_DISABLED_LAYOUT {
+        return Err("all-disabled switches MIG mode off".into());
+    }
+    let Some(base) = base else {
+        return Ok(());
+    };
+    let Some(entries) = base.get(layout).and_then(|e| e.as_array()) else {
+        return Err(format!(
+            "{layout:?} is not a layout of the mig-parted configuration"
+        ));
+    };
+    if entries
+        .iter()
+        .any(|e| e.get("mig-enabled").and_then(|m| m.as_bool()) != Some(true))
+    {
+        return Err(format!(
+            "{layout:?} turns MIG mode off on some GPUs; switching MIG mode needs a GPU reset, which the catalogue never asks for"
+        ));
+    }
+    Ok(())
 }
 
 /// Deterministic precedence: priority (high first), then oldest, then name.
@@ -193,6 +282,13 @@ fn backing(
     let Some(mig) = &spec.mig else {
         return Backing::Sharing;
     };
+    if let Some(d) = &mig.dynamic {
+        for (i, l) in d.layouts.iter().enumerate() {
+            if let Err(why) = check_layout(l, base) {
+                errors.push(field_error(&format!("spec.mig.dynamic.layouts[{i}]"), why));
+            }
+        }
+    }
     if mig.custom_layout.is_some() {
         let entries = nvidia::custom_layout_entries(mig);
         let hash = nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));

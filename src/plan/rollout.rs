@@ -146,6 +146,12 @@ pub fn last_change_unconfirmed(n: &NodeFacts) -> bool {
         || pending(LABEL_VGPU_CONFIG, LABEL_VGPU_STATE)
 }
 
+/// The node's target is a layout demand recorded on it (`spec.mig.dynamic`).
+fn demand_reshape(w: &Prepared, n: &NodeFacts) -> bool {
+    w.spec.mig.as_ref().is_some_and(|m| m.dynamic.is_some())
+        && super::policies::node_layout(w, n).is_some()
+}
+
 fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
     // Most nodes, most of the time: nothing to write or wait for (the match below says the
     // same, after reading the node's mark).
@@ -174,7 +180,9 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
         .filter(|age| *age > timeout);
     let earlier = e.earlier_unconfirmed;
     match state {
-        Some(NodeState::Failed) if started => Phase::Unavailable(Some(format!(
+        // A layout demand chose that failed: the node is held on its own (demand moves on),
+        // not a failure of the policy's rollout.
+        Some(NodeState::Failed) if started && !demand_reshape(w, n) => Phase::Unavailable(Some(format!(
             "{}: {}",
             n.name, e.outcome.message
         ))),

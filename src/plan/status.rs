@@ -508,6 +508,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         held_nodes,
         mig_geometry: super::geometry::report(p.spec, &place.gpu_models),
         autoscaling: None,
+        demand: None,
     }
 }
 

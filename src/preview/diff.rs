@@ -239,6 +239,25 @@ pub fn overlay_lines(plan: &plan::Plan) -> Vec<String> {
         .collect()
 }
 
+/// `node: layout (for pod, ...)` for each node demand reshapes in `plan`.
+pub fn demand_lines(plan: &plan::Plan) -> Vec<String> {
+    plan.demand
+        .annotations
+        .iter()
+        .filter_map(|(node, v)| {
+            let layout = v.as_deref()?.rsplit_once('@')?.0;
+            let pods: Vec<&str> = plan
+                .demand
+                .events
+                .iter()
+                .filter(|(_, n, _)| n == node)
+                .map(|(p, _, _)| p.as_str())
+                .collect();
+            Some(format!("{node}: {layout} (for {})", pods.join(", ")))
+        })
+        .collect()
+}
+
 /// What applying the desired policies (see [`desired`]) to the cluster `current` would change.
 /// `cluster_policy` is the active ClusterPolicy's spec; `checked` names the policies whose
 /// planner errors make the input invalid (the files'; the cluster's own keep their status).
@@ -289,6 +308,7 @@ pub fn preview(
             after.claim_templates.keys(),
         ),
         node_overlays: KeyChanges::of(&overlay_lines(&before), &overlay_lines(after)),
+        demand_layouts: demand_lines(&first),
         cluster_policy: cluster_policy_changes(cluster_policy, &before, after),
         waves: c
             .waves
@@ -309,6 +329,7 @@ pub fn preview(
         || !p.mig_layouts.is_empty()
         || !p.claim_templates.is_empty()
         || !p.node_overlays.is_empty()
+        || !p.demand_layouts.is_empty()
         || !p.cluster_policy.is_empty();
     Ok(p)
 }

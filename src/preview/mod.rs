@@ -24,7 +24,7 @@ use crate::observe::node::{Interner, facts};
 use crate::observe::{self, ClusterView, Memory, Settings};
 use crate::plan::{LabelFilter, PlanInput};
 use crate::runtime::controller::{cluster_policy_resource, detect_namespace};
-use crate::runtime::watches::{GPU_CLUSTER_KIND, RUNNING_BOUND_PODS};
+use crate::runtime::watches::{GPU_CLUSTER_KIND, RUNNING_BOUND_PODS, UNSCHEDULED_PODS};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -151,6 +151,16 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
     .await?
     .map(|l| l.items)
     .unwrap_or_default();
+    let unbound = ListParams::default().fields(UNSCHEDULED_PODS);
+    let pending = optional(
+        "pending pods",
+        "no pod is assumed pending (demand-driven MIG layouts are not shown)",
+        &mut assumptions,
+        Api::<Pod>::all(client.clone()).list(&unbound),
+    )
+    .await?
+    .map(|l| l.items)
+    .unwrap_or_default();
     let claims = optional(
         "ResourceClaims",
         "no DRA claim is assumed allocated (nodes leaving DRA are shown getting the device plugin back)",
@@ -176,6 +186,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         policies,
         nodes,
         pods: pods.iter().collect(),
+        pending: pending.iter().collect(),
         claims: claims.iter().collect(),
         cluster_policies: Some(cluster_policies.iter().collect()),
         gpu_clusters,

@@ -241,6 +241,12 @@ pub fn text(p: &Preview) -> String {
     keys(&mut out, "ResourceClaimTemplates", &k.added, &k.removed);
     let k = &p.node_overlays;
     keys(&mut out, "Karpenter NodeOverlays", &k.added, &k.removed);
+    keys(
+        &mut out,
+        "MIG layouts for pending pods (spec.mig.dynamic)",
+        &p.demand_layouts,
+        &[],
+    );
     cluster_policy(&mut out, &p.cluster_policy);
     for a in &p.assumptions {
         let _ = writeln!(out, "\nnote: {a}");

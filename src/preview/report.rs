@@ -127,6 +127,10 @@ pub struct Preview {
     /// Karpenter NodeOverlays, one line each (name, capacity, NodePools and instance types):
     /// a changed capacity shows as the old line removed and the new one added.
     pub node_overlays: KeyChanges,
+    /// The MIG layouts demand would give idle nodes for the pods pending now
+    /// (`spec.mig.dynamic`): `node: layout (for pod, ...)`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub demand_layouts: Vec<String>,
     /// ClusterPolicy `spec` fields, dotted; `after: None` is a field the operator releases.
     pub cluster_policy: Vec<Change<serde_json::Value>>,
     /// Planning passes until convergence.

@@ -106,6 +106,15 @@ impl Context {
         self.passes.fetch_add(1, Ordering::Relaxed) + 1
     }
 
+    /// Publishes an event on any object (a pending pod).
+    pub(crate) async fn publish(
+        &self,
+        ev: &Event,
+        reference: &k8s_openapi::api::core::v1::ObjectReference,
+    ) -> Result<(), kube::Error> {
+        self.recorder.publish(ev, reference).await
+    }
+
     /// Publishes an event on a policy, off the critical path: a slow events API never delays
     /// the next write.
     pub(crate) async fn event(

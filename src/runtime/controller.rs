@@ -239,6 +239,8 @@ pub async fn reconcile_all(
     apply::apply_cluster_policy(ctx, &plan, applied, report).await?;
     // 3. Node labels and annotations.
     apply::apply_nodes(ctx, &plan, changes, report).await?;
+    // 3b. The layouts demand chose (the next pass brings the nodes there).
+    apply::apply_demand(ctx, &plan, report).await?;
     // 4. Drains: evict the GPU pods of cordoned nodes (PodDisruptionBudgets apply).
     apply::evict(ctx, &plan, report).await?;
     // 5. Readiness taints of nodes whose config is confirmed.
@@ -260,5 +262,5 @@ pub async fn reconcile_all(
             .values()
             .any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes - s.overridden_nodes);
     let cleanup = finalize::finish_policies(ctx, &plan, &cleanup_pending, !changed, report).await?;
-    Ok(changed || unconfirmed || cleanup)
+    Ok(changed || unconfirmed || cleanup || plan.demand.recheck_in.is_some())
 }

@@ -42,7 +42,14 @@ impl Context {
             .map(|p| (**p).clone())
             .collect();
         // Checked before the snapshot: the cache's listed labels only grow.
-        if !self.caches.nodes.require(&selector_keys(&policies)) {
+        // Pending pods' node selectors and affinity are judged against node labels too.
+        let mut keys = selector_keys(&policies);
+        for p in self.caches.pending.state() {
+            if let Some(d) = observe::pods::pending_pod(&p) {
+                keys.extend(d.label_keys().cloned());
+            }
+        }
+        if !self.caches.nodes.require(&keys) {
             return None;
         }
         let nodes = self.caches.nodes.snapshot();
@@ -76,7 +83,16 @@ impl Context {
         .into_iter()
         .filter_map(|name| Some((name.to_string(), self.configmap(name)?.data.clone()?)))
         .collect();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        let busy = pods
+            .iter()
+            .filter(|p| observe::pods::uses_gpu(p))
+            .filter_map(|p| p.spec.as_ref()?.node_name.as_deref());
+        memory.note_busy(busy, &nodes, now);
         let memory = memory.recall(&self.caches.nodes.pending(), Instant::now());
+        let pending = self.caches.pending.state();
         let karpenter = self
             .caches
             .karpenter
@@ -86,6 +102,7 @@ impl Context {
             policies,
             nodes,
             pods: pods.iter().map(|p| &**p).collect(),
+            pending: pending.iter().map(|p| &**p).collect(),
             claims: claims.iter().map(|c| &**c).collect(),
             cluster_policies: Some(cluster_policies.iter().map(|c| &**c).collect()),
             gpu_clusters: self
@@ -109,9 +126,7 @@ impl Context {
                 node_pools: pools.iter().map(|p| &**p).collect(),
                 overlays: overlays.iter().map(|o| &**o).collect(),
             }),
-            now: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs() as i64),
+            now,
         };
         Some(observe::plan_input(view, &settings, memory))
     }

@@ -41,6 +41,10 @@ pub struct ControllerMemory {
     namespace_missing: Option<String>,
     /// The planner, with what it planned for each node (it re-plans only what changed).
     planner: plan::Planner,
+    /// Unix seconds each node was last seen running GPU pods.
+    last_busy: BTreeMap<String, i64>,
+    /// Unix seconds of the first pass (a node not seen busy since counts as idle from then).
+    started: Option<i64>,
 }
 
 impl ControllerMemory {
@@ -56,6 +60,27 @@ impl ControllerMemory {
             foreign_cordons: BTreeSet::new(),
             namespace_missing: None,
             planner: plan::Planner::default(),
+            last_busy: BTreeMap::new(),
+            started: None,
+        }
+    }
+
+    /// Notes at `now` (unix seconds) the nodes that run GPU pods: how long a node has been
+    /// idle is what `spec.mig.dynamic.idleSeconds` asks. Nodes gone from `busy` keep their
+    /// last time; a node deleted is forgotten when `known` no longer has it.
+    pub fn note_busy<'a>(
+        &mut self,
+        busy: impl Iterator<Item = &'a str>,
+        known: &[Arc<NodeFacts>],
+        now: i64,
+    ) {
+        self.started.get_or_insert(now);
+        for n in busy {
+            self.last_busy.insert(n.to_string(), now);
+        }
+        if self.last_busy.len() > known.len() {
+            let names: BTreeSet<&str> = known.iter().map(|n| n.name.as_str()).collect();
+            self.last_busy.retain(|n, _| names.contains(n.as_str()));
         }
     }
 
@@ -73,6 +98,8 @@ impl ControllerMemory {
             foreign_cordons: self.foreign_cordons.clone(),
             mig_stuck: self.stuck(nodes, LABEL_MIG_CONFIG, LABEL_MIG_STATE, now),
             vgpu_stuck: self.stuck(nodes, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE, now),
+            last_busy: self.last_busy.clone(),
+            started: self.started.unwrap_or(0),
         }
     }
 

@@ -23,6 +23,8 @@ use crate::runtime::taints::Tainted;
 
 /// Pods that may hold GPUs: bound to a node and not finished.
 pub const RUNNING_BOUND_PODS: &str = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed";
+/// Field selector of pods no node has been chosen for yet (demand for `spec.mig.dynamic`).
+pub const UNSCHEDULED_PODS: &str = "spec.nodeName=,status.phase=Pending";
 
 /// Nodes per list page when the node watch (re)lists.
 const NODE_LIST_PAGE: u32 = 100;
@@ -58,6 +60,8 @@ pub struct Caches {
     pub nodes: Arc<NodeCache>,
     pub configmaps: Store<ConfigMap>,
     pub pods: Store<Pod>,
+    /// Pods not yet bound to a node, stripped to what demand planning reads.
+    pub pending: Store<Pod>,
     /// `None` when the ClusterPolicy CRD is not served.
     pub cluster_policies: Option<Store<DynamicObject>>,
     /// Our ResourceClaimTemplates (DRA backend), when resource.k8s.io/v1 is served.
@@ -83,6 +87,7 @@ impl Caches {
         self.nodes.wait_until_ready().await;
         self.configmaps.wait_until_ready().await.ok();
         self.pods.wait_until_ready().await.ok();
+        self.pending.wait_until_ready().await.ok();
         if let Some(c) = &self.cluster_policies {
             c.wait_until_ready().await.ok();
         }
@@ -108,17 +113,15 @@ impl Caches {
     }
 }
 
-/// Pods stripped to what the idle-GPU check and drains need (node, resources, labels).
-fn strip_pod(p: &mut Pod) {
+/// What every pod cache drops: managed fields, annotations, owners, volumes, init containers
+/// and tolerations, and of each container everything but its resources.
+fn strip_common(p: &mut Pod) {
     p.metadata.managed_fields = None;
     p.metadata.annotations = None;
-    // Labels stay: `disruption.neverEvict` selects pods by them.
     p.metadata.owner_references = None;
-    p.status = None;
     if let Some(spec) = p.spec.as_mut() {
         spec.volumes = None;
         spec.init_containers = None;
-        spec.affinity = None;
         spec.tolerations = None;
         for c in &mut spec.containers {
             c.env = None;
@@ -131,6 +134,57 @@ fn strip_pod(p: &mut Pod) {
             c.startup_probe = None;
         }
     }
+}
+
+/// Pods stripped to what the idle-GPU check and drains need (node, resources, labels: the
+/// labels stay, `disruption.neverEvict` selects pods by them).
+fn strip_pod(p: &mut Pod) {
+    strip_common(p);
+    p.status = None;
+    if let Some(spec) = p.spec.as_mut() {
+        spec.affinity = None;
+    }
+}
+
+/// Unscheduled pods stripped to what demand planning reads: requests, node selector, node
+/// affinity, priority, the scheduler's condition.
+fn strip_pending_pod(p: &mut Pod) {
+    strip_common(p);
+    p.metadata.labels = None;
+    if let Some(s) = p.status.as_mut() {
+        s.container_statuses = None;
+        s.init_container_statuses = None;
+        s.message = None;
+        for c in s.conditions.iter_mut().flatten() {
+            c.message = None;
+        }
+    }
+    if let Some(a) = p.spec.as_mut().and_then(|s| s.affinity.as_mut()) {
+        a.pod_affinity = None;
+        a.pod_anti_affinity = None;
+    }
+}
+
+/// Pods waiting for a node (demand for dynamic MIG layouts): their cache and its stream.
+fn pending_watch(
+    client: &Client,
+) -> (
+    Store<Pod>,
+    futures::stream::BoxStream<'static, Result<(), watcher::Error>>,
+) {
+    let (pending, pendingw) = reflector::store();
+    let stream = reflector::reflector(
+        pendingw,
+        watcher(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default().fields(UNSCHEDULED_PODS),
+        )
+        .default_backoff()
+        .modify(strip_pending_pod),
+    )
+    .map_ok(|_| ())
+    .boxed();
+    (pending, stream)
 }
 
 /// Starts every watch: returns the caches and the future that drives them (it notifies
@@ -170,7 +224,12 @@ pub async fn start(
         .modify(strip_pod),
     )
     .boxed();
-    let mut streams: Streams = vec![pod_stream.map_ok(|_| ()).boxed(), node_stream];
+    let (pending, pending_stream) = pending_watch(client);
+    let mut streams: Streams = vec![
+        pod_stream.map_ok(|_| ()).boxed(),
+        pending_stream,
+        node_stream,
+    ];
     let all = watcher::Config::default;
     let policies = cache(Api::all(client.clone()), all(), (), &mut streams);
     let configmaps = cache(
@@ -217,6 +276,7 @@ pub async fn start(
         nodes,
         configmaps,
         pods,
+        pending,
         cluster_policies,
         claim_templates,
         namespaces,

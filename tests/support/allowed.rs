@@ -19,12 +19,14 @@ pub const NODE_LABELS: [&str; 8] = [
     "nvidia.com/vgpu.config.state",
 ];
 
-/// Node annotations: our bookkeeping only.
-pub const NODE_ANNOTATIONS: [&str; 4] = [
+/// Node annotations: our bookkeeping only (the last, the layout demand chose, under the
+/// demand's own field manager).
+pub const NODE_ANNOTATIONS: [&str; 5] = [
     "gpusharing.io/device-plugin-config-written",
     "gpusharing.io/mig-layout-content",
     "gpusharing.io/rollout",
     "gpusharing.io/cordoned",
+    "gpusharing.io/mig-demand-layout",
 ];
 
 /// Taints the operator may remove (its readiness taint, `gpusharing.io/unconfigured` by

@@ -16,8 +16,11 @@
 //!   (`nvidia.com/mig.config.state` is one of those);
 //! - a VM host (`nvidia.com/gpu.workload.config=vm-*`) never carries a container sharing config
 //!   or an enabled MIG layout;
-//! - nothing we do not own changed: every state of every Node, ConfigMap and ClusterPolicy is
-//!   judged by [`super::ownership`] from the API server's field-manager records.
+//! - a node on which GPU pods run (bound, not finished, asking for `nvidia.com/gpu*` or
+//!   `nvidia.com/mig-*`) never gets another `nvidia.com/mig.config` or
+//!   `nvidia.com/gpu.workload.config`: its GPUs change only when idle (drains evict first);
+//! - nothing we do not own changed: every state of every Node, ConfigMap, ClusterPolicy and Pod
+//!   is judged by [`super::ownership`] from the API server's field-manager records.
 //!
 //! The first violation is kept with the history of that node; [`InvariantWatcher::check`]
 //! panics with it.
@@ -54,7 +57,35 @@ enum Obj {
     NodeGone(String),
     ConfigMap(String, BTreeMap<String, String>),
     ConfigMapGone(String),
+    /// A pod (`namespace/name`) and the node whose GPUs it holds now, if any.
+    Pod(String, Option<String>),
+    PodGone(String),
 }
+
+/// The node whose GPUs a pod holds: bound, not finished, asking for NVIDIA's device-plugin
+/// resources.
+fn gpu_node(p: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
+    let spec = p.spec.as_ref()?;
+    let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+    if matches!(phase, Some("Succeeded" | "Failed")) {
+        return None;
+    }
+    let gpu = spec.containers.iter().any(|c| {
+        let r = c.resources.as_ref();
+        [
+            r.and_then(|r| r.limits.as_ref()),
+            r.and_then(|r| r.requests.as_ref()),
+        ]
+        .into_iter()
+        .flatten()
+        .flat_map(|m| m.keys())
+        .any(|k| k.starts_with("nvidia.com/gpu") || k.starts_with("nvidia.com/mig-"))
+    });
+    spec.node_name.clone().filter(|_| gpu)
+}
+
+/// Labels that change what a node's GPUs are: never while GPU pods run there.
+const GPU_SHAPE_LABELS: [&str; 2] = [LABEL_MIG_CONFIG, LABEL_WORKLOAD];
 
 struct Pending {
     rv: u64,
@@ -130,7 +161,7 @@ struct State {
     history: BTreeMap<String, Vec<(u64, String)>>,
     violation: Option<String>,
     checked: usize,
-    synced: [bool; 2],
+    synced: [bool; 3],
     heap: BinaryHeap<Pending>,
     /// A hand edit in progress.
     excused: Option<Excuse>,
@@ -144,6 +175,8 @@ struct State {
     unrecovered: BTreeMap<&'static str, String>,
     /// Watch errors seen (each followed by a re-list).
     watch_errors: usize,
+    /// Pods holding GPUs: `namespace/name` -> node.
+    gpu_pods: BTreeMap<String, String>,
 }
 
 /// The simulated MIG manager's own record on a node (`tests/nvidia/internal/sim`): these
@@ -330,7 +363,7 @@ impl State {
 
     /// Checks every node (a ConfigMap change can break a label that did not change).
     fn check_all(&mut self, rv: u64, only: Option<&str>) {
-        if self.violation.is_some() || !(self.synced[0] && self.synced[1]) {
+        if self.violation.is_some() || !self.synced.iter().all(|s| *s) {
             return;
         }
         if self.excused.is_some() {
@@ -375,6 +408,7 @@ impl State {
                 if self.nodes.get(&name).is_some_and(|(rv, _)| *rv >= p.rv) {
                     return;
                 }
+                self.check_busy_relabel(&name, &labels, p.rv);
                 let line = summary(&labels, &annotations);
                 let h = self.history.entry(name.clone()).or_default();
                 if h.last().is_none_or(|(_, l)| *l != line) {
@@ -402,7 +436,43 @@ impl State {
                 self.configmaps.remove(&name);
                 self.check_all(p.rv, None);
             }
+            Obj::Pod(key, Some(node)) => {
+                self.gpu_pods.insert(key, node);
+            }
+            Obj::Pod(key, None) | Obj::PodGone(key) => {
+                self.gpu_pods.remove(&key);
+            }
         }
+    }
+
+    /// A node whose GPU-shaping labels change while GPU pods run on it.
+    fn check_busy_relabel(&mut self, name: &str, labels: &BTreeMap<String, String>, rv: u64) {
+        if self.violation.is_some() || self.excused.is_some() {
+            return;
+        }
+        let Some((_, (old, _))) = self.nodes.get(name) else {
+            return;
+        };
+        let changed: Vec<String> = GPU_SHAPE_LABELS
+            .iter()
+            .filter(|k| old.get(**k) != labels.get(**k))
+            .map(|k| format!("{k}: {:?} -> {:?}", old.get(*k), labels.get(*k)))
+            .collect();
+        let pods: Vec<&String> = self
+            .gpu_pods
+            .iter()
+            .filter(|(_, n)| *n == name)
+            .map(|(p, _)| p)
+            .collect();
+        if changed.is_empty() || pods.is_empty() {
+            return;
+        }
+        let msg = format!(
+            "node {name} relabelled at resourceVersion {rv} while GPU pods run on it ({pods:?}): {}",
+            changed.join(", ")
+        );
+        eprintln!("INVARIANT WATCHER: {msg}");
+        self.violation = Some(msg);
     }
 
     /// Applies the buffered events old enough that nothing earlier can still arrive.
@@ -473,6 +543,7 @@ where
         Kind::Node => "nodes",
         Kind::ConfigMap => "configmaps",
         Kind::ClusterPolicy => "clusterpolicies",
+        Kind::Pod => "pods",
     };
     tokio::spawn(async move {
         let mut prev = HashMap::new();
@@ -582,6 +653,20 @@ async fn watch_all(
         None,
         |_, _| None,
     );
+    let pod_task = spawn_watch(
+        Api::<k8s_openapi::api::core::v1::Pod>::all(client.clone()),
+        Kind::Pod,
+        state.clone(),
+        Some(2),
+        |p, deleted| {
+            let key = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+            Some(if deleted {
+                Obj::PodGone(key)
+            } else {
+                Obj::Pod(key, gpu_node(p))
+            })
+        },
+    );
     let s = state.clone();
     let drain_task = tokio::spawn(async move {
         loop {
@@ -589,7 +674,7 @@ async fn watch_all(
             s.lock().unwrap().drain(false);
         }
     });
-    vec![node_task, cm_task, cp_task, drain_task]
+    vec![node_task, cm_task, cp_task, pod_task, drain_task]
 }
 
 impl InvariantWatcher {
@@ -628,7 +713,7 @@ impl InvariantWatcher {
         loop {
             {
                 let mut st = w.state.lock().unwrap();
-                if st.synced[0] && st.synced[1] {
+                if st.synced.iter().all(|s| *s) {
                     st.drain(true);
                     st.check_all(0, None);
                     break;

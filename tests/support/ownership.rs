@@ -32,6 +32,8 @@ pub enum Kind {
     Node,
     ConfigMap,
     ClusterPolicy,
+    /// Pods: the operator writes nothing on them (it only asks for evictions).
+    Pod,
 }
 
 /// Leaf paths of a `fieldsV1` set (`metadata.labels.nvidia.com/mig.config`). A list entry
@@ -126,6 +128,7 @@ fn ours(kind: Kind, obj: &Value, path: &str) -> bool {
         }
         Kind::ConfigMap => obj["metadata"]["labels"][MANAGED_BY.0] == MANAGED_BY.1,
         Kind::ClusterPolicy => CLUSTER_POLICY_FIELDS.contains(&path),
+        Kind::Pod => false,
     }
 }
 

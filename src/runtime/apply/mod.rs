@@ -4,7 +4,7 @@
 //! ([`Learnt`]), from which the control loop's memory is kept (the appliers hold none). One file per kind of object written: our ConfigMaps
 //! ([`configmaps`]), node metadata, cordons and readiness taints ([`nodes`]), the ClusterPolicy
 //! ([`cluster_policy`]), ResourceClaimTemplates ([`claims`]), Karpenter NodeOverlays
-//! ([`overlays`]) and pod evictions ([`evict`]).
+//! ([`overlays`]), pod evictions ([`evict`]) and the layouts demand chose ([`demand`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -15,6 +15,7 @@ use crate::api::names::MANAGER;
 pub mod claims;
 pub mod cluster_policy;
 pub mod configmaps;
+pub mod demand;
 pub mod evict;
 pub mod nodes;
 pub mod overlays;
@@ -22,6 +23,7 @@ pub mod overlays;
 pub use claims::apply_claim_templates;
 pub use cluster_policy::apply_cluster_policy;
 pub use configmaps::{apply_configmaps, delete_unused_mig_configmap, delete_unused_vgpu_configmap};
+pub use demand::apply_demand;
 pub use evict::{EVICTION_WAIT, evict};
 pub use nodes::{apply_nodes, remove_readiness_taints};
 pub use overlays::apply_node_overlays;

@@ -1,0 +1,951 @@
+//! Demand-driven MIG (`spec.mig.dynamic`): which idle node of a policy gets which layout of its
+//! catalogue, for the pods the scheduler could not place because no node offers the MIG profile
+//! they ask for.
+//!
+//! Pure and deterministic. A node's layout under a dynamic policy is recorded on the node
+//! (annotation [`ANNOTATION_MIG_DEMAND`], `<layout>@<unix seconds>`), so a restart loses nothing
+//! and the per-node transition (`mig::decide`: idle GPUs, the MIG manager, the rollout gate)
+//! brings the node there like any other layout change. Here:
+//!
+//! 1. **Supply**: per node, the free instances (NVIDIA's allocatable minus what bound pods
+//!    request) of a configured node, or the instances a node being reshaped will bring
+//!    (`coming`), from the geometry model.
+//! 2. **Residual demand**: the pending pods, highest priority first then oldest, each placed
+//!    whole on the first node (by name) whose supply holds it and whose labels it accepts; the
+//!    pods left over are the residual demand.
+//! 3. **Choice**: when the demand has been quiet for `quietSeconds` (or waited `maxDelaySeconds`),
+//!    for each idle node past its cooldown, each catalogue layout: the residual pods it would
+//!    hold, minus the pods its current free instances held. The best (node, layout), by served
+//!    pods per priority level, then node and catalogue order, is taken while the rollout
+//!    budget lasts and it serves more than the node does now.
+//! 4. **Why**: per profile, what is pending, served and coming, and for the rest the first
+//!    reason that applies to its pods.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::api::crd::{DemandStatus, DynamicMig, Mig, ProfileDemand};
+use crate::api::names::{ANNOTATION_MIG_DEMAND, LABEL_GPU_PRODUCT};
+
+use super::NodeView;
+use super::capacity::layout_resources;
+use super::decision::mig_of;
+use super::input::PendingPod;
+use super::policies::{Prepared, catalogue, node_layout};
+
+/// Why demand waits.
+pub const PROFILE_NOT_IN_CATALOGUE: &str = "ProfileNotInCatalogue";
+pub const NO_MATCHING_NODE: &str = "NoMatchingNode";
+pub const NO_IDLE_NODE: &str = "NoIdleNode";
+pub const COOLDOWN: &str = "Cooldown";
+pub const BUDGET_EXHAUSTED: &str = "BudgetExhausted";
+pub const INFEASIBLE: &str = "Infeasible";
+/// Demand younger than the quiet period (and the maximum delay) is left to batch.
+pub const BATCHING: &str = "Batching";
+
+/// A node's layout under a dynamic policy, from its annotation: `(layout, since)`.
+pub fn recorded(v: &NodeView) -> Option<(&str, i64)> {
+    let (l, t) = v.annotations.get(ANNOTATION_MIG_DEMAND)?.rsplit_once('@')?;
+    Some((l, t.parse().ok()?))
+}
+
+/// What demand planning decided.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct DemandPlan {
+    /// Annotation values to write (`Some`) or remove (`None`), by node.
+    pub annotations: BTreeMap<String, Option<String>>,
+    /// Each dynamic policy's `status.demand`.
+    pub statuses: BTreeMap<String, DemandStatus>,
+    /// Events for pods the operator acts for: `(namespace/name, node reshaped, message)`.
+    pub events: Vec<(String, String, String)>,
+    /// Seconds after which demand may be acted on without any other change (quiet period,
+    /// idle time, cooldown running out).
+    pub recheck_in: Option<i64>,
+}
+
+/// One node of a dynamic policy as demand planning sees it.
+struct Node<'a> {
+    view: &'a NodeView,
+    /// The layout it should run (recorded, or the policy's).
+    layout: String,
+    /// Since when (unix seconds) it has had that layout recorded (0: the policy's own, always).
+    since: i64,
+    /// The MIG manager confirmed `layout` and the device plugin advertises it.
+    configured: bool,
+    /// The MIG manager failed on `layout`: the node is held, out of demand's reach.
+    failed: bool,
+    /// Free instances now (configured) or the instances the layout will bring (reshaping).
+    supply: BTreeMap<String, i64>,
+}
+
+/// Pods' served counts per priority level (highest first): compared lexicographically.
+type Score = Vec<i64>;
+
+/// One reshape considered: the node (its index), the layout, the residual pods it would hold
+/// and the placed pods it would displace.
+struct Choice {
+    node: usize,
+    layout: String,
+    gained: Vec<usize>,
+    lost: Vec<usize>,
+}
+
+struct Policy<'a, 'p> {
+    w: &'a Prepared<'p>,
+    mig: &'a Mig,
+    dynamic: &'a DynamicMig,
+    nodes: Vec<Node<'a>>,
+    base: Option<&'a BTreeMap<String, serde_json::Value>>,
+    now: i64,
+}
+
+/// Demand planning for every dynamic policy. `views` in name order; `winner[i]` the governing
+/// policy of `views[i]`.
+pub fn plan(
+    prepared: &[Prepared],
+    views: &[&NodeView],
+    winner: &[Option<usize>],
+    demand: &[PendingPod],
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+    now: i64,
+) -> DemandPlan {
+    let mut out = DemandPlan::default();
+    let mut governed: BTreeSet<&str> = BTreeSet::new();
+    for (i, w) in prepared.iter().enumerate() {
+        let Some(mig) = w.spec.mig.as_ref() else {
+            continue;
+        };
+        let Some(dynamic) = mig.dynamic.as_ref().filter(|_| w.accepted()) else {
+            continue;
+        };
+        let nodes: Vec<Node> = views
+            .iter()
+            .zip(winner)
+            .filter(|(_, wi)| **wi == Some(i))
+            .map(|(v, _)| node(w, mig, v, base))
+            .collect();
+        governed.extend(nodes.iter().map(|n| n.view.name()));
+        let p = Policy {
+            w,
+            mig,
+            dynamic,
+            nodes,
+            base,
+            now,
+        };
+        p.plan(demand, &mut out);
+    }
+    // A recorded layout on a node no dynamic policy governs any more goes.
+    for v in views {
+        if v.annotations.get(ANNOTATION_MIG_DEMAND).is_some() && !governed.contains(v.name()) {
+            out.annotations.insert(v.name().to_string(), None);
+        }
+    }
+    out
+}
+
+fn node<'a>(
+    w: &Prepared,
+    mig: &Mig,
+    v: &'a NodeView,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+) -> Node<'a> {
+    let own = w.mig().map(|m| m.layout.clone()).unwrap_or_default();
+    let (layout, since) = match (node_layout(w, v), recorded(v)) {
+        (Some(l), Some((_, t))) => (l, t),
+        _ => (own, 0),
+    };
+    let own = (layout == w.mig().map_or("", |m| m.layout.as_str())).then_some(());
+    let brings = layout_resources(mig, own.is_none().then_some(layout.as_str()), v, base);
+    // Configured: the MIG manager confirmed the layout and the device plugin advertises it
+    // (between the two, the instances are still coming).
+    let advertised = brings.as_ref().is_none_or(|b| {
+        b.iter()
+            .all(|(r, c)| v.allocatable.get(r).and_then(|a| a.parse::<i64>().ok()) == Some(*c))
+    });
+    let mig = mig_of(v);
+    let configured = mig.confirmed(&layout) && advertised;
+    // A node whose MIG manager failed on its layout is held as it is: it brings nothing, and
+    // demand goes to other nodes.
+    let failed = mig.layout == Some(layout.as_str()) && mig.failed(v.mig_stuck);
+    let supply = if failed {
+        BTreeMap::new()
+    } else if configured {
+        v.allocatable
+            .iter()
+            .filter(|(r, _)| r.starts_with("nvidia.com/mig-"))
+            .filter_map(|(r, c)| {
+                let free = c.parse::<i64>().ok()? - v.gpu_requests.get(r).copied().unwrap_or(0);
+                (free > 0).then(|| (r.to_string(), free))
+            })
+            .collect()
+    } else {
+        brings.unwrap_or_default()
+    };
+    Node {
+        view: v,
+        layout,
+        since,
+        configured,
+        failed,
+        supply,
+    }
+}
+
+/// The pod's requests as device-plugin resources.
+fn wants(p: &PendingPod) -> impl Iterator<Item = (String, i64)> + '_ {
+    p.profiles
+        .iter()
+        .map(|(prof, c)| (format!("nvidia.com/mig-{prof}"), *c))
+}
+
+fn holds(supply: &BTreeMap<String, i64>, p: &PendingPod) -> bool {
+    wants(p).all(|(r, c)| supply.get(&r).copied().unwrap_or(0) >= c)
+}
+
+fn take(supply: &mut BTreeMap<String, i64>, p: &PendingPod) {
+    for (r, c) in wants(p) {
+        *supply.entry(r).or_default() -= c;
+    }
+}
+
+impl Policy<'_, '_> {
+    /// The pods this policy's nodes could take (by labels), highest priority first, then
+    /// oldest, then by id; and the ones no node of it accepts.
+    fn pods<'d>(&self, demand: &'d [PendingPod]) -> Vec<&'d PendingPod> {
+        let mut pods: Vec<&PendingPod> = demand
+            .iter()
+            .filter(|p| self.nodes.iter().any(|n| p.fits_labels(&n.view.labels)))
+            .collect();
+        pods.sort_by(|a, b| (-a.priority, a.since, &a.id).cmp(&(-b.priority, b.since, &b.id)));
+        pods
+    }
+
+    fn idle_for(&self, n: &Node) -> Option<i64> {
+        n.view
+            .gpu_pods
+            .is_empty()
+            .then(|| self.now - n.view.last_busy)
+    }
+
+    fn plan(&self, demand: &[PendingPod], out: &mut DemandPlan) {
+        let pods = self.pods(demand);
+        let levels: Vec<i32> = pods
+            .iter()
+            .map(|p| p.priority)
+            .fold(Vec::new(), |mut v, p| {
+                if !v.contains(&p) {
+                    v.push(p);
+                }
+                v
+            });
+        let (placed, mut residual) = self.baseline(&pods);
+        let mut st = Tally::default();
+        for (i, ks) in placed.iter().enumerate() {
+            for &k in ks {
+                st.add(
+                    pods[k],
+                    if self.nodes[i].configured {
+                        "served"
+                    } else {
+                        "coming"
+                    },
+                );
+            }
+        }
+        let reshaping_now = self
+            .nodes
+            .iter()
+            .filter(|n| !n.configured && !n.failed)
+            .count();
+        let budget = super::rollout::budget(self.w.spec, self.nodes.len());
+        let mut room = budget.saturating_sub(reshaping_now);
+        let act = self.settled(&pods, &residual, out);
+        let catalogue = catalogue(self.w);
+        let mut taken: BTreeSet<usize> = BTreeSet::new();
+        while act && !residual.is_empty() {
+            let best = self.best(&pods, &residual, &placed, &levels, &catalogue, &taken);
+            let Some(Choice {
+                node: i,
+                layout,
+                gained,
+                lost,
+            }) = best
+            else {
+                break;
+            };
+            if room == 0 {
+                break;
+            }
+            room -= 1;
+            taken.insert(i);
+            let n = &self.nodes[i];
+            out.annotations.insert(
+                n.view.name().to_string(),
+                Some(format!("{layout}@{}", self.now)),
+            );
+            let model = n.view.labels.get(LABEL_GPU_PRODUCT).unwrap_or_default();
+            for &k in &gained {
+                st.add(pods[k], "coming");
+                out.events.push((
+                    pods[k].id.clone(),
+                    n.view.name().to_string(),
+                    format!(
+                        "reshaping node {} to {model} layout {layout} for this pod",
+                        n.view.name()
+                    ),
+                ));
+            }
+            residual.retain(|k| !gained.contains(k));
+            for k in lost {
+                st.remove(pods[k], "served");
+                residual.push(k);
+            }
+            residual.sort_unstable();
+        }
+        // Reasons for what is left.
+        for &k in &residual {
+            let why = self.why(pods[k], &catalogue, (&taken, room, act), out);
+            st.unmet(pods[k], why);
+        }
+        let reshaping = self.reshaping(out);
+        self.keep_recorded(out);
+        out.statuses.insert(
+            self.w.name.clone(),
+            DemandStatus {
+                profiles: st.profiles(),
+                reshaping,
+            },
+        );
+    }
+
+    /// The pods placed on the supply as it is and as it is coming (by node), and the rest.
+    fn baseline(&self, pods: &[&PendingPod]) -> (Vec<Vec<usize>>, Vec<usize>) {
+        let mut supply: Vec<BTreeMap<String, i64>> =
+            self.nodes.iter().map(|n| n.supply.clone()).collect();
+        let mut placed: Vec<Vec<usize>> = vec![Vec::new(); self.nodes.len()];
+        let mut residual = Vec::new();
+        for (k, p) in pods.iter().enumerate() {
+            match (0..self.nodes.len())
+                .find(|&i| p.fits_labels(&self.nodes[i].view.labels) && holds(&supply[i], p))
+            {
+                Some(i) => {
+                    take(&mut supply[i], p);
+                    placed[i].push(k);
+                }
+                None => residual.push(k),
+            }
+        }
+        (placed, residual)
+    }
+
+    /// Whether the residual demand has been quiet for `quietSeconds`, or its oldest pod waited
+    /// `maxDelaySeconds`; if not, a recheck when one of them will be so.
+    fn settled(&self, pods: &[&PendingPod], residual: &[usize], out: &mut DemandPlan) -> bool {
+        let youngest = residual.iter().map(|&k| pods[k].since).max();
+        let oldest = residual.iter().map(|&k| pods[k].since).min();
+        let (Some(y), Some(o)) = (youngest, oldest) else {
+            return false;
+        };
+        let d = self.dynamic;
+        if self.now - y >= d.quiet_seconds || self.now - o >= d.max_delay_seconds {
+            return true;
+        }
+        recheck(
+            out,
+            (y + d.quiet_seconds - self.now).min(o + d.max_delay_seconds - self.now),
+        );
+        false
+    }
+
+    /// `node: layout` of the nodes being reshaped, and of those chosen now.
+    fn reshaping(&self, out: &DemandPlan) -> Vec<String> {
+        let mut reshaping: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|n| !n.configured && !n.failed)
+            .map(|n| format!("{}: {}", n.view.name(), n.layout))
+            .collect();
+        for (node, v) in &out.annotations {
+            if let (Some(v), Some(n)) = (v, self.nodes.iter().find(|n| n.view.name() == node)) {
+                let l = v.rsplit_once('@').map_or(v.as_str(), |(l, _)| l);
+                reshaping.push(format!("{}: {l}", n.view.name()));
+            }
+        }
+        reshaping.sort();
+        reshaping.dedup();
+        reshaping
+    }
+
+    /// Recorded layouts stay; one the catalogue no longer has, or the policy's own, goes.
+    fn keep_recorded(&self, out: &mut DemandPlan) {
+        for n in &self.nodes {
+            let name = n.view.name().to_string();
+            if out.annotations.contains_key(&name) {
+                continue;
+            }
+            if recorded(n.view).is_some() && node_layout(self.w, n.view).is_none() {
+                out.annotations.insert(name, None);
+            }
+        }
+    }
+
+    /// The (node, layout) that serves most residual pods, with the residual pods it serves and
+    /// the placed pods it displaces; `None` when no reshape serves more than it displaces.
+    fn best(
+        &self,
+        pods: &[&PendingPod],
+        residual: &[usize],
+        placed: &[Vec<usize>],
+        levels: &[i32],
+        catalogue: &[String],
+        taken: &BTreeSet<usize>,
+    ) -> Option<Choice> {
+        let score = |ks: &[usize]| -> Score {
+            levels
+                .iter()
+                .map(|l| ks.iter().filter(|&&k| pods[k].priority == *l).count() as i64)
+                .collect()
+        };
+        let mut best: Option<(Score, Choice)> = None;
+        for (i, n) in self.nodes.iter().enumerate() {
+            if taken.contains(&i) || self.blocked(n).is_some() {
+                continue;
+            }
+            for layout in catalogue.iter().filter(|l| **l != n.layout) {
+                let own = self.w.mig().is_some_and(|m| &m.layout == layout);
+                let Some(mut s) =
+                    layout_resources(self.mig, (!own).then_some(layout), n.view, self.base)
+                else {
+                    continue;
+                };
+                let mut gained = Vec::new();
+                for &k in residual {
+                    if pods[k].fits_labels(&n.view.labels) && holds(&s, pods[k]) {
+                        take(&mut s, pods[k]);
+                        gained.push(k);
+                    }
+                }
+                let lost = placed[i].clone();
+                let (g, l) = (score(&gained), score(&lost));
+                let net: Score = g.iter().zip(&l).map(|(a, b)| a - b).collect();
+                if net.iter().find(|x| **x != 0).is_none_or(|x| *x < 0) {
+                    continue;
+                }
+                if best.as_ref().is_none_or(|(b, _)| net > *b) {
+                    let c = Choice {
+                        node: i,
+                        layout: layout.clone(),
+                        gained,
+                        lost,
+                    };
+                    best = Some((net, c));
+                }
+            }
+        }
+        best.map(|(_, c)| c)
+    }
+
+    /// Why node `n` may not be reshaped now: `(reason, seconds until it may)`.
+    fn blocked(&self, n: &Node) -> Option<(&'static str, i64)> {
+        if !n.configured || n.failed {
+            return Some((NO_IDLE_NODE, 0));
+        }
+        match self.idle_for(n) {
+            None => return Some((NO_IDLE_NODE, 0)),
+            Some(idle) if idle < self.dynamic.idle_seconds => {
+                return Some((NO_IDLE_NODE, self.dynamic.idle_seconds - idle));
+            }
+            _ => {}
+        }
+        let age = self.now - n.since;
+        if n.since > 0 && age < self.dynamic.min_layout_lifetime_seconds {
+            return Some((COOLDOWN, self.dynamic.min_layout_lifetime_seconds - age));
+        }
+        None
+    }
+
+    /// The first reason that keeps `p` waiting, with a message; asks for a recheck when time
+    /// alone would lift it. What no reshape can change is said even while the demand batches.
+    fn why(
+        &self,
+        p: &PendingPod,
+        catalogue: &[String],
+        (taken, room, act): (&BTreeSet<usize>, usize, bool),
+        out: &mut DemandPlan,
+    ) -> (&'static str, String) {
+        let fitting: Vec<(usize, &Node)> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| p.fits_labels(&n.view.labels))
+            .collect();
+        if fitting.is_empty() {
+            return (
+                NO_MATCHING_NODE,
+                format!("no node of the policy accepts pod {}", p.id),
+            );
+        }
+        let offers = |n: &Node, l: &String, whole: bool| {
+            let own = self.w.mig().is_some_and(|m| &m.layout == l);
+            layout_resources(self.mig, (!own).then_some(l), n.view, self.base).is_some_and(|s| {
+                if whole {
+                    holds(&s, p)
+                } else {
+                    wants(p).all(|(r, _)| s.get(&r).is_some_and(|c| *c > 0))
+                }
+            })
+        };
+        let any_layout = |whole: bool| {
+            fitting
+                .iter()
+                .any(|(_, n)| catalogue.iter().any(|l| offers(n, l, whole)))
+        };
+        let profiles = p.profiles.keys().cloned().collect::<Vec<_>>().join(", ");
+        if !any_layout(false) {
+            return (
+                PROFILE_NOT_IN_CATALOGUE,
+                format!("no layout of the catalogue offers {profiles} on the policy's GPUs"),
+            );
+        }
+        if !any_layout(true) {
+            return (
+                INFEASIBLE,
+                format!(
+                    "no single node's layout holds all that pod {} asks for",
+                    p.id
+                ),
+            );
+        }
+        if !act {
+            return (
+                BATCHING,
+                "waiting for the demand to settle (quietSeconds)".to_string(),
+            );
+        }
+        let free: Vec<&(usize, &Node)> = fitting
+            .iter()
+            .filter(|(i, n)| !taken.contains(i) && self.blocked(n).is_none())
+            .collect();
+        if !free.is_empty() {
+            let msg = if room == 0 {
+                format!(
+                    "{} node(s) are already being reshaped, as many as the rollout budget allows",
+                    super::rollout::budget(self.w.spec, self.nodes.len())
+                )
+            } else {
+                "the idle nodes serve more of the pending demand as they are".into()
+            };
+            return (
+                if room == 0 {
+                    BUDGET_EXHAUSTED
+                } else {
+                    INFEASIBLE
+                },
+                msg,
+            );
+        }
+        self.blocked_why(p, &fitting, out)
+    }
+
+    /// Why `p` waits when every node it could use is blocked: the cooldown, or no idle node.
+    fn blocked_why(
+        &self,
+        p: &PendingPod,
+        fitting: &[(usize, &Node)],
+        out: &mut DemandPlan,
+    ) -> (&'static str, String) {
+        let blocks: Vec<(&'static str, i64)> = fitting
+            .iter()
+            .filter_map(|(_, n)| self.blocked(n))
+            .collect();
+        if let Some(wait) = blocks.iter().filter(|b| b.1 > 0).map(|b| b.1).min() {
+            recheck(out, wait);
+        }
+        if let Some((_, wait)) = blocks.iter().find(|b| b.0 == COOLDOWN) {
+            return (
+                COOLDOWN,
+                format!(
+                    "the idle nodes' layouts are younger than minLayoutLifetimeSeconds (next in {wait} s)"
+                ),
+            );
+        }
+        (
+            NO_IDLE_NODE,
+            format!(
+                "every node pod {} could use runs GPU pods, was busy in the last idleSeconds, or is being reconfigured",
+                p.id
+            ),
+        )
+    }
+}
+
+fn recheck(out: &mut DemandPlan, secs: i64) {
+    let secs = secs.max(1);
+    out.recheck_in = Some(out.recheck_in.map_or(secs, |r| r.min(secs)));
+}
+
+/// Demand per profile as it is counted.
+#[derive(Default)]
+struct Tally {
+    by_profile: BTreeMap<String, ProfileDemand>,
+}
+
+impl Tally {
+    fn entry(&mut self, prof: &str) -> &mut ProfileDemand {
+        self.by_profile
+            .entry(prof.to_string())
+            .or_insert_with(|| ProfileDemand {
+                profile: prof.to_string(),
+                ..Default::default()
+            })
+    }
+
+    fn add(&mut self, p: &PendingPod, how: &str) {
+        for (prof, c) in &p.profiles {
+            let e = self.entry(prof);
+            e.pending += c;
+            match how {
+                "served" => e.served += c,
+                _ => e.coming += c,
+            }
+        }
+    }
+
+    fn remove(&mut self, p: &PendingPod, how: &str) {
+        for (prof, c) in &p.profiles {
+            let e = self.entry(prof);
+            e.pending -= c;
+            match how {
+                "served" => e.served -= c,
+                _ => e.coming -= c,
+            }
+        }
+    }
+
+    fn unmet(&mut self, p: &PendingPod, (reason, message): (&str, String)) {
+        for (prof, c) in &p.profiles {
+            let e = self.entry(prof);
+            e.pending += c;
+            if e.reason.is_none() {
+                e.reason = Some(reason.to_string());
+                e.message = Some(message.clone());
+            }
+        }
+    }
+
+    fn profiles(self) -> Vec<ProfileDemand> {
+        self.by_profile.into_values().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::crd::GpuSharingPolicy;
+    use crate::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE};
+    use crate::plan::testing::a100_node;
+    use crate::plan::{NodeView, PlanInput, plan as plan_all};
+
+    const NOW: i64 = 1_000_000;
+
+    fn policy(extra: &str) -> GpuSharingPolicy {
+        crate::api::yaml::from_str(&format!(
+            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: dyn}}\nspec:\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: dyn}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: all-7g.80gb\n    dynamic: {{layouts: [all-1g.10gb, all-3g.40gb]}}\n{extra}"
+        ))
+        .unwrap()
+    }
+
+    /// An A100 node of the policy running `layout`, confirmed, with its instances allocatable.
+    fn node(name: &str, layout: &str, alloc: &[(&str, &str)]) -> NodeView {
+        let mut n = a100_node(&[
+            ("gpusharing.io/profile", "dyn"),
+            (LABEL_MIG_CONFIG, layout),
+            (LABEL_MIG_STATE, "success"),
+        ]);
+        n.name = name.into();
+        n.allocatable = alloc.iter().copied().collect();
+        NodeView::idle(n)
+    }
+
+    fn pod(id: &str, profile: &str, count: i64, since: i64) -> PendingPod {
+        PendingPod {
+            id: id.into(),
+            since,
+            profiles: [(profile.to_string(), count)].into_iter().collect(),
+            ..Default::default()
+        }
+    }
+
+    fn input(extra: &str, nodes: Vec<NodeView>, demand: Vec<PendingPod>) -> PlanInput {
+        let mut i = PlanInput::new(vec![policy(extra)], vec![]);
+        i.nodes = nodes;
+        i.cluster.base_mig_configs = Some(crate::nvidia::default_mig_configs());
+        i.cluster.now = NOW;
+        i.cluster.demand = demand;
+        i
+    }
+
+    const SEVEN: &[(&str, &str)] = &[("nvidia.com/mig-7g.80gb", "8")];
+
+    fn profile<'a>(st: &'a DemandStatus, p: &str) -> &'a ProfileDemand {
+        st.profiles.iter().find(|d| d.profile == p).unwrap()
+    }
+
+    /// A pod asking for a profile no node offers: the first idle node gets the catalogue's
+    /// layout that holds it, recorded with the time; the pod gets an event; the status says
+    /// the instance is coming.
+    #[test]
+    fn a_profile_no_node_offers_reshapes_an_idle_node() {
+        let mut busy = node("a", "all-7g.80gb", SEVEN);
+        busy.gpu_pods = vec!["ml/train".into()];
+        busy.last_busy = NOW;
+        let i = input(
+            "",
+            vec![busy, node("b", "all-7g.80gb", SEVEN)],
+            vec![pod("ml/p1", "1g.10gb", 1, NOW - 5)],
+        );
+        let plan = plan_all(&i);
+        assert_eq!(
+            plan.demand.annotations,
+            [("b".to_string(), Some(format!("all-1g.10gb@{NOW}")))].into()
+        );
+        assert_eq!(
+            plan.demand.events,
+            [(
+                "ml/p1".to_string(),
+                "b".to_string(),
+                "reshaping node b to NVIDIA-A100-SXM4-80GB layout all-1g.10gb for this pod"
+                    .to_string()
+            )]
+        );
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        let d = profile(&st, "1g.10gb");
+        assert_eq!((d.pending, d.served, d.coming), (1, 0, 1));
+        assert_eq!(st.reshaping, ["b: all-1g.10gb"]);
+    }
+
+    /// The node's layout follows its recorded one: the MIG label the plan wants is it, and
+    /// the instances it will bring count as coming (no second reshape for the same pod).
+    #[test]
+    fn a_recorded_layout_is_the_nodes_target_and_its_instances_are_coming() {
+        let mut v = node("b", "all-7g.80gb", SEVEN);
+        std::sync::Arc::make_mut(&mut v.facts).annotations.insert(
+            ANNOTATION_MIG_DEMAND,
+            format!("all-1g.10gb@{}", NOW - 3).as_str(),
+        );
+        let i = input("", vec![v], vec![pod("ml/p1", "1g.10gb", 1, NOW - 5)]);
+        let plan = plan_all(&i);
+        assert_eq!(
+            plan.node_labels["b"]
+                .get(LABEL_MIG_CONFIG)
+                .map(String::as_str),
+            Some("all-1g.10gb")
+        );
+        assert!(
+            plan.demand.annotations.is_empty(),
+            "{:?}",
+            plan.demand.annotations
+        );
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        let d = profile(&st, "1g.10gb");
+        assert_eq!((d.pending, d.coming), (1, 1));
+    }
+
+    /// Demand younger than the quiet period waits to batch, with a recheck when it is over.
+    #[test]
+    fn young_demand_is_batched() {
+        let i = input(
+            "",
+            vec![node("a", "all-7g.80gb", SEVEN)],
+            vec![pod("ml/p1", "1g.10gb", 1, NOW - 1)],
+        );
+        let plan = plan_all(&i);
+        assert!(plan.demand.annotations.is_empty());
+        assert_eq!(plan.demand.recheck_in, Some(1));
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(profile(&st, "1g.10gb").reason.as_deref(), Some(BATCHING));
+    }
+
+    /// Fourteen 1g pods and four 3g pods on two A100 nodes: two reshapes (one per layout),
+    /// highest gain first, within a budget of 2; with the default budget (25% of 2 nodes: 1)
+    /// the second waits with BudgetExhausted.
+    #[test]
+    fn a_mixed_burst_is_served_with_one_reshape_per_node() {
+        let mut demand: Vec<PendingPod> = (0..14)
+            .map(|k| pod(&format!("ml/small-{k:02}"), "1g.10gb", 1, NOW - 5))
+            .collect();
+        demand.extend((0..4).map(|k| pod(&format!("ml/big-{k}"), "3g.40gb", 1, NOW - 5)));
+        let nodes = || {
+            vec![
+                node("a", "all-7g.80gb", SEVEN),
+                node("b", "all-7g.80gb", SEVEN),
+            ]
+        };
+        let plan = plan_all(&input(
+            "  rollout: {maxUnavailable: 2}\n",
+            nodes(),
+            demand.clone(),
+        ));
+        assert_eq!(
+            plan.demand.annotations,
+            [
+                ("a".to_string(), Some(format!("all-1g.10gb@{NOW}"))),
+                ("b".to_string(), Some(format!("all-3g.40gb@{NOW}"))),
+            ]
+            .into()
+        );
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert!(
+            st.profiles
+                .iter()
+                .all(|d| d.coming == d.pending && d.reason.is_none()),
+            "{st:?}"
+        );
+
+        let plan = plan_all(&input("", nodes(), demand));
+        assert_eq!(plan.demand.annotations.len(), 1);
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        let big = profile(&st, "3g.40gb");
+        assert_eq!(big.reason.as_deref(), Some(BUDGET_EXHAUSTED), "{st:?}");
+    }
+
+    /// Why demand waits: a profile no catalogue layout has; a pod no node of the policy
+    /// accepts; a node reshaped too recently; a node that ran GPU pods moments ago.
+    #[test]
+    fn reasons_for_unmet_demand() {
+        let mut selective = pod("ml/elsewhere", "1g.10gb", 1, NOW - 5);
+        selective.node_selector = [("pool".to_string(), "other".to_string())].into();
+        let i = input(
+            "",
+            vec![node("a", "all-7g.80gb", SEVEN)],
+            vec![pod("ml/two", "2g.20gb", 1, NOW - 5), selective],
+        );
+        let plan = plan_all(&i);
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(
+            profile(&st, "2g.20gb").reason.as_deref(),
+            Some(PROFILE_NOT_IN_CATALOGUE)
+        );
+        assert!(
+            st.profiles.iter().all(|d| d.profile != "1g.10gb"),
+            "a pod no node of the policy accepts is not its demand: {st:?}"
+        );
+
+        let mut young = node("a", "all-3g.40gb", &[("nvidia.com/mig-3g.40gb", "16")]);
+        std::sync::Arc::make_mut(&mut young.facts)
+            .annotations
+            .insert(
+                ANNOTATION_MIG_DEMAND,
+                format!("all-3g.40gb@{}", NOW - 10).as_str(),
+            );
+        let plan = plan_all(&input(
+            "",
+            vec![young],
+            vec![pod("ml/p", "1g.10gb", 1, NOW - 5)],
+        ));
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(profile(&st, "1g.10gb").reason.as_deref(), Some(COOLDOWN));
+        assert_eq!(plan.demand.recheck_in, Some(590));
+
+        let mut recent = node("a", "all-7g.80gb", SEVEN);
+        recent.last_busy = NOW - 20;
+        let plan = plan_all(&input(
+            "",
+            vec![recent],
+            vec![pod("ml/p", "1g.10gb", 1, NOW - 5)],
+        ));
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(
+            profile(&st, "1g.10gb").reason.as_deref(),
+            Some(NO_IDLE_NODE)
+        );
+        assert_eq!(plan.demand.recheck_in, Some(10));
+    }
+
+    /// Free instances serve demand before any reshape; a node whose free instances hold
+    /// pending pods is not taken from them.
+    #[test]
+    fn free_instances_are_supply() {
+        let mut v = node("a", "all-1g.10gb", &[("nvidia.com/mig-1g.10gb", "56")]);
+        v.gpu_requests = [("nvidia.com/mig-1g.10gb".to_string(), 54)].into();
+        std::sync::Arc::make_mut(&mut v.facts).annotations.insert(
+            ANNOTATION_MIG_DEMAND,
+            format!("all-1g.10gb@{}", NOW - 3600).as_str(),
+        );
+        let i = input(
+            "",
+            vec![v.clone()],
+            vec![pod("ml/p", "1g.10gb", 2, NOW - 5)],
+        );
+        let plan = plan_all(&i);
+        assert!(plan.demand.annotations.is_empty());
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        let d = profile(&st, "1g.10gb");
+        assert_eq!((d.pending, d.served, d.reason.as_deref()), (2, 2, None));
+        // Three asked for, two free: the third waits (the node runs GPU pods).
+        v.gpu_pods = vec!["ml/running".into()];
+        let i = input("", vec![v], vec![pod("ml/p", "1g.10gb", 3, NOW - 5)]);
+        let st = plan_all(&i).statuses["dyn"].demand.clone().unwrap();
+        let d = profile(&st, "1g.10gb");
+        assert_eq!(
+            (d.pending, d.served, d.reason.as_deref()),
+            (3, 0, Some(NO_IDLE_NODE))
+        );
+    }
+
+    /// A node whose MIG manager failed on the layout demand chose brings nothing and is not
+    /// chosen again: the demand goes to the next idle node.
+    #[test]
+    fn a_failed_reshape_is_quarantined_and_demand_moves_on() {
+        let mut bad = node("a", "all-7g.80gb", SEVEN);
+        let f = std::sync::Arc::make_mut(&mut bad.facts);
+        f.annotations.insert(
+            ANNOTATION_MIG_DEMAND,
+            format!("all-1g.10gb@{}", NOW - 60).as_str(),
+        );
+        f.labels.insert(LABEL_MIG_CONFIG, "all-1g.10gb");
+        f.labels.insert(LABEL_MIG_STATE, "failed");
+        let i = input(
+            "",
+            vec![bad, node("b", "all-7g.80gb", SEVEN)],
+            vec![pod("ml/p1", "1g.10gb", 1, NOW - 5)],
+        );
+        let plan = plan_all(&i);
+        assert_eq!(
+            plan.demand.annotations,
+            [("b".to_string(), Some(format!("all-1g.10gb@{NOW}")))].into()
+        );
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(st.reshaping, ["b: all-1g.10gb"]);
+        let rollout = plan.statuses["dyn"].rollout.clone().unwrap();
+        assert_eq!(
+            rollout.halted_generation, None,
+            "a failed reshape halts nothing"
+        );
+    }
+
+    /// The catalogue holds MIG-enabled layouts of the mig-parted config only.
+    #[test]
+    fn catalogue_layouts_are_checked() {
+        let base = crate::nvidia::default_mig_configs();
+        assert!(crate::plan::policies::check_layout("all-1g.10gb", Some(&base)).is_ok());
+        assert!(crate::plan::policies::check_layout("all-disabled", Some(&base)).is_err());
+        assert!(
+            crate::plan::policies::check_layout("no-such", Some(&base))
+                .unwrap_err()
+                .contains("not a layout")
+        );
+        let mut i = input("", vec![], vec![]);
+        i.policies[0]
+            .spec
+            .mig
+            .as_mut()
+            .unwrap()
+            .dynamic
+            .as_mut()
+            .unwrap()
+            .layouts = vec!["no-such".into()];
+        let plan = plan_all(&i);
+        assert_eq!(plan.invalid["dyn"][0].path, "spec.mig.dynamic.layouts[0]");
+    }
+}

@@ -1,0 +1,311 @@
+//! End-to-end: demand-driven MIG (`spec.mig.dynamic`) with the real kube-scheduler in the
+//! loop. The local control plane runs kube-scheduler in-process (`kube-local --scheduler`); the
+//! node simulator plays the MIG manager (NVIDIA's mig-parted and go-nvml tables), the device
+//! plugin and the kubelet, which runs a bound pod for its `simulator.gpusharing.io/run-seconds`
+//! and then lets it Succeed. Two A100 nodes start with one 7g instance per GPU.
+//!
+//! One control plane for the file: the steps run in order in one test. The invariant watcher
+//! checks throughout that no node is relabelled (MIG layout, workload) while GPU pods run on it.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use kube::Client;
+use kube::api::{Api, ListParams, PostParams};
+use serde_json::{Value, json};
+use support::*;
+
+const NODES: [&str; 2] = ["a100-node-0", "a100-node-1"];
+const DEMAND: &str = "gpusharing.io/mig-demand-layout";
+
+const POLICY: &str = "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: dyn}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: dyn}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: all-7g.80gb\n    dynamic: {layouts: [all-1g.10gb, all-3g.40gb], quietSeconds: 1, idleSeconds: 2, minLayoutLifetimeSeconds: 5}\n  rollout: {maxUnavailable: 2}\n";
+
+/// A pod asking for `count` instances of MIG `profile` on the policy's nodes, running for
+/// `secs` once started.
+fn mig_pod(name: &str, profile: &str, count: u32, secs: u32) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default",
+            "annotations": {"simulator.gpusharing.io/run-seconds": secs.to_string()}},
+        "spec": {
+            "nodeSelector": {"gpusharing.io/profile": "dyn"},
+            "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
+                "resources": {"limits": {format!("nvidia.com/mig-{profile}"): count.to_string()}}}],
+        },
+    }))
+    .unwrap()
+}
+
+fn pods(c: &Client) -> Api<Pod> {
+    Api::namespaced(c.clone(), "default")
+}
+
+async fn create(c: &Client, p: Pod) {
+    pods(c).create(&PostParams::default(), &p).await.unwrap();
+}
+
+/// By pod name: (node it is bound to, phase).
+async fn pod_states(c: &Client) -> BTreeMap<String, (String, String)> {
+    pods(c)
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|p| {
+            let node = p.spec.and_then(|s| s.node_name).unwrap_or_default();
+            let phase = p.status.and_then(|s| s.phase).unwrap_or_default();
+            (p.metadata.name.unwrap_or_default(), (node, phase))
+        })
+        .collect()
+}
+
+async fn node_meta(c: &Client, node: &str) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+    let n = Api::<Node>::all(c.clone()).get(node).await.unwrap();
+    let alloc = n
+        .status
+        .and_then(|s| s.allocatable)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("nvidia.com/mig-"))
+        .map(|(k, v)| (k, v.0))
+        .collect();
+    (n.metadata.annotations.unwrap_or_default(), alloc)
+}
+
+/// The operator's events on a pod: `reason: message`.
+async fn pod_events(c: &Client, pod: &str) -> Vec<String> {
+    Api::<Event>::namespaced(c.clone(), "default")
+        .list(&ListParams::default().fields(&format!("involvedObject.name={pod}")))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("ReshapingNode"))
+        .map(|e| {
+            format!(
+                "{}: {}",
+                e.reason.unwrap_or_default(),
+                e.message.unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
+/// The policy's `status.demand.profiles`, by profile.
+async fn demand(c: &Client) -> BTreeMap<String, Value> {
+    policy_status(c, "dyn")
+        .await
+        .and_then(|s| s["demand"]["profiles"].as_array().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|p| (p["profile"].as_str().unwrap_or_default().to_string(), p))
+        .collect()
+}
+
+/// Pending pods get nodes reshaped and kube-scheduler binds them; a burst is served with one
+/// reshape per layout needed; busy nodes are left alone and the status says why; an operator
+/// restart in the middle of a reshape loses nothing.
+#[tokio::test]
+async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
+    let (_g, cluster, _sim) =
+        setup_with(testkit::ClusterOptions::default().arg("--scheduler")).await;
+    let c = cluster.client.clone();
+    for n in NODES {
+        label_node(&c, n, "gpusharing.io/profile", Some("dyn")).await;
+    }
+    let op = Operator::start(c.clone(), Some(NS));
+    testkit::apply_yaml(&c, POLICY).await.unwrap();
+    until("both nodes on all-7g.80gb", LONG, || async {
+        ready_on(&c, "dyn", 2).await?;
+        for n in NODES {
+            let (_, alloc) = node_meta(&c, n).await;
+            (alloc.get("nvidia.com/mig-7g.80gb").map(String::as_str) == Some("8")).then_some(())?;
+        }
+        Some(())
+    })
+    .await;
+    let history: Vec<LabelHistory> =
+        futures::future::join_all(NODES.map(|n| LabelHistory::start(&c, n))).await;
+
+    // 1. One pod asks for a profile no node offers: kube-scheduler cannot place it; the
+    // operator reshapes the first idle node, and the scheduler binds the pod there.
+    create(&c, mig_pod("first", "1g.10gb", 1, 3)).await;
+    let node = until("first bound", LONG, || async {
+        let (node, _) = pod_states(&c).await.remove("first")?;
+        (!node.is_empty()).then_some(node)
+    })
+    .await;
+    assert_eq!(node, "a100-node-0", "the first idle node by name");
+    let (ann, alloc) = node_meta(&c, &node).await;
+    assert!(ann[DEMAND].starts_with("all-1g.10gb@"), "{ann:?}");
+    assert_eq!(
+        alloc["nvidia.com/mig-1g.10gb"], "56",
+        "7 per A100 80GB x 8: {alloc:?}"
+    );
+    assert_eq!(
+        pod_events(&c, "first").await,
+        [
+            "ReshapingNode: reshaping node a100-node-0 to NVIDIA-A100-SXM4-80GB layout all-1g.10gb for this pod"
+        ]
+    );
+    until("first succeeded", LONG, || async {
+        (pod_states(&c).await.get("first")?.1 == "Succeeded").then_some(())
+    })
+    .await;
+
+    // 2. A burst: fourteen 1g pods fit the reshaped node as it is; four 3g pods need the other
+    // node reshaped, once. The operator restarts right after it chose that layout.
+    for k in 0..14 {
+        create(&c, mig_pod(&format!("small-{k:02}"), "1g.10gb", 1, 30)).await;
+    }
+    for k in 0..4 {
+        create(&c, mig_pod(&format!("big-{k}"), "3g.40gb", 1, 30)).await;
+    }
+    until("the 3g layout chosen for a100-node-1", LONG, || async {
+        let (ann, _) = node_meta(&c, "a100-node-1").await;
+        ann.get(DEMAND)?.starts_with("all-3g.40gb@").then_some(())
+    })
+    .await;
+    op.stop().await;
+    let op = Operator::start(c.clone(), Some(NS));
+    let placed = until("all 18 pods running", LONG, || async {
+        let s = pod_states(&c).await;
+        let running: Vec<_> = s
+            .iter()
+            .filter(|(n, (_, phase))| n.as_str() != "first" && phase == "Running")
+            .collect();
+        (running.len() == 18).then_some(s)
+    })
+    .await;
+    for (name, (node, _)) in &placed {
+        let want = if name.starts_with("big") {
+            "a100-node-1"
+        } else {
+            "a100-node-0"
+        };
+        assert_eq!(node, want, "{name}");
+    }
+    let layouts = |h: &LabelHistory| {
+        h.states()
+            .iter()
+            .filter_map(|l| l.get("nvidia.com/mig.config").cloned())
+            .fold(Vec::new(), |mut v: Vec<String>, l| {
+                if v.last() != Some(&l) {
+                    v.push(l);
+                }
+                v
+            })
+    };
+    assert_eq!(layouts(&history[0]), ["all-7g.80gb", "all-1g.10gb"]);
+    assert_eq!(layouts(&history[1]), ["all-7g.80gb", "all-3g.40gb"]);
+
+    // 3. While both nodes run GPU pods, a pod asking for 7g waits: NoIdleNode; one asking for
+    // a profile no catalogue layout has: ProfileNotInCatalogue. Nothing is relabelled.
+    create(&c, mig_pod("whole", "7g.80gb", 1, 1)).await;
+    create(&c, mig_pod("odd", "2g.20gb", 1, 1)).await;
+    let d = until("reasons", LONG, || async {
+        let d = demand(&c).await;
+        let settled = |p: &str| {
+            d.get(p)
+                .is_some_and(|v| v["reason"].is_string() && v["reason"] != "Batching")
+        };
+        (settled("7g.80gb") && settled("2g.20gb")).then_some(d)
+    })
+    .await;
+    assert_eq!(d["7g.80gb"]["reason"], "NoIdleNode", "{d:?}");
+    assert_eq!(d["7g.80gb"]["pending"], 1);
+    assert_eq!(d["2g.20gb"]["reason"], "ProfileNotInCatalogue", "{d:?}");
+
+    // 4. When the burst's pods are done and the nodes idle, the 7g pod gets a node back.
+    let node = until("whole bound", LONG, || async {
+        let (node, _) = pod_states(&c).await.remove("whole")?;
+        (!node.is_empty()).then_some(node)
+    })
+    .await;
+    let (ann, _) = node_meta(&c, &node).await;
+    assert!(ann[DEMAND].starts_with("all-7g.80gb@"), "{ann:?}");
+    let unbound: BTreeSet<String> = pod_states(&c)
+        .await
+        .into_iter()
+        .filter(|(_, (n, _))| n.is_empty())
+        .map(|(p, _)| p)
+        .collect();
+    assert_eq!(unbound, BTreeSet::from(["odd".to_string()]));
+
+    // 5. The MIG manager of the node demand picks first fails: that node is held (Failed) and
+    // the demand moves to the other node. Both nodes idle and past their cooldown first.
+    until("both nodes idle", LONG, || async {
+        let s = pod_states(&c).await;
+        s.values()
+            .all(|(n, phase)| n.is_empty() || phase == "Succeeded")
+            .then_some(())
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    let fault =
+        json!({"metadata": {"annotations": {"simulator.gpusharing.io/fault": "mig-apply-fail"}}});
+    Api::<Node>::all(c.clone())
+        .patch(
+            "a100-node-0",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&fault),
+        )
+        .await
+        .unwrap();
+    // `plan` shows what demand would do for the pending pod, before the operator does it.
+    op.stop().await;
+    create(&c, mig_pod("moved", "1g.10gb", 1, 1)).await;
+    until("moved unschedulable", LONG, || async {
+        let p = pods(&c).get("moved").await.ok()?;
+        p.status?
+            .conditions?
+            .iter()
+            .any(|c| c.reason.as_deref() == Some("Unschedulable"))
+            .then_some(())
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let file = cluster.dir.path().join("dyn.yaml");
+    std::fs::write(&file, POLICY).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
+        .arg("plan")
+        .arg("-f")
+        .arg(&file)
+        .env("KUBECONFIG", &cluster.kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(
+            "MIG layouts for pending pods (spec.mig.dynamic):\n  + a100-node-0: all-1g.10gb (for default/moved)"
+        ),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let op = Operator::start(c.clone(), Some(NS));
+    let node = until("moved bound", LONG, || async {
+        let (node, _) = pod_states(&c).await.remove("moved")?;
+        (!node.is_empty()).then_some(node)
+    })
+    .await;
+    assert_eq!(node, "a100-node-1");
+    assert_eq!(
+        pod_events(&c, "moved").await.len(),
+        2,
+        "reshaping a100-node-0, then a100-node-1: {:?}",
+        pod_events(&c, "moved").await
+    );
+    let s = policy_status(&c, "dyn").await.unwrap();
+    let failed = s["nodeDetails"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "a100-node-0")
+        .cloned()
+        .unwrap();
+    assert_eq!(failed["state"], "Failed", "{failed}");
+    op.stop().await;
+}
