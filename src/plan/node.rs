@@ -212,7 +212,14 @@ pub fn queued(n: &NodeFacts, message: String, reason: HoldReason) -> Outcome {
 fn released(n: &NodeFacts, env: &Env) -> Outcome {
     let mut labels = super::SmallMap::default();
     if n.owned.contains(LABEL_MIG_CONFIG) {
-        labels.insert(LABEL_MIG_CONFIG.into(), MIG_DISABLED_LAYOUT.into());
+        // MIG changes need idle GPUs: a node whose GPU pods still run keeps its layout until
+        // they are gone, then goes back to all-disabled.
+        let layout = n
+            .labels
+            .get(LABEL_MIG_CONFIG)
+            .filter(|_| !env.gpu_pods.is_empty())
+            .unwrap_or(MIG_DISABLED_LAYOUT);
+        labels.insert(LABEL_MIG_CONFIG.into(), layout.into());
     }
     // The device plugin comes back only when no DRA claim holds the node's GPUs.
     if dra::device_plugin_off_by_us(n) && !env.dra_claims.is_empty() {
@@ -665,6 +672,17 @@ mod tests {
             .collect::<super::super::SmallMap>()
         );
         assert!(released.annotations.is_empty());
+        // While GPU pods run there, the layout stays (MIG changes need idle GPUs).
+        let pods = ["ml/train".to_string()];
+        let busy = Env {
+            gpu_pods: &pods,
+            ..Env::idle(100, &hash)
+        };
+        let released = outcome(&n, None, &busy, Decision::Release);
+        assert_eq!(
+            released.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
+            Some("all-1g.10gb")
+        );
     }
 
     #[test]
