@@ -37,16 +37,19 @@ crd: generate
 
 # Scale benchmark (issues 6, 16): operator vs. minimal direct writes on the local control plane
 # (up to 20,000 nodes x 200 policies), then a staged rollout of 5000 nodes at maxUnavailable 10% against waves x confirmation time.
-# Results in target/bench/results.md and target/bench/rollout.md.
+# Then demand-driven MIG against every static layout on a seeded trace, in memory (issue 29).
+# Results in target/bench/results.md, target/bench/rollout.md and target/bench/demand.md.
 # Subset: make bench BENCH_ARGS="--configs 100x1,1000x20" ROLLOUT_ARGS="--rollout 1000".
 BENCH_ARGS ?= --configs 100x1,100x20,100x100,1000x1,1000x20,1000x100,5000x1,5000x20,5000x100,20000x200
 ROLLOUT_ARGS ?= --rollout 5000 --rollout-max-unavailable 10%
+DEMAND_ARGS ?= --demand-trace 7
 .PHONY: bench
 bench:
 	bash tests/cluster/cluster.sh build
 	cargo build --release --locked -p gpu-sharing-operator -p scale-bench
 	target/release/scale-bench $(BENCH_ARGS)
 	target/release/scale-bench $(ROLLOUT_ARGS)
+	target/release/scale-bench $(DEMAND_ARGS)
 
 # Fuzzing (issue 16, part 3): each cargo-fuzz target of fuzz/ for FUZZ_SECONDS, adding what it
 # finds to fuzz/corpus/<target>/ (minimize with `cargo +nightly fuzz cmin <target>` before

@@ -48,6 +48,7 @@ use testkit::{ClusterOptions, TestCluster};
 
 mod baseline;
 mod converge;
+mod demand;
 mod fixtures;
 mod metrics;
 mod operator;
@@ -127,6 +128,19 @@ struct Args {
     /// Measure the planner alone, in memory, at the configurations (no API server).
     #[arg(long)]
     plan_only: bool,
+    /// Replay a seeded demand trace on simulated A100 nodes, in memory, once per static MIG
+    /// layout and once with `spec.mig.dynamic` (see demand.rs); writes demand.md.
+    #[arg(long)]
+    demand_trace: Option<u64>,
+    /// Nodes of the demand trace.
+    #[arg(long, default_value_t = 8)]
+    demand_nodes: usize,
+    /// Seconds over which the demand trace's pods arrive.
+    #[arg(long, default_value_t = 3600)]
+    demand_seconds: i64,
+    /// Pods per second of the demand trace.
+    #[arg(long, default_value_t = 0.4)]
+    demand_rate: f64,
 }
 
 /// A fresh control plane (no seeded nodes) from the test kit, tried twice: kube-local's seeding
@@ -208,6 +222,20 @@ fn parse_configs(args: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(seed) = args.demand_trace {
+        let md = demand::run(&demand::Trace {
+            seed,
+            nodes: args.demand_nodes,
+            seconds: args.demand_seconds,
+            rate: args.demand_rate,
+            run: (60, 540),
+            mig_delay: 10,
+        });
+        std::fs::create_dir_all(&args.out)?;
+        std::fs::write(args.out.join("demand.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
     if args.plan_only {
         println!("{}", planonly::run(&parse_configs(&args)?));
         return Ok(());

@@ -55,7 +55,7 @@ fn converged_input(n: usize, p: usize) -> PlanInput {
 }
 
 /// Milliseconds of `f`, the median of `runs`.
-fn median_ms(runs: usize, mut f: impl FnMut()) -> f64 {
+pub(crate) fn median_ms(runs: usize, mut f: impl FnMut()) -> f64 {
     let mut t: Vec<f64> = (0..runs)
         .map(|_| {
             let s = Instant::now();

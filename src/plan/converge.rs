@@ -12,7 +12,7 @@ use super::{Labels, NodeFacts, Plan, PlanInput, SmallMap};
 use crate::api::names::{
     ANNOTATION_MIG_DEMAND, LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG,
     LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT, LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY,
-    LABEL_MIG_STATE, LABEL_VGPU_STATE,
+    LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_VGPU_STATE,
 };
 use crate::nvidia::state::{ConfigState, deployed};
 use crate::nvidia::{self, DevicePluginConfig};
@@ -135,7 +135,18 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<super::capacity::Advertise
         .policies
         .iter()
         .find(|p| kube::ResourceExt::name_any(*p) == name)?;
-    let spec = super::policies::spec_on_node(&p.spec, n);
+    // The device plugin advertises the MIG layout the MIG manager applied (the node's label),
+    // which a demand-driven node may not have reached yet.
+    let mut spec = std::borrow::Cow::Borrowed(&p.spec);
+    if let (Some(l), Some(d)) = (
+        n.labels.get(LABEL_MIG_CONFIG),
+        p.spec.mig.as_ref().and_then(|m| m.dynamic.as_ref()),
+    ) && d.layouts.iter().any(|x| x == l)
+        && let Some(mig) = spec.to_mut().mig.as_mut()
+    {
+        mig.layout = Some(l.to_string());
+        mig.custom_layout = None;
+    }
     super::capacity::device_plugin_advertises(&spec, n, input.cluster.base_mig_configs.as_ref())
 }
 

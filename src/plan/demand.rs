@@ -21,10 +21,13 @@
 //! 4. **Why**: per profile, what is pending, served and coming, and for the rest the first
 //!    reason that applies to its pods.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use crate::api::crd::{DemandStatus, DynamicMig, Mig, ProfileDemand};
-use crate::api::names::{ANNOTATION_MIG_DEMAND, LABEL_GPU_PRODUCT};
+use crate::api::names::{
+    ANNOTATION_MIG_DEMAND, LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT,
+};
 
 use super::NodeView;
 use super::capacity::layout_resources;
@@ -77,6 +80,11 @@ struct Node<'a> {
     supply: BTreeMap<String, i64>,
 }
 
+/// A layout's device-plugin resources on a node: resource -> count.
+type Resources = Arc<BTreeMap<String, i64>>;
+/// A pod's request as device-plugin resources.
+type Request = Vec<(String, i64)>;
+
 /// Pods' served counts per priority level (highest first): compared lexicographically.
 type Score = Vec<i64>;
 
@@ -91,11 +99,61 @@ struct Choice {
 
 struct Policy<'a, 'p> {
     w: &'a Prepared<'p>,
-    mig: &'a Mig,
     dynamic: &'a DynamicMig,
     nodes: Vec<Node<'a>>,
-    base: Option<&'a BTreeMap<String, serde_json::Value>>,
     now: i64,
+    /// Per node: what decides which pods it may take and what a layout gives it (the values
+    /// of the label keys pending pods select on, and its GPU labels). Nodes of one class are
+    /// interchangeable, so each question is asked once per class.
+    class: Vec<String>,
+    offers: &'a Offers<'a>,
+}
+
+/// A layout's device-plugin resources on a node, per (layout, GPU labels), computed once a
+/// pass.
+struct Offers<'a> {
+    mig: &'a Mig,
+    own: String,
+    base: Option<&'a BTreeMap<String, serde_json::Value>>,
+    cache: std::cell::RefCell<HashMap<(String, String), Option<Resources>>>,
+}
+
+impl Offers<'_> {
+    fn get(&self, v: &NodeView, layout: &str) -> Option<Resources> {
+        let key = (layout.to_string(), gpu_key(v));
+        if let Some(hit) = self.cache.borrow().get(&key) {
+            return hit.clone();
+        }
+        let named = (layout != self.own).then_some(layout);
+        let got = layout_resources(self.mig, named, v, self.base).map(Arc::new);
+        self.cache.borrow_mut().insert(key, got.clone());
+        got
+    }
+}
+
+/// The GPU labels a layout's instances depend on.
+fn gpu_key(v: &NodeView) -> String {
+    [LABEL_GPU_PRODUCT, LABEL_GPU_COUNT, LABEL_GPU_MEMORY]
+        .iter()
+        .map(|k| v.labels.get(k).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// Each node's class (see [`Policy::class`]).
+fn classes(nodes: &[Node], demand: &[PendingPod]) -> Vec<String> {
+    let keys: BTreeSet<&String> = demand.iter().flat_map(|p| p.label_keys()).collect();
+    nodes
+        .iter()
+        .map(|n| {
+            let mut c = gpu_key(n.view);
+            for k in &keys {
+                c.push('\u{1f}');
+                c.push_str(n.view.labels.get(k).unwrap_or("\u{0}"));
+            }
+            c
+        })
+        .collect()
 }
 
 /// Demand planning for every dynamic policy. `views` in name order; `winner[i]` the governing
@@ -117,20 +175,27 @@ pub fn plan(
         let Some(dynamic) = mig.dynamic.as_ref().filter(|_| w.accepted()) else {
             continue;
         };
+        let offers = Offers {
+            mig,
+            own: w.mig().map(|m| m.layout.clone()).unwrap_or_default(),
+            base,
+            cache: Default::default(),
+        };
         let nodes: Vec<Node> = views
             .iter()
             .zip(winner)
             .filter(|(_, wi)| **wi == Some(i))
-            .map(|(v, _)| node(w, mig, v, base))
+            .map(|(v, _)| node(w, v, &offers))
             .collect();
         governed.extend(nodes.iter().map(|n| n.view.name()));
+        let class = classes(&nodes, demand);
         let p = Policy {
             w,
-            mig,
             dynamic,
             nodes,
-            base,
             now,
+            class,
+            offers: &offers,
         };
         p.plan(demand, &mut out);
     }
@@ -143,19 +208,13 @@ pub fn plan(
     out
 }
 
-fn node<'a>(
-    w: &Prepared,
-    mig: &Mig,
-    v: &'a NodeView,
-    base: Option<&BTreeMap<String, serde_json::Value>>,
-) -> Node<'a> {
+fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers) -> Node<'a> {
     let own = w.mig().map(|m| m.layout.clone()).unwrap_or_default();
     let (layout, since) = match (node_layout(w, v), recorded(v)) {
         (Some(l), Some((_, t))) => (l, t),
         _ => (own, 0),
     };
-    let own = (layout == w.mig().map_or("", |m| m.layout.as_str())).then_some(());
-    let brings = layout_resources(mig, own.is_none().then_some(layout.as_str()), v, base);
+    let brings = offers.get(v, &layout);
     // Configured: the MIG manager confirmed the layout and the device plugin advertises it
     // (between the two, the instances are still coming).
     let advertised = brings.as_ref().is_none_or(|b| {
@@ -179,7 +238,7 @@ fn node<'a>(
             })
             .collect()
     } else {
-        brings.unwrap_or_default()
+        brings.map(|b| (*b).clone()).unwrap_or_default()
     };
     Node {
         view: v,
@@ -198,13 +257,15 @@ fn wants(p: &PendingPod) -> impl Iterator<Item = (String, i64)> + '_ {
         .map(|(prof, c)| (format!("nvidia.com/mig-{prof}"), *c))
 }
 
-fn holds(supply: &BTreeMap<String, i64>, p: &PendingPod) -> bool {
-    wants(p).all(|(r, c)| supply.get(&r).copied().unwrap_or(0) >= c)
+/// Whether `supply` holds a pod's whole request (see [`wants`]).
+fn holds(supply: &BTreeMap<String, i64>, req: &[(String, i64)]) -> bool {
+    req.iter()
+        .all(|(r, c)| supply.get(r).copied().unwrap_or(0) >= *c)
 }
 
-fn take(supply: &mut BTreeMap<String, i64>, p: &PendingPod) {
-    for (r, c) in wants(p) {
-        *supply.entry(r).or_default() -= c;
+fn take(supply: &mut BTreeMap<String, i64>, req: &[(String, i64)]) {
+    for (r, c) in req {
+        *supply.entry(r.clone()).or_default() -= c;
     }
 }
 
@@ -212,12 +273,29 @@ impl Policy<'_, '_> {
     /// The pods this policy's nodes could take (by labels), highest priority first, then
     /// oldest, then by id; and the ones no node of it accepts.
     fn pods<'d>(&self, demand: &'d [PendingPod]) -> Vec<&'d PendingPod> {
+        let reps = self.representatives(|_| true);
         let mut pods: Vec<&PendingPod> = demand
             .iter()
-            .filter(|p| self.nodes.iter().any(|n| p.fits_labels(&n.view.labels)))
+            .filter(|p| {
+                reps.iter()
+                    .any(|&i| p.fits_labels(&self.nodes[i].view.labels))
+            })
             .collect();
         pods.sort_by(|a, b| (-a.priority, a.since, &a.id).cmp(&(-b.priority, b.since, &b.id)));
         pods
+    }
+
+    /// The first node of each class among those `keep` admits.
+    fn representatives(&self, keep: impl Fn(usize) -> bool) -> Vec<usize> {
+        let mut seen = BTreeSet::new();
+        (0..self.nodes.len())
+            .filter(|&i| keep(i) && seen.insert(self.class[i].as_str()))
+            .collect()
+    }
+
+    /// What `layout` gives node `n`.
+    fn layout_on(&self, n: &Node, layout: &str) -> Option<Resources> {
+        self.offers.get(n.view, layout)
     }
 
     fn idle_for(&self, n: &Node) -> Option<i64> {
@@ -238,7 +316,8 @@ impl Policy<'_, '_> {
                 }
                 v
             });
-        let (placed, mut residual) = self.baseline(&pods);
+        let reqs: Vec<Vec<(String, i64)>> = pods.iter().map(|p| wants(p).collect()).collect();
+        let (placed, mut residual) = self.baseline(&pods, &reqs);
         let mut st = Tally::default();
         for (i, ks) in placed.iter().enumerate() {
             for &k in ks {
@@ -263,7 +342,14 @@ impl Policy<'_, '_> {
         let catalogue = catalogue(self.w);
         let mut taken: BTreeSet<usize> = BTreeSet::new();
         while act && !residual.is_empty() {
-            let best = self.best(&pods, &residual, &placed, &levels, &catalogue, &taken);
+            let best = self.best(
+                (&pods, &reqs),
+                &residual,
+                &placed,
+                &levels,
+                &catalogue,
+                &taken,
+            );
             let Some(Choice {
                 node: i,
                 layout,
@@ -319,17 +405,21 @@ impl Policy<'_, '_> {
     }
 
     /// The pods placed on the supply as it is and as it is coming (by node), and the rest.
-    fn baseline(&self, pods: &[&PendingPod]) -> (Vec<Vec<usize>>, Vec<usize>) {
+    fn baseline(
+        &self,
+        pods: &[&PendingPod],
+        reqs: &[Vec<(String, i64)>],
+    ) -> (Vec<Vec<usize>>, Vec<usize>) {
         let mut supply: Vec<BTreeMap<String, i64>> =
             self.nodes.iter().map(|n| n.supply.clone()).collect();
         let mut placed: Vec<Vec<usize>> = vec![Vec::new(); self.nodes.len()];
         let mut residual = Vec::new();
         for (k, p) in pods.iter().enumerate() {
             match (0..self.nodes.len())
-                .find(|&i| p.fits_labels(&self.nodes[i].view.labels) && holds(&supply[i], p))
+                .find(|&i| holds(&supply[i], &reqs[k]) && p.fits_labels(&self.nodes[i].view.labels))
             {
                 Some(i) => {
-                    take(&mut supply[i], p);
+                    take(&mut supply[i], &reqs[k]);
                     placed[i].push(k);
                 }
                 None => residual.push(k),
@@ -393,7 +483,7 @@ impl Policy<'_, '_> {
     /// the placed pods it displaces; `None` when no reshape serves more than it displaces.
     fn best(
         &self,
-        pods: &[&PendingPod],
+        (pods, reqs): (&[&PendingPod], &[Request]),
         residual: &[usize],
         placed: &[Vec<usize>],
         levels: &[i32],
@@ -407,21 +497,25 @@ impl Policy<'_, '_> {
                 .collect()
         };
         let mut best: Option<(Score, Choice)> = None;
+        // Idle nodes of one class, with the same layout and no pods placed on them, answer
+        // alike: the first stands for the others (ties go to the first anyway).
+        let mut asked: BTreeSet<(&str, &str)> = BTreeSet::new();
         for (i, n) in self.nodes.iter().enumerate() {
             if taken.contains(&i) || self.blocked(n).is_some() {
                 continue;
             }
+            if placed[i].is_empty() && !asked.insert((self.class[i].as_str(), n.layout.as_str())) {
+                continue;
+            }
             for layout in catalogue.iter().filter(|l| **l != n.layout) {
-                let own = self.w.mig().is_some_and(|m| &m.layout == layout);
-                let Some(mut s) =
-                    layout_resources(self.mig, (!own).then_some(layout), n.view, self.base)
-                else {
+                let Some(offer) = self.layout_on(n, layout) else {
                     continue;
                 };
+                let mut s = (*offer).clone();
                 let mut gained = Vec::new();
                 for &k in residual {
-                    if pods[k].fits_labels(&n.view.labels) && holds(&s, pods[k]) {
-                        take(&mut s, pods[k]);
+                    if holds(&s, &reqs[k]) && pods[k].fits_labels(&n.view.labels) {
+                        take(&mut s, &reqs[k]);
                         gained.push(k);
                     }
                 }
@@ -473,11 +567,16 @@ impl Policy<'_, '_> {
         (taken, room, act): (&BTreeSet<usize>, usize, bool),
         out: &mut DemandPlan,
     ) -> (&'static str, String) {
+        let mut class_fits: BTreeMap<&str, bool> = BTreeMap::new();
         let fitting: Vec<(usize, &Node)> = self
             .nodes
             .iter()
             .enumerate()
-            .filter(|(_, n)| p.fits_labels(&n.view.labels))
+            .filter(|(i, n)| {
+                *class_fits
+                    .entry(self.class[*i].as_str())
+                    .or_insert_with(|| p.fits_labels(&n.view.labels))
+            })
             .collect();
         if fitting.is_empty() {
             return (
@@ -485,20 +584,21 @@ impl Policy<'_, '_> {
                 format!("no node of the policy accepts pod {}", p.id),
             );
         }
+        let req: Vec<(String, i64)> = wants(p).collect();
         let offers = |n: &Node, l: &String, whole: bool| {
-            let own = self.w.mig().is_some_and(|m| &m.layout == l);
-            layout_resources(self.mig, (!own).then_some(l), n.view, self.base).is_some_and(|s| {
+            self.layout_on(n, l).is_some_and(|s| {
                 if whole {
-                    holds(&s, p)
+                    holds(&s, &req)
                 } else {
-                    wants(p).all(|(r, _)| s.get(&r).is_some_and(|c| *c > 0))
+                    req.iter().all(|(r, _)| s.get(r).is_some_and(|c| *c > 0))
                 }
             })
         };
+        let fits: BTreeSet<usize> = fitting.iter().map(|(i, _)| *i).collect();
+        let reps = self.representatives(|i| fits.contains(&i));
         let any_layout = |whole: bool| {
-            fitting
-                .iter()
-                .any(|(_, n)| catalogue.iter().any(|l| offers(n, l, whole)))
+            reps.iter()
+                .any(|&i| catalogue.iter().any(|l| offers(&self.nodes[i], l, whole)))
         };
         let profiles = p.profiles.keys().cloned().collect::<Vec<_>>().join(", ");
         if !any_layout(false) {
