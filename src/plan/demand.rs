@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use crate::api::crd::{DemandStatus, DynamicMig, Mig, ProfileDemand};
 use crate::api::names::{
-    ANNOTATION_MIG_DEMAND, LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT,
+    ANNOTATION_MIG_DEMAND, LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT, LABEL_MIG_CONFIG,
 };
 
 use super::NodeView;
@@ -168,10 +168,23 @@ pub fn plan(
 ) -> DemandPlan {
     let mut out = DemandPlan::default();
     let mut governed: BTreeSet<&str> = BTreeSet::new();
+    // Pods one policy serves or reshapes for are not another's demand.
+    let mut handled: BTreeSet<String> = BTreeSet::new();
     for (i, w) in prepared.iter().enumerate() {
         let Some(mig) = w.spec.mig.as_ref() else {
             continue;
         };
+        if mig.dynamic.is_none() {
+            continue;
+        }
+        // A dynamic policy refused for now (an edit with a typo) keeps its nodes' layouts.
+        governed.extend(
+            views
+                .iter()
+                .zip(winner)
+                .filter(|(_, wi)| **wi == Some(i))
+                .map(|(v, _)| v.name()),
+        );
         let Some(dynamic) = mig.dynamic.as_ref().filter(|_| w.accepted()) else {
             continue;
         };
@@ -187,8 +200,12 @@ pub fn plan(
             .filter(|(_, wi)| **wi == Some(i))
             .map(|(v, _)| node(w, v, &offers))
             .collect();
-        governed.extend(nodes.iter().map(|n| n.view.name()));
-        let class = classes(&nodes, demand);
+        let demand: Vec<PendingPod> = demand
+            .iter()
+            .filter(|p| !handled.contains(&p.id))
+            .cloned()
+            .collect();
+        let class = classes(&nodes, &demand);
         let p = Policy {
             w,
             dynamic,
@@ -197,7 +214,7 @@ pub fn plan(
             class,
             offers: &offers,
         };
-        p.plan(demand, &mut out);
+        handled.extend(p.plan(&demand, &mut out));
     }
     // A recorded layout on a node no dynamic policy governs any more goes.
     for v in views {
@@ -217,10 +234,9 @@ fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers) -> Node<'a> {
     let brings = offers.get(v, &layout);
     // Configured: the MIG manager confirmed the layout and the device plugin advertises it
     // (between the two, the instances are still coming).
-    let advertised = brings.as_ref().is_none_or(|b| {
-        b.iter()
-            .all(|(r, c)| v.allocatable.get(r).and_then(|a| a.parse::<i64>().ok()) == Some(*c))
-    });
+    let advertised = brings
+        .as_ref()
+        .is_none_or(|b| b.keys().all(|r| v.allocatable(r) > 0));
     let mig = mig_of(v);
     let configured = mig.confirmed(&layout) && advertised;
     // A node whose MIG manager failed on its layout is held as it is: it brings nothing, and
@@ -305,17 +321,10 @@ impl Policy<'_, '_> {
             .then(|| self.now - n.view.last_busy)
     }
 
-    fn plan(&self, demand: &[PendingPod], out: &mut DemandPlan) {
+    /// Plans this policy's demand into `out`; returns the pods it serves or reshapes for.
+    fn plan(&self, demand: &[PendingPod], out: &mut DemandPlan) -> Vec<String> {
         let pods = self.pods(demand);
-        let levels: Vec<i32> = pods
-            .iter()
-            .map(|p| p.priority)
-            .fold(Vec::new(), |mut v, p| {
-                if !v.contains(&p) {
-                    v.push(p);
-                }
-                v
-            });
+        let levels = priority_levels(&pods);
         let reqs: Vec<Vec<(String, i64)>> = pods.iter().map(|p| wants(p).collect()).collect();
         let (placed, mut residual) = self.baseline(&pods, &reqs);
         let mut st = Tally::default();
@@ -402,6 +411,11 @@ impl Policy<'_, '_> {
                 reshaping,
             },
         );
+        let left: BTreeSet<usize> = residual.iter().copied().collect();
+        (0..pods.len())
+            .filter(|k| !left.contains(k))
+            .map(|k| pods[k].id.clone())
+            .collect()
     }
 
     /// The pods placed on the supply as it is and as it is coming (by node), and the rest.
@@ -466,15 +480,26 @@ impl Policy<'_, '_> {
         reshaping
     }
 
-    /// Recorded layouts stay; one the catalogue no longer has, or the policy's own, goes.
+    /// Recorded layouts stay; one the catalogue no longer has goes. A layout chosen for a node
+    /// that runs GPU pods again before its change started (a pod was bound to its old free
+    /// instances) is given up: the node keeps the layout it has.
     fn keep_recorded(&self, out: &mut DemandPlan) {
+        let catalogue = catalogue(self.w);
         for n in &self.nodes {
             let name = n.view.name().to_string();
-            if out.annotations.contains_key(&name) {
+            if out.annotations.contains_key(&name) || recorded(n.view).is_none() {
                 continue;
             }
-            if recorded(n.view).is_some() && node_layout(self.w, n.view).is_none() {
+            let Some(target) = node_layout(self.w, n.view) else {
                 out.annotations.insert(name, None);
+                continue;
+            };
+            let label = n.view.labels.get(LABEL_MIG_CONFIG);
+            if label != Some(target.as_str()) && !n.view.gpu_pods.is_empty() {
+                let keep = label
+                    .filter(|l| catalogue.iter().any(|c| c == l))
+                    .map(|l| format!("{l}@{}", self.now));
+                out.annotations.insert(name, keep);
             }
         }
     }
@@ -677,6 +702,17 @@ impl Policy<'_, '_> {
             ),
         )
     }
+}
+
+/// The pods' priorities, highest first (as the pods are sorted), each once.
+fn priority_levels(pods: &[&PendingPod]) -> Vec<i32> {
+    let mut levels: Vec<i32> = Vec::new();
+    for p in pods {
+        if !levels.contains(&p.priority) {
+            levels.push(p.priority);
+        }
+    }
+    levels
 }
 
 fn recheck(out: &mut DemandPlan, secs: i64) {
@@ -1022,6 +1058,67 @@ mod tests {
             rollout.halted_generation, None,
             "a failed reshape halts nothing"
         );
+    }
+
+    /// Review findings: a refused dynamic policy keeps its nodes' layouts; a node that got a
+    /// GPU pod before its change started keeps the layout it has; a pod one dynamic policy
+    /// serves is not another's demand.
+    #[test]
+    fn layouts_survive_a_refused_edit_busy_choices_are_given_up_pods_counted_once() {
+        let mut v = node("a", "all-7g.80gb", SEVEN);
+        std::sync::Arc::make_mut(&mut v.facts).annotations.insert(
+            ANNOTATION_MIG_DEMAND,
+            format!("all-1g.10gb@{}", NOW - 60).as_str(),
+        );
+        let mut i = input("", vec![v.clone()], vec![]);
+        i.policies[0]
+            .spec
+            .mig
+            .as_mut()
+            .unwrap()
+            .dynamic
+            .as_mut()
+            .unwrap()
+            .layouts = vec!["no-such".into()];
+        let plan = plan_all(&i);
+        assert!(plan.invalid.contains_key("dyn"));
+        assert!(
+            plan.demand.annotations.is_empty(),
+            "{:?}",
+            plan.demand.annotations
+        );
+
+        v.gpu_pods = vec!["ml/early".into()];
+        let plan = plan_all(&input("", vec![v], vec![]));
+        assert_eq!(
+            plan.demand.annotations,
+            [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into()
+        );
+
+        let mut i = input(
+            "",
+            vec![node("a", "all-7g.80gb", SEVEN)],
+            vec![pod("ml/p", "1g.10gb", 1, NOW - 5)],
+        );
+        let mut other = policy("");
+        other.metadata.name = Some("dyn2".into());
+        other.spec.node_selector =
+            serde_json::from_value(serde_json::json!({"matchLabels": {"pool": "b"}})).unwrap();
+        i.policies.push(other);
+        let mut b = node("b", "all-7g.80gb", SEVEN);
+        let f = std::sync::Arc::make_mut(&mut b.facts);
+        f.labels.insert("pool", "b");
+        f.labels.remove("gpusharing.io/profile");
+        i.nodes.push(b);
+        let plan = plan_all(&i);
+        assert_eq!(plan.statuses["dyn2"].matched_nodes, 1);
+        assert_eq!(
+            plan.demand.annotations.len(),
+            1,
+            "{:?}",
+            plan.demand.annotations
+        );
+        assert_eq!(plan.demand.events.len(), 1);
     }
 
     /// The catalogue holds MIG-enabled layouts of the mig-parted config only.

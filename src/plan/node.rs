@@ -78,12 +78,14 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             ),
         );
     }
+    // A layout demand chose never goes onto busy GPUs, whatever proceedWithBusyGpus says.
     let busy = !env.gpu_pods.is_empty()
-        && !w
+        && (!w
             .spec
             .mig
             .as_ref()
-            .is_some_and(|m| m.proceed_with_busy_gpus);
+            .is_some_and(|m| m.proceed_with_busy_gpus)
+            || super::policies::demand_reshape(w, n));
     let t = node_target(w, n).expect("accepted policies have a target");
     let d = match &w.backing {
         Some(Backing::Vm(_)) => vm::decide(n, &t, env, busy),

@@ -166,6 +166,11 @@ pub fn spec_on_node<'a>(
     }
 }
 
+/// The node's target is a layout demand recorded on it (`spec.mig.dynamic`).
+pub fn demand_reshape(w: &Prepared, n: &NodeFacts) -> bool {
+    w.spec.mig.as_ref().is_some_and(|m| m.dynamic.is_some()) && node_layout(w, n).is_some()
+}
+
 /// Whether a named layout may be in a dynamic catalogue: in the mig-parted config, with MIG
 /// enabled on every GPU it configures. `Err` says why not.
 pub fn check_layout(

@@ -146,12 +146,6 @@ pub fn last_change_unconfirmed(n: &NodeFacts) -> bool {
         || pending(LABEL_VGPU_CONFIG, LABEL_VGPU_STATE)
 }
 
-/// The node's target is a layout demand recorded on it (`spec.mig.dynamic`).
-fn demand_reshape(w: &Prepared, n: &NodeFacts) -> bool {
-    w.spec.mig.as_ref().is_some_and(|m| m.dynamic.is_some())
-        && super::policies::node_layout(w, n).is_some()
-}
-
 fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
     // Most nodes, most of the time: nothing to write or wait for (the match below says the
     // same, after reading the node's mark).
@@ -182,7 +176,7 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
     match state {
         // A layout demand chose that failed: the node is held on its own (demand moves on),
         // not a failure of the policy's rollout.
-        Some(NodeState::Failed) if started && !demand_reshape(w, n) => Phase::Unavailable(Some(format!(
+        Some(NodeState::Failed) if started && !super::policies::demand_reshape(w, n) => Phase::Unavailable(Some(format!(
             "{}: {}",
             n.name, e.outcome.message
         ))),
@@ -191,10 +185,13 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
             NodeState::Rejected | NodeState::Invalid | NodeState::Failed | NodeState::Stale,
         ) => Phase::Settled,
         // Busy GPUs under `drain`: starting the node means draining it.
-        Some(NodeState::Waiting) if w.drains() && !started && earlier => {
+        // Demand waits for idle GPUs: it never drains a node.
+        Some(NodeState::Waiting) if w.drains() && !started && earlier && !super::policies::demand_reshape(w, n) => {
             Phase::CandidateUnavailable
         }
-        Some(NodeState::Waiting) if w.drains() && !started => Phase::Candidate,
+        Some(NodeState::Waiting) if w.drains() && !started && !super::policies::demand_reshape(w, n) => {
+            Phase::Candidate
+        }
         _ if changes && !started && !e.hold && earlier => Phase::CandidateUnavailable,
         _ if changes && !started && !e.hold => Phase::Candidate,
         _ if !started && !earlier && state != Some(NodeState::Pending) => Phase::Settled,

@@ -32,16 +32,25 @@ pub async fn apply_demand(
         if have == want.as_deref() {
             continue;
         }
-        let annotations = match want {
-            Some(v) => json!({ANNOTATION_MIG_DEMAND: v}),
-            None => json!({}),
-        };
-        let patch = json!({
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {"name": node, "annotations": annotations},
-        });
-        api.patch(node, &params, &Patch::Apply(&patch)).await?;
+        match want {
+            Some(v) => {
+                let patch = json!({
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {"name": node, "annotations": {ANNOTATION_MIG_DEMAND: v}},
+                });
+                api.patch(node, &params, &Patch::Apply(&patch)).await?;
+            }
+            // Whoever set it: an apply removes only what its manager owns.
+            None => {
+                let patch = json!({"metadata": {"annotations": {ANNOTATION_MIG_DEMAND: null}}});
+                let merge = PatchParams {
+                    field_manager: Some(DEMAND_MANAGER.into()),
+                    ..Default::default()
+                };
+                api.patch(node, &merge, &Patch::Merge(&patch)).await?;
+            }
+        }
         let why = match want {
             Some(v) => format!("demand chose layout {v}"),
             None => "demand layout no longer applies".to_string(),
