@@ -368,7 +368,8 @@ fn karpenter_api(c: &Client, version: &str, kind: &str, plural: &str) -> Api<Dyn
     Api::all_with(c.clone(), &ar)
 }
 
-/// NodeClaims: (name, instance type, node name once registered).
+/// NodeClaims: (name, instance type (or the compatible types while in flight), node name once
+/// registered).
 async fn node_claims(c: &Client) -> Vec<(String, String, String)> {
     karpenter_api(c, "v1", "NodeClaim", "nodeclaims")
         .list(&Default::default())
@@ -377,12 +378,15 @@ async fn node_claims(c: &Client) -> Vec<(String, String, String)> {
         .items
         .into_iter()
         .map(|n| {
+            // A launched claim carries its type as a label; one still in flight only the types
+            // Karpenter found compatible, in its requirements.
             let t = n
                 .metadata
                 .labels
                 .as_ref()
                 .and_then(|l| l.get("node.kubernetes.io/instance-type"))
-                .cloned();
+                .cloned()
+                .or_else(|| requirement_values(&n.data, "node.kubernetes.io/instance-type"));
             let node = n.data["status"]["nodeName"]
                 .as_str()
                 .unwrap_or_default()
@@ -394,6 +398,20 @@ async fn node_claims(c: &Client) -> Vec<(String, String, String)> {
             )
         })
         .collect()
+}
+
+/// The values a NodeClaim's `In` requirement on `key` allows, sorted and joined by commas.
+fn requirement_values(claim: &serde_json::Value, key: &str) -> Option<String> {
+    let mut values: Vec<&str> = claim["spec"]["requirements"]
+        .as_array()?
+        .iter()
+        .find(|r| r["key"] == key && r["operator"] == "In")?["values"]
+        .as_array()?
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    values.sort_unstable();
+    Some(values.join(","))
 }
 
 fn node_pool_for(name: &str, profile: &str, types: &[&str]) -> String {
