@@ -5,12 +5,14 @@
 //! and then lets it Succeed. Two A100 nodes start with one 7g instance per GPU.
 //!
 //! One control plane for the file: the steps run in order in one test. The invariant watcher
-//! checks throughout that no node is relabelled (MIG layout, workload) while GPU pods run on it.
+//! checks throughout that no node is relabelled (MIG layout, workload) while GPU pods run on it:
+//! a node demand drains is relabelled only once its pods are evicted.
 
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
 use kube::api::{Api, ListParams, PostParams};
@@ -307,5 +309,84 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         .cloned()
         .unwrap();
     assert_eq!(failed["state"], "Failed", "{failed}");
+
+    // 6. drainBusyNodes: a100-node-1 runs a 1g pod of priority 0 and one of priority 1000,
+    // above the ceiling: two 3g pods wait (NoIdleNode, naming the ceiling). Once the
+    // high-priority pod is gone, the node is drained (the other pod evicted through the
+    // Eviction API), reshaped, and the scheduler binds the 3g pods there.
+    let vip: k8s_openapi::api::scheduling::v1::PriorityClass =
+        serde_json::from_value(json!({"metadata": {"name": "vip"}, "value": 1000})).unwrap();
+    Api::all(c.clone())
+        .create(&PostParams::default(), &vip)
+        .await
+        .unwrap();
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .patch(
+            "dyn",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"spec": {"mig": {"dynamic": {"drainBusyNodes": {"maxPodPriority": 0}}}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let mut high = mig_pod("vip", "1g.10gb", 1, 600);
+    high.spec.as_mut().unwrap().priority_class_name = Some("vip".into());
+    create(&c, high).await;
+    create(&c, mig_pod("low", "1g.10gb", 1, 600)).await;
+    until("vip and low running on a100-node-1", LONG, || async {
+        let s = pod_states(&c).await;
+        ["vip", "low"]
+            .iter()
+            .all(|p| s.get(*p) == Some(&("a100-node-1".into(), "Running".into())))
+            .then_some(())
+    })
+    .await;
+    for k in 0..2 {
+        create(&c, mig_pod(&format!("drained-for-{k}"), "3g.40gb", 1, 1)).await;
+    }
+    let d = until("the ceiling named", LONG, || async {
+        let d = demand(&c).await;
+        let p = d.get("3g.40gb")?;
+        (p["reason"] == "NoIdleNode").then(|| p.clone())
+    })
+    .await;
+    assert!(
+        d["message"]
+            .as_str()
+            .unwrap()
+            .contains("drainBusyNodes.maxPodPriority 0"),
+        "{d}"
+    );
+    pods(&c).delete("vip", &Default::default()).await.unwrap();
+    until("the 3g pods bound on a100-node-1", LONG, || async {
+        let s = pod_states(&c).await;
+        (0..2)
+            .all(|k| {
+                s.get(&format!("drained-for-{k}"))
+                    .is_some_and(|(n, _)| n == "a100-node-1")
+            })
+            .then_some(())
+    })
+    .await;
+    assert!(
+        pods(&c).get_opt("low").await.unwrap().is_none(),
+        "low evicted"
+    );
+    assert!(
+        pod_events(&c, "drained-for-0").await[0]
+            .ends_with("layout all-3g.40gb for this pod (draining it: 1 GPU pod(s) evicted)"),
+        "{:?}",
+        pod_events(&c, "drained-for-0").await
+    );
+    assert_eq!(
+        layouts(&history[1]).last().map(String::as_str),
+        Some("all-3g.40gb")
+    );
+    until("a100-node-1 uncordoned", LONG, || async {
+        let n = Api::<Node>::all(c.clone()).get("a100-node-1").await.ok()?;
+        (n.spec?.unschedulable != Some(true)).then_some(())
+    })
+    .await;
     op.stop().await;
 }

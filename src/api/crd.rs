@@ -487,6 +487,24 @@ pub struct DynamicMig {
     #[serde(default = "default_min_layout_lifetime_seconds")]
     #[schemars(range(min = 0, max = 604800))]
     pub min_layout_lifetime_seconds: i64,
+
+    /// Nodes running GPU pods may be drained to reshape them: the node is cordoned and its GPU
+    /// pods are evicted through the Eviction API (PodDisruptionBudgets hold), then the MIG
+    /// manager applies the layout. Absent (the default): demand waits for an idle node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_busy_nodes: Option<DemandDrain>,
+}
+
+/// Which busy nodes demand may drain.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DemandDrain {
+    /// The priority ceiling: a node running a GPU pod of higher priority (or one
+    /// `disruption.neverEvict` protects) is never drained for demand. A node is drained only
+    /// when its layout serves more pending pods, priority level by level from the highest, than
+    /// it evicts.
+    #[serde(default)]
+    pub max_pod_priority: i32,
 }
 
 fn default_quiet_seconds() -> i64 {

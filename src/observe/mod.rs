@@ -138,9 +138,14 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
                 .iter()
                 .filter_map(|p| Some((p.clone(), pods.gpu_pod_labels.remove(p)?)))
                 .collect();
+            let gpu_pod_priorities = gpu_pods
+                .iter()
+                .filter_map(|p| Some((p.clone(), pods.gpu_pod_priorities.remove(p)?)))
+                .collect();
             NodeView {
                 gpu_pods,
                 gpu_pod_labels,
+                gpu_pod_priorities,
                 vm_pods: pods.vm_pods.remove(name).unwrap_or_default(),
                 dra_claims: claims.remove(name).unwrap_or_default(),
                 mig_stuck: memory.mig_stuck.contains(name),

@@ -40,6 +40,9 @@ pub struct GpuPods {
     pub gpu_pods: BTreeMap<String, Vec<String>>,
     /// Labels of the pods in `gpu_pods`, by `namespace/name`.
     pub gpu_pod_labels: BTreeMap<String, Labels>,
+    /// Priorities of the pods in `gpu_pods` (`spec.priority`, 0 when unset), by
+    /// `namespace/name`.
+    pub gpu_pod_priorities: BTreeMap<String, i32>,
     /// Pods using the sandbox device plugin's resources (VMs), by node, sorted.
     pub vm_pods: BTreeMap<String, Vec<String>>,
     /// What the GPU pods of each node request of NVIDIA's resources, summed.
@@ -111,6 +114,8 @@ pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
             }
             out.gpu_pod_labels
                 .insert(id.clone(), p.labels().clone().into());
+            let priority = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+            out.gpu_pod_priorities.insert(id.clone(), priority);
             out.gpu_pods.entry(node).or_default().push(id);
         }
     }

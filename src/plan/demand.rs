@@ -33,7 +33,7 @@ use super::NodeView;
 use super::capacity::layout_resources;
 use super::decision::mig_of;
 use super::input::PendingPod;
-use super::policies::{Prepared, catalogue, node_layout};
+use super::policies::{Prepared, catalogue, node_layout, recorded};
 
 /// Why demand waits.
 pub const PROFILE_NOT_IN_CATALOGUE: &str = "ProfileNotInCatalogue";
@@ -45,12 +45,6 @@ pub const INFEASIBLE: &str = "Infeasible";
 /// Demand younger than the quiet period (and the maximum delay) is left to batch.
 pub const BATCHING: &str = "Batching";
 
-/// A node's layout under a dynamic policy, from its annotation: `(layout, since)`.
-pub fn recorded(v: &NodeView) -> Option<(&str, i64)> {
-    let (l, t) = v.annotations.get(ANNOTATION_MIG_DEMAND)?.rsplit_once('@')?;
-    Some((l, t.parse().ok()?))
-}
-
 /// What demand planning decided.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct DemandPlan {
@@ -60,6 +54,8 @@ pub struct DemandPlan {
     pub statuses: BTreeMap<String, DemandStatus>,
     /// Events for pods the operator acts for: `(namespace/name, node reshaped, message)`.
     pub events: Vec<(String, String, String)>,
+    /// Nodes chosen now that are drained first (`drainBusyNodes`): the GPU pods evicted.
+    pub drains: BTreeMap<String, usize>,
     /// Seconds after which demand may be acted on without any other change (quiet period,
     /// idle time, cooldown running out).
     pub recheck_in: Option<i64>,
@@ -78,6 +74,10 @@ struct Node<'a> {
     failed: bool,
     /// Free instances now (configured) or the instances the layout will bring (reshaping).
     supply: BTreeMap<String, i64>,
+    /// Under `drainBusyNodes`, the priorities of the GPU pods a drain would evict (none for an
+    /// idle node); `None` when demand may not drain it (no `drainBusyNodes`, or a pod above the
+    /// ceiling or protected by `disruption.neverEvict`).
+    evicts: Option<Vec<i32>>,
 }
 
 /// A layout's device-plugin resources on a node: resource -> count.
@@ -88,13 +88,14 @@ type Request = Vec<(String, i64)>;
 /// Pods' served counts per priority level (highest first): compared lexicographically.
 type Score = Vec<i64>;
 
-/// One reshape considered: the node (its index), the layout, the residual pods it would hold
-/// and the placed pods it would displace.
+/// One reshape considered: the node (its index), the layout, the residual pods it would hold,
+/// the placed pods it would displace and the running GPU pods a drain would evict.
 struct Choice {
     node: usize,
     layout: String,
     gained: Vec<usize>,
     lost: Vec<usize>,
+    evicted: usize,
 }
 
 struct Policy<'a, 'p> {
@@ -256,6 +257,18 @@ fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers) -> Node<'a> {
     } else {
         brings.map(|b| (*b).clone()).unwrap_or_default()
     };
+    let dynamic = w.spec.mig.as_ref().and_then(|m| m.dynamic.as_ref());
+    let evicts = dynamic
+        .and_then(|d| d.drain_busy_nodes.as_ref())
+        .and_then(|_| {
+            v.gpu_pods
+                .iter()
+                .map(|p| {
+                    let priority = v.gpu_pod_priorities.get(p).copied().unwrap_or(0);
+                    (!w.never_evicts(v.gpu_pod_labels.get(p), priority, true)).then_some(priority)
+                })
+                .collect()
+        });
     Node {
         view: v,
         layout,
@@ -263,6 +276,7 @@ fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers) -> Node<'a> {
         configured,
         failed,
         supply,
+        evicts,
     }
 }
 
@@ -324,7 +338,11 @@ impl Policy<'_, '_> {
     /// Plans this policy's demand into `out`; returns the pods it serves or reshapes for.
     fn plan(&self, demand: &[PendingPod], out: &mut DemandPlan) -> Vec<String> {
         let pods = self.pods(demand);
-        let levels = priority_levels(&pods);
+        let evicted = self
+            .nodes
+            .iter()
+            .flat_map(|n| n.evicts.iter().flatten().copied());
+        let levels = priority_levels(pods.iter().map(|p| p.priority).chain(evicted));
         let reqs: Vec<Vec<(String, i64)>> = pods.iter().map(|p| wants(p).collect()).collect();
         let (placed, mut residual) = self.baseline(&pods, &reqs);
         let mut st = Tally::default();
@@ -359,39 +377,17 @@ impl Policy<'_, '_> {
                 &catalogue,
                 &taken,
             );
-            let Some(Choice {
-                node: i,
-                layout,
-                gained,
-                lost,
-            }) = best
-            else {
+            let Some(c) = best else {
                 break;
             };
             if room == 0 {
                 break;
             }
             room -= 1;
-            taken.insert(i);
-            let n = &self.nodes[i];
-            out.annotations.insert(
-                n.view.name().to_string(),
-                Some(format!("{layout}@{}", self.now)),
-            );
-            let model = n.view.labels.get(LABEL_GPU_PRODUCT).unwrap_or_default();
-            for &k in &gained {
-                st.add(pods[k], "coming");
-                out.events.push((
-                    pods[k].id.clone(),
-                    n.view.name().to_string(),
-                    format!(
-                        "reshaping node {} to {model} layout {layout} for this pod",
-                        n.view.name()
-                    ),
-                ));
-            }
-            residual.retain(|k| !gained.contains(k));
-            for k in lost {
+            taken.insert(c.node);
+            self.record(&c, &pods, &mut st, out);
+            residual.retain(|k| !c.gained.contains(k));
+            for k in c.lost {
                 st.remove(pods[k], "served");
                 residual.push(k);
             }
@@ -416,6 +412,36 @@ impl Policy<'_, '_> {
             .filter(|k| !left.contains(k))
             .map(|k| pods[k].id.clone())
             .collect()
+    }
+
+    /// Records a choice: the layout on the node, the pods it serves as coming, an event for
+    /// each of them.
+    fn record(&self, c: &Choice, pods: &[&PendingPod], st: &mut Tally, out: &mut DemandPlan) {
+        let (n, layout, evicted) = (&self.nodes[c.node], &c.layout, c.evicted);
+        out.annotations.insert(
+            n.view.name().to_string(),
+            Some(format!("{layout}@{}", self.now)),
+        );
+        let model = n.view.labels.get(LABEL_GPU_PRODUCT).unwrap_or_default();
+        if evicted > 0 {
+            out.drains.insert(n.view.name().to_string(), evicted);
+        }
+        let drain = if evicted > 0 {
+            format!(" (draining it: {evicted} GPU pod(s) evicted)")
+        } else {
+            String::new()
+        };
+        for &k in &c.gained {
+            st.add(pods[k], "coming");
+            out.events.push((
+                pods[k].id.clone(),
+                n.view.name().to_string(),
+                format!(
+                    "reshaping node {} to {model} layout {layout} for this pod{drain}",
+                    n.view.name()
+                ),
+            ));
+        }
     }
 
     /// The pods placed on the supply as it is and as it is coming (by node), and the rest.
@@ -482,7 +508,8 @@ impl Policy<'_, '_> {
 
     /// Recorded layouts stay; one the catalogue no longer has goes. A layout chosen for a node
     /// that runs GPU pods again before its change started (a pod was bound to its old free
-    /// instances) is given up: the node keeps the layout it has.
+    /// instances) is given up, unless demand may drain the node as it is now: the node keeps
+    /// the layout it has.
     fn keep_recorded(&self, out: &mut DemandPlan) {
         let catalogue = catalogue(self.w);
         for n in &self.nodes {
@@ -495,7 +522,7 @@ impl Policy<'_, '_> {
                 continue;
             };
             let label = n.view.labels.get(LABEL_MIG_CONFIG);
-            if label != Some(target.as_str()) && !n.view.gpu_pods.is_empty() {
+            if label != Some(target.as_str()) && !n.view.gpu_pods.is_empty() && n.evicts.is_none() {
                 let keep = label
                     .filter(|l| catalogue.iter().any(|c| c == l))
                     .map(|l| format!("{l}@{}", self.now));
@@ -515,10 +542,13 @@ impl Policy<'_, '_> {
         catalogue: &[String],
         taken: &BTreeSet<usize>,
     ) -> Option<Choice> {
-        let score = |ks: &[usize]| -> Score {
+        let score = |ks: &[usize], evicts: &[i32]| -> Score {
             levels
                 .iter()
-                .map(|l| ks.iter().filter(|&&k| pods[k].priority == *l).count() as i64)
+                .map(|l| {
+                    let pending = ks.iter().filter(|&&k| pods[k].priority == *l).count();
+                    (pending + evicts.iter().filter(|p| *p == l).count()) as i64
+                })
                 .collect()
         };
         let mut best: Option<(Score, Choice)> = None;
@@ -529,7 +559,11 @@ impl Policy<'_, '_> {
             if taken.contains(&i) || self.blocked(n).is_some() {
                 continue;
             }
-            if placed[i].is_empty() && !asked.insert((self.class[i].as_str(), n.layout.as_str())) {
+            let evicts: &[i32] = n.evicts.as_deref().unwrap_or_default();
+            if placed[i].is_empty()
+                && evicts.is_empty()
+                && !asked.insert((self.class[i].as_str(), n.layout.as_str()))
+            {
                 continue;
             }
             for layout in catalogue.iter().filter(|l| **l != n.layout) {
@@ -545,7 +579,7 @@ impl Policy<'_, '_> {
                     }
                 }
                 let lost = placed[i].clone();
-                let (g, l) = (score(&gained), score(&lost));
+                let (g, l) = (score(&gained, &[]), score(&lost, evicts));
                 let net: Score = g.iter().zip(&l).map(|(a, b)| a - b).collect();
                 if net.iter().find(|x| **x != 0).is_none_or(|x| *x < 0) {
                     continue;
@@ -556,6 +590,7 @@ impl Policy<'_, '_> {
                         layout: layout.clone(),
                         gained,
                         lost,
+                        evicted: evicts.len(),
                     };
                     best = Some((net, c));
                 }
@@ -569,7 +604,9 @@ impl Policy<'_, '_> {
         if !n.configured || n.failed {
             return Some((NO_IDLE_NODE, 0));
         }
+        // A node demand may drain need not be idle.
         match self.idle_for(n) {
+            _ if n.evicts.is_some() => {}
             None => return Some((NO_IDLE_NODE, 0)),
             Some(idle) if idle < self.dynamic.idle_seconds => {
                 return Some((NO_IDLE_NODE, self.dynamic.idle_seconds - idle));
@@ -658,7 +695,7 @@ impl Policy<'_, '_> {
                     super::rollout::budget(self.w.spec, self.nodes.len())
                 )
             } else {
-                "the idle nodes serve more of the pending demand as they are".into()
+                "the nodes that may be reshaped serve more of the pending demand as they are (or a drain would evict as many pods as it serves)".into()
             };
             return (
                 if room == 0 {
@@ -694,24 +731,29 @@ impl Policy<'_, '_> {
                 ),
             );
         }
+        let runs = match &self.dynamic.drain_busy_nodes {
+            None => "runs GPU pods, was busy in the last idleSeconds".to_string(),
+            Some(d) => format!(
+                "runs GPU pods above drainBusyNodes.maxPodPriority {} or protected by disruption.neverEvict",
+                d.max_pod_priority
+            ),
+        };
         (
             NO_IDLE_NODE,
             format!(
-                "every node pod {} could use runs GPU pods, was busy in the last idleSeconds, or is being reconfigured",
+                "every node pod {} could use {runs}, or is being reconfigured",
                 p.id
             ),
         )
     }
 }
 
-/// The pods' priorities, highest first (as the pods are sorted), each once.
-fn priority_levels(pods: &[&PendingPod]) -> Vec<i32> {
-    let mut levels: Vec<i32> = Vec::new();
-    for p in pods {
-        if !levels.contains(&p.priority) {
-            levels.push(p.priority);
-        }
-    }
+/// The priorities of pending pods and of the pods drains would evict, highest first, each
+/// once.
+fn priority_levels(priorities: impl Iterator<Item = i32>) -> Vec<i32> {
+    let mut levels: Vec<i32> = priorities.collect();
+    levels.sort_unstable_by(|a, b| b.cmp(a));
+    levels.dedup();
     levels
 }
 
@@ -786,7 +828,7 @@ mod tests {
 
     fn policy(extra: &str) -> GpuSharingPolicy {
         crate::api::yaml::from_str(&format!(
-            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: dyn}}\nspec:\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: dyn}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: all-7g.80gb\n    dynamic: {{layouts: [all-1g.10gb, all-3g.40gb]}}\n{extra}"
+            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: dyn}}\nspec:\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: dyn}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: all-7g.80gb\n    dynamic:\n      layouts: [all-1g.10gb, all-3g.40gb]\n{extra}"
         ))
         .unwrap()
     }
@@ -1026,6 +1068,90 @@ mod tests {
         assert_eq!(
             (d.pending, d.served, d.reason.as_deref()),
             (3, 0, Some(NO_IDLE_NODE))
+        );
+    }
+
+    /// Under `drainBusyNodes`: a busy node is chosen only when its new layout serves more
+    /// pending pods than the drain evicts (level by level from the highest priority), never
+    /// with a GPU pod above the ceiling; the chosen node is drained through the rollout's
+    /// drain path; a pod above the ceiling bound after the choice gives it up.
+    #[test]
+    fn busy_nodes_are_drained_only_when_it_serves_more_than_it_evicts() {
+        const DRAIN: &str = "      drainBusyNodes: {maxPodPriority: 100}\n";
+        let running = |priority: i32| {
+            let mut v = node("a", "all-7g.80gb", SEVEN);
+            v.gpu_pods = vec!["ml/run".into()];
+            v.gpu_pod_priorities = [("ml/run".to_string(), priority)].into();
+            v.gpu_requests = [("nvidia.com/mig-7g.80gb".to_string(), 1)].into();
+            v.last_busy = NOW;
+            v
+        };
+        let three = |n: usize| -> Vec<PendingPod> {
+            (0..n)
+                .map(|k| pod(&format!("ml/p{k}"), "3g.40gb", 1, NOW - 5))
+                .collect()
+        };
+        // Two pods served, one evicted: drained and reshaped, the pods are told.
+        let plan = plan_all(&input(DRAIN, vec![running(0)], three(2)));
+        assert_eq!(
+            plan.demand.annotations,
+            [("a".to_string(), Some(format!("all-3g.40gb@{NOW}")))].into()
+        );
+        assert!(
+            plan.demand.events[0]
+                .2
+                .ends_with("(draining it: 1 GPU pod(s) evicted)"),
+            "{:?}",
+            plan.demand.events
+        );
+        assert_eq!(plan.demand.drains, [("a".to_string(), 1)].into());
+        // Without drainBusyNodes the same node waits for idle.
+        let plan = plan_all(&input("", vec![running(0)], three(2)));
+        assert!(plan.demand.annotations.is_empty());
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(
+            profile(&st, "3g.40gb").reason.as_deref(),
+            Some(NO_IDLE_NODE)
+        );
+        // One served for one evicted at the same priority: not worth a drain.
+        let plan = plan_all(&input(DRAIN, vec![running(0)], three(1)));
+        assert!(plan.demand.annotations.is_empty());
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(profile(&st, "3g.40gb").reason.as_deref(), Some(INFEASIBLE));
+        // ...but one pod of a higher priority outweighs it.
+        let mut urgent = three(1);
+        urgent[0].priority = 50;
+        let plan = plan_all(&input(DRAIN, vec![running(0)], urgent));
+        assert_eq!(plan.demand.annotations.len(), 1);
+        // A running pod above the ceiling: never drained, and the status names the ceiling.
+        let plan = plan_all(&input(DRAIN, vec![running(1000)], three(4)));
+        assert!(plan.demand.annotations.is_empty());
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        let d = profile(&st, "3g.40gb");
+        assert_eq!(d.reason.as_deref(), Some(NO_IDLE_NODE));
+        assert!(
+            d.message.as_deref().unwrap().contains("maxPodPriority 100"),
+            "{d:?}"
+        );
+
+        // The chosen node, recorded: cordoned and its GPU pod evicted, in the rollout's drain.
+        let chosen = |priority: i32| {
+            let mut v = running(priority);
+            std::sync::Arc::make_mut(&mut v.facts).annotations.insert(
+                ANNOTATION_MIG_DEMAND,
+                format!("all-3g.40gb@{}", NOW - 3).as_str(),
+            );
+            v
+        };
+        let plan = plan_all(&input(DRAIN, vec![chosen(0)], three(2)));
+        assert_eq!(plan.drains["a"].evict, ["ml/run"]);
+        assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
+        // A pod above the ceiling bound meanwhile: protected, and the choice is given up.
+        let plan = plan_all(&input(DRAIN, vec![chosen(1000)], three(2)));
+        assert_eq!(plan.drains["a"].protected, ["ml/run"]);
+        assert_eq!(
+            plan.demand.annotations,
+            [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into()
         );
     }
 

@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use crate::api::names::ANNOTATION_CORDONED;
 use crate::api::state::NodeState;
 
+use super::PlanInput;
 use super::node::Entry;
 use super::policies::Prepared;
-use super::{Labels, PlanInput, selector_matches};
 
 /// One node's drain: the pods to evict, and those `disruption.neverEvict` protects.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -20,19 +20,6 @@ pub struct Drain {
     pub policy: String,
     pub evict: Vec<String>,
     pub protected: Vec<String>,
-}
-
-fn protected(w: &Prepared, labels: Option<&Labels>) -> bool {
-    let Some(sel) = w
-        .spec
-        .disruption
-        .as_ref()
-        .and_then(|d| d.never_evict.as_ref())
-    else {
-        return false;
-    };
-    let empty = Labels::default();
-    selector_matches(sel, labels.unwrap_or(&empty))
 }
 
 /// For one policy's started nodes: drains those waiting for idle GPUs, and keeps the cordon of
@@ -53,7 +40,7 @@ pub fn drain_nodes(
         }
         let owned = e.node.owned_annotations.contains(ANNOTATION_CORDONED)
             && e.node.annotations.get(ANNOTATION_CORDONED).is_some();
-        let draining = w.drains() && e.outcome.state == Some(NodeState::Waiting);
+        let draining = w.drains_node(e.node) && e.outcome.state == Some(NodeState::Waiting);
         if owned || draining && !e.node.foreign_cordon {
             e.outcome
                 .to_mut()
@@ -64,11 +51,12 @@ pub fn drain_nodes(
             continue;
         }
         let view = e.node;
-        let (protected, evict): (Vec<String>, Vec<String>) = view
-            .gpu_pods
-            .iter()
-            .cloned()
-            .partition(|p| protected(w, view.gpu_pod_labels.get(p)));
+        let demand = super::policies::demand_reshape(w, view);
+        let (protected, evict): (Vec<String>, Vec<String>) =
+            view.gpu_pods.iter().cloned().partition(|p| {
+                let priority = view.gpu_pod_priorities.get(p).copied().unwrap_or(0);
+                w.never_evicts(view.gpu_pod_labels.get(p), priority, demand)
+            });
         let blocked: Vec<String> = evict
             .iter()
             .filter_map(|p| Some(format!("{p}: {}", input.memory.eviction_blocked.get(p)?)))
@@ -79,7 +67,7 @@ pub fn drain_nodes(
         }
         if !protected.is_empty() {
             msg.push_str(&format!(
-                "; protected by disruption.neverEvict (waiting for them to finish): {}",
+                "; protected by disruption.neverEvict or the demand drain's priority ceiling (waiting for them to finish): {}",
                 protected.join(", ")
             ));
         }

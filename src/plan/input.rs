@@ -42,6 +42,9 @@ pub struct NodeView {
     /// Labels of the pods in `gpu_pods`, by `namespace/name` (`disruption.neverEvict` selects
     /// by them).
     pub gpu_pod_labels: BTreeMap<String, Labels>,
+    /// Priorities of the pods in `gpu_pods`, by `namespace/name` (demand drains evict none
+    /// above `drainBusyNodes.maxPodPriority`).
+    pub gpu_pod_priorities: BTreeMap<String, i32>,
     /// Pods using the sandbox device plugin's resources (VMs), `namespace/name`, sorted.
     pub vm_pods: Vec<String>,
     /// Allocated `gpu.nvidia.com` ResourceClaims on the node (`namespace/name`): a node leaves

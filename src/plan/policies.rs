@@ -3,14 +3,16 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::api::crd::{Backend, GpuSharingPolicy, GpuSharingPolicySpec, MigStrategy, Strategy};
+use crate::api::crd::{
+    Backend, DemandDrain, GpuSharingPolicy, GpuSharingPolicySpec, MigStrategy, Strategy,
+};
 use crate::api::names::{ANNOTATION_MIG_DEMAND, ANNOTATION_REAPPLY_MIG};
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use crate::validate::{self, FieldError};
 
 use super::NodeFacts;
 use super::backend::{Backing, MigBacking, NodeTarget, VmBacking};
-use super::labels::{LabelLookup, selection_labels, selector_matches};
+use super::labels::{LabelLookup, Labels, selection_labels, selector_matches};
 
 /// A policy after validation, with what it renders to.
 pub struct Prepared<'a> {
@@ -122,10 +124,17 @@ pub fn catalogue(w: &Prepared) -> Vec<String> {
         })
 }
 
+/// The layout demand recorded on a node, and since when (unix seconds): the one parser of
+/// [`ANNOTATION_MIG_DEMAND`] (`<layout>@<seconds>`).
+pub fn recorded(n: &NodeFacts) -> Option<(&str, i64)> {
+    let (l, t) = n.annotations.get(ANNOTATION_MIG_DEMAND)?.rsplit_once('@')?;
+    Some((l, t.parse().ok()?))
+}
+
 /// The layout node `v` of dynamic policy `w` should run: the one demand recorded on it while it
 /// is in the catalogue, else the policy's own.
 pub fn node_layout(w: &Prepared, v: &NodeFacts) -> Option<String> {
-    let (l, _) = v.annotations.get(ANNOTATION_MIG_DEMAND)?.rsplit_once('@')?;
+    let (l, _) = recorded(v)?;
     w.mig()?;
     catalogue(w).iter().any(|c| c == l).then(|| l.to_string())
 }
@@ -143,11 +152,7 @@ pub fn spec_on_node<'a>(
     spec: &'a GpuSharingPolicySpec,
     n: &NodeFacts,
 ) -> std::borrow::Cow<'a, GpuSharingPolicySpec> {
-    let recorded = n
-        .annotations
-        .get(ANNOTATION_MIG_DEMAND)
-        .and_then(|v| v.rsplit_once('@'))
-        .map(|(l, _)| l);
+    let recorded = recorded(n).map(|(l, _)| l);
     let mig = spec.mig.as_ref();
     let dynamic = mig.and_then(|m| m.dynamic.as_ref());
     match (recorded, dynamic) {
@@ -169,6 +174,41 @@ pub fn spec_on_node<'a>(
 /// The node's target is a layout demand recorded on it (`spec.mig.dynamic`).
 pub fn demand_reshape(w: &Prepared, n: &NodeFacts) -> bool {
     w.spec.mig.as_ref().is_some_and(|m| m.dynamic.is_some()) && node_layout(w, n).is_some()
+}
+
+/// `spec.mig.dynamic.drainBusyNodes`: which busy nodes demand may drain.
+pub fn demand_drain(spec: &GpuSharingPolicySpec) -> Option<&DemandDrain> {
+    spec.mig
+        .as_ref()?
+        .dynamic
+        .as_ref()?
+        .drain_busy_nodes
+        .as_ref()
+}
+
+impl Prepared<'_> {
+    /// Whether node `n`'s change drains it when its GPUs are busy: a layout demand recorded
+    /// under `drainBusyNodes`, any other change under `disruption.mode: drain`.
+    pub fn drains_node(&self, n: &NodeFacts) -> bool {
+        if demand_reshape(self, n) {
+            demand_drain(self.spec).is_some()
+        } else {
+            self.drains()
+        }
+    }
+
+    /// Whether a drain for this policy leaves a pod (labels, priority) alone:
+    /// `disruption.neverEvict` selects it, or, in a drain for demand, it is above the priority
+    /// ceiling.
+    pub fn never_evicts(&self, labels: Option<&Labels>, priority: i32, demand: bool) -> bool {
+        let never = self
+            .spec
+            .disruption
+            .as_ref()
+            .and_then(|d| d.never_evict.as_ref())
+            .is_some_and(|sel| selector_matches(sel, labels.unwrap_or(&Labels::default())));
+        never || demand && demand_drain(self.spec).is_some_and(|d| priority > d.max_pod_priority)
+    }
 }
 
 /// Whether a named layout may be in a dynamic catalogue: in the mig-parted config, with MIG

@@ -12,8 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::api::crd::{
-    DEFAULT_DRAIN_TIMEOUT_SECONDS, DEFAULT_NODE_TIMEOUT_SECONDS, DisruptionMode,
-    GpuSharingPolicySpec,
+    DEFAULT_DRAIN_TIMEOUT_SECONDS, DEFAULT_NODE_TIMEOUT_SECONDS, GpuSharingPolicySpec,
 };
 use crate::api::names::{
     ANNOTATION_CONFIG_WRITTEN, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG,
@@ -56,21 +55,21 @@ pub fn budget(spec: &GpuSharingPolicySpec, governed: usize) -> usize {
 }
 
 /// How long a started node may stay unconfirmed: `nodeTimeoutSeconds`, plus
-/// `drainTimeoutSeconds` when nodes are drained first.
-fn node_timeout(spec: &GpuSharingPolicySpec) -> i64 {
+/// `drainTimeoutSeconds` when the node is drained first.
+fn node_timeout(spec: &GpuSharingPolicySpec, drains: bool) -> i64 {
     let confirm = spec
         .rollout
         .as_ref()
         .and_then(|r| r.node_timeout_seconds)
         .unwrap_or(DEFAULT_NODE_TIMEOUT_SECONDS);
-    let drain = spec
-        .disruption
-        .as_ref()
-        .filter(|d| d.mode == DisruptionMode::Drain)
-        .map_or(0, |d| {
-            d.drain_timeout_seconds
-                .unwrap_or(DEFAULT_DRAIN_TIMEOUT_SECONDS)
-        });
+    let drain = if drains {
+        spec.disruption
+            .as_ref()
+            .and_then(|d| d.drain_timeout_seconds)
+            .unwrap_or(DEFAULT_DRAIN_TIMEOUT_SECONDS)
+    } else {
+        0
+    };
     confirm + drain
 }
 
@@ -164,7 +163,7 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
     let changes = !e.in_sync;
     let mark = n.annotations.get(ANNOTATION_ROLLOUT).and_then(Mark::parse);
     let started = mark.as_ref().is_some_and(|m| m.target == target);
-    let timeout = node_timeout(w.spec);
+    let timeout = node_timeout(w.spec, w.drains_node(n));
     // A new generation gives nodes still in flight a new timeout (see `gate`).
     let generation = w.policy.metadata.generation.unwrap_or(0);
     let overdue = mark
@@ -185,11 +184,11 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
             NodeState::Rejected | NodeState::Invalid | NodeState::Failed | NodeState::Stale,
         ) => Phase::Settled,
         // Busy GPUs under `drain`: starting the node means draining it.
-        // Demand waits for idle GPUs: it never drains a node.
-        Some(NodeState::Waiting) if w.drains() && !started && earlier && !super::policies::demand_reshape(w, n) => {
+        // Demand drains only under `drainBusyNodes`.
+        Some(NodeState::Waiting) if w.drains_node(n) && !started && earlier => {
             Phase::CandidateUnavailable
         }
-        Some(NodeState::Waiting) if w.drains() && !started && !super::policies::demand_reshape(w, n) => {
+        Some(NodeState::Waiting) if w.drains_node(n) && !started => {
             Phase::Candidate
         }
         _ if changes && !started && !e.hold && earlier => Phase::CandidateUnavailable,

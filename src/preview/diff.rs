@@ -253,7 +253,11 @@ pub fn demand_lines(plan: &plan::Plan) -> Vec<String> {
                 .filter(|(_, n, _)| n == node)
                 .map(|(p, _, _)| p.as_str())
                 .collect();
-            Some(format!("{node}: {layout} (for {})", pods.join(", ")))
+            let drain = match plan.demand.drains.get(node) {
+                Some(n) => format!("; drains it, evicting {n} GPU pod(s)"),
+                None => String::new(),
+            };
+            Some(format!("{node}: {layout} (for {}{drain})", pods.join(", ")))
         })
         .collect()
 }
@@ -377,6 +381,28 @@ mod tests {
 
     fn names(policies: &[GpuSharingPolicy]) -> BTreeSet<String> {
         policies.iter().map(|p| p.name_any()).collect()
+    }
+
+    /// `plan` names the pods a demand layout is for, and says when the node is drained for it.
+    #[test]
+    fn demand_lines_name_the_pods_and_the_drain() {
+        let mut p = plan::Plan::default();
+        let d = &mut p.demand;
+        for (node, at) in [("a", "all-3g.40gb@7"), ("b", "all-1g.10gb@7")] {
+            d.annotations.insert(node.into(), Some(at.into()));
+        }
+        d.annotations.insert("c".into(), None);
+        for (pod, node) in [("ml/p0", "a"), ("ml/p1", "a"), ("ml/q", "b")] {
+            d.events.push((pod.into(), node.into(), String::new()));
+        }
+        d.drains.insert("a".into(), 1);
+        assert_eq!(
+            demand_lines(&p),
+            [
+                "a: all-3g.40gb (for ml/p0, ml/p1; drains it, evicting 1 GPU pod(s))",
+                "b: all-1g.10gb (for ml/q)",
+            ]
+        );
     }
 
     #[test]
