@@ -388,5 +388,44 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         (n.spec?.unschedulable != Some(true)).then_some(())
     })
     .await;
+
+    // 7. Taints: a100-node-1 gets `nvidia.com/gpu=present:NoSchedule` (which the GPU Operator's
+    // DaemonSets tolerate, as its chart sets). Of two 1g pods, only the one that tolerates it
+    // is demand for the node: the node is reshaped for it, kube-scheduler binds it there, and
+    // the other pod gets no event and stays pending.
+    let tolerate_gpu =
+        json!({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"});
+    testkit::cluster_policy_api(&c)
+        .patch(
+            "cluster-policy",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"spec": {"daemonsets": {"tolerations": [tolerate_gpu]}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let taint = json!({"spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]}});
+    Api::<Node>::all(c.clone())
+        .patch(
+            "a100-node-1",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&taint),
+        )
+        .await
+        .unwrap();
+    let mut tolerant = mig_pod("tolerant", "1g.10gb", 1, 1);
+    tolerant.spec.as_mut().unwrap().tolerations =
+        Some(vec![serde_json::from_value(tolerate_gpu).unwrap()]);
+    create(&c, tolerant).await;
+    create(&c, mig_pod("intolerant", "1g.10gb", 1, 1)).await;
+    until("tolerant bound on a100-node-1", LONG, || async {
+        let (node, _) = pod_states(&c).await.remove("tolerant")?;
+        (node == "a100-node-1").then_some(())
+    })
+    .await;
+    assert_eq!(pod_events(&c, "tolerant").await.len(), 1);
+    assert_eq!(pod_events(&c, "intolerant").await, Vec::<String>::new());
+    assert_eq!(pod_states(&c).await["intolerant"].0, "", "not bound");
     op.stop().await;
 }

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 
-use crate::api::names::OBSERVED_ANNOTATIONS;
+use crate::api::names::{OBSERVED_ANNOTATIONS, TAINT_UNSCHEDULABLE};
 use crate::observe::managed::owned_keys;
+use crate::plan::taint::Taint;
 use crate::plan::{LabelFilter, Labels, NodeFacts, OwnedKeys};
 
 /// Our managed labels a field manager owns through server-side apply, read from a node's
@@ -65,6 +66,19 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
         .filter(|(k, _)| k.starts_with("nvidia.com/"))
         .map(|(k, v)| (strings.intern(&k), strings.intern(&v.0)))
         .collect::<Vec<_>>();
+    let taints = node
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute"))
+        .filter(|t| t.key != TAINT_UNSCHEDULABLE)
+        .map(|t| Taint {
+            key: t.key,
+            value: t.value.unwrap_or_default(),
+            effect: t.effect,
+        })
+        .collect();
     let meta = node.metadata;
     let managed = meta.managed_fields.as_deref().unwrap_or_default();
     // Only our own annotations: other controllers put large ones on nodes.
@@ -89,5 +103,6 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
         labels: Labels::from_pairs(labels),
         annotations: Labels::from_pairs(annotations),
         allocatable: Labels::from_pairs(allocatable),
+        taints,
     }
 }

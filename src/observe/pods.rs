@@ -8,6 +8,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use crate::plan::input::{PendingPod, Requirement};
+use crate::plan::taint::Toleration;
 use crate::plan::{Labels, is_device_plugin_resource};
 
 /// The extended resources a pod's containers ask for (limits and requests).
@@ -181,5 +182,16 @@ pub fn pending_pod(p: &Pod) -> Option<PendingPod> {
         profiles,
         node_selector: spec.node_selector.clone().unwrap_or_default(),
         affinity,
+        tolerations: spec
+            .tolerations
+            .iter()
+            .flatten()
+            .map(|t| Toleration {
+                key: t.key.clone().unwrap_or_default(),
+                operator: t.operator.clone().unwrap_or_default(),
+                value: t.value.clone().unwrap_or_default(),
+                effect: t.effect.clone().unwrap_or_default(),
+            })
+            .collect(),
     })
 }

@@ -104,8 +104,8 @@ struct Policy<'a, 'p> {
     nodes: Vec<Node<'a>>,
     now: i64,
     /// Per node: what decides which pods it may take and what a layout gives it (the values
-    /// of the label keys pending pods select on, and its GPU labels). Nodes of one class are
-    /// interchangeable, so each question is asked once per class.
+    /// of the label keys pending pods select on, its taints, and its GPU labels). Nodes of one
+    /// class are interchangeable, so each question is asked once per class.
     class: Vec<String>,
     offers: &'a Offers<'a>,
 }
@@ -151,6 +151,9 @@ fn classes(nodes: &[Node], demand: &[PendingPod]) -> Vec<String> {
             for k in &keys {
                 c.push('\u{1f}');
                 c.push_str(n.view.labels.get(k).unwrap_or("\u{0}"));
+            }
+            for t in &n.view.taints {
+                c.push_str(&format!("\u{1e}{}={}:{}", t.key, t.value, t.effect));
             }
             c
         })
@@ -306,10 +309,7 @@ impl Policy<'_, '_> {
         let reps = self.representatives(|_| true);
         let mut pods: Vec<&PendingPod> = demand
             .iter()
-            .filter(|p| {
-                reps.iter()
-                    .any(|&i| p.fits_labels(&self.nodes[i].view.labels))
-            })
+            .filter(|p| reps.iter().any(|&i| p.fits(self.nodes[i].view)))
             .collect();
         pods.sort_by(|a, b| (-a.priority, a.since, &a.id).cmp(&(-b.priority, b.since, &b.id)));
         pods
@@ -456,7 +456,7 @@ impl Policy<'_, '_> {
         let mut residual = Vec::new();
         for (k, p) in pods.iter().enumerate() {
             match (0..self.nodes.len())
-                .find(|&i| holds(&supply[i], &reqs[k]) && p.fits_labels(&self.nodes[i].view.labels))
+                .find(|&i| holds(&supply[i], &reqs[k]) && p.fits(self.nodes[i].view))
             {
                 Some(i) => {
                     take(&mut supply[i], &reqs[k]);
@@ -573,7 +573,7 @@ impl Policy<'_, '_> {
                 let mut s = (*offer).clone();
                 let mut gained = Vec::new();
                 for &k in residual {
-                    if holds(&s, &reqs[k]) && pods[k].fits_labels(&n.view.labels) {
+                    if holds(&s, &reqs[k]) && pods[k].fits(n.view) {
                         take(&mut s, &reqs[k]);
                         gained.push(k);
                     }
@@ -637,13 +637,16 @@ impl Policy<'_, '_> {
             .filter(|(i, n)| {
                 *class_fits
                     .entry(self.class[*i].as_str())
-                    .or_insert_with(|| p.fits_labels(&n.view.labels))
+                    .or_insert_with(|| p.fits(n.view))
             })
             .collect();
         if fitting.is_empty() {
             return (
                 NO_MATCHING_NODE,
-                format!("no node of the policy accepts pod {}", p.id),
+                format!(
+                    "no node of the policy accepts pod {} (node selector, required node affinity, untolerated taints)",
+                    p.id
+                ),
             );
         }
         let req: Vec<(String, i64)> = wants(p).collect();
@@ -1068,6 +1071,46 @@ mod tests {
         assert_eq!(
             (d.pending, d.served, d.reason.as_deref()),
             (3, 0, Some(NO_IDLE_NODE))
+        );
+    }
+
+    /// Taints: a pod is demand for a node only when it tolerates the node's NoSchedule and
+    /// NoExecute taints, as kube-scheduler would place it.
+    #[test]
+    fn untolerated_taints_keep_pods_off_a_node() {
+        use crate::plan::taint::{Taint, Toleration};
+        let tainted = || {
+            let mut v = node("a", "all-7g.80gb", SEVEN);
+            std::sync::Arc::make_mut(&mut v.facts).taints = vec![Taint {
+                key: "dedicated".into(),
+                value: "ml".into(),
+                effect: "NoSchedule".into(),
+            }];
+            v
+        };
+        let plain = pod("ml/p", "1g.10gb", 1, NOW - 5);
+        let plan = plan_all(&input("", vec![tainted()], vec![plain.clone()]));
+        assert!(plan.demand.annotations.is_empty());
+        let st = plan.statuses["dyn"].demand.clone().unwrap_or_default();
+        assert!(st.profiles.is_empty(), "not the policy's demand: {st:?}");
+        // The untainted node is chosen over the tainted one that comes first by name.
+        let plan = plan_all(&input(
+            "",
+            vec![tainted(), node("b", "all-7g.80gb", SEVEN)],
+            vec![plain.clone()],
+        ));
+        assert_eq!(plan.demand.annotations.keys().collect::<Vec<_>>(), ["b"]);
+        // A pod that tolerates it gets the tainted node.
+        let mut tolerant = plain;
+        tolerant.tolerations = vec![Toleration {
+            key: "dedicated".into(),
+            operator: "Exists".into(),
+            ..Default::default()
+        }];
+        let plan = plan_all(&input("", vec![tainted()], vec![tolerant]));
+        assert_eq!(
+            plan.demand.annotations,
+            [("a".to_string(), Some(format!("all-1g.10gb@{NOW}")))].into()
         );
     }
 

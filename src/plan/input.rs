@@ -102,11 +102,22 @@ pub struct PendingPod {
     pub node_selector: BTreeMap<String, String>,
     /// Required node affinity: a node must satisfy every requirement of one term.
     pub affinity: Vec<Vec<Requirement>>,
+    /// `spec.tolerations`: a node's `NoSchedule`/`NoExecute` taints must all be tolerated.
+    pub tolerations: Vec<super::taint::Toleration>,
 }
 
 impl PendingPod {
+    /// Whether the pod may be placed on node `n`: its labels (see [`Self::fits_labels`]) and
+    /// its taints, each tolerated.
+    pub fn fits(&self, n: &super::NodeFacts) -> bool {
+        self.fits_labels(&n.labels)
+            && n.taints
+                .iter()
+                .all(|t| self.tolerations.iter().any(|tol| tol.tolerates(t)))
+    }
+
     /// Whether the pod may be placed on a node with these labels (its node selector and
-    /// required node affinity; taints are not judged).
+    /// required node affinity).
     pub fn fits_labels(&self, labels: &super::Labels) -> bool {
         self.node_selector
             .iter()

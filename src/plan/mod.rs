@@ -80,6 +80,9 @@ pub struct NodeFacts {
     /// device plugin (or the sandbox device plugin) advertises now. Capacity lingers after a
     /// plugin stops; allocatable drops to 0.
     pub allocatable: Labels,
+    /// `NoSchedule` and `NoExecute` taints, but the cordon's `node.kubernetes.io/unschedulable`:
+    /// which pending pods the node may take (demand planning).
+    pub taints: Vec<taint::Taint>,
 }
 
 impl NodeFacts {

@@ -147,9 +147,13 @@ fn strip_pod(p: &mut Pod) {
 }
 
 /// Unscheduled pods stripped to what demand planning reads: requests, node selector, node
-/// affinity, priority, the scheduler's condition.
+/// affinity, tolerations, priority, the scheduler's condition.
 fn strip_pending_pod(p: &mut Pod) {
+    let tolerations = p.spec.as_mut().and_then(|s| s.tolerations.take());
     strip_common(p);
+    if let Some(s) = p.spec.as_mut() {
+        s.tolerations = tolerations;
+    }
     p.metadata.labels = None;
     if let Some(s) = p.status.as_mut() {
         s.container_statuses = None;
