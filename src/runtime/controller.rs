@@ -102,7 +102,8 @@ pub async fn run(
 }
 
 /// Passes forever: after each, wait for a watch event (or the resync, or a short recheck while
-/// something is in progress, or the backoff after an error), then for the watches to go quiet.
+/// something is in progress, or the moment demand may act, or the backoff after an error), then
+/// for the watches to go quiet.
 async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
     ctx.caches.wait_until_ready().await;
     info!(namespace = %ctx.namespace, "caches ready; reconciling");
@@ -110,13 +111,9 @@ async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
     let mut backoff = Duration::from_millis(500);
     loop {
         match pass(&ctx, &mut memory).await {
-            Ok(requeue) => {
+            Ok(recheck) => {
                 backoff = Duration::from_millis(500);
-                let wait = if requeue {
-                    Duration::from_secs(2)
-                } else {
-                    ctx.config.resync
-                };
+                let wait = recheck.map_or(ctx.config.resync, |r| r.min(ctx.config.resync));
                 tokio::select! {
                     _ = notify.notified() => {},
                     _ = tokio::time::sleep(wait) => {},
@@ -147,7 +144,7 @@ async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
 
 /// One pass in its tracing span (pass number, nodes changed, writes); its writes and duration
 /// feed the metrics, and what it learnt the memory, whether it succeeded or not.
-async fn pass(ctx: &Context, memory: &mut ControllerMemory) -> Result<bool, Error> {
+async fn pass(ctx: &Context, memory: &mut ControllerMemory) -> Result<Option<Duration>, Error> {
     let id = ctx.next_pass();
     let span = info_span!(
         "pass",
@@ -203,16 +200,17 @@ fn record_plan_metrics(ctx: &Context, input: &PlanInput, plan: &Plan) {
 
 /// One pass: plan (with what `memory` recalls), then apply the difference in a safe order,
 /// recording every write and what it taught in `report` (the caller records that in `memory`).
-/// Returns whether something is still in progress (then the caller re-checks soon even without
-/// watch events).
+/// Returns when to look again without watch events: soon ([`IN_PROGRESS_RECHECK`]) while
+/// something is in progress, when time alone lets demand act (its quiet period, idle time or
+/// cooldown running out), or `None` (the resync).
 pub async fn reconcile_all(
     ctx: &Context,
     memory: &mut ControllerMemory,
     report: &mut WriteReport,
-) -> Result<bool, Error> {
+) -> Result<Option<Duration>, Error> {
     let Some(input) = ctx.plan_input(memory) else {
         // The node cache is listing nodes again (a new selector key); its last event wakes us.
-        return Ok(true);
+        return Ok(Some(IN_PROGRESS_RECHECK));
     };
     let plan = memory.planner().plan(&input);
     record_plan_metrics(ctx, &input, &plan);
@@ -262,5 +260,15 @@ pub async fn reconcile_all(
             .values()
             .any(|s| s.applied_nodes < s.matched_nodes - s.conflicting_nodes - s.overridden_nodes);
     let cleanup = finalize::finish_policies(ctx, &plan, &cleanup_pending, !changed, report).await?;
-    Ok(changed || unconfirmed || cleanup || plan.demand.recheck_in.is_some())
+    if changed || unconfirmed || cleanup {
+        return Ok(Some(IN_PROGRESS_RECHECK));
+    }
+    Ok(plan
+        .demand
+        .recheck_in
+        .map(|s| Duration::from_secs(s.max(1) as u64)))
 }
+
+/// How soon a pass looks again while a change is in progress (the MIG manager, the device
+/// plugin, a drain), watch events or not.
+pub const IN_PROGRESS_RECHECK: Duration = Duration::from_secs(2);
