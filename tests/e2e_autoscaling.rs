@@ -453,21 +453,10 @@ async fn allocatable(c: &Client, node: &str) -> BTreeMap<String, String> {
 
 /// Karpenter's own messages about a pod (its `FailedScheduling` / `Nominated` events).
 async fn karpenter_events(c: &Client, pod: &str) -> Vec<String> {
-    Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.clone(), "default")
-        .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={pod}")))
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|e| e.source.as_ref().and_then(|s| s.component.as_deref()) == Some("karpenter"))
-        .map(|e| {
-            format!(
-                "{}: {}",
-                e.reason.unwrap_or_default(),
-                e.message.unwrap_or_default()
-            )
-        })
-        .collect()
+    pod_events(c, pod, |e| {
+        e.source.as_ref().and_then(|s| s.component.as_deref()) == Some("karpenter")
+    })
+    .await
 }
 
 async fn bound_node(c: &Client, pod: &str) -> Option<String> {

@@ -13,9 +13,9 @@ mod support;
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
-use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 use support::*;
 
@@ -76,23 +76,9 @@ async fn node_meta(c: &Client, node: &str) -> (BTreeMap<String, String>, BTreeMa
     (n.metadata.annotations.unwrap_or_default(), alloc)
 }
 
-/// The operator's events on a pod: `reason: message`.
-async fn pod_events(c: &Client, pod: &str) -> Vec<String> {
-    Api::<Event>::namespaced(c.clone(), "default")
-        .list(&ListParams::default().fields(&format!("involvedObject.name={pod}")))
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|e| e.reason.as_deref() == Some("ReshapingNode"))
-        .map(|e| {
-            format!(
-                "{}: {}",
-                e.reason.unwrap_or_default(),
-                e.message.unwrap_or_default()
-            )
-        })
-        .collect()
+/// The operator's `ReshapingNode` events on a pod: `reason: message`.
+async fn reshaping_events(c: &Client, pod: &str) -> Vec<String> {
+    pod_events(c, pod, |e| e.reason.as_deref() == Some("ReshapingNode")).await
 }
 
 /// The policy's `status.demand.profiles`, by profile.
@@ -147,7 +133,7 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         "7 per A100 80GB x 8: {alloc:?}"
     );
     assert_eq!(
-        pod_events(&c, "first").await,
+        reshaping_events(&c, "first").await,
         [
             "ReshapingNode: reshaping node a100-node-0 to NVIDIA-A100-SXM4-80GB layout all-1g.10gb for this pod"
         ]
@@ -295,10 +281,10 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
     .await;
     assert_eq!(node, "a100-node-1");
     assert_eq!(
-        pod_events(&c, "moved").await.len(),
+        reshaping_events(&c, "moved").await.len(),
         2,
         "reshaping a100-node-0, then a100-node-1: {:?}",
-        pod_events(&c, "moved").await
+        reshaping_events(&c, "moved").await
     );
     let s = policy_status(&c, "dyn").await.unwrap();
     let failed = s["nodeDetails"]
@@ -374,10 +360,10 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         "low evicted"
     );
     assert!(
-        pod_events(&c, "drained-for-0").await[0]
+        reshaping_events(&c, "drained-for-0").await[0]
             .ends_with("layout all-3g.40gb for this pod (draining it: 1 GPU pod(s) evicted)"),
         "{:?}",
-        pod_events(&c, "drained-for-0").await
+        reshaping_events(&c, "drained-for-0").await
     );
     assert_eq!(
         layouts(&history[1]).last().map(String::as_str),
@@ -424,8 +410,11 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         (node == "a100-node-1").then_some(())
     })
     .await;
-    assert_eq!(pod_events(&c, "tolerant").await.len(), 1);
-    assert_eq!(pod_events(&c, "intolerant").await, Vec::<String>::new());
+    assert_eq!(reshaping_events(&c, "tolerant").await.len(), 1);
+    assert_eq!(
+        reshaping_events(&c, "intolerant").await,
+        Vec::<String>::new()
+    );
     assert_eq!(pod_states(&c).await["intolerant"].0, "", "not bound");
     op.stop().await;
 }

@@ -530,6 +530,28 @@ pub enum MigStrategy {
     Mixed,
 }
 
+impl Mig {
+    /// This MIG spec with the named `layout` in place of its own (named or custom): what a node
+    /// runs when demand gave it another layout of `dynamic.layouts`.
+    pub fn with_layout(&self, layout: &str) -> Mig {
+        Mig {
+            layout: Some(layout.into()),
+            custom_layout: None,
+            ..self.clone()
+        }
+    }
+}
+
+impl GpuSharingPolicySpec {
+    /// This spec with its MIG layout replaced by the named `layout` (see [`Mig::with_layout`]).
+    pub fn with_mig_layout(&self, layout: &str) -> GpuSharingPolicySpec {
+        GpuSharingPolicySpec {
+            mig: self.mig.as_ref().map(|m| m.with_layout(layout)),
+            ..self.clone()
+        }
+    }
+}
+
 impl MigStrategy {
     pub fn as_str(self) -> &'static str {
         match self {

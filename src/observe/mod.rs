@@ -29,6 +29,7 @@ use kube::api::DynamicObject;
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{DEFAULT_MIG_CONFIGMAP, DEFAULT_VGPU_CONFIGMAP, INSTANCE_TYPES_CONFIGMAP};
 pub use crate::plan::Settings;
+use crate::plan::input::PendingPod;
 use crate::plan::taint::{ReadinessTaint, Taint};
 use crate::plan::{self, ClusterFacts, NodeFacts, NodeView, PlanInput};
 
@@ -40,8 +41,9 @@ pub struct ClusterView<'a> {
     pub nodes: Vec<Arc<NodeFacts>>,
     /// Pods bound to nodes (running or about to).
     pub pods: Vec<&'a Pod>,
-    /// Pods not bound to a node yet (those asking for MIG instances are demand).
-    pub pending: Vec<&'a Pod>,
+    /// Pods the scheduler could not place that ask for MIG instances (see
+    /// [`pods::demand`]).
+    pub demand: Vec<PendingPod>,
     /// ResourceClaims (only allocated `gpu.nvidia.com` ones count).
     pub claims: Vec<&'a ResourceClaim>,
     /// Every ClusterPolicy; `None` when there is no cluster to ask (`render`): then the
@@ -96,15 +98,7 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
         autoscaling: view
             .karpenter
             .map(|k| karpenter::facts(k, cm(INSTANCE_TYPES_CONFIGMAP), None)),
-        demand: {
-            let mut d: Vec<_> = view
-                .pending
-                .iter()
-                .filter_map(|p| pods::pending_pod(p))
-                .collect();
-            d.sort_by(|a, b| a.id.cmp(&b.id));
-            d
-        },
+        demand: view.demand,
         ..Default::default()
     };
     if let Some(base) = gpu_operator::vgpu_configs(cm(DEFAULT_VGPU_CONFIGMAP)) {

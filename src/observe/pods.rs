@@ -126,6 +126,13 @@ pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
     out
 }
 
+/// The demand among pods not bound to a node (see [`pending_pod`]), by id.
+pub fn demand<'a>(pending: impl IntoIterator<Item = &'a Pod>) -> Vec<PendingPod> {
+    let mut d: Vec<PendingPod> = pending.into_iter().filter_map(pending_pod).collect();
+    d.sort_by(|a, b| a.id.cmp(&b.id));
+    d
+}
+
 /// A pod the scheduler marked unschedulable (`PodScheduled=False`, reason `Unschedulable`)
 /// that asks for MIG instances, as demand planning reads it.
 pub fn pending_pod(p: &Pod) -> Option<PendingPod> {

@@ -565,11 +565,7 @@ pub fn layout_resources(
     let owned;
     let mig = match layout {
         Some(l) => {
-            owned = Mig {
-                layout: Some(l.into()),
-                custom_layout: None,
-                ..mig.clone()
-            };
+            owned = mig.with_layout(l);
             &owned
         }
         None => mig,

@@ -142,10 +142,8 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<super::capacity::Advertise
         n.labels.get(LABEL_MIG_CONFIG),
         p.spec.mig.as_ref().and_then(|m| m.dynamic.as_ref()),
     ) && d.layouts.iter().any(|x| x == l)
-        && let Some(mig) = spec.to_mut().mig.as_mut()
     {
-        mig.layout = Some(l.to_string());
-        mig.custom_layout = None;
+        spec = std::borrow::Cow::Owned(p.spec.with_mig_layout(l));
     }
     super::capacity::device_plugin_advertises(&spec, n, input.cluster.base_mig_configs.as_ref())
 }

@@ -160,12 +160,7 @@ pub fn spec_on_node<'a>(
             if mig.and_then(|m| m.layout.as_deref()) != Some(l)
                 && d.layouts.iter().any(|x| x == l) =>
         {
-            let mut spec = spec.clone();
-            if let Some(mig) = spec.mig.as_mut() {
-                mig.layout = Some(l.to_string());
-                mig.custom_layout = None;
-            }
-            std::borrow::Cow::Owned(spec)
+            std::borrow::Cow::Owned(spec.with_mig_layout(l))
         }
         _ => std::borrow::Cow::Borrowed(spec),
     }

@@ -186,7 +186,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         policies,
         nodes,
         pods: pods.iter().collect(),
-        pending: pending.iter().collect(),
+        demand: observe::pods::demand(&pending),
         claims: claims.iter().collect(),
         cluster_policies: Some(cluster_policies.iter().collect()),
         gpu_clusters,

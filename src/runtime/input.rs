@@ -44,11 +44,8 @@ impl Context {
         // Checked before the snapshot: the cache's listed labels only grow.
         // Pending pods' node selectors and affinity are judged against node labels too.
         let mut keys = selector_keys(&policies);
-        for p in self.caches.pending.state() {
-            if let Some(d) = observe::pods::pending_pod(&p) {
-                keys.extend(d.label_keys().cloned());
-            }
-        }
+        let demand = observe::pods::demand(self.caches.pending.state().iter().map(|p| &**p));
+        keys.extend(demand.iter().flat_map(|d| d.label_keys()).cloned());
         if !self.caches.nodes.require(&keys) {
             return None;
         }
@@ -92,7 +89,6 @@ impl Context {
             .filter_map(|p| p.spec.as_ref()?.node_name.as_deref());
         memory.note_busy(busy, &nodes, now);
         let memory = memory.recall(&self.caches.nodes.pending(), Instant::now());
-        let pending = self.caches.pending.state();
         let karpenter = self
             .caches
             .karpenter
@@ -102,7 +98,7 @@ impl Context {
             policies,
             nodes,
             pods: pods.iter().map(|p| &**p).collect(),
-            pending: pending.iter().map(|p| &**p).collect(),
+            demand,
             claims: claims.iter().map(|c| &**c).collect(),
             cluster_policies: Some(cluster_policies.iter().map(|c| &**c).collect()),
             gpu_clusters: self

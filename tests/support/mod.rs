@@ -872,3 +872,26 @@ pub async fn plan_agrees(client: &Client) {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
+
+/// The events on pod `pod` in `default` that `keep` admits, as `reason: message`.
+pub async fn pod_events(
+    c: &Client,
+    pod: &str,
+    keep: impl Fn(&k8s_openapi::api::core::v1::Event) -> bool,
+) -> Vec<String> {
+    Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.clone(), "default")
+        .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={pod}")))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| keep(e))
+        .map(|e| {
+            format!(
+                "{}: {}",
+                e.reason.unwrap_or_default(),
+                e.message.unwrap_or_default()
+            )
+        })
+        .collect()
+}
