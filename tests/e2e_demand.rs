@@ -2,7 +2,8 @@
 //! loop. The local control plane runs kube-scheduler in-process (`kube-local --scheduler`); the
 //! node simulator plays the MIG manager (NVIDIA's mig-parted and go-nvml tables), the device
 //! plugin and the kubelet, which runs a bound pod for its `simulator.gpusharing.io/run-seconds`
-//! and then lets it Succeed. Two A100 nodes start with one 7g instance per GPU.
+//! and then lets it Succeed. Two A100 nodes start with one 7g instance per GPU; an H100 node
+//! joins at the end.
 //!
 //! One control plane for the file: the steps run in order in one test. The invariant watcher
 //! checks throughout that no node is relabelled (MIG layout, workload) while GPU pods run on it:
@@ -416,5 +417,50 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         Vec::<String>::new()
     );
     assert_eq!(pod_states(&c).await["intolerant"].0, "", "not bound");
+
+    // 8. An H100 node joins the policy: it gets the policy's layout, then a 1g pod that asks for
+    // an H100 gets it reshaped to all-1g.10gb by the H100's own geometry (7 per GPU), and
+    // kube-scheduler binds the pod there.
+    let h100 = fixture_node("a100-node-1", "h100-node-0")
+        .replace("NVIDIA-A100-SXM4-80GB", "NVIDIA-H100-80GB-HBM3")
+        .replace("gpu.family: ampere", "gpu.family: hopper")
+        .replace("gpu.compute.major: '8'", "gpu.compute.major: '9'")
+        .replace("gpu.memory: '81920'", "gpu.memory: '81559'")
+        .replace("p4de.24xlarge", "p5.48xlarge")
+        .replace(
+            "kubernetes.io/hostname: h100-node-0\n",
+            "kubernetes.io/hostname: h100-node-0\n    gpusharing.io/profile: dyn\n",
+        );
+    testkit::apply_yaml(&c, &h100).await.unwrap();
+    until("h100-node-0 on all-7g.80gb", LONG, || async {
+        let (_, alloc) = node_meta(&c, "h100-node-0").await;
+        (alloc.get("nvidia.com/mig-7g.80gb").map(String::as_str) == Some("8")).then_some(())
+    })
+    .await;
+    let mut on_h100 = mig_pod("on-h100", "1g.10gb", 1, 1);
+    on_h100.spec.as_mut().unwrap().node_selector = Some(
+        [
+            ("gpusharing.io/profile".to_string(), "dyn".to_string()),
+            (
+                "nvidia.com/gpu.product".to_string(),
+                "NVIDIA-H100-80GB-HBM3".to_string(),
+            ),
+        ]
+        .into(),
+    );
+    create(&c, on_h100).await;
+    until("on-h100 bound on h100-node-0", LONG, || async {
+        let (node, _) = pod_states(&c).await.remove("on-h100")?;
+        (node == "h100-node-0").then_some(())
+    })
+    .await;
+    let (_, alloc) = node_meta(&c, "h100-node-0").await;
+    assert_eq!(alloc["nvidia.com/mig-1g.10gb"], "56", "{alloc:?}");
+    assert_eq!(
+        reshaping_events(&c, "on-h100").await,
+        [
+            "ReshapingNode: reshaping node h100-node-0 to NVIDIA-H100-80GB-HBM3 layout all-1g.10gb for this pod"
+        ]
+    );
     op.stop().await;
 }
