@@ -419,8 +419,13 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
     assert_eq!(pod_states(&c).await["intolerant"].0, "", "not bound");
 
     // 8. An H100 node joins the policy: it gets the policy's layout, then a 1g pod that asks for
-    // an H100 gets it reshaped to all-1g.10gb by the H100's own geometry (7 per GPU), and
+    // an H100 gets it reshaped to all-1g.10gb (7 per GPU, as on the A100 80GB), and
     // kube-scheduler binds the pod there.
+    // The intolerant pod goes first: the new node would be reshaped for it.
+    pods(&c)
+        .delete("intolerant", &Default::default())
+        .await
+        .unwrap();
     let h100 = fixture_node("a100-node-1", "h100-node-0")
         .replace("NVIDIA-A100-SXM4-80GB", "NVIDIA-H100-80GB-HBM3")
         .replace("gpu.family: ampere", "gpu.family: hopper")

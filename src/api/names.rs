@@ -53,8 +53,9 @@ pub const DEFAULT_READINESS_TAINT: &str = "gpusharing.io/unconfigured";
 /// MIG). A node whose mark names its policy's current target and is not confirmed counts
 /// against the rollout budget, whatever happened to the operator in between.
 pub const ANNOTATION_ROLLOUT: &str = "gpusharing.io/rollout";
-/// The taint Kubernetes puts on a cordoned node (`spec.unschedulable`): not judged as a taint by
-/// demand planning (a drain's own cordon goes when the node is confirmed).
+/// The taint Kubernetes puts on a cordoned node (`spec.unschedulable`): demand planning judges
+/// a cordon as this taint, unless the cordon is one of our drains' (it goes when the node is
+/// confirmed).
 pub const TAINT_UNSCHEDULABLE: &str = "node.kubernetes.io/unschedulable";
 
 /// Node annotation: the operator cordoned this node to drain it (`spec.unschedulable` is set in

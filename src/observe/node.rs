@@ -8,7 +8,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 
-use crate::api::names::{OBSERVED_ANNOTATIONS, TAINT_UNSCHEDULABLE};
+use crate::api::names::{ANNOTATION_CORDONED, OBSERVED_ANNOTATIONS, TAINT_UNSCHEDULABLE};
 use crate::observe::managed::owned_keys;
 use crate::plan::taint::Taint;
 use crate::plan::{LabelFilter, Labels, NodeFacts, OwnedKeys};
@@ -66,9 +66,16 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
         .filter(|(k, _)| k.starts_with("nvidia.com/"))
         .map(|(k, v)| (strings.intern(&k), strings.intern(&v.0)))
         .collect::<Vec<_>>();
-    let taints = node
-        .spec
-        .and_then(|s| s.taints)
+    let meta = node.metadata;
+    // A cordon is a taint to the scheduler; one of our drains is not (it goes once the node is
+    // confirmed), someone else's is.
+    let ours = meta
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(ANNOTATION_CORDONED));
+    let spec = node.spec.unwrap_or_default();
+    let mut taints: Vec<Taint> = spec
+        .taints
         .unwrap_or_default()
         .into_iter()
         .filter(|t| matches!(t.effect.as_str(), "NoSchedule" | "NoExecute"))
@@ -79,7 +86,13 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
             effect: t.effect,
         })
         .collect();
-    let meta = node.metadata;
+    if spec.unschedulable == Some(true) && !ours {
+        taints.push(Taint {
+            key: TAINT_UNSCHEDULABLE.into(),
+            value: String::new(),
+            effect: "NoSchedule".into(),
+        });
+    }
     let managed = meta.managed_fields.as_deref().unwrap_or_default();
     // Only our own annotations: other controllers put large ones on nodes.
     let annotations = meta
@@ -104,5 +117,56 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
         annotations: Labels::from_pairs(annotations),
         allocatable: Labels::from_pairs(allocatable),
         taints,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn taints_of(node: serde_json::Value) -> Vec<(String, String)> {
+        let node: Node = serde_json::from_value(node).unwrap();
+        facts(
+            node,
+            "ours",
+            &LabelFilter::default(),
+            &mut Interner::default(),
+        )
+        .taints
+        .into_iter()
+        .map(|t| (t.key, t.effect))
+        .collect()
+    }
+
+    /// The taints demand planning judges: NoSchedule and NoExecute ones; a cordon as the
+    /// unschedulable taint, unless it is one of our drains'.
+    #[test]
+    fn taints_and_cordons_as_demand_sees_them() {
+        let spec = serde_json::json!({
+            "unschedulable": true,
+            "taints": [
+                {"key": "dedicated", "value": "ml", "effect": "NoSchedule"},
+                {"key": "soft", "effect": "PreferNoSchedule"},
+                {"key": "gone", "effect": "NoExecute"},
+                {"key": TAINT_UNSCHEDULABLE, "effect": "NoSchedule"},
+            ],
+        });
+        let unschedulable = (TAINT_UNSCHEDULABLE.to_string(), "NoSchedule".to_string());
+        let someone_elses =
+            taints_of(serde_json::json!({"metadata": {"name": "a"}, "spec": spec.clone()}));
+        assert_eq!(
+            someone_elses,
+            [
+                ("dedicated".to_string(), "NoSchedule".to_string()),
+                ("gone".to_string(), "NoExecute".to_string()),
+                unschedulable.clone(),
+            ]
+        );
+        let ours = taints_of(serde_json::json!({
+            "metadata": {"name": "a", "annotations": {ANNOTATION_CORDONED: "true"}},
+            "spec": spec,
+        }));
+        assert!(!ours.contains(&unschedulable), "{ours:?}");
+        assert_eq!(ours.len(), 2);
     }
 }

@@ -24,7 +24,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::api::crd::{DemandStatus, DynamicMig, Mig, ProfileDemand};
+use crate::api::crd::{
+    DEFAULT_DRAIN_TIMEOUT_SECONDS, DemandStatus, DynamicMig, Mig, ProfileDemand,
+};
 use crate::api::names::{
     ANNOTATION_MIG_DEMAND, LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT, LABEL_MIG_CONFIG,
 };
@@ -32,6 +34,7 @@ use crate::api::names::{
 use super::NodeView;
 use super::capacity::layout_resources;
 use super::decision::mig_of;
+use super::input::ClusterFacts;
 use super::input::PendingPod;
 use super::policies::{Prepared, catalogue, node_layout, recorded};
 
@@ -108,6 +111,8 @@ struct Policy<'a, 'p> {
     /// class are interchangeable, so each question is asked once per class.
     class: Vec<String>,
     offers: &'a Offers<'a>,
+    /// A taint key not judged (the readiness taint, which the operator removes).
+    transient: Option<&'a str>,
 }
 
 /// A layout's device-plugin resources on a node, per (layout, GPU labels), computed once a
@@ -161,15 +166,20 @@ fn classes(nodes: &[Node], demand: &[PendingPod]) -> Vec<String> {
 }
 
 /// Demand planning for every dynamic policy. `views` in name order; `winner[i]` the governing
-/// policy of `views[i]`.
+/// policy of `views[i]`; the demand, the MIG configs and the time from `cluster`.
 pub fn plan(
     prepared: &[Prepared],
     views: &[&NodeView],
     winner: &[Option<usize>],
-    demand: &[PendingPod],
-    base: Option<&BTreeMap<String, serde_json::Value>>,
-    now: i64,
+    cluster: &ClusterFacts,
 ) -> DemandPlan {
+    let (demand, base, now) = (
+        &cluster.demand,
+        cluster.base_mig_configs.as_ref(),
+        cluster.now,
+    );
+    // The readiness taint goes once the node is configured: it keeps no pod away for good.
+    let transient = cluster.readiness_taint.as_ref().map(|t| t.key.as_str());
     let mut out = DemandPlan::default();
     let mut governed: BTreeSet<&str> = BTreeSet::new();
     // Pods one policy serves or reshapes for are not another's demand.
@@ -217,6 +227,7 @@ pub fn plan(
             now,
             class,
             offers: &offers,
+            transient,
         };
         handled.extend(p.plan(&demand, &mut out));
     }
@@ -309,10 +320,15 @@ impl Policy<'_, '_> {
         let reps = self.representatives(|_| true);
         let mut pods: Vec<&PendingPod> = demand
             .iter()
-            .filter(|p| reps.iter().any(|&i| p.fits(self.nodes[i].view)))
+            .filter(|p| reps.iter().any(|&i| self.fits(p, self.nodes[i].view)))
             .collect();
         pods.sort_by(|a, b| (-a.priority, a.since, &a.id).cmp(&(-b.priority, b.since, &b.id)));
         pods
+    }
+
+    /// Whether pod `p` may be placed on `v` (see [`PendingPod::fits`]).
+    fn fits(&self, p: &PendingPod, v: &NodeView) -> bool {
+        p.fits(v, self.transient)
     }
 
     /// The first node of each class among those `keep` admits.
@@ -456,7 +472,7 @@ impl Policy<'_, '_> {
         let mut residual = Vec::new();
         for (k, p) in pods.iter().enumerate() {
             match (0..self.nodes.len())
-                .find(|&i| holds(&supply[i], &reqs[k]) && p.fits(self.nodes[i].view))
+                .find(|&i| holds(&supply[i], &reqs[k]) && self.fits(p, self.nodes[i].view))
             {
                 Some(i) => {
                     take(&mut supply[i], &reqs[k]);
@@ -506,10 +522,20 @@ impl Policy<'_, '_> {
         reshaping
     }
 
+    /// Seconds a demand drain may take: `disruption.drainTimeoutSeconds`.
+    fn drain_timeout(&self) -> i64 {
+        self.w
+            .spec
+            .disruption
+            .as_ref()
+            .and_then(|d| d.drain_timeout_seconds)
+            .unwrap_or(DEFAULT_DRAIN_TIMEOUT_SECONDS)
+    }
+
     /// Recorded layouts stay; one the catalogue no longer has goes. A layout chosen for a node
     /// that runs GPU pods again before its change started (a pod was bound to its old free
-    /// instances) is given up, unless demand may drain the node as it is now: the node keeps
-    /// the layout it has.
+    /// instances) is given up, unless demand may drain the node as it is now and the drain has
+    /// not overrun its time: the node keeps the layout it has.
     fn keep_recorded(&self, out: &mut DemandPlan) {
         let catalogue = catalogue(self.w);
         for n in &self.nodes {
@@ -522,7 +548,15 @@ impl Policy<'_, '_> {
                 continue;
             };
             let label = n.view.labels.get(LABEL_MIG_CONFIG);
-            if label != Some(target.as_str()) && !n.view.gpu_pods.is_empty() && n.evicts.is_none() {
+            let busy = label != Some(target.as_str()) && !n.view.gpu_pods.is_empty();
+            // A drain for demand that overran `drainTimeoutSeconds` (a PodDisruptionBudget
+            // that never allows the eviction) is given up too: the node is uncordoned.
+            let deadline = n.since + self.drain_timeout();
+            let overran = self.now >= deadline;
+            if busy && n.evicts.is_some() && !overran {
+                recheck(out, deadline - self.now);
+            }
+            if busy && (n.evicts.is_none() || overran) {
                 let keep = label
                     .filter(|l| catalogue.iter().any(|c| c == l))
                     .map(|l| format!("{l}@{}", self.now));
@@ -573,7 +607,7 @@ impl Policy<'_, '_> {
                 let mut s = (*offer).clone();
                 let mut gained = Vec::new();
                 for &k in residual {
-                    if holds(&s, &reqs[k]) && pods[k].fits(n.view) {
+                    if holds(&s, &reqs[k]) && self.fits(pods[k], n.view) {
                         take(&mut s, &reqs[k]);
                         gained.push(k);
                     }
@@ -584,7 +618,11 @@ impl Policy<'_, '_> {
                 if net.iter().find(|x| **x != 0).is_none_or(|x| *x < 0) {
                     continue;
                 }
-                if best.as_ref().is_none_or(|(b, _)| net > *b) {
+                // Ties go to the choice that evicts fewer pods (an idle node first).
+                if best
+                    .as_ref()
+                    .is_none_or(|(b, c)| net > *b || net == *b && evicts.len() < c.evicted)
+                {
                     let c = Choice {
                         node: i,
                         layout: layout.clone(),
@@ -637,7 +675,7 @@ impl Policy<'_, '_> {
             .filter(|(i, n)| {
                 *class_fits
                     .entry(self.class[*i].as_str())
-                    .or_insert_with(|| p.fits(n.view))
+                    .or_insert_with(|| self.fits(p, n.view))
             })
             .collect();
         if fitting.is_empty() {
@@ -692,6 +730,15 @@ impl Policy<'_, '_> {
             .filter(|(i, n)| !taken.contains(i) && self.blocked(n).is_none())
             .collect();
         if !free.is_empty() {
+            // Nodes that time alone will free (idle time, cooldown) may serve it then.
+            if let Some(wait) = fitting
+                .iter()
+                .filter_map(|(_, n)| self.blocked(n).map(|b| b.1))
+                .filter(|w| *w > 0)
+                .min()
+            {
+                recheck(out, wait);
+            }
             let msg = if room == 0 {
                 format!(
                     "{} node(s) are already being reshaped, as many as the rollout budget allows",
@@ -1114,26 +1161,71 @@ mod tests {
         );
     }
 
+    /// The readiness taint is not judged: the operator removes it once the node is configured.
+    #[test]
+    fn the_readiness_taint_keeps_no_pod_away() {
+        use crate::plan::taint::{ReadinessTaint, Taint};
+        let key = "gpusharing.io/not-ready";
+        let mut v = node("a", "all-7g.80gb", SEVEN);
+        std::sync::Arc::make_mut(&mut v.facts).taints = vec![Taint {
+            key: key.into(),
+            effect: "NoSchedule".into(),
+            ..Default::default()
+        }];
+        let mut i = input(
+            "",
+            vec![v.clone()],
+            vec![pod("ml/p", "1g.10gb", 1, NOW - 5)],
+        );
+        assert!(
+            plan_all(&i).demand.annotations.is_empty(),
+            "judged as any taint"
+        );
+        i.cluster.readiness_taint = Some(ReadinessTaint {
+            key: key.into(),
+            ..Default::default()
+        });
+        assert_eq!(
+            plan_all(&i).demand.annotations.keys().collect::<Vec<_>>(),
+            ["a"]
+        );
+    }
+
+    const DRAIN: &str = "      drainBusyNodes: {maxPodPriority: 100}\n";
+
+    /// Node "a" on all-7g.80gb running one GPU pod of `priority`.
+    fn running(priority: i32) -> NodeView {
+        let mut v = node("a", "all-7g.80gb", SEVEN);
+        v.gpu_pods = vec!["ml/run".into()];
+        v.gpu_pod_priorities = [("ml/run".to_string(), priority)].into();
+        v.gpu_requests = [("nvidia.com/mig-7g.80gb".to_string(), 1)].into();
+        v.last_busy = NOW;
+        v
+    }
+
+    /// [`running`], with all-3g.40gb chosen for it 3 s ago.
+    fn chosen(priority: i32) -> NodeView {
+        let mut v = running(priority);
+        std::sync::Arc::make_mut(&mut v.facts).annotations.insert(
+            ANNOTATION_MIG_DEMAND,
+            format!("all-3g.40gb@{}", NOW - 3).as_str(),
+        );
+        v
+    }
+
+    /// `n` pending pods asking for one 3g.40gb instance each.
+    fn three(n: usize) -> Vec<PendingPod> {
+        (0..n)
+            .map(|k| pod(&format!("ml/p{k}"), "3g.40gb", 1, NOW - 5))
+            .collect()
+    }
+
     /// Under `drainBusyNodes`: a busy node is chosen only when its new layout serves more
     /// pending pods than the drain evicts (level by level from the highest priority), never
     /// with a GPU pod above the ceiling; the chosen node is drained through the rollout's
     /// drain path; a pod above the ceiling bound after the choice gives it up.
     #[test]
     fn busy_nodes_are_drained_only_when_it_serves_more_than_it_evicts() {
-        const DRAIN: &str = "      drainBusyNodes: {maxPodPriority: 100}\n";
-        let running = |priority: i32| {
-            let mut v = node("a", "all-7g.80gb", SEVEN);
-            v.gpu_pods = vec!["ml/run".into()];
-            v.gpu_pod_priorities = [("ml/run".to_string(), priority)].into();
-            v.gpu_requests = [("nvidia.com/mig-7g.80gb".to_string(), 1)].into();
-            v.last_busy = NOW;
-            v
-        };
-        let three = |n: usize| -> Vec<PendingPod> {
-            (0..n)
-                .map(|k| pod(&format!("ml/p{k}"), "3g.40gb", 1, NOW - 5))
-                .collect()
-        };
         // Two pods served, one evicted: drained and reshaped, the pods are told.
         let plan = plan_all(&input(DRAIN, vec![running(0)], three(2)));
         assert_eq!(
@@ -1176,25 +1268,69 @@ mod tests {
             d.message.as_deref().unwrap().contains("maxPodPriority 100"),
             "{d:?}"
         );
+    }
 
+    /// A node demand chose under `drainBusyNodes` takes the rollout's drain path; a pod above
+    /// the ceiling bound meanwhile, or a drain past its time, gives the choice up; ties go to
+    /// the choice that evicts fewer.
+    #[test]
+    fn demand_drains_take_the_drain_path_and_are_given_up_when_they_must() {
         // The chosen node, recorded: cordoned and its GPU pod evicted, in the rollout's drain.
-        let chosen = |priority: i32| {
-            let mut v = running(priority);
-            std::sync::Arc::make_mut(&mut v.facts).annotations.insert(
-                ANNOTATION_MIG_DEMAND,
-                format!("all-3g.40gb@{}", NOW - 3).as_str(),
-            );
-            v
-        };
         let plan = plan_all(&input(DRAIN, vec![chosen(0)], three(2)));
         assert_eq!(plan.drains["a"].evict, ["ml/run"]);
         assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
-        // A pod above the ceiling bound meanwhile: protected, and the choice is given up.
+        // A pod above the ceiling bound meanwhile: the node is neither cordoned nor drained,
+        // and the choice is given up.
         let plan = plan_all(&input(DRAIN, vec![chosen(1000)], three(2)));
-        assert_eq!(plan.drains["a"].protected, ["ml/run"]);
+        assert!(plan.drains.is_empty(), "{:?}", plan.drains);
         assert_eq!(
             plan.demand.annotations,
             [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into()
+        );
+        // A drain that overran drainTimeoutSeconds (600 s by default): given up, no halt.
+        let mut late = chosen(0);
+        std::sync::Arc::make_mut(&mut late.facts)
+            .annotations
+            .insert(
+                ANNOTATION_MIG_DEMAND,
+                format!("all-3g.40gb@{}", NOW - 601).as_str(),
+            );
+        let plan = plan_all(&input(DRAIN, vec![late], three(2)));
+        assert_eq!(
+            plan.demand.annotations,
+            [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into()
+        );
+        assert_eq!(
+            plan.statuses["dyn"]
+                .rollout
+                .clone()
+                .unwrap()
+                .halted_generation,
+            None
+        );
+        let plan = plan_all(&input(DRAIN, vec![chosen(0)], three(2)));
+        assert_eq!(plan.demand.recheck_in, Some(597), "at the drain's deadline");
+
+        // Ties go to the choice that evicts fewer: idle "b" serves two pods, busy "a" three
+        // (one only it accepts) for one eviction.
+        let zone = |mut v: NodeView, z: &str| {
+            std::sync::Arc::make_mut(&mut v.facts)
+                .labels
+                .insert("zone", z);
+            v
+        };
+        let mut pods = three(3);
+        pods[2].node_selector = [("zone".to_string(), "a".to_string())].into();
+        let nodes = vec![
+            zone(running(0), "a"),
+            zone(node("b", "all-7g.80gb", SEVEN), "b"),
+        ];
+        let plan = plan_all(&input(DRAIN, nodes, pods));
+        assert_eq!(
+            plan.demand.annotations.keys().collect::<Vec<_>>(),
+            ["b"],
+            "{:?}",
+            plan.demand
         );
     }
 

@@ -38,10 +38,22 @@ pub fn drain_nodes(
         if !in_flight(e) {
             continue;
         }
-        let owned = e.node.owned_annotations.contains(ANNOTATION_CORDONED)
-            && e.node.annotations.get(ANNOTATION_CORDONED).is_some();
-        let draining = w.drains_node(e.node) && e.outcome.state == Some(NodeState::Waiting);
-        if owned || draining && !e.node.foreign_cordon {
+        let view = e.node;
+        let demand = super::policies::demand_reshape(w, view);
+        let (protected, evict): (Vec<String>, Vec<String>) =
+            view.gpu_pods.iter().cloned().partition(|p| {
+                let priority = view.gpu_pod_priorities.get(p).copied().unwrap_or(0);
+                w.never_evicts(view.gpu_pod_labels.get(p), priority, demand)
+            });
+        // Demand never drains a node running a pod it may not evict: demand planning gives the
+        // choice up in this same pass, so the node is neither cordoned nor drained.
+        if demand && !protected.is_empty() {
+            continue;
+        }
+        let owned = view.owned_annotations.contains(ANNOTATION_CORDONED)
+            && view.annotations.get(ANNOTATION_CORDONED).is_some();
+        let draining = w.drains_node(view) && e.outcome.state == Some(NodeState::Waiting);
+        if owned || draining && !view.foreign_cordon {
             e.outcome
                 .to_mut()
                 .annotations
@@ -50,13 +62,6 @@ pub fn drain_nodes(
         if !draining {
             continue;
         }
-        let view = e.node;
-        let demand = super::policies::demand_reshape(w, view);
-        let (protected, evict): (Vec<String>, Vec<String>) =
-            view.gpu_pods.iter().cloned().partition(|p| {
-                let priority = view.gpu_pod_priorities.get(p).copied().unwrap_or(0);
-                w.never_evicts(view.gpu_pod_labels.get(p), priority, demand)
-            });
         let blocked: Vec<String> = evict
             .iter()
             .filter_map(|p| Some(format!("{p}: {}", input.memory.eviction_blocked.get(p)?)))
@@ -67,7 +72,7 @@ pub fn drain_nodes(
         }
         if !protected.is_empty() {
             msg.push_str(&format!(
-                "; protected by disruption.neverEvict or the demand drain's priority ceiling (waiting for them to finish): {}",
+                "; protected by disruption.neverEvict (waiting for them to finish): {}",
                 protected.join(", ")
             ));
         }

@@ -108,11 +108,12 @@ pub struct PendingPod {
 
 impl PendingPod {
     /// Whether the pod may be placed on node `n`: its labels (see [`Self::fits_labels`]) and
-    /// its taints, each tolerated.
-    pub fn fits(&self, n: &super::NodeFacts) -> bool {
+    /// its taints, each tolerated (but the one with key `ignore`).
+    pub fn fits(&self, n: &super::NodeFacts, ignore: Option<&str>) -> bool {
         self.fits_labels(&n.labels)
             && n.taints
                 .iter()
+                .filter(|t| Some(t.key.as_str()) != ignore)
                 .all(|t| self.tolerations.iter().any(|tol| tol.tolerates(t)))
     }
 

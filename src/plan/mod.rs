@@ -80,8 +80,8 @@ pub struct NodeFacts {
     /// device plugin (or the sandbox device plugin) advertises now. Capacity lingers after a
     /// plugin stops; allocatable drops to 0.
     pub allocatable: Labels,
-    /// `NoSchedule` and `NoExecute` taints, but the cordon's `node.kubernetes.io/unschedulable`:
-    /// which pending pods the node may take (demand planning).
+    /// `NoSchedule` and `NoExecute` taints, with a cordon as `node.kubernetes.io/unschedulable`
+    /// unless it is one of our drains': which pending pods the node may take (demand planning).
     pub taints: Vec<taint::Taint>,
 }
 
@@ -571,14 +571,7 @@ impl Planner {
         );
         let cluster = cluster_of(input);
         let mut per_policy = per_policy(&prepared, &assignment, &mut np, input, &cluster);
-        let demand = demand::plan(
-            &prepared,
-            &views,
-            &assignment.winner,
-            &c.demand,
-            c.base_mig_configs.as_ref(),
-            c.now,
-        );
+        let demand = demand::plan(&prepared, &views, &assignment.winner, c);
         for (name, st) in &demand.statuses {
             if let Some(s) = per_policy.statuses.get_mut(name) {
                 s.demand = Some(st.clone());

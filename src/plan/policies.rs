@@ -124,11 +124,11 @@ pub fn catalogue(w: &Prepared) -> Vec<String> {
         })
 }
 
-/// The layout demand recorded on a node, and since when (unix seconds): the one parser of
-/// [`ANNOTATION_MIG_DEMAND`] (`<layout>@<seconds>`).
+/// The layout demand recorded on a node, and since when (unix seconds; 0 when unreadable):
+/// the one parser of [`ANNOTATION_MIG_DEMAND`] (`<layout>@<seconds>`).
 pub fn recorded(n: &NodeFacts) -> Option<(&str, i64)> {
     let (l, t) = n.annotations.get(ANNOTATION_MIG_DEMAND)?.rsplit_once('@')?;
-    Some((l, t.parse().ok()?))
+    Some((l, t.parse().unwrap_or(0)))
 }
 
 /// The layout node `v` of dynamic policy `w` should run: the one demand recorded on it while it

@@ -172,10 +172,11 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
         .map(|m| now - m.since)
         .filter(|age| *age > timeout);
     let earlier = e.earlier_unconfirmed;
+    // A layout demand chose that failed, or a demand drain that overran: the node is held or
+    // given up on its own (demand moves on), not a failure of the policy's rollout.
+    let demand = super::policies::demand_reshape(w, n);
     match state {
-        // A layout demand chose that failed: the node is held on its own (demand moves on),
-        // not a failure of the policy's rollout.
-        Some(NodeState::Failed) if started && !super::policies::demand_reshape(w, n) => Phase::Unavailable(Some(format!(
+        Some(NodeState::Failed) if started && !demand => Phase::Unavailable(Some(format!(
             "{}: {}",
             n.name, e.outcome.message
         ))),
@@ -194,7 +195,7 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
         _ if changes && !started && !e.hold && earlier => Phase::CandidateUnavailable,
         _ if changes && !started && !e.hold => Phase::Candidate,
         _ if !started && !earlier && state != Some(NodeState::Pending) => Phase::Settled,
-        _ => Phase::Unavailable(overdue.map(|age| {
+        _ => Phase::Unavailable(overdue.filter(|_| !demand).map(|age| {
             format!(
                 "{}: not confirmed {age}s after the change started (nodeTimeoutSeconds {timeout}): {}",
                 n.name, e.outcome.message

@@ -43,6 +43,8 @@ pub struct ControllerMemory {
     planner: plan::Planner,
     /// Unix seconds each node was last seen running GPU pods.
     last_busy: BTreeMap<String, i64>,
+    /// The nodes the last pass saw running GPU pods.
+    busy: BTreeSet<String>,
     /// Unix seconds of the first pass (a node not seen busy since counts as idle from then).
     started: Option<i64>,
 }
@@ -61,13 +63,15 @@ impl ControllerMemory {
             namespace_missing: None,
             planner: plan::Planner::default(),
             last_busy: BTreeMap::new(),
+            busy: BTreeSet::new(),
             started: None,
         }
     }
 
     /// Notes at `now` (unix seconds) the nodes that run GPU pods: how long a node has been
-    /// idle is what `spec.mig.dynamic.idleSeconds` asks. Nodes gone from `busy` keep their
-    /// last time; a node deleted is forgotten when `known` no longer has it.
+    /// idle is what `spec.mig.dynamic.idleSeconds` asks. A node the last pass saw busy and this
+    /// one sees idle was busy until now, as far as is known (passes may be minutes apart);
+    /// after that it keeps its time. A node deleted is forgotten when `known` no longer has it.
     pub fn note_busy<'a>(
         &mut self,
         busy: impl Iterator<Item = &'a str>,
@@ -75,9 +79,11 @@ impl ControllerMemory {
         now: i64,
     ) {
         self.started.get_or_insert(now);
-        for n in busy {
-            self.last_busy.insert(n.to_string(), now);
+        let busy: BTreeSet<String> = busy.map(str::to_string).collect();
+        for n in busy.union(&self.busy) {
+            self.last_busy.insert(n.clone(), now);
         }
+        self.busy = busy;
         if self.last_busy.len() > known.len() {
             let names: BTreeSet<&str> = known.iter().map(|n| n.name.as_str()).collect();
             self.last_busy.retain(|n, _| names.contains(n.as_str()));
@@ -227,6 +233,21 @@ mod tests {
         Learnt::EvictionsTried {
             draining: nodes.iter().map(|n| n.to_string()).collect(),
         }
+    }
+
+    /// Passes may be minutes apart (the loop sleeps until demand may act): a node last seen
+    /// busy and now idle counts as busy until this pass, not until the one that last saw it.
+    #[test]
+    fn a_node_idle_after_a_long_sleep_was_busy_until_the_pass_that_sees_it_idle() {
+        let mut m = memory();
+        let known = vec![node("a", &[]), node("b", &[])];
+        m.note_busy(["a"].into_iter(), &known, 100);
+        m.note_busy(std::iter::empty(), &known, 700);
+        m.note_busy(std::iter::empty(), &known, 800);
+        let r = m.recall(&known, Instant::now());
+        assert_eq!(r.last_busy.get("a"), Some(&700));
+        assert_eq!(r.last_busy.get("b"), None, "never seen busy");
+        assert_eq!(r.started, 100);
     }
 
     #[test]
