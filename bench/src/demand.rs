@@ -147,21 +147,12 @@ fn policy(layout: &str, dynamic: bool) -> GpuSharingPolicy {
     gpu_sharing_operator::api::yaml::from_str(&yaml).expect("the benchmark's policy parses")
 }
 
+/// Node `i` of the pool: the shared A100 80GB fixture, with its compute capability.
 fn a100(i: usize) -> NodeFacts {
-    NodeFacts {
-        name: format!("a100-{i:04}"),
-        labels: [
-            ("bench.gpusharing.io/pool", "a100"),
-            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"),
-            ("nvidia.com/gpu.count", "8"),
-            ("nvidia.com/gpu.memory", "81920"),
-            ("nvidia.com/mig.capable", "true"),
-            ("nvidia.com/gpu.compute.major", "8"),
-        ]
-        .into_iter()
-        .collect::<Labels>(),
-        ..Default::default()
-    }
+    let mut n = testkit::fixtures::a100_node(&format!("a100-{i:04}"));
+    n.labels.insert("bench.gpusharing.io/pool", "a100");
+    n.labels.insert("nvidia.com/gpu.compute.major", "8");
+    n
 }
 
 /// `n` nodes configured with the policy's own layout (plan, apply, NVIDIA answers, until

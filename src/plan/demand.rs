@@ -913,6 +913,12 @@ mod tests {
         i
     }
 
+    /// Replaces the test policy's `dynamic.layouts`.
+    fn set_layouts(i: &mut PlanInput, layouts: &[&str]) {
+        let mig = i.policies[0].spec.mig.as_mut().unwrap();
+        mig.dynamic.as_mut().unwrap().layouts = layouts.iter().map(|l| l.to_string()).collect();
+    }
+
     const SEVEN: &[(&str, &str)] = &[("nvidia.com/mig-7g.80gb", "8")];
 
     fn profile<'a>(st: &'a DemandStatus, p: &str) -> &'a ProfileDemand {
@@ -1376,15 +1382,7 @@ mod tests {
             format!("all-1g.10gb@{}", NOW - 60).as_str(),
         );
         let mut i = input("", vec![v.clone()], vec![]);
-        i.policies[0]
-            .spec
-            .mig
-            .as_mut()
-            .unwrap()
-            .dynamic
-            .as_mut()
-            .unwrap()
-            .layouts = vec!["no-such".into()];
+        set_layouts(&mut i, &["no-such"]);
         let plan = plan_all(&i);
         assert!(plan.invalid.contains_key("dyn"));
         assert!(
@@ -1438,15 +1436,7 @@ mod tests {
                 .contains("not a layout")
         );
         let mut i = input("", vec![], vec![]);
-        i.policies[0]
-            .spec
-            .mig
-            .as_mut()
-            .unwrap()
-            .dynamic
-            .as_mut()
-            .unwrap()
-            .layouts = vec!["no-such".into()];
+        set_layouts(&mut i, &["no-such"]);
         let plan = plan_all(&i);
         assert_eq!(plan.invalid["dyn"][0].path, "spec.mig.dynamic.layouts[0]");
     }

@@ -135,8 +135,10 @@ pub fn recorded(n: &NodeFacts) -> Option<(&str, i64)> {
 /// is in the catalogue, else the policy's own.
 pub fn node_layout(w: &Prepared, v: &NodeFacts) -> Option<String> {
     let (l, _) = recorded(v)?;
-    w.mig()?;
-    catalogue(w).iter().any(|c| c == l).then(|| l.to_string())
+    let dynamic = w.spec.mig.as_ref().and_then(|m| m.dynamic.as_ref());
+    let in_catalogue =
+        w.mig()?.layout == l || dynamic.is_some_and(|d| d.layouts.iter().any(|x| x == l));
+    in_catalogue.then(|| l.to_string())
 }
 
 /// The policy's spec as node `n` runs it: with the MIG layout demand recorded for the node in

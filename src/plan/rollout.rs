@@ -163,7 +163,8 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
     let changes = !e.in_sync;
     let mark = n.annotations.get(ANNOTATION_ROLLOUT).and_then(Mark::parse);
     let started = mark.as_ref().is_some_and(|m| m.target == target);
-    let timeout = node_timeout(w.spec, w.drains_node(n));
+    let drains = w.drains_node(n);
+    let timeout = node_timeout(w.spec, drains);
     // A new generation gives nodes still in flight a new timeout (see `gate`).
     let generation = w.policy.metadata.generation.unwrap_or(0);
     let overdue = mark
@@ -186,10 +187,10 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
         ) => Phase::Settled,
         // Busy GPUs under `drain`: starting the node means draining it.
         // Demand drains only under `drainBusyNodes`.
-        Some(NodeState::Waiting) if w.drains_node(n) && !started && earlier => {
+        Some(NodeState::Waiting) if drains && !started && earlier => {
             Phase::CandidateUnavailable
         }
-        Some(NodeState::Waiting) if w.drains_node(n) && !started => {
+        Some(NodeState::Waiting) if drains && !started => {
             Phase::Candidate
         }
         _ if changes && !started && !e.hold && earlier => Phase::CandidateUnavailable,
