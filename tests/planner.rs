@@ -35,6 +35,7 @@ use gpu_sharing_operator::api::names::{
 };
 use gpu_sharing_operator::api::state::NodeState;
 use gpu_sharing_operator::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
+use gpu_sharing_operator::plan::input::GpuPod;
 use gpu_sharing_operator::plan::{self, Labels, NodeFacts, Plan, PlanInput};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
 use planner_model::{
@@ -1562,11 +1563,11 @@ fn drain_mode_cordons_evicts_but_never_protected_pods_and_lifts_only_its_cordon(
         let mut i = w.input();
         let v = i.node_mut("a100-0").unwrap();
         v.gpu_pods = pods.to_vec();
-        v.gpu_pod_labels = [(
-            "default/keep-0".to_string(),
-            [("keep", "yes")].into_iter().collect::<Labels>(),
-        )]
-        .into();
+        let keep = GpuPod {
+            labels: [("keep", "yes")].into_iter().collect::<Labels>(),
+            priority: 0,
+        };
+        v.gpu_pod_details = [("default/keep-0".to_string(), keep)].into();
         i
     };
     // Busy: cordoned and drained instead of waiting; the protected pod is not evicted.

@@ -128,18 +128,13 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
         .map(|facts| {
             let name = facts.name.as_str();
             let gpu_pods = pods.gpu_pods.remove(name).unwrap_or_default();
-            let gpu_pod_labels = gpu_pods
+            let gpu_pod_details = gpu_pods
                 .iter()
-                .filter_map(|p| Some((p.clone(), pods.gpu_pod_labels.remove(p)?)))
-                .collect();
-            let gpu_pod_priorities = gpu_pods
-                .iter()
-                .filter_map(|p| Some((p.clone(), pods.gpu_pod_priorities.remove(p)?)))
+                .filter_map(|p| Some((p.clone(), pods.gpu_pod_details.remove(p)?)))
                 .collect();
             NodeView {
                 gpu_pods,
-                gpu_pod_labels,
-                gpu_pod_priorities,
+                gpu_pod_details,
                 vm_pods: pods.vm_pods.remove(name).unwrap_or_default(),
                 dra_claims: claims.remove(name).unwrap_or_default(),
                 mig_stuck: memory.mig_stuck.contains(name),

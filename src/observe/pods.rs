@@ -7,9 +7,9 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
-use crate::plan::input::{PendingPod, Requirement};
+use crate::plan::input::{GpuPod, PendingPod, Requirement};
 use crate::plan::taint::Toleration;
-use crate::plan::{Labels, is_device_plugin_resource};
+use crate::plan::is_device_plugin_resource;
 
 /// The extended resources a pod's containers ask for (limits and requests).
 fn resources(p: &Pod) -> impl Iterator<Item = &String> {
@@ -39,11 +39,8 @@ pub fn uses_vm_gpu(p: &Pod) -> bool {
 pub struct GpuPods {
     /// By node: `namespace/name`, sorted.
     pub gpu_pods: BTreeMap<String, Vec<String>>,
-    /// Labels of the pods in `gpu_pods`, by `namespace/name`.
-    pub gpu_pod_labels: BTreeMap<String, Labels>,
-    /// Priorities of the pods in `gpu_pods` (`spec.priority`, 0 when unset), by
-    /// `namespace/name`.
-    pub gpu_pod_priorities: BTreeMap<String, i32>,
+    /// Labels and priorities of the pods in `gpu_pods`, by `namespace/name`.
+    pub gpu_pod_details: BTreeMap<String, GpuPod>,
     /// Pods using the sandbox device plugin's resources (VMs), by node, sorted.
     pub vm_pods: BTreeMap<String, Vec<String>>,
     /// What the GPU pods of each node request of NVIDIA's resources, summed.
@@ -113,10 +110,11 @@ pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
             for (k, v) in gpu_requests(p) {
                 *sum.entry(k).or_default() += v;
             }
-            out.gpu_pod_labels
-                .insert(id.clone(), p.labels().clone().into());
-            let priority = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
-            out.gpu_pod_priorities.insert(id.clone(), priority);
+            let details = GpuPod {
+                labels: p.labels().clone().into(),
+                priority: p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+            };
+            out.gpu_pod_details.insert(id.clone(), details);
             out.gpu_pods.entry(node).or_default().push(id);
         }
     }

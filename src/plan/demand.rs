@@ -278,8 +278,8 @@ fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers) -> Node<'a> {
             v.gpu_pods
                 .iter()
                 .map(|p| {
-                    let priority = v.gpu_pod_priorities.get(p).copied().unwrap_or(0);
-                    (!w.never_evicts(v.gpu_pod_labels.get(p), priority, true)).then_some(priority)
+                    let priority = v.gpu_pod_details.get(p).map_or(0, |d| d.priority);
+                    (!w.never_evicts(v, p, true)).then_some(priority)
                 })
                 .collect()
         });
@@ -1203,7 +1203,11 @@ mod tests {
     fn running(priority: i32) -> NodeView {
         let mut v = node("a", "all-7g.80gb", SEVEN);
         v.gpu_pods = vec!["ml/run".into()];
-        v.gpu_pod_priorities = [("ml/run".to_string(), priority)].into();
+        let run = crate::plan::input::GpuPod {
+            priority,
+            ..Default::default()
+        };
+        v.gpu_pod_details = [("ml/run".to_string(), run)].into();
         v.gpu_requests = [("nvidia.com/mig-7g.80gb".to_string(), 1)].into();
         v.last_busy = NOW;
         v

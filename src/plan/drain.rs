@@ -40,11 +40,11 @@ pub fn drain_nodes(
         }
         let view = e.node;
         let demand = super::policies::demand_reshape(w, view);
-        let (protected, evict): (Vec<String>, Vec<String>) =
-            view.gpu_pods.iter().cloned().partition(|p| {
-                let priority = view.gpu_pod_priorities.get(p).copied().unwrap_or(0);
-                w.never_evicts(view.gpu_pod_labels.get(p), priority, demand)
-            });
+        let (protected, evict): (Vec<String>, Vec<String>) = view
+            .gpu_pods
+            .iter()
+            .cloned()
+            .partition(|p| w.never_evicts(view, p, demand));
         // Demand never drains a node running a pod it may not evict: demand planning gives the
         // choice up in this same pass, so the node is neither cordoned nor drained.
         if demand && !protected.is_empty() {

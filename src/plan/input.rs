@@ -39,12 +39,8 @@ pub struct NodeView {
     /// Pods using GPUs on the node (`namespace/name`, sorted): the idle-GPU wait before MIG
     /// changes, and what a drain evicts.
     pub gpu_pods: Vec<String>,
-    /// Labels of the pods in `gpu_pods`, by `namespace/name` (`disruption.neverEvict` selects
-    /// by them).
-    pub gpu_pod_labels: BTreeMap<String, Labels>,
-    /// Priorities of the pods in `gpu_pods`, by `namespace/name` (demand drains evict none
-    /// above `drainBusyNodes.maxPodPriority`).
-    pub gpu_pod_priorities: BTreeMap<String, i32>,
+    /// What drains read of the pods in `gpu_pods`, by `namespace/name`.
+    pub gpu_pod_details: BTreeMap<String, GpuPod>,
     /// Pods using the sandbox device plugin's resources (VMs), `namespace/name`, sorted.
     pub vm_pods: Vec<String>,
     /// Allocated `gpu.nvidia.com` ResourceClaims on the node (`namespace/name`): a node leaves
@@ -85,6 +81,16 @@ impl std::ops::Deref for NodeView {
     fn deref(&self) -> &NodeFacts {
         &self.facts
     }
+}
+
+/// What a drain reads of a pod using GPUs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GpuPod {
+    /// Its labels (`disruption.neverEvict` selects by them).
+    pub labels: Labels,
+    /// `spec.priority`, 0 when unset (demand drains evict none above
+    /// `drainBusyNodes.maxPodPriority`).
+    pub priority: i32,
 }
 
 /// A pod the scheduler could not place (`PodScheduled=False`, reason `Unschedulable`) that asks

@@ -10,9 +10,9 @@ use crate::api::names::{ANNOTATION_MIG_DEMAND, ANNOTATION_REAPPLY_MIG};
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use crate::validate::{self, FieldError};
 
-use super::NodeFacts;
 use super::backend::{Backing, MigBacking, NodeTarget, VmBacking};
 use super::labels::{LabelLookup, Labels, selection_labels, selector_matches};
+use super::{NodeFacts, NodeView};
 
 /// A policy after validation, with what it renders to.
 pub struct Prepared<'a> {
@@ -194,10 +194,13 @@ impl Prepared<'_> {
         }
     }
 
-    /// Whether a drain for this policy leaves a pod (labels, priority) alone:
+    /// Whether a drain for this policy leaves GPU pod `pod` of node `v` alone:
     /// `disruption.neverEvict` selects it, or, in a drain for demand, it is above the priority
     /// ceiling.
-    pub fn never_evicts(&self, labels: Option<&Labels>, priority: i32, demand: bool) -> bool {
+    pub fn never_evicts(&self, v: &NodeView, pod: &str, demand: bool) -> bool {
+        let details = v.gpu_pod_details.get(pod);
+        let labels = details.map(|d| &d.labels);
+        let priority = details.map_or(0, |d| d.priority);
         let never = self
             .spec
             .disruption
