@@ -12,6 +12,7 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -79,7 +80,11 @@ async fn node_meta(c: &Client, node: &str) -> (BTreeMap<String, String>, BTreeMa
 
 /// The operator's `ReshapingNode` events on a pod: `reason: message`.
 async fn reshaping_events(c: &Client, pod: &str) -> Vec<String> {
-    pod_events(c, pod, |e| e.reason.as_deref() == Some("ReshapingNode")).await
+    reshaping_events_in(c, "default", pod).await
+}
+
+async fn reshaping_events_in(c: &Client, ns: &str, pod: &str) -> Vec<String> {
+    pod_events_in(c, ns, pod, |e| e.reason.as_deref() == Some("ReshapingNode")).await
 }
 
 /// The policy's `status.demand.profiles`, by profile.
@@ -191,7 +196,8 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
     assert_eq!(layouts(&history[1]), ["all-7g.80gb", "all-3g.40gb"]);
 
     // 3. While both nodes run GPU pods, a pod asking for 7g waits: NoIdleNode; one asking for
-    // a profile no catalogue layout has: ProfileNotInCatalogue. Nothing is relabelled.
+    // a profile no dynamic policy's catalogue has is nobody's demand: not counted at all.
+    // Nothing is relabelled.
     create(&c, mig_pod("whole", "7g.80gb", 1, 1)).await;
     create(&c, mig_pod("odd", "2g.20gb", 1, 1)).await;
     let d = until("reasons", LONG, || async {
@@ -200,12 +206,12 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
             d.get(p)
                 .is_some_and(|v| v["reason"].is_string() && v["reason"] != "Batching")
         };
-        (settled("7g.80gb") && settled("2g.20gb")).then_some(d)
+        settled("7g.80gb").then_some(d)
     })
     .await;
     assert_eq!(d["7g.80gb"]["reason"], "NoIdleNode", "{d:?}");
     assert_eq!(d["7g.80gb"]["pending"], 1);
-    assert_eq!(d["2g.20gb"]["reason"], "ProfileNotInCatalogue", "{d:?}");
+    assert!(!d.contains_key("2g.20gb"), "{d:?}");
 
     // 4. When the burst's pods are done and the nodes idle, the 7g pod gets a node back.
     let node = until("whole bound", LONG, || async {
@@ -307,7 +313,8 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         .create(&PostParams::default(), &vip)
         .await
         .unwrap();
-    Api::<GpuSharingPolicy>::all(c.clone())
+    // Drains without a namespace fence are refused at admission.
+    let refused = Api::<GpuSharingPolicy>::all(c.clone())
         .patch(
             "dyn",
             &kube::api::PatchParams::default(),
@@ -315,6 +322,38 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
                 json!({"spec": {"mig": {"dynamic": {"drainBusyNodes": {"maxPodPriority": 0}}}}}),
             ),
         )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("drainBusyNodes needs a namespaceSelector"),
+        "{refused}"
+    );
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .patch(
+            "dyn",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"mig": {"dynamic": {
+                "drainBusyNodes": {"maxPodPriority": 0},
+                "minLayoutLifetimeSeconds": 60,
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}},
+            }}}})),
+        )
+        .await
+        .unwrap();
+    // A pod of a namespace the selector leaves out is nobody's demand: it may not make the
+    // operator drain (or reshape) anything.
+    let outsider_ns: k8s_openapi::api::core::v1::Namespace =
+        serde_json::from_value(json!({"metadata": {"name": "outsider"}})).unwrap();
+    Api::all(c.clone())
+        .create(&PostParams::default(), &outsider_ns)
+        .await
+        .unwrap();
+    let mut outsider = mig_pod("outsider", "3g.40gb", 1, 1);
+    outsider.metadata.namespace = Some("outsider".into());
+    let outsiders: Api<Pod> = Api::namespaced(c.clone(), "outsider");
+    outsiders
+        .create(&PostParams::default(), &outsider)
         .await
         .unwrap();
     let mut high = mig_pod("vip", "1g.10gb", 1, 600);
@@ -338,6 +377,7 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         (p["reason"] == "NoIdleNode").then(|| p.clone())
     })
     .await;
+    assert_eq!(d["pending"], 2, "the outsider's pod is not counted: {d}");
     assert!(
         d["message"]
             .as_str()
@@ -346,15 +386,21 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         "{d}"
     );
     pods(&c).delete("vip", &Default::default()).await.unwrap();
-    until("the 3g pods bound on a100-node-1", LONG, || async {
-        let s = pod_states(&c).await;
-        (0..2)
-            .all(|k| {
-                s.get(&format!("drained-for-{k}"))
-                    .is_some_and(|(n, _)| n == "a100-node-1")
-            })
-            .then_some(())
-    })
+    // The node's layout may first have to reach its 60 s lifetime (the least drains allow).
+    let cooldown = Duration::from_secs(60);
+    until(
+        "the 3g pods bound on a100-node-1",
+        LONG + cooldown,
+        || async {
+            let s = pod_states(&c).await;
+            (0..2)
+                .all(|k| {
+                    s.get(&format!("drained-for-{k}"))
+                        .is_some_and(|(n, _)| n == "a100-node-1")
+                })
+                .then_some(())
+        },
+    )
     .await;
     assert!(
         pods(&c).get_opt("low").await.unwrap().is_none(),
@@ -375,6 +421,30 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         (n.spec?.unschedulable != Some(true)).then_some(())
     })
     .await;
+    // (kube-scheduler may bind it to a free 3g instance the others' reshape brought.)
+    assert!(
+        reshaping_events_in(&c, "outsider", "outsider")
+            .await
+            .is_empty(),
+        "no node was reshaped for the outsider"
+    );
+    outsiders
+        .delete("outsider", &Default::default())
+        .await
+        .unwrap();
+    // Back to no drains and a short cooldown for the steps that follow.
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .patch(
+            "dyn",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"mig": {"dynamic": {
+                "drainBusyNodes": null,
+                "minLayoutLifetimeSeconds": 5,
+                "namespaceSelector": null,
+            }}}})),
+        )
+        .await
+        .unwrap();
 
     // 7. Taints: a100-node-1 gets `nvidia.com/gpu=present:NoSchedule` (which the GPU Operator's
     // DaemonSets tolerate, as its chart sets). Of two 1g pods, only the one that tolerates it

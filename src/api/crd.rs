@@ -460,6 +460,8 @@ pub struct Mig {
 /// Demand-driven MIG: which layouts a node may be given for pending pods, and how cautiously.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.drainBusyNodes) || has(self.namespaceSelector)").message("drainBusyNodes needs a namespaceSelector: only pods of the namespaces it selects may make the operator evict other pods"))]
+#[x_kube(validation = Rule::new("!has(self.drainBusyNodes) || !has(self.minLayoutLifetimeSeconds) || self.minLayoutLifetimeSeconds >= 60").message("with drainBusyNodes, minLayoutLifetimeSeconds must be at least 60: a node may not be drained again and again"))]
 pub struct DynamicMig {
     /// Named mig-parted layouts (besides the policy's own) a node may be reshaped to. MIG must
     /// be enabled on every GPU they configure: switching MIG mode needs a GPU reset, which the
@@ -467,6 +469,11 @@ pub struct DynamicMig {
     #[schemars(length(min = 1, max = 16))]
     #[x_kube(validation = Rule::new("self.all(l, l != 'all-disabled')").message("all-disabled switches MIG mode off: the catalogue holds MIG-enabled layouts only"))]
     pub layouts: Vec<String>,
+
+    /// Only pods in the namespaces this selects count as demand (absent: every namespace).
+    /// Required with `drainBusyNodes`. A pod elsewhere never reshapes a node, whatever it asks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
 
     /// Seconds without new pending demand before the operator acts on it (batches a burst).
     #[serde(default = "default_quiet_seconds")]
@@ -504,6 +511,7 @@ pub struct DemandDrain {
     /// when its layout serves more pending pods, priority level by level from the highest, than
     /// it evicts.
     #[serde(default)]
+    #[schemars(range(min = -2147483648, max = 1000000000))]
     pub max_pod_priority: i32,
 }
 
@@ -775,6 +783,18 @@ pub struct DemandStatus {
     /// Nodes being reshaped for demand: `node: layout`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reshaping: Vec<String>,
+    /// Pending pods left out of demand by a bound (`TooManyPendingPods`, `TooManyLabelKeys`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ignored: Vec<IgnoredDemand>,
+}
+
+/// Pending pods a bound of demand planning left out, and why.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IgnoredDemand {
+    pub reason: String,
+    pub pods: i64,
+    pub message: String,
 }
 
 /// Demand for one MIG profile.

@@ -44,6 +44,8 @@ pub struct ClusterView<'a> {
     /// Pods the scheduler could not place that ask for MIG instances (see
     /// [`pods::demand`]).
     pub demand: Vec<PendingPod>,
+    /// What the bounds of demand admission left out ([`crate::plan::admit`]).
+    pub demand_ignored: Vec<crate::api::crd::IgnoredDemand>,
     /// ResourceClaims (only allocated `gpu.nvidia.com` ones count).
     pub claims: Vec<&'a ResourceClaim>,
     /// Every ClusterPolicy; `None` when there is no cluster to ask (`render`): then the
@@ -99,6 +101,7 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
             .karpenter
             .map(|k| karpenter::facts(k, cm(INSTANCE_TYPES_CONFIGMAP), None)),
         demand: view.demand,
+        demand_ignored: view.demand_ignored,
         ..Default::default()
     };
     if let Some(base) = gpu_operator::vgpu_configs(cm(DEFAULT_VGPU_CONFIGMAP)) {

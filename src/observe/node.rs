@@ -2,13 +2,16 @@
 //! reads it, the labels and annotations our field manager owns, NVIDIA's allocatable), one
 //! conversion for the controller's node cache, `plan`'s one-shot list and `render`'s files.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 
-use crate::api::names::{ANNOTATION_CORDONED, OBSERVED_ANNOTATIONS, TAINT_UNSCHEDULABLE};
+use crate::api::names::{
+    ANNOTATION_CORDONED, ANNOTATION_MIG_DEMAND, DEMAND_MANAGER, MANAGED_ANNOTATIONS,
+    TAINT_UNSCHEDULABLE,
+};
 use crate::observe::managed::owned_keys;
 use crate::plan::taint::Taint;
 use crate::plan::{LabelFilter, Labels, NodeFacts, OwnedKeys};
@@ -22,6 +25,19 @@ pub fn owned_labels(entries: &[ManagedFieldsEntry], manager: &str) -> OwnedKeys 
 /// Our managed annotations a field manager owns through server-side apply.
 pub fn owned_annotations(entries: &[ManagedFieldsEntry], manager: &str) -> OwnedKeys {
     owned_keys(entries, manager, &["f:metadata", "f:annotations"]).collect()
+}
+
+/// The annotations of [`crate::api::names::OBSERVED_ANNOTATIONS`] whose value the right field manager owns: ours
+/// by `manager`, the demand's layout by [`DEMAND_MANAGER`].
+pub fn believed_annotations<'a>(
+    entries: &'a [ManagedFieldsEntry],
+    manager: &'a str,
+) -> BTreeSet<&'a str> {
+    const PATH: &[&str] = &["f:metadata", "f:annotations"];
+    owned_keys(entries, manager, PATH)
+        .filter(|k| MANAGED_ANNOTATIONS.contains(k))
+        .chain(owned_keys(entries, DEMAND_MANAGER, PATH).filter(|k| *k == ANNOTATION_MIG_DEMAND))
+        .collect()
 }
 
 /// Shared copies of label strings.
@@ -67,12 +83,17 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
         .map(|(k, v)| (strings.intern(&k), strings.intern(&v.0)))
         .collect::<Vec<_>>();
     let meta = node.metadata;
+    let managed = meta.managed_fields.as_deref().unwrap_or_default();
+    // Our annotations are believed only where our field managers own them: anyone with node
+    // `patch` could write one (a forged cordon mark, demand layout or rollout time) to steer us.
+    let believed = believed_annotations(managed, manager);
     // A cordon is a taint to the scheduler; one of our drains is not (it goes once the node is
     // confirmed), someone else's is.
-    let ours = meta
-        .annotations
-        .as_ref()
-        .is_some_and(|a| a.contains_key(ANNOTATION_CORDONED));
+    let ours = believed.contains(ANNOTATION_CORDONED)
+        && meta
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(ANNOTATION_CORDONED));
     let spec = node.spec.unwrap_or_default();
     let mut taints: Vec<Taint> = spec
         .taints
@@ -93,13 +114,12 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
             effect: "NoSchedule".into(),
         });
     }
-    let managed = meta.managed_fields.as_deref().unwrap_or_default();
     // Only our own annotations: other controllers put large ones on nodes.
     let annotations = meta
         .annotations
         .iter()
         .flatten()
-        .filter(|(k, _)| OBSERVED_ANNOTATIONS.contains(&k.as_str()))
+        .filter(|(k, _)| believed.contains(k.as_str()))
         .map(|(k, v)| (strings.intern(k), strings.intern(v)))
         .collect::<Vec<_>>();
     let labels = meta
@@ -162,11 +182,71 @@ mod tests {
                 unschedulable.clone(),
             ]
         );
-        let ours = taints_of(serde_json::json!({
-            "metadata": {"name": "a", "annotations": {ANNOTATION_CORDONED: "true"}},
-            "spec": spec,
-        }));
+        let marked = |manager: &str| {
+            serde_json::json!({
+                "metadata": {
+                    "name": "a",
+                    "annotations": {ANNOTATION_CORDONED: "true"},
+                    "managedFields": [owning(manager, ANNOTATION_CORDONED)],
+                },
+                "spec": spec.clone(),
+            })
+        };
+        let ours = taints_of(marked("ours"));
         assert!(!ours.contains(&unschedulable), "{ours:?}");
         assert_eq!(ours.len(), 2);
+        // The same mark written by anyone else is someone else's cordon.
+        let forged = taints_of(marked("kubectl-annotate"));
+        assert!(forged.contains(&unschedulable), "{forged:?}");
+    }
+
+    /// A managedFields entry: `manager` applied annotation `key`.
+    fn owning(manager: &str, key: &str) -> serde_json::Value {
+        serde_json::json!({
+            "manager": manager,
+            "operation": "Apply",
+            "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:metadata": {"f:annotations": {format!("f:{key}"): {}}}},
+        })
+    }
+
+    /// Our annotations count only where the right field manager owns them: the demand's layout
+    /// by the demand's manager, the others by ours; a forged one is not seen at all.
+    #[test]
+    fn annotations_are_believed_only_from_their_owner() {
+        let node = |entries: Vec<serde_json::Value>| {
+            let n: Node = serde_json::from_value(serde_json::json!({
+                "metadata": {
+                    "name": "a",
+                    "annotations": {
+                        ANNOTATION_MIG_DEMAND: "all-1g.10gb@4102444800",
+                        ANNOTATION_CORDONED: "true",
+                        "other.io/big": "x",
+                    },
+                    "managedFields": entries,
+                },
+            }))
+            .unwrap();
+            let f = facts(n, "ours", &LabelFilter::default(), &mut Interner::default());
+            let mut keys: Vec<String> = f.annotations.iter().map(|(k, _)| k.to_string()).collect();
+            keys.sort();
+            keys
+        };
+        assert!(node(vec![]).is_empty());
+        assert!(
+            node(vec![
+                owning("kubectl-annotate", ANNOTATION_MIG_DEMAND),
+                owning(DEMAND_MANAGER, ANNOTATION_CORDONED),
+                owning("ours", ANNOTATION_MIG_DEMAND),
+            ])
+            .is_empty()
+        );
+        assert_eq!(
+            node(vec![
+                owning(DEMAND_MANAGER, ANNOTATION_MIG_DEMAND),
+                owning("ours", ANNOTATION_CORDONED),
+            ]),
+            [ANNOTATION_CORDONED, ANNOTATION_MIG_DEMAND]
+        );
     }
 }

@@ -8,8 +8,8 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use crate::plan::input::{GpuPod, PendingPod, Requirement};
-use crate::plan::taint::Toleration;
 use crate::plan::is_device_plugin_resource;
+use crate::plan::taint::Toleration;
 
 /// The extended resources a pod's containers ask for (limits and requests).
 fn resources(p: &Pod) -> impl Iterator<Item = &String> {
@@ -75,7 +75,8 @@ pub fn gpu_requests(p: &Pod) -> BTreeMap<String, i64> {
     let mut total = BTreeMap::<String, i64>::new();
     for c in &spec.containers {
         for (k, v) in of(c) {
-            *total.entry(k).or_default() += v;
+            let e = total.entry(k).or_default();
+            *e = e.saturating_add(v);
         }
     }
     for c in spec.init_containers.iter().flatten() {
@@ -124,6 +125,44 @@ pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
     out
 }
 
+/// What a pending pod may select nodes by and still count as demand: a pod past these bounds
+/// (written by any tenant) is not demand, and the pending-pod cache keeps nothing of it.
+pub const MAX_NODE_SELECTOR: usize = 16;
+/// Required node-affinity terms, expressions per term, values per expression.
+pub const MAX_AFFINITY_TERMS: usize = 8;
+pub const MAX_AFFINITY_EXPRESSIONS: usize = 16;
+pub const MAX_AFFINITY_VALUES: usize = 64;
+pub const MAX_TOLERATIONS: usize = 32;
+
+/// Whether a pod not bound to a node could be demand: it asks for a MIG device and what it
+/// selects nodes by is within the bounds above (preferred affinity is not read at all).
+pub fn may_be_demand(p: &Pod) -> bool {
+    let Some(spec) = p.spec.as_ref() else {
+        return false;
+    };
+    let terms = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|a| {
+            a.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .map(|r| r.node_selector_terms.as_slice())
+        .unwrap_or_default();
+    resources(p).any(|k| k.starts_with("nvidia.com/mig-"))
+        && spec.node_selector.as_ref().map_or(0, |s| s.len()) <= MAX_NODE_SELECTOR
+        && spec.tolerations.as_ref().map_or(0, |t| t.len()) <= MAX_TOLERATIONS
+        && terms.len() <= MAX_AFFINITY_TERMS
+        && terms.iter().all(|t| {
+            let exprs = t.match_expressions.as_deref().unwrap_or_default();
+            exprs.len() <= MAX_AFFINITY_EXPRESSIONS
+                && exprs
+                    .iter()
+                    .all(|e| e.values.as_ref().map_or(0, |v| v.len()) <= MAX_AFFINITY_VALUES)
+        })
+}
+
 /// The demand among pods not bound to a node (see [`pending_pod`]), by id.
 pub fn demand<'a>(pending: impl IntoIterator<Item = &'a Pod>) -> Vec<PendingPod> {
     let mut d: Vec<PendingPod> = pending.into_iter().filter_map(pending_pod).collect();
@@ -135,7 +174,7 @@ pub fn demand<'a>(pending: impl IntoIterator<Item = &'a Pod>) -> Vec<PendingPod>
 /// that asks for MIG instances, as demand planning reads it.
 pub fn pending_pod(p: &Pod) -> Option<PendingPod> {
     let spec = p.spec.as_ref()?;
-    if spec.node_name.is_some() {
+    if spec.node_name.is_some() || !may_be_demand(p) {
         return None;
     }
     let status = p.status.as_ref()?;
@@ -198,5 +237,6 @@ pub fn pending_pod(p: &Pod) -> Option<PendingPod> {
                 effect: t.effect.clone().unwrap_or_default(),
             })
             .collect(),
+        namespace_labels: None,
     })
 }

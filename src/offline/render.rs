@@ -549,4 +549,47 @@ mod tests {
             "{errors:?}"
         );
     }
+
+    /// Drains for demand need a namespaceSelector and a cooldown of at least 60 s.
+    #[test]
+    fn drains_for_demand_need_a_namespace_selector_and_a_cooldown() {
+        let with = |dynamic: &str| {
+            let text = DYN
+                .replace("STRATEGY", "mixed")
+                .replace("{layouts: [all-1g.10gb]}", dynamic);
+            policies_from_text(&text, Path::new("p.yaml"))
+                .map(|p| p.len())
+                .map_err(|e| {
+                    e.iter()
+                        .map(|e| e.to_string())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                })
+        };
+        let selector = "namespaceSelector: {matchLabels: {team: ml}}";
+        let drains = "drainBusyNodes: {maxPodPriority: 0}";
+        assert_eq!(
+            with(&format!("{{layouts: [all-1g.10gb], {drains}, {selector}}}")),
+            Ok(1)
+        );
+        let e = with(&format!("{{layouts: [all-1g.10gb], {drains}}}")).unwrap_err();
+        assert!(
+            e.contains("drainBusyNodes needs a namespaceSelector"),
+            "{e}"
+        );
+        let e = with(&format!(
+            "{{layouts: [all-1g.10gb], {drains}, {selector}, minLayoutLifetimeSeconds: 59}}"
+        ))
+        .unwrap_err();
+        assert!(
+            e.contains("minLayoutLifetimeSeconds must be at least 60"),
+            "{e}"
+        );
+        assert_eq!(
+            with(&format!(
+                "{{layouts: [all-1g.10gb], minLayoutLifetimeSeconds: 5, {selector}}}"
+            )),
+            Ok(1)
+        );
+    }
 }

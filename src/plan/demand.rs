@@ -21,6 +21,7 @@
 //! 4. **Why**: per profile, what is pending, served and coming, and for the rest the first
 //!    reason that applies to its pods.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -32,6 +33,7 @@ use crate::api::names::{
 };
 
 use super::NodeView;
+use super::admit::selects_namespace;
 use super::capacity::layout_resources;
 use super::decision::mig_of;
 use super::input::ClusterFacts;
@@ -113,6 +115,8 @@ struct Policy<'a, 'p> {
     offers: &'a Offers<'a>,
     /// A taint key not judged (the readiness taint, which the operator removes).
     transient: Option<&'a str>,
+    /// Pending pods the bounds of admission left out (see [`super::admit`]).
+    ignored: &'a [crate::api::crd::IgnoredDemand],
 }
 
 /// A layout's device-plugin resources on a node, per (layout, GPU labels), computed once a
@@ -212,11 +216,12 @@ pub fn plan(
             .iter()
             .zip(winner)
             .filter(|(_, wi)| **wi == Some(i))
-            .map(|(v, _)| node(w, v, &offers))
+            .map(|(v, _)| node(w, v, &offers, now))
             .collect();
         let demand: Vec<PendingPod> = demand
             .iter()
             .filter(|p| !handled.contains(&p.id))
+            .filter(|p| selects_namespace(mig, p.namespace_labels.as_ref()))
             .cloned()
             .collect();
         let class = classes(&nodes, &demand);
@@ -228,6 +233,7 @@ pub fn plan(
             class,
             offers: &offers,
             transient,
+            ignored: &cluster.demand_ignored,
         };
         handled.extend(p.plan(&demand, &mut out));
     }
@@ -240,10 +246,11 @@ pub fn plan(
     out
 }
 
-fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers) -> Node<'a> {
+fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers, now: i64) -> Node<'a> {
     let own = w.mig().map(|m| m.layout.clone()).unwrap_or_default();
     let (layout, since) = match (node_layout(w, v), recorded(v)) {
-        (Some(l), Some((_, t))) => (l, t),
+        // A time in the future (a clock ahead, or a forged value) would pin the cooldown.
+        (Some(l), Some((_, t))) => (l, t.min(now)),
         _ => (own, 0),
     };
     let brings = offers.get(v, &layout);
@@ -322,7 +329,9 @@ impl Policy<'_, '_> {
             .iter()
             .filter(|p| reps.iter().any(|&i| self.fits(p, self.nodes[i].view)))
             .collect();
-        pods.sort_by(|a, b| (-a.priority, a.since, &a.id).cmp(&(-b.priority, b.since, &b.id)));
+        pods.sort_by(|a, b| {
+            (Reverse(a.priority), a.since, &a.id).cmp(&(Reverse(b.priority), b.since, &b.id))
+        });
         pods
     }
 
@@ -421,6 +430,7 @@ impl Policy<'_, '_> {
             DemandStatus {
                 profiles: st.profiles(),
                 reshaping,
+                ignored: self.ignored.to_vec(),
             },
         );
         let left: BTreeSet<usize> = residual.iter().copied().collect();
@@ -983,6 +993,67 @@ mod tests {
         let st = plan.statuses["dyn"].demand.clone().unwrap();
         let d = profile(&st, "1g.10gb");
         assert_eq!((d.pending, d.coming), (1, 1));
+    }
+
+    /// A recorded time in the future (a forged or skewed annotation) counts as now: it cannot
+    /// pin the cooldown beyond `minLayoutLifetimeSeconds`.
+    #[test]
+    fn a_recorded_time_in_the_future_counts_as_now() {
+        let mut v = node("a", "all-3g.40gb", &[("nvidia.com/mig-3g.40gb", "16")]);
+        std::sync::Arc::make_mut(&mut v.facts).annotations.insert(
+            ANNOTATION_MIG_DEMAND,
+            format!("all-3g.40gb@{}", NOW + 1_000_000_000).as_str(),
+        );
+        let plan = plan_all(&input(
+            "",
+            vec![v],
+            vec![pod("ml/p", "1g.10gb", 1, NOW - 5)],
+        ));
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(profile(&st, "1g.10gb").reason.as_deref(), Some(COOLDOWN));
+        assert_eq!(plan.demand.recheck_in, Some(600));
+    }
+
+    /// With a `namespaceSelector`, pods of other namespaces (or of namespaces whose labels are
+    /// unknown) are not the policy's demand; pods of selected namespaces are.
+    #[test]
+    fn only_selected_namespaces_are_demand() {
+        let extra = "      namespaceSelector: {matchLabels: {gpu-tenant: ml}}\n";
+        let with_ns = |id: &str, labels: Option<&[(&str, &str)]>| {
+            let mut p = pod(id, "1g.10gb", 1, NOW - 5);
+            p.namespace_labels = labels.map(|l| {
+                l.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect()
+            });
+            p
+        };
+        let plan = plan_all(&input(
+            extra,
+            vec![node("a", "all-7g.80gb", SEVEN)],
+            vec![
+                with_ns("web/p", Some(&[("gpu-tenant", "web")])),
+                with_ns("unknown/p", None),
+            ],
+        ));
+        assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
+        assert!(
+            plan.statuses["dyn"]
+                .demand
+                .clone()
+                .unwrap()
+                .profiles
+                .is_empty()
+        );
+        let plan = plan_all(&input(
+            extra,
+            vec![node("a", "all-7g.80gb", SEVEN)],
+            vec![with_ns("ml/p", Some(&[("gpu-tenant", "ml")]))],
+        ));
+        assert_eq!(
+            plan.demand.annotations,
+            [("a".to_string(), Some(format!("all-1g.10gb@{NOW}")))].into()
+        );
     }
 
     /// Demand younger than the quiet period waits to batch, with a recheck when it is over.

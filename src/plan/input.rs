@@ -110,6 +110,9 @@ pub struct PendingPod {
     pub affinity: Vec<Vec<Requirement>>,
     /// `spec.tolerations`: a node's `NoSchedule`/`NoExecute` taints must all be tolerated.
     pub tolerations: Vec<super::taint::Toleration>,
+    /// The labels of its namespace (each dynamic policy's `namespaceSelector` is judged on
+    /// them), filled when it is admitted as demand ([`super::admit`]); `None` when unknown.
+    pub namespace_labels: Option<BTreeMap<String, String>>,
 }
 
 impl PendingPod {
@@ -234,8 +237,11 @@ pub struct ClusterFacts {
     pub gpu_cluster: Option<String>,
     /// Karpenter's NodePools and NodeOverlays, when the NodeOverlay kind is served.
     pub autoscaling: Option<AutoscalingFacts>,
-    /// Pods waiting for MIG instances no node offers, sorted by id.
+    /// Pods waiting for MIG instances no node offers, admitted as demand ([`super::admit`]),
+    /// sorted by id.
     pub demand: Vec<PendingPod>,
+    /// What the bounds of admission left out (reported on every dynamic policy).
+    pub demand_ignored: Vec<crate::api::crd::IgnoredDemand>,
 }
 
 impl Default for ClusterFacts {
@@ -254,6 +260,7 @@ impl Default for ClusterFacts {
             gpu_cluster: None,
             autoscaling: None,
             demand: Vec::new(),
+            demand_ignored: Vec::new(),
         }
     }
 }

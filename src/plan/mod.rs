@@ -26,6 +26,7 @@ use crate::nvidia::state::Workload;
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
 use crate::validate::FieldError;
 
+pub mod admit;
 pub mod autoscaling;
 pub mod backend;
 pub mod capacity;

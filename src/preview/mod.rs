@@ -111,6 +111,28 @@ async fn gpu_clusters(
 /// are assumed (no GPU pods, no allocated claims, no DRA-only mode, every namespace exists)
 /// and said so. The controller's own flags and memory are not in the cluster: defaults, and
 /// nothing remembered.
+/// The pending pods admitted as demand, as the controller admits them.
+fn admitted_demand(
+    policies: &[GpuSharingPolicy],
+    configmaps: &BTreeMap<String, BTreeMap<String, String>>,
+    namespaces: &crate::plan::admit::NamespaceLabels,
+    pending: &[Pod],
+) -> crate::plan::admit::Admitted {
+    let sources = crate::plan::admit::Sources {
+        mig_configs: || {
+            observe::gpu_operator::mig_configs(configmaps.get(DEFAULT_MIG_CONFIGMAP))
+                .unwrap_or_else(crate::nvidia::default_mig_configs)
+        },
+        namespaces: || namespaces.clone(),
+    };
+    crate::plan::admit::admit(
+        policies,
+        sources,
+        &crate::plan::selector_keys(policies),
+        observe::pods::demand(pending),
+    )
+}
+
 pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snapshot, Error> {
     let namespace = match namespace {
         Some(n) => n,
@@ -173,25 +195,27 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
     let gpu_clusters = gpu_clusters(client, &mut assumptions).await?;
     let namespaces = optional(
         "namespaces",
-        "every namespace a DRA policy lists is assumed to exist",
+        "every namespace a DRA policy lists is assumed to exist; no pod of a namespaceSelector is demand",
         &mut assumptions,
         Api::<Namespace>::all(client.clone()).list_metadata(&lp),
     )
     .await?
-    .map(|l| l.items.iter().map(|n| n.name_any()).collect());
+    .map(|l| l.items.iter().map(|n| (n.name_any(), n.labels().clone())).collect());
     let karpenter = karpenter_objects(client, &mut assumptions).await?;
+    let admitted = admitted_demand(&policies, &configmaps, &namespaces, &pending);
     let cluster_policy_spec =
         active_cluster_policy(&cluster_policies).and_then(|c| c.data.get("spec").cloned());
     let view = ClusterView {
         policies,
         nodes,
         pods: pods.iter().collect(),
-        demand: observe::pods::demand(&pending),
+        demand: admitted.pods,
+        demand_ignored: admitted.ignored,
         claims: claims.iter().collect(),
         cluster_policies: Some(cluster_policies.iter().collect()),
         gpu_clusters,
         configmaps,
-        namespaces,
+        namespaces: namespaces.map(|n| n.into_keys().collect()),
         tainted: None,
         karpenter: karpenter.as_ref().map(|(pools, overlays)| KarpenterView {
             node_pools: pools.iter().collect(),

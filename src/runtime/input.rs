@@ -14,7 +14,7 @@ use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::*;
 use crate::observe::karpenter::KarpenterView;
 use crate::observe::{self, ClusterView, Settings};
-use crate::plan::{PlanInput, selector_keys};
+use crate::plan::{PlanInput, admit, selector_keys};
 use crate::runtime::controller::Context;
 use crate::runtime::memory::ControllerMemory;
 
@@ -42,10 +42,16 @@ impl Context {
             .map(|p| (**p).clone())
             .collect();
         // Checked before the snapshot: the cache's listed labels only grow.
-        // Pending pods' node selectors and affinity are judged against node labels too.
+        // Pending pods' node selectors and affinity are judged against node labels too, but
+        // only those of pods admitted as demand, and only so many keys (tenants write them).
         let mut keys = selector_keys(&policies);
         let demand = observe::pods::demand(self.caches.pending.state().iter().map(|p| &**p));
-        keys.extend(demand.iter().flat_map(|d| d.label_keys()).cloned());
+        let sources = admit::Sources {
+            mig_configs: || self.mig_catalogue(),
+            namespaces: || self.namespace_labels(),
+        };
+        let admitted = admit::admit(&policies, sources, &keys, demand);
+        keys.extend(admitted.keys.iter().cloned());
         if !self.caches.nodes.require(&keys) {
             return None;
         }
@@ -98,7 +104,8 @@ impl Context {
             policies,
             nodes,
             pods: pods.iter().map(|p| &**p).collect(),
-            demand,
+            demand: admitted.pods,
+            demand_ignored: admitted.ignored,
             claims: claims.iter().map(|c| &**c).collect(),
             cluster_policies: Some(cluster_policies.iter().map(|c| &**c).collect()),
             gpu_clusters: self
@@ -125,6 +132,26 @@ impl Context {
             now,
         };
         Some(observe::plan_input(view, &settings, memory))
+    }
+
+    /// NVIDIA's named MIG layouts: the GPU Operator's default config, else the embedded copy
+    /// (which profiles a dynamic policy's catalogue can offer).
+    fn mig_catalogue(&self) -> std::collections::BTreeMap<String, serde_json::Value> {
+        let cm = self.configmap(DEFAULT_MIG_CONFIGMAP);
+        observe::gpu_operator::mig_configs(cm.as_ref().and_then(|c| c.data.as_ref()))
+            .unwrap_or_else(crate::nvidia::default_mig_configs)
+    }
+
+    /// Each namespace's labels, when the operator may list namespaces.
+    fn namespace_labels(&self) -> admit::NamespaceLabels {
+        let store = self.caches.namespaces.as_ref()?;
+        Some(
+            store
+                .state()
+                .iter()
+                .map(|n| (n.name_any(), n.labels().clone()))
+                .collect(),
+        )
     }
 
     /// The ClusterPolicy in force (the oldest: the GPU Operator ignores the others).

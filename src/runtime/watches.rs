@@ -149,6 +149,20 @@ fn strip_pod(p: &mut Pod) {
 /// Unscheduled pods stripped to what demand planning reads: requests, node selector, node
 /// affinity, tolerations, priority, the scheduler's condition.
 fn strip_pending_pod(p: &mut Pod) {
+    // Most pending pods are not demand (no MIG request, or selectors past the bounds): keep
+    // their names only, whatever their size.
+    if !crate::observe::pods::may_be_demand(p) {
+        p.metadata = kube::api::ObjectMeta {
+            name: p.metadata.name.take(),
+            namespace: p.metadata.namespace.take(),
+            resource_version: p.metadata.resource_version.take(),
+            uid: p.metadata.uid.take(),
+            ..Default::default()
+        };
+        p.spec = None;
+        p.status = None;
+        return;
+    }
     let tolerations = p.spec.as_mut().and_then(|s| s.tolerations.take());
     strip_common(p);
     if let Some(s) = p.spec.as_mut() {
@@ -166,6 +180,9 @@ fn strip_pending_pod(p: &mut Pod) {
     if let Some(a) = p.spec.as_mut().and_then(|s| s.affinity.as_mut()) {
         a.pod_affinity = None;
         a.pod_anti_affinity = None;
+        if let Some(n) = a.node_affinity.as_mut() {
+            n.preferred_during_scheduling_ignored_during_execution = None;
+        }
     }
 }
 

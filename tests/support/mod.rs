@@ -879,7 +879,17 @@ pub async fn pod_events(
     pod: &str,
     keep: impl Fn(&k8s_openapi::api::core::v1::Event) -> bool,
 ) -> Vec<String> {
-    Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.clone(), "default")
+    pod_events_in(c, "default", pod, keep).await
+}
+
+/// [`pod_events`] of a pod in namespace `ns`.
+pub async fn pod_events_in(
+    c: &Client,
+    ns: &str,
+    pod: &str,
+    keep: impl Fn(&k8s_openapi::api::core::v1::Event) -> bool,
+) -> Vec<String> {
+    Api::<k8s_openapi::api::core::v1::Event>::namespaced(c.clone(), ns)
         .list(&kube::api::ListParams::default().fields(&format!("involvedObject.name={pod}")))
         .await
         .unwrap()

@@ -68,7 +68,11 @@ async fn apply_node(
         // cordoned is drained without claiming (and so never lifting) the cordon.
         let n = api.get(name).await?;
         let unschedulable = n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
-        let ours = n.annotations().contains_key(ANNOTATION_CORDONED);
+        // Our mark only where our field manager owns it: a forged one is someone's cordon.
+        let managed = n.metadata.managed_fields.as_deref().unwrap_or_default();
+        let ours = n.annotations().contains_key(ANNOTATION_CORDONED)
+            && crate::observe::node::believed_annotations(managed, MANAGER)
+                .contains(ANNOTATION_CORDONED);
         if unschedulable && !ours {
             *foreign = true;
             annotations = annotations
