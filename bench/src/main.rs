@@ -128,8 +128,9 @@ struct Args {
     /// Measure the planner alone, in memory, at the configurations (no API server).
     #[arg(long)]
     plan_only: bool,
-    /// Replay a seeded demand trace on simulated A100 nodes, in memory, once per static MIG
-    /// layout and once with `spec.mig.dynamic` (see demand.rs); writes demand.md.
+    /// Replay a seeded demand trace on simulated A100 nodes, in memory: static MIG layouts
+    /// (uniform, the best per-node assignment, an admin's split) against `spec.mig.dynamic`
+    /// (see demand/mod.rs); writes demand.md.
     #[arg(long)]
     demand_trace: Option<u64>,
     /// Nodes of the demand trace.
@@ -138,9 +139,18 @@ struct Args {
     /// Seconds over which the demand trace's pods arrive.
     #[arg(long, default_value_t = 3600)]
     demand_seconds: i64,
-    /// Pods per second of the demand trace.
-    #[arg(long, default_value_t = 0.4)]
-    demand_rate: f64,
+    /// Pods per second of the demand trace (comma-separated: one set of tables each).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![0.3, 0.4])]
+    demand_rate: Vec<f64>,
+    /// Kinds of demand trace (comma-separated): a mix that shifts each third, or one that stays.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![demand::Kind::Shifting, demand::Kind::Stationary])]
+    demand_kind: Vec<demand::Kind>,
+    /// Scheduler models of the demand replay (comma-separated).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![demand::Scheduler::FirstFit, demand::Scheduler::Spread, demand::Scheduler::Pack])]
+    demand_scheduler: Vec<demand::Scheduler>,
+    /// Seconds the MIG manager takes to reshape a node in the dynamic replays (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![10i64, 60, 120])]
+    demand_mig_delays: Vec<i64>,
 }
 
 /// A fresh control plane (no seeded nodes) from the test kit, tried twice: kube-local's seeding
@@ -223,13 +233,16 @@ fn parse_configs(args: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(seed) = args.demand_trace {
-        let md = demand::run(&demand::Trace {
+        let md = demand::run(&demand::Settings {
             seed,
             nodes: args.demand_nodes,
             seconds: args.demand_seconds,
-            rate: args.demand_rate,
+            rates: args.demand_rate.clone(),
             run: (60, 540),
-            mig_delay: 10,
+            kinds: args.demand_kind.clone(),
+            schedulers: args.demand_scheduler.clone(),
+            mig_delays: args.demand_mig_delays.clone(),
+            command: std::env::args().collect::<Vec<_>>().join(" "),
         });
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("demand.md"), &md)?;

@@ -1,0 +1,90 @@
+//! The pool: simulated A100 80GB nodes under one MIG policy, configured by the operator's own
+//! planner and NVIDIA's simulated answers (`plan::converge`).
+
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+use gpu_sharing_operator::plan::{self, NodeFacts, PlanInput, converge};
+
+use super::trace::{PROFILES, PerProfile};
+
+/// The catalogue: every single-profile layout of an A100 80GB, and NVIDIA's mixed one.
+pub(crate) const LAYOUTS: [&str; 6] = [
+    "all-1g.10gb",
+    "all-2g.20gb",
+    "all-3g.40gb",
+    "all-4g.40gb",
+    "all-7g.80gb",
+    "all-balanced",
+];
+
+/// The layout dynamic starts from.
+pub(crate) const DYNAMIC_START: &str = "all-balanced";
+
+/// The replays' clock at the trace's start (unix seconds).
+pub(crate) const START: i64 = 1_800_000_000;
+
+/// GPUs of a node (the fixture's `nvidia.com/gpu.count`).
+pub(crate) fn gpus_per_node() -> i64 {
+    a100(0)
+        .labels
+        .get("nvidia.com/gpu.count")
+        .and_then(|v| v.parse().ok())
+        .expect("the A100 fixture counts its GPUs")
+}
+
+/// The policy with `layout`; with `dynamic`, the rest of the catalogue too, at the default
+/// timings of `spec.mig.dynamic`.
+pub(crate) fn policy(layout: &str, dynamic: bool) -> GpuSharingPolicy {
+    let dynamic = if dynamic {
+        let others: Vec<&str> = LAYOUTS.iter().copied().filter(|l| *l != layout).collect();
+        format!("    dynamic: {{layouts: [{}]}}\n", others.join(", "))
+    } else {
+        String::new()
+    };
+    let yaml = format!(
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: a100, generation: 1}}\nspec:\n  nodeSelector: {{matchLabels: {{bench.gpusharing.io/pool: a100}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: {layout}\n{dynamic}  rollout: {{maxUnavailable: 25%}}\n"
+    );
+    gpu_sharing_operator::api::yaml::from_str(&yaml).expect("the benchmark's policy parses")
+}
+
+/// Node `i` of the pool: the shared A100 80GB fixture, with its compute capability.
+fn a100(i: usize) -> NodeFacts {
+    let mut n = testkit::fixtures::a100_node(&format!("a100-{i:04}"));
+    n.labels.insert("bench.gpusharing.io/pool", "a100");
+    n.labels.insert("nvidia.com/gpu.compute.major", "8");
+    n
+}
+
+/// `n` nodes configured with the policy's own layout (plan, apply, NVIDIA answers, until
+/// nothing changes).
+pub(crate) fn configured(p: &GpuSharingPolicy, n: usize) -> PlanInput {
+    let mut input = PlanInput::new(vec![p.clone()], (0..n).map(a100).collect());
+    input.cluster.base_mig_configs = Some(gpu_sharing_operator::nvidia::default_mig_configs());
+    input.cluster.now = START;
+    for _ in 0..20 {
+        let plan = plan::plan(&input);
+        let mut changed = converge::apply(&mut input, &plan);
+        let answer = input.cluster.now + 1;
+        changed.extend(converge::nvidia_succeeds(&mut input, answer));
+        input.cluster.now += 2;
+        if changed.is_empty() {
+            break;
+        }
+    }
+    input
+}
+
+/// The instances per profile each layout of the catalogue gives a node: what the device
+/// plugin advertises once the operator configured it from NVIDIA's default mig-parted configs.
+pub(crate) fn capacities() -> [PerProfile; LAYOUTS.len()] {
+    LAYOUTS.map(|l| {
+        let input = configured(&policy(l, false), 1);
+        let caps = PROFILES
+            .each_ref()
+            .map(|p| input.nodes[0].allocatable(p.resource));
+        assert!(
+            caps.iter().any(|c| *c > 0),
+            "{l} advertises no MIG instance"
+        );
+        caps
+    })
+}
