@@ -537,5 +537,67 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
             "ReshapingNode: reshaping node h100-node-0 to NVIDIA-H100-80GB-HBM3 layout all-1g.10gb for this pod"
         ]
     );
+
+    // 9. reserveBusyNodes: h100-node-0 runs a 1g pod for 20 s; a 7g pod for an H100 gets the
+    // node reserved: cordoned at once, nothing evicted, reshaped once the 1g pod finished, then
+    // uncordoned, and kube-scheduler binds the 7g pod there.
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .patch(
+            "dyn",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"spec": {"mig": {"dynamic": {"reserveBusyNodes": {"maxWaitSeconds": 120}}}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let on_h100 = |name: &str, profile: &str, secs: u32| {
+        let mut p = mig_pod(name, profile, 1, secs);
+        let sel = p.spec.as_mut().unwrap().node_selector.as_mut().unwrap();
+        sel.insert(
+            "nvidia.com/gpu.product".into(),
+            "NVIDIA-H100-80GB-HBM3".into(),
+        );
+        p
+    };
+    create(&c, on_h100("long", "1g.10gb", 20)).await;
+    until("long running on h100-node-0", LONG, || async {
+        let s = pod_states(&c).await;
+        (s.get("long")? == &("h100-node-0".into(), "Running".into())).then_some(())
+    })
+    .await;
+    create(&c, on_h100("whole-h100", "7g.80gb", 1)).await;
+    until("h100-node-0 cordoned while long runs", LONG, || async {
+        let n = Api::<Node>::all(c.clone()).get("h100-node-0").await.ok()?;
+        (n.spec?.unschedulable == Some(true)).then_some(())
+    })
+    .await;
+    assert_eq!(
+        pod_states(&c).await["long"],
+        ("h100-node-0".to_string(), "Running".to_string()),
+        "nothing evicted"
+    );
+    assert!(
+        reshaping_events(&c, "whole-h100").await[0].ends_with(
+            "layout all-7g.80gb for this pod (cordoned until its 1 running GPU pod(s) finish)"
+        ),
+        "{:?}",
+        reshaping_events(&c, "whole-h100").await
+    );
+    until("whole-h100 bound on h100-node-0", LONG, || async {
+        let (node, _) = pod_states(&c).await.remove("whole-h100")?;
+        (node == "h100-node-0").then_some(())
+    })
+    .await;
+    assert_eq!(
+        pod_states(&c).await["long"].1,
+        "Succeeded",
+        "long ran to its end"
+    );
+    until("h100-node-0 uncordoned", LONG, || async {
+        let n = Api::<Node>::all(c.clone()).get("h100-node-0").await.ok()?;
+        (n.spec?.unschedulable != Some(true)).then_some(())
+    })
+    .await;
     op.stop().await;
 }

@@ -460,6 +460,7 @@ pub struct Mig {
 /// Demand-driven MIG: which layouts a node may be given for pending pods, and how cautiously.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(has(self.drainBusyNodes) && has(self.reserveBusyNodes))").message("set at most one of drainBusyNodes (evict) and reserveBusyNodes (wait for the pods to finish)"))]
 #[x_kube(validation = Rule::new("!has(self.drainBusyNodes) || has(self.namespaceSelector)").message("drainBusyNodes needs a namespaceSelector: only pods of the namespaces it selects may make the operator evict other pods"))]
 #[x_kube(validation = Rule::new("!has(self.drainBusyNodes) || !has(self.minLayoutLifetimeSeconds) || self.minLayoutLifetimeSeconds >= 60").message("with drainBusyNodes, minLayoutLifetimeSeconds must be at least 60: a node may not be drained again and again"))]
 pub struct DynamicMig {
@@ -500,6 +501,28 @@ pub struct DynamicMig {
     /// manager applies the layout. Absent (the default): demand waits for an idle node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain_busy_nodes: Option<DemandDrain>,
+
+    /// Nodes running GPU pods may be reserved to reshape them without evicting anything: the
+    /// node is cordoned, so no new pod lands there, and reshaped once its GPU pods have
+    /// finished; the cordon goes when the new layout is confirmed. What kube-scheduler's
+    /// default profile needs: it spreads pods, so nodes seldom go idle by themselves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserve_busy_nodes: Option<DemandReserve>,
+}
+
+/// How long a reserved node may wait for its GPU pods to finish.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DemandReserve {
+    /// Seconds from the choice after which a node whose GPU pods still run is given back
+    /// (uncordoned, keeping its layout); demand may then choose another.
+    #[serde(default = "default_max_wait_seconds")]
+    #[schemars(range(min = 60, max = 86400))]
+    pub max_wait_seconds: i64,
+}
+
+fn default_max_wait_seconds() -> i64 {
+    900
 }
 
 /// Which busy nodes demand may drain.

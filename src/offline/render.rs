@@ -591,5 +591,16 @@ mod tests {
             )),
             Ok(1)
         );
+        // Reservations evict nothing: no fence needed; but not together with drains.
+        let reserve = "reserveBusyNodes: {maxWaitSeconds: 300}";
+        assert_eq!(
+            with(&format!("{{layouts: [all-1g.10gb], {reserve}}}")),
+            Ok(1)
+        );
+        let e = with(&format!(
+            "{{layouts: [all-1g.10gb], {drains}, {selector}, {reserve}}}"
+        ))
+        .unwrap_err();
+        assert!(e.contains("set at most one of drainBusyNodes"), "{e}");
     }
 }

@@ -80,8 +80,9 @@ struct Node<'a> {
     /// Free instances now (configured) or the instances the layout will bring (reshaping).
     supply: BTreeMap<String, i64>,
     /// Under `drainBusyNodes`, the priorities of the GPU pods a drain would evict (none for an
-    /// idle node); `None` when demand may not drain it (no `drainBusyNodes`, or a pod above the
-    /// ceiling or protected by `disruption.neverEvict`).
+    /// idle node, and none under `reserveBusyNodes`, which waits for them); `None` when demand
+    /// may not take it busy (neither setting, or a pod above the ceiling or protected by
+    /// `disruption.neverEvict`).
     evicts: Option<Vec<i32>>,
 }
 
@@ -101,6 +102,8 @@ struct Choice {
     gained: Vec<usize>,
     lost: Vec<usize>,
     evicted: usize,
+    /// GPU pods running there (a reserved node waits for them).
+    running: usize,
 }
 
 struct Policy<'a, 'p> {
@@ -279,17 +282,23 @@ fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers, now: i64) -> Node<'a
         brings.map(|b| (*b).clone()).unwrap_or_default()
     };
     let dynamic = w.spec.mig.as_ref().and_then(|m| m.dynamic.as_ref());
-    let evicts = dynamic
-        .and_then(|d| d.drain_busy_nodes.as_ref())
-        .and_then(|_| {
-            v.gpu_pods
-                .iter()
-                .map(|p| {
-                    let priority = v.gpu_pod_details.get(p).map_or(0, |d| d.priority);
-                    (!w.never_evicts(v, p, true)).then_some(priority)
-                })
-                .collect()
-        });
+    // A node demand may reserve waits for its pods: it may be chosen busy, and evicts none.
+    let reserve = dynamic.is_some_and(|d| d.reserve_busy_nodes.is_some());
+    let evicts = if reserve {
+        Some(Vec::new())
+    } else {
+        dynamic
+            .and_then(|d| d.drain_busy_nodes.as_ref())
+            .and_then(|_| {
+                v.gpu_pods
+                    .iter()
+                    .map(|p| {
+                        let priority = v.gpu_pod_details.get(p).map_or(0, |d| d.priority);
+                        (!w.never_evicts(v, p, true)).then_some(priority)
+                    })
+                    .collect()
+            })
+    };
     Node {
         view: v,
         layout,
@@ -424,7 +433,7 @@ impl Policy<'_, '_> {
             st.unmet(pods[k], why);
         }
         let reshaping = self.reshaping(out);
-        self.keep_recorded(out);
+        self.keep_recorded(&placed, out);
         out.statuses.insert(
             self.w.name.clone(),
             DemandStatus {
@@ -452,8 +461,11 @@ impl Policy<'_, '_> {
         if evicted > 0 {
             out.drains.insert(n.view.name().to_string(), evicted);
         }
+        let running = n.view.gpu_pods.len();
         let drain = if evicted > 0 {
             format!(" (draining it: {evicted} GPU pod(s) evicted)")
+        } else if running > 0 {
+            format!(" (cordoned until its {running} running GPU pod(s) finish)")
         } else {
             String::new()
         };
@@ -546,9 +558,14 @@ impl Policy<'_, '_> {
     /// that runs GPU pods again before its change started (a pod was bound to its old free
     /// instances) is given up, unless demand may drain the node as it is now and the drain has
     /// not overrun its time: the node keeps the layout it has.
-    fn keep_recorded(&self, out: &mut DemandPlan) {
+    ///
+    /// A node reserved (`reserveBusyNodes`) is given back too when no pending pod is placed on
+    /// the layout it waits for any more (the pods were deleted, or bound elsewhere), or when it
+    /// waited `maxWaitSeconds`.
+    fn keep_recorded(&self, placed: &[Vec<usize>], out: &mut DemandPlan) {
         let catalogue = catalogue(self.w);
-        for n in &self.nodes {
+        let reserve = self.dynamic.reserve_busy_nodes.as_ref();
+        for (i, n) in self.nodes.iter().enumerate() {
             let name = n.view.name().to_string();
             if out.annotations.contains_key(&name) || recorded(n.view).is_none() {
                 continue;
@@ -561,12 +578,13 @@ impl Policy<'_, '_> {
             let busy = label != Some(target.as_str()) && !n.view.gpu_pods.is_empty();
             // A drain for demand that overran `drainTimeoutSeconds` (a PodDisruptionBudget
             // that never allows the eviction) is given up too: the node is uncordoned.
-            let deadline = n.since + self.drain_timeout();
+            let deadline = n.since + reserve.map_or(self.drain_timeout(), |r| r.max_wait_seconds);
             let overran = self.now >= deadline;
+            let unneeded = reserve.is_some() && placed[i].is_empty();
             if busy && n.evicts.is_some() && !overran {
                 recheck(out, deadline - self.now);
             }
-            if busy && (n.evicts.is_none() || overran) {
+            if busy && (n.evicts.is_none() || overran || unneeded) {
                 let keep = label
                     .filter(|l| catalogue.iter().any(|c| c == l))
                     .map(|l| format!("{l}@{}", self.now));
@@ -604,8 +622,10 @@ impl Policy<'_, '_> {
                 continue;
             }
             let evicts: &[i32] = n.evicts.as_deref().unwrap_or_default();
+            let running = n.view.gpu_pods.len();
             if placed[i].is_empty()
                 && evicts.is_empty()
+                && running == 0
                 && !asked.insert((self.class[i].as_str(), n.layout.as_str()))
             {
                 continue;
@@ -628,10 +648,12 @@ impl Policy<'_, '_> {
                 if net.iter().find(|x| **x != 0).is_none_or(|x| *x < 0) {
                     continue;
                 }
-                // Ties go to the choice that evicts fewer pods (an idle node first).
+                // Ties go to the choice that evicts fewer pods, then waits for fewer (an idle
+                // node first).
+                let cost = (evicts.len(), running);
                 if best
                     .as_ref()
-                    .is_none_or(|(b, c)| net > *b || net == *b && evicts.len() < c.evicted)
+                    .is_none_or(|(b, c)| net > *b || net == *b && cost < (c.evicted, c.running))
                 {
                     let c = Choice {
                         node: i,
@@ -639,6 +661,7 @@ impl Policy<'_, '_> {
                         gained,
                         lost,
                         evicted: evicts.len(),
+                        running,
                     };
                     best = Some((net, c));
                 }
@@ -880,7 +903,7 @@ impl Tally {
 mod tests {
     use super::*;
     use crate::api::crd::GpuSharingPolicy;
-    use crate::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE};
+    use crate::api::names::{ANNOTATION_CORDONED, LABEL_MIG_CONFIG, LABEL_MIG_STATE};
     use crate::plan::testing::a100_node;
     use crate::plan::{NodeView, PlanInput, plan as plan_all};
 
@@ -1407,6 +1430,67 @@ mod tests {
             zone(node("b", "all-7g.80gb", SEVEN), "b"),
         ];
         let plan = plan_all(&input(DRAIN, nodes, pods));
+        assert_eq!(
+            plan.demand.annotations.keys().collect::<Vec<_>>(),
+            ["b"],
+            "{:?}",
+            plan.demand
+        );
+    }
+
+    const RESERVE: &str = "      reserveBusyNodes: {maxWaitSeconds: 300}\n";
+
+    /// Under `reserveBusyNodes` a busy node may be chosen whatever its pods' priority: it is
+    /// cordoned, nothing is evicted, and its MIG label waits for the pods to finish. It is given
+    /// back when the pods it waits for are gone or after `maxWaitSeconds`; between busy nodes,
+    /// the one with fewer running pods is reserved.
+    #[test]
+    fn busy_nodes_are_reserved_by_cordon_and_given_back_when_not_needed() {
+        let plan = plan_all(&input(RESERVE, vec![running(1000)], three(1)));
+        assert_eq!(
+            plan.demand.annotations,
+            [("a".to_string(), Some(format!("all-3g.40gb@{NOW}")))].into()
+        );
+        assert!(plan.demand.drains.is_empty());
+        assert!(
+            plan.demand.events[0]
+                .2
+                .ends_with("(cordoned until its 1 running GPU pod(s) finish)"),
+            "{:?}",
+            plan.demand.events
+        );
+        // Chosen: cordoned, nothing evicted, the MIG label unchanged while the pod runs.
+        let plan = plan_all(&input(RESERVE, vec![chosen(1000)], three(2)));
+        assert!(plan.drains.is_empty(), "{:?}", plan.drains);
+        assert_eq!(plan.node_annotations["a"][ANNOTATION_CORDONED], "true");
+        assert_eq!(
+            plan.node_labels["a"]
+                .get(LABEL_MIG_CONFIG)
+                .map(String::as_str),
+            Some("all-7g.80gb")
+        );
+        assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
+        assert_eq!(plan.demand.recheck_in, Some(297), "at maxWaitSeconds");
+        // The pods it waited for are gone: given back, keeping its layout.
+        let back = [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into();
+        let plan = plan_all(&input(RESERVE, vec![chosen(0)], vec![]));
+        assert_eq!(plan.demand.annotations, back);
+        // It waited maxWaitSeconds: given back too.
+        let mut late = chosen(0);
+        std::sync::Arc::make_mut(&mut late.facts)
+            .annotations
+            .insert(
+                ANNOTATION_MIG_DEMAND,
+                format!("all-3g.40gb@{}", NOW - 301).as_str(),
+            );
+        let plan = plan_all(&input(RESERVE, vec![late], three(2)));
+        assert_eq!(plan.demand.annotations, back);
+        // Of two busy nodes, the one with fewer running pods.
+        let mut a = running(0);
+        a.gpu_pods.push("ml/run-2".into());
+        let mut b = running(0);
+        std::sync::Arc::make_mut(&mut b.facts).name = "b".into();
+        let plan = plan_all(&input(RESERVE, vec![a, b], three(1)));
         assert_eq!(
             plan.demand.annotations.keys().collect::<Vec<_>>(),
             ["b"],

@@ -40,14 +40,16 @@ pub fn drain_nodes(
         }
         let view = e.node;
         let demand = super::policies::demand_reshape(w, view);
+        // A node demand reserved is cordoned and waits for its pods: it evicts none.
+        let reserve = demand && super::policies::demand_reserve(w.spec).is_some();
         let (protected, evict): (Vec<String>, Vec<String>) = view
             .gpu_pods
             .iter()
             .cloned()
-            .partition(|p| w.never_evicts(view, p, demand));
+            .partition(|p| reserve || w.never_evicts(view, p, demand));
         // Demand never drains a node running a pod it may not evict: demand planning gives the
         // choice up in this same pass, so the node is neither cordoned nor drained.
-        if demand && !protected.is_empty() {
+        if demand && !reserve && !protected.is_empty() {
             continue;
         }
         let owned = view.owned_annotations.contains(ANNOTATION_CORDONED)
@@ -60,6 +62,16 @@ pub fn drain_nodes(
                 .insert(ANNOTATION_CORDONED.to_string(), "true".to_string());
         }
         if !draining {
+            continue;
+        }
+        if reserve {
+            let o = e.outcome.to_mut();
+            o.state = Some(NodeState::Draining);
+            o.reason = None;
+            o.message = format!(
+                "cordoned (reserved for demand); waiting for its GPU pods to finish: {}",
+                protected.join(", ")
+            );
             continue;
         }
         let blocked: Vec<String> = evict

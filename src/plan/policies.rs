@@ -4,7 +4,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::api::crd::{
-    Backend, DemandDrain, GpuSharingPolicy, GpuSharingPolicySpec, MigStrategy, Strategy,
+    Backend, DemandDrain, DemandReserve, GpuSharingPolicy, GpuSharingPolicySpec, MigStrategy,
+    Strategy,
 };
 use crate::api::names::{ANNOTATION_MIG_DEMAND, ANNOTATION_REAPPLY_MIG};
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
@@ -183,12 +184,23 @@ pub fn demand_drain(spec: &GpuSharingPolicySpec) -> Option<&DemandDrain> {
         .as_ref()
 }
 
+/// `spec.mig.dynamic.reserveBusyNodes`: demand may cordon busy nodes and wait for them.
+pub fn demand_reserve(spec: &GpuSharingPolicySpec) -> Option<&DemandReserve> {
+    spec.mig
+        .as_ref()?
+        .dynamic
+        .as_ref()?
+        .reserve_busy_nodes
+        .as_ref()
+}
+
 impl Prepared<'_> {
     /// Whether node `n`'s change drains it when its GPUs are busy: a layout demand recorded
-    /// under `drainBusyNodes`, any other change under `disruption.mode: drain`.
+    /// under `drainBusyNodes` or `reserveBusyNodes` (a drain that evicts nothing: the cordon
+    /// alone, until the pods finish), any other change under `disruption.mode: drain`.
     pub fn drains_node(&self, n: &NodeFacts) -> bool {
         if demand_reshape(self, n) {
-            demand_drain(self.spec).is_some()
+            demand_drain(self.spec).is_some() || demand_reserve(self.spec).is_some()
         } else {
             self.drains()
         }

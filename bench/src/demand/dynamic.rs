@@ -11,14 +11,14 @@ use std::ops::Range;
 use std::time::Instant;
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
-use gpu_sharing_operator::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE};
+use gpu_sharing_operator::api::names::{ANNOTATION_CORDONED, LABEL_MIG_CONFIG, LABEL_MIG_STATE};
 use gpu_sharing_operator::nvidia::state::ConfigState;
 use gpu_sharing_operator::plan::input::PendingPod;
 use gpu_sharing_operator::plan::{NodeView, PlanInput, Planner, converge};
 
 use super::Outcome;
 use super::cluster::{Cluster, Node, Scheduler};
-use super::pool::{DYNAMIC_START, configured, policy};
+use super::pool::{Busy, DYNAMIC_START, configured, policy};
 use super::trace::{Arrival, PROFILES};
 
 /// How many times its longest wait ([`settled_after`]) a replay may go on after the last
@@ -32,11 +32,11 @@ const GUARD: i64 = 100;
 pub(crate) fn replay(
     arrivals: &[Arrival],
     nodes: usize,
-    scheduler: Scheduler,
+    (scheduler, busy): (Scheduler, Busy),
     mig_delay: i64,
     seed: u64,
 ) -> Outcome {
-    let p = policy(DYNAMIC_START, true);
+    let p = policy(DYNAMIC_START, Some(busy));
     let settled = settled_after(&p) + mig_delay;
     let mut input = configured(&p, nodes);
     let t0 = input.cluster.now;
@@ -114,11 +114,13 @@ fn reshaped(before: &mut Vec<Option<String>>, nodes: &[NodeView]) -> usize {
 
 /// What each node offers the scheduler now: the MIG instances the device plugin advertises;
 /// nothing while the MIG manager works (it stops the device plugin), nor past a taint the
-/// trace's pods do not tolerate (a cordon is one).
+/// trace's pods do not tolerate (someone's cordon is one), nor while the operator cordons it
+/// (its own cordon mark: the controller sets `spec.unschedulable` in the same apply).
 fn observe(nodes: &mut [Node], views: &[NodeView], pod: &PendingPod) {
     for (n, v) in nodes.iter_mut().zip(views) {
         n.allocatable = PROFILES.each_ref().map(|p| v.allocatable(p.resource));
-        n.open = !reconfiguring(v) && pod.fits(v, None);
+        let cordoned = v.annotations.get(ANNOTATION_CORDONED).is_some();
+        n.open = !reconfiguring(v) && !cordoned && pod.fits(v, None);
     }
 }
 

@@ -35,7 +35,7 @@ use gpu_sharing_operator::plan::Planner;
 use gpu_sharing_operator::plan::input::PendingPod;
 
 pub(crate) use cluster::Scheduler;
-use pool::{DYNAMIC_START, LAYOUTS};
+use pool::{Busy, DYNAMIC_START, LAYOUTS};
 use statics::{ADMIN_SAMPLE, Split};
 pub(crate) use trace::Kind;
 use trace::{Arrival, PerProfile, SLICES_PER_GPU, Trace};
@@ -163,7 +163,7 @@ fn section(
 
 /// What every table shares: the pool, the pods, the rules of the replays, how to rerun.
 fn header(s: &Settings) -> String {
-    let d = pool::policy(DYNAMIC_START, true)
+    let d = pool::policy(DYNAMIC_START, Some(Busy::Wait))
         .spec
         .mig
         .and_then(|m| m.dynamic)
@@ -176,7 +176,7 @@ fn header(s: &Settings) -> String {
          - **Replay**: until nothing more can change (static: every pod arrived and none runs; dynamic: besides, no node reconfiguring and no operator write for longer than its timers). Waits are arrival to binding, of served pods only; never served counts the pods still pending then.\n\
          - **Schedulers**: first-fit binds to the first node by name that fits; spread is kube-scheduler's default profile (LeastAllocated and BalancedAllocation over CPU and memory: the feasible node with the fewest pods, ties at random, seeded); pack is a MostAllocated profile over the `nvidia.com/mig-*` resources (the feasible node with the most compute slices allocated, ties at random). None binds to a node whose MIG manager is at work or whose taints the pods do not tolerate. Static rows are the same under every scheduler: each pod asks for one instance, so which node takes it changes nothing for the next.\n\
          - **Uniform**: one layout on every node. **Oracle** (knows the whole trace): the best of all {tried} per-node assignments of the catalogue's {layouts} layouts, by fewest never served, then served p95, then served mean. **Admin's split**: from the first {sample:.0}% of arrivals, the assignment whose compute slices per profile are closest (least total absolute difference) to each profile's share of the slice-seconds observed times the pool's slices.\n\
-         - **Dynamic**: starts {start} on every node; quietSeconds {quiet}, maxDelaySeconds {delay}, idleSeconds {idle}, minLayoutLifetimeSeconds {life}, maxUnavailable 25%; no drains. While the MIG manager reshapes a node (the MIG cost), the whole node offers nothing.\n",
+         - **Dynamic**: starts {start} on every node; quietSeconds {quiet}, maxDelaySeconds {delay}, idleSeconds {idle}, minLayoutLifetimeSeconds {life}, maxUnavailable 25%; no drains. Rows with reserveBusyNodes may also choose a busy node: it is cordoned (no new pod lands there, none is evicted) and reshaped once its pods finish. While the MIG manager reshapes a node (the MIG cost), the whole node offers nothing.\n",
         seed = s.seed,
         command = s.command,
         nodes = s.nodes,
@@ -229,10 +229,15 @@ fn table(
         format!("admin's split: {}", admin.describe()),
         statics::replay(arrivals, admin, caps, scheduler, s.seed),
     ));
-    for &delay in &s.mig_delays {
-        let mut o = dynamic::replay(arrivals, s.nodes, scheduler, delay, s.seed);
-        pass_ms.append(&mut o.pass_ms);
-        rows.push((format!("dynamic, MIG {delay} s"), o));
+    for (busy, name) in [
+        (Busy::Wait, "dynamic"),
+        (Busy::Reserve, "dynamic, reserveBusyNodes"),
+    ] {
+        for &delay in &s.mig_delays {
+            let mut o = dynamic::replay(arrivals, s.nodes, (scheduler, busy), delay, s.seed);
+            pass_ms.append(&mut o.pass_ms);
+            rows.push((format!("{name}, MIG {delay} s"), o));
+        }
     }
     let mut md = format!(
         "\n### {} scheduler\n\n| configuration | served mean wait s | served p95 wait s | never served | slice-hours used | reshapes |\n|---|---:|---:|---:|---:|---:|\n",
@@ -288,7 +293,7 @@ fn planner_timings(s: &Settings, mut ms: Vec<f64>) -> String {
 /// `pods` pending pods of the shifting trace's first-third mix; the median of 5, with a warm
 /// planner.
 fn pass_at(nodes: usize, pods: usize, seed: u64) -> (f64, usize) {
-    let p = pool::policy(DYNAMIC_START, true);
+    let p = pool::policy(DYNAMIC_START, Some(Busy::Wait));
     let mut input = pool::configured(&p, nodes);
     let t = Trace {
         seed,

@@ -31,14 +31,31 @@ pub(crate) fn gpus_per_node() -> i64 {
         .expect("the A100 fixture counts its GPUs")
 }
 
+/// How a dynamic policy may take busy nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Busy {
+    /// Demand waits for nodes to go idle by themselves (the default).
+    Wait,
+    /// `reserveBusyNodes`: demand cordons a busy node and reshapes it once its pods finish.
+    Reserve,
+}
+
 /// The policy with `layout`; with `dynamic`, the rest of the catalogue too, at the default
 /// timings of `spec.mig.dynamic`.
-pub(crate) fn policy(layout: &str, dynamic: bool) -> GpuSharingPolicy {
-    let dynamic = if dynamic {
-        let others: Vec<&str> = LAYOUTS.iter().copied().filter(|l| *l != layout).collect();
-        format!("    dynamic: {{layouts: [{}]}}\n", others.join(", "))
-    } else {
-        String::new()
+pub(crate) fn policy(layout: &str, dynamic: Option<Busy>) -> GpuSharingPolicy {
+    let dynamic = match dynamic {
+        Some(busy) => {
+            let others: Vec<&str> = LAYOUTS.iter().copied().filter(|l| *l != layout).collect();
+            let reserve = match busy {
+                Busy::Wait => "",
+                Busy::Reserve => ", reserveBusyNodes: {}",
+            };
+            format!(
+                "    dynamic: {{layouts: [{}]{reserve}}}\n",
+                others.join(", ")
+            )
+        }
+        None => String::new(),
     };
     let yaml = format!(
         "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: a100, generation: 1}}\nspec:\n  nodeSelector: {{matchLabels: {{bench.gpusharing.io/pool: a100}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: {layout}\n{dynamic}  rollout: {{maxUnavailable: 25%}}\n"
@@ -77,7 +94,7 @@ pub(crate) fn configured(p: &GpuSharingPolicy, n: usize) -> PlanInput {
 /// plugin advertises once the operator configured it from NVIDIA's default mig-parted configs.
 pub(crate) fn capacities() -> [PerProfile; LAYOUTS.len()] {
     LAYOUTS.map(|l| {
-        let input = configured(&policy(l, false), 1);
+        let input = configured(&policy(l, None), 1);
         let caps = PROFILES
             .each_ref()
             .map(|p| input.nodes[0].allocatable(p.resource));
