@@ -157,9 +157,10 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
     for k in 0..4 {
         create(&c, mig_pod(&format!("big-{k}"), "3g.40gb", 1, 30)).await;
     }
-    until("the 3g layout chosen for a100-node-1", LONG, || async {
+    let recorded = until("the 3g layout chosen for a100-node-1", LONG, || async {
         let (ann, _) = node_meta(&c, "a100-node-1").await;
-        ann.get(DEMAND)?.starts_with("all-3g.40gb@").then_some(())
+        let v = ann.get(DEMAND)?;
+        v.starts_with("all-3g.40gb@").then(|| v.clone())
     })
     .await;
     op.stop().await;
@@ -180,6 +181,18 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
             "a100-node-0"
         };
         assert_eq!(node, want, "{name}");
+    }
+    // The restarted operator took the recorded choice as it was (same time: not chosen again)
+    // and told each 3g pod once.
+    let (ann, _) = node_meta(&c, "a100-node-1").await;
+    assert_eq!(
+        ann.get(DEMAND),
+        Some(&recorded),
+        "the record survives the restart"
+    );
+    for k in 0..4 {
+        let events = reshaping_events(&c, &format!("big-{k}")).await;
+        assert_eq!(events.len(), 1, "big-{k}: {events:?}");
     }
     let layouts = |h: &LabelHistory| {
         h.states()

@@ -1438,6 +1438,28 @@ mod tests {
         );
     }
 
+    /// A layout demand chose on a node that runs a GPU pod again is never put onto the busy
+    /// GPUs, even under `proceedWithBusyGpus`, nor drained under `disruption.mode: drain`: only
+    /// `drainBusyNodes` drains for demand. The choice is given back.
+    #[test]
+    fn a_demand_layout_waits_for_idle_gpus_whatever_the_disruption_settings() {
+        let extra = "    proceedWithBusyGpus: true\n  disruption: {mode: drain}\n";
+        let plan = plan_all(&input(extra, vec![chosen(0)], three(2)));
+        assert_eq!(
+            plan.node_labels["a"]
+                .get(LABEL_MIG_CONFIG)
+                .map(String::as_str),
+            Some("all-7g.80gb"),
+            "not onto busy GPUs"
+        );
+        assert!(plan.drains.is_empty(), "{:?}", plan.drains);
+        assert!(!plan.node_annotations["a"].contains_key(ANNOTATION_CORDONED));
+        assert_eq!(
+            plan.demand.annotations,
+            [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into()
+        );
+    }
+
     const RESERVE: &str = "      reserveBusyNodes: {maxWaitSeconds: 300}\n";
 
     /// Under `reserveBusyNodes` a busy node may be chosen whatever its pods' priority: it is

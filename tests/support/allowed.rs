@@ -57,6 +57,11 @@ pub const CONFIGMAP_OWNER_LABEL: (&str, &str) =
 /// Our field manager.
 pub const FIELD_MANAGER: &str = "gpu-sharing-operator";
 
+/// The demand's field manager: it may hold, and change, one node annotation only (the last of
+/// [`NODE_ANNOTATIONS`], the layout demand chose), and nothing else anywhere.
+pub const DEMAND_FIELD_MANAGER: &str = "gpu-sharing-operator-demand";
+pub const DEMAND_NODE_ANNOTATION: &str = "gpusharing.io/mig-demand-layout";
+
 /// The same strings as a sorted list, for comparing with another list in any order.
 pub fn sorted(list: &[&str]) -> Vec<String> {
     let mut v: Vec<String> = list.iter().map(|s| s.to_string()).collect();

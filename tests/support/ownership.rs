@@ -22,8 +22,9 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use super::allowed::{
-    CLUSTER_POLICY_FIELDS, CONFIGMAP_OWNER_LABEL as MANAGED_BY, FIELD_MANAGER as MANAGER,
-    NODE_ANNOTATIONS, NODE_LABELS, NODE_SPEC_FIELDS, TAINT_PREFIX as OUR_TAINTS,
+    CLUSTER_POLICY_FIELDS, CONFIGMAP_OWNER_LABEL as MANAGED_BY, DEMAND_FIELD_MANAGER as DEMAND,
+    DEMAND_NODE_ANNOTATION, FIELD_MANAGER as MANAGER, NODE_ANNOTATIONS, NODE_LABELS,
+    NODE_SPEC_FIELDS, TAINT_PREFIX as OUR_TAINTS,
 };
 
 /// The kinds the watcher judges.
@@ -63,12 +64,17 @@ fn owned_leaves(v: &Value, prefix: &str, out: &mut Vec<String>) {
     }
 }
 
-/// Our manager's entries of an object (operation, subresource, time, fields).
-fn our_entries(obj: &Value) -> Vec<&Value> {
+/// A manager's entries of an object (operation, subresource, time, fields).
+fn entries_of<'a>(obj: &'a Value, manager: &str) -> Vec<&'a Value> {
     obj["metadata"]["managedFields"]
         .as_array()
-        .map(|a| a.iter().filter(|e| e["manager"] == MANAGER).collect())
+        .map(|a| a.iter().filter(|e| e["manager"] == manager).collect())
         .unwrap_or_default()
+}
+
+/// Our manager's entries of an object.
+fn our_entries(obj: &Value) -> Vec<&Value> {
+    entries_of(obj, MANAGER)
 }
 
 /// Leaf values of the object outside `status`, `metadata.managedFields` and the server-kept
@@ -132,12 +138,23 @@ fn ours(kind: Kind, obj: &Value, path: &str) -> bool {
     }
 }
 
-fn held(obj: &Value) -> std::collections::BTreeSet<String> {
+/// What the demand's manager may hold: on a node, its one annotation (and the maps holding it).
+fn demands(kind: Kind, path: &str) -> bool {
+    kind == Kind::Node
+        && (["metadata", "metadata.annotations"].contains(&path)
+            || path == format!("metadata.annotations.{DEMAND_NODE_ANNOTATION}"))
+}
+
+fn held_by(obj: &Value, manager: &str) -> std::collections::BTreeSet<String> {
     let mut out = Vec::new();
-    for e in our_entries(obj) {
+    for e in entries_of(obj, manager) {
         owned_leaves(&e["fieldsV1"], "", &mut out);
     }
     out.into_iter().collect()
+}
+
+fn held(obj: &Value) -> std::collections::BTreeSet<String> {
+    held_by(obj, MANAGER)
 }
 
 /// Our manager wrote `cur` (on top of `prev`): one of its entries has a new time (or is new),
@@ -145,6 +162,11 @@ fn held(obj: &Value) -> std::collections::BTreeSet<String> {
 /// entry (the field leaves it), which is not a write of ours. A write of ours that changes the
 /// values of the same fields within the same second is not seen.
 fn written_by_us(prev: &Value, cur: &Value) -> bool {
+    written_by(prev, cur, MANAGER)
+}
+
+/// [`written_by_us`] for any manager.
+fn written_by(prev: &Value, cur: &Value, manager: &str) -> bool {
     let stamp = |e: &Value| {
         (
             e["operation"].clone(),
@@ -152,11 +174,39 @@ fn written_by_us(prev: &Value, cur: &Value) -> bool {
             e["time"].clone(),
         )
     };
-    let before: Vec<_> = our_entries(prev).into_iter().map(stamp).collect();
-    our_entries(cur)
+    let before: Vec<_> = entries_of(prev, manager).into_iter().map(stamp).collect();
+    entries_of(cur, manager)
         .into_iter()
         .any(|e| !before.contains(&stamp(e)))
-        || !held(cur).is_subset(&held(prev))
+        || !held_by(cur, manager).is_subset(&held_by(prev, manager))
+}
+
+/// What the demand's manager holds or changed besides its one node annotation.
+fn not_demands(kind: Kind, prev: Option<&Value>, cur: &Value) -> Vec<String> {
+    let mut out: Vec<String> = held_by(cur, DEMAND)
+        .into_iter()
+        .filter(|path| !demands(kind, path))
+        .map(|path| format!("{DEMAND} holds {path}"))
+        .collect();
+    let Some(prev) = prev.filter(|p| written_by(p, cur, DEMAND)) else {
+        return out;
+    };
+    let (mut before, mut after) = (BTreeMap::new(), BTreeMap::new());
+    leaves(prev, "", &mut before);
+    leaves(cur, "", &mut after);
+    let changed = before
+        .iter()
+        .filter(|(k, v)| after.get(*k) != Some(*v))
+        .map(|(k, _)| k)
+        .chain(after.keys().filter(|k| !before.contains_key(*k)));
+    // (Two states apart by a relist may hold a write of our other manager too.)
+    let ours_too = written_by_us(prev, cur);
+    out.extend(
+        changed
+            .filter(|path| !demands(kind, path) && !(ours_too && ours(kind, prev, path)))
+            .map(|path| format!("{DEMAND} changed {path}")),
+    );
+    out
 }
 
 fn foreign_taints(v: Option<&Value>) -> Vec<Value> {
@@ -173,7 +223,7 @@ fn foreign_taints(v: Option<&Value>) -> Vec<Value> {
 /// What our manager holds or changed that is not ours, going from `prev` (the previous state
 /// of the same object seen by this watch, if any) to `cur`. Empty when all is well.
 pub fn not_ours(kind: Kind, prev: Option<&Value>, cur: &Value) -> Vec<String> {
-    let mut out = Vec::new();
+    let mut out = not_demands(kind, prev, cur);
     // A ConfigMap is ours if it was labelled ours before this write.
     let judged = prev.unwrap_or(cur);
     let entries = our_entries(cur);
@@ -263,4 +313,63 @@ pub fn our_part(kind: Kind, obj: &Value) -> String {
         .collect();
     out.sort();
     out.join(" ")
+}
+
+#[cfg(test)]
+mod demand_manager_tests {
+    use super::*;
+
+    fn node(annotations: Value, labels: Value, fields: Value, time: &str) -> Value {
+        serde_json::json!({
+            "metadata": {
+                "name": "n",
+                "annotations": annotations,
+                "labels": labels,
+                "managedFields": [{
+                    "manager": DEMAND, "operation": "Apply", "time": time,
+                    "fieldsType": "FieldsV1", "fieldsV1": fields,
+                }],
+            },
+        })
+    }
+
+    /// The demand's manager may hold and change its one annotation, nothing else.
+    #[test]
+    fn the_demand_manager_may_hold_only_its_annotation() {
+        let own = serde_json::json!({"f:metadata": {"f:annotations": {format!("f:{DEMAND_NODE_ANNOTATION}"): {}}}});
+        let prev = node(
+            serde_json::json!({}),
+            serde_json::json!({}),
+            serde_json::json!({}),
+            "t0",
+        );
+        let ok = node(
+            serde_json::json!({DEMAND_NODE_ANNOTATION: "all-1g.10gb@1"}),
+            serde_json::json!({}),
+            own.clone(),
+            "t1",
+        );
+        assert_eq!(not_ours(Kind::Node, Some(&prev), &ok), Vec::<String>::new());
+        let label =
+            serde_json::json!({"f:metadata": {"f:labels": {"f:nvidia.com/mig.config": {}}}});
+        let bad = node(
+            serde_json::json!({}),
+            serde_json::json!({"nvidia.com/mig.config": "all-1g.10gb"}),
+            label,
+            "t1",
+        );
+        let found = not_ours(Kind::Node, Some(&prev), &bad);
+        assert!(
+            found
+                .iter()
+                .any(|f| f.contains("holds metadata.labels.nvidia.com/mig.config")),
+            "{found:?}"
+        );
+        assert!(
+            found
+                .iter()
+                .any(|f| f.contains("changed metadata.labels.nvidia.com/mig.config")),
+            "{found:?}"
+        );
+    }
 }
