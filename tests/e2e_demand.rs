@@ -551,16 +551,17 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         ]
     );
 
-    // 9. reserveBusyNodes: h100-node-0 runs a 1g pod for 20 s; a 7g pod for an H100 gets the
+    // 9. reserveBusyNodes: h100-node-0 runs a 1g pod for 80 s; a 7g pod for an H100 gets the
     // node reserved: cordoned at once, nothing evicted, reshaped once the 1g pod finished, then
     // uncordoned, and kube-scheduler binds the 7g pod there.
     Api::<GpuSharingPolicy>::all(c.clone())
         .patch(
             "dyn",
             &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(
-                json!({"spec": {"mig": {"dynamic": {"reserveBusyNodes": {"maxWaitSeconds": 120}}}}}),
-            ),
+            &kube::api::Patch::Merge(json!({"spec": {"mig": {"dynamic": {
+                "reserveBusyNodes": {"maxWaitSeconds": 120},
+                "minLayoutLifetimeSeconds": 60,
+            }}}})),
         )
         .await
         .unwrap();
@@ -573,17 +574,22 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         );
         p
     };
-    create(&c, on_h100("long", "1g.10gb", 20)).await;
+    // The node's layout (chosen in step 8) first reaches its 60 s lifetime: the pod outlasts it.
+    create(&c, on_h100("long", "1g.10gb", 80)).await;
     until("long running on h100-node-0", LONG, || async {
         let s = pod_states(&c).await;
         (s.get("long")? == &("h100-node-0".into(), "Running".into())).then_some(())
     })
     .await;
     create(&c, on_h100("whole-h100", "7g.80gb", 1)).await;
-    until("h100-node-0 cordoned while long runs", LONG, || async {
-        let n = Api::<Node>::all(c.clone()).get("h100-node-0").await.ok()?;
-        (n.spec?.unschedulable == Some(true)).then_some(())
-    })
+    until(
+        "h100-node-0 cordoned while long runs",
+        LONG + cooldown,
+        || async {
+            let n = Api::<Node>::all(c.clone()).get("h100-node-0").await.ok()?;
+            (n.spec?.unschedulable == Some(true)).then_some(())
+        },
+    )
     .await;
     assert_eq!(
         pod_states(&c).await["long"],
@@ -597,10 +603,15 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         "{:?}",
         reshaping_events(&c, "whole-h100").await
     );
-    until("whole-h100 bound on h100-node-0", LONG, || async {
-        let (node, _) = pod_states(&c).await.remove("whole-h100")?;
-        (node == "h100-node-0").then_some(())
-    })
+    // The node's layout may first have to reach its 60 s lifetime (from step 8).
+    until(
+        "whole-h100 bound on h100-node-0",
+        LONG + cooldown,
+        || async {
+            let (node, _) = pod_states(&c).await.remove("whole-h100")?;
+            (node == "h100-node-0").then_some(())
+        },
+    )
     .await;
     assert_eq!(
         pod_states(&c).await["long"].1,

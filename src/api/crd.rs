@@ -462,7 +462,7 @@ pub struct Mig {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!(has(self.drainBusyNodes) && has(self.reserveBusyNodes))").message("set at most one of drainBusyNodes (evict) and reserveBusyNodes (wait for the pods to finish)"))]
 #[x_kube(validation = Rule::new("!has(self.drainBusyNodes) || has(self.namespaceSelector)").message("drainBusyNodes needs a namespaceSelector: only pods of the namespaces it selects may make the operator evict other pods"))]
-#[x_kube(validation = Rule::new("!has(self.drainBusyNodes) || !has(self.minLayoutLifetimeSeconds) || self.minLayoutLifetimeSeconds >= 60").message("with drainBusyNodes, minLayoutLifetimeSeconds must be at least 60: a node may not be drained again and again"))]
+#[x_kube(validation = Rule::new("!(has(self.drainBusyNodes) || has(self.reserveBusyNodes)) || !has(self.minLayoutLifetimeSeconds) || self.minLayoutLifetimeSeconds >= 60").message("with drainBusyNodes or reserveBusyNodes, minLayoutLifetimeSeconds must be at least 60: a node may not be drained or cordoned again and again"))]
 pub struct DynamicMig {
     /// Named mig-parted layouts (besides the policy's own) a node may be reshaped to. MIG must
     /// be enabled on every GPU they configure: switching MIG mode needs a GPU reset, which the
@@ -536,6 +536,15 @@ pub struct DemandDrain {
     #[serde(default)]
     #[schemars(range(min = -2147483648, max = 1000000000))]
     pub max_pod_priority: i32,
+
+    /// At most this many nodes of the policy drained for demand in any hour (default 1).
+    #[serde(default = "default_max_drains_per_hour")]
+    #[schemars(range(min = 1, max = 100))]
+    pub max_drains_per_hour: i32,
+}
+
+fn default_max_drains_per_hour() -> i32 {
+    1
 }
 
 fn default_quiet_seconds() -> i64 {
@@ -809,6 +818,18 @@ pub struct DemandStatus {
     /// Pending pods left out of demand by a bound (`TooManyPendingPods`, `TooManyLabelKeys`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ignored: Vec<IgnoredDemand>,
+    /// Nodes drained for demand in the last hour, and when (`drainBusyNodes.maxDrainsPerHour`
+    /// counts them; the operator keeps this list).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recent_drains: Vec<RecentDrain>,
+}
+
+/// A node drained for demand, at unix seconds `at`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RecentDrain {
+    pub node: String,
+    pub at: i64,
 }
 
 /// Pending pods a bound of demand planning left out, and why.

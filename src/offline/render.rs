@@ -602,5 +602,13 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.contains("set at most one of drainBusyNodes"), "{e}");
+        let e = with(&format!(
+            "{{layouts: [all-1g.10gb], {reserve}, minLayoutLifetimeSeconds: 30}}"
+        ))
+        .unwrap_err();
+        assert!(
+            e.contains("minLayoutLifetimeSeconds must be at least 60"),
+            "{e}"
+        );
     }
 }

@@ -22,7 +22,7 @@ use crate::api::crd::{GpuSharingPolicy, IgnoredDemand, Mig};
 use crate::nvidia;
 
 use super::input::PendingPod;
-use super::labels::selector_matches;
+use super::labels::{LabelFilter, selector_matches};
 
 /// At most this many pending pods are planned for in a pass.
 pub const MAX_DEMAND_PODS: usize = 2000;
@@ -116,13 +116,37 @@ pub struct Sources<B, N> {
     pub namespaces: N,
 }
 
+/// The node label keys pending pods may still add to the node cache's filter: the filter only
+/// grows (each new key lists every node again), so the cap counts the keys it already holds
+/// beyond the policies' own, whichever pass added them.
+pub struct KeyBudget<'a> {
+    /// The policies' selector keys (free).
+    pub policy: &'a BTreeSet<String>,
+    /// The node cache's filter now (what it keeps is free).
+    pub filter: &'a LabelFilter,
+}
+
+impl KeyBudget<'_> {
+    /// Keys pods added before, counted against [`MAX_DEMAND_LABEL_KEYS`].
+    fn spent(&self) -> usize {
+        self.filter
+            .keys()
+            .iter()
+            .filter(|k| !self.policy.contains(*k))
+            .count()
+    }
+
+    fn free(&self, key: &str) -> bool {
+        self.policy.contains(key) || self.filter.keeps(key)
+    }
+}
+
 /// Admits the pending pods that may count as demand (see the module's documentation) and
-/// gives each its namespace's labels. `policy_keys`: the label keys the node cache keeps for
-/// the policies anyway (they do not count against the cap).
+/// gives each its namespace's labels.
 pub fn admit<B, N>(
     policies: &[GpuSharingPolicy],
     sources: Sources<B, N>,
-    policy_keys: &BTreeSet<String>,
+    budget: &KeyBudget,
     pods: Vec<PendingPod>,
 ) -> Admitted
 where
@@ -137,9 +161,8 @@ where
     let namespaces = (sources.namespaces)();
     let ns_labels = |p: &PendingPod| {
         let ns = p.id.split_once('/').map_or("", |(ns, _)| ns);
-        namespaces
-            .as_ref()
-            .map(|all| all.get(ns).cloned().unwrap_or_default())
+        // A namespace the cache has not seen has no labels to judge: unknown, not empty.
+        namespaces.as_ref().and_then(|all| all.get(ns).cloned())
     };
     let mut candidates: Vec<PendingPod> = pods
         .into_iter()
@@ -160,16 +183,22 @@ where
     let over = candidates.len().saturating_sub(MAX_DEMAND_PODS);
     candidates.truncate(MAX_DEMAND_PODS);
     let mut over_keys = 0;
+    let mut spent = budget.spent();
     for p in candidates {
         let new: BTreeSet<&String> = p
             .label_keys()
-            .filter(|k| !policy_keys.contains(*k) && !out.keys.contains(*k))
+            .filter(|k| !budget.free(k) && !out.keys.contains(*k))
             .collect();
-        if out.keys.len() + new.len() > MAX_DEMAND_LABEL_KEYS {
+        if spent + new.len() > MAX_DEMAND_LABEL_KEYS {
             over_keys += 1;
             continue;
         }
-        out.keys.extend(new.into_iter().cloned());
+        spent += new.len();
+        out.keys.extend(
+            p.label_keys()
+                .filter(|k| !budget.policy.contains(*k))
+                .cloned(),
+        );
         out.pods.push(p);
     }
     if over > 0 {
@@ -230,6 +259,23 @@ mod tests {
         }
     }
 
+    /// [`admit`] with NVIDIA's default MIG configs, `ns` as the namespaces, and a node cache
+    /// that keeps the policies' keys only.
+    fn admit_with(
+        policies: &[GpuSharingPolicy],
+        ns: &NamespaceLabels,
+        policy: &BTreeSet<String>,
+        pods: Vec<PendingPod>,
+    ) -> Admitted {
+        let base = crate::nvidia::default_mig_configs();
+        let filter = LabelFilter::new(policy.clone());
+        let budget = KeyBudget {
+            policy,
+            filter: &filter,
+        };
+        admit(policies, src(&base, ns), &budget, pods)
+    }
+
     fn ids(a: &Admitted) -> Vec<&str> {
         a.pods.iter().map(|p| p.id.as_str()).collect()
     }
@@ -264,14 +310,13 @@ mod tests {
     /// label key to the node cache.
     #[test]
     fn bogus_profiles_and_no_dynamic_policy_admit_nothing() {
-        let base = crate::nvidia::default_mig_configs();
         let mut bogus = pod("t/bogus", "9g.999gb", 0, 1);
         bogus.node_selector = [("tenant-key-1".to_string(), "x".to_string())].into();
         let good = pod("ml/good", "1g.10gb", 0, 1);
         let none = BTreeSet::new();
-        let a = admit(
+        let a = admit_with(
             &[policy("a", "")],
-            src(&base, &None),
+            &None,
             &none,
             vec![bogus.clone(), good.clone()],
         );
@@ -279,7 +324,7 @@ mod tests {
         assert!(a.keys.is_empty());
         let mut mig: GpuSharingPolicy = policy("a", "");
         mig.spec.mig.as_mut().unwrap().dynamic = None;
-        let a = admit(&[mig], src(&base, &None), &none, vec![bogus, good]);
+        let a = admit_with(&[mig], &None, &none, vec![bogus, good]);
         assert!(a.pods.is_empty() && a.keys.is_empty());
     }
 
@@ -287,7 +332,6 @@ mod tests {
     /// when namespaces cannot be read; the pod carries its namespace's labels on.
     #[test]
     fn namespace_selector_admits_selected_namespaces_only() {
-        let base = crate::nvidia::default_mig_configs();
         let p = policy(
             "a",
             "      namespaceSelector: {matchLabels: {tenant: ml}}\n",
@@ -295,16 +339,16 @@ mod tests {
         let pods = vec![pod("ml/p", "1g.10gb", 0, 1), pod("web/p", "1g.10gb", 0, 1)];
         let none = BTreeSet::new();
         let ns = namespaces(&[("ml", "ml"), ("web", "web")]);
-        let a = admit(&[p.clone()], src(&base, &ns), &none, pods.clone());
+        let a = admit_with(&[p.clone()], &ns, &none, pods.clone());
         assert_eq!(ids(&a), ["ml/p"]);
         assert_eq!(a.pods[0].namespace_labels.as_ref().unwrap()["tenant"], "ml");
         assert!(
-            admit(&[p.clone()], src(&base, &None), &none, pods.clone())
+            admit_with(&[p.clone()], &None, &none, pods.clone())
                 .pods
                 .is_empty()
         );
         // Another dynamic policy without a selector takes every namespace.
-        let a = admit(&[p, policy("b", "")], src(&base, &ns), &none, pods);
+        let a = admit_with(&[p, policy("b", "")], &ns, &none, pods);
         assert_eq!(ids(&a), ["ml/p", "web/p"]);
     }
 
@@ -312,7 +356,6 @@ mod tests {
     /// would add more are left out and reported; the highest priority, then oldest, go first.
     #[test]
     fn label_keys_from_pods_are_capped() {
-        let base = crate::nvidia::default_mig_configs();
         let policy_keys: BTreeSet<String> = ["shared".to_string()].into();
         let mut pods: Vec<PendingPod> = (0..MAX_DEMAND_LABEL_KEYS + 5)
             .map(|i| {
@@ -328,7 +371,7 @@ mod tests {
             .collect();
         // The newest pod has the highest priority: it goes first.
         pods.last_mut().unwrap().priority = 1000;
-        let a = admit(&[policy("a", "")], src(&base, &None), &policy_keys, pods);
+        let a = admit_with(&[policy("a", "")], &None, &policy_keys, pods);
         assert_eq!(a.keys.len(), MAX_DEMAND_LABEL_KEYS);
         assert!(!a.keys.contains("shared"));
         assert_eq!(a.pods.len(), MAX_DEMAND_LABEL_KEYS);
@@ -338,22 +381,48 @@ mod tests {
         assert_eq!(a.ignored[0].pods, 5);
     }
 
+    /// Keys pods added in earlier passes stay in the node cache's filter and count: once it
+    /// holds the cap, a pod with a new key is left out, one with a kept key still admitted.
+    #[test]
+    fn keys_kept_from_earlier_passes_count_against_the_cap() {
+        let policy: BTreeSet<String> = ["shared".to_string()].into();
+        let mut kept = policy.clone();
+        kept.extend((0..MAX_DEMAND_LABEL_KEYS).map(|i| format!("old-{i}")));
+        let filter = LabelFilter::new(kept);
+        let budget = KeyBudget {
+            policy: &policy,
+            filter: &filter,
+        };
+        let with_key = |id: &str, key: &str| {
+            let mut p = pod(id, "1g.10gb", 0, 1);
+            p.node_selector = [(key.to_string(), "x".to_string())].into();
+            p
+        };
+        let base = crate::nvidia::default_mig_configs();
+        let a = admit(
+            &[policy_of("a")],
+            src(&base, &None),
+            &budget,
+            vec![with_key("t/new", "new-key"), with_key("t/old", "old-3")],
+        );
+        assert_eq!(ids(&a), ["t/old"]);
+        assert_eq!(a.ignored[0].reason, TOO_MANY_LABEL_KEYS);
+    }
+
+    fn policy_of(name: &str) -> GpuSharingPolicy {
+        policy(name, "")
+    }
+
     /// At most MAX_DEMAND_PODS are planned, highest priority then oldest first; extreme
     /// priorities sort without overflow.
     #[test]
     fn pods_per_pass_are_capped_by_priority_then_age() {
-        let base = crate::nvidia::default_mig_configs();
         let mut pods: Vec<PendingPod> = (0..MAX_DEMAND_PODS + 3)
             .map(|i| pod(&format!("t/p{i:05}"), "1g.10gb", 0, i as i64))
             .collect();
         pods[MAX_DEMAND_PODS + 2].priority = i32::MAX;
         pods[1].priority = i32::MIN;
-        let a = admit(
-            &[policy("a", "")],
-            src(&base, &None),
-            &BTreeSet::new(),
-            pods,
-        );
+        let a = admit_with(&[policy("a", "")], &None, &BTreeSet::new(), pods);
         assert_eq!(a.pods.len(), MAX_DEMAND_PODS);
         let admitted: BTreeSet<&str> = ids(&a).into_iter().collect();
         assert!(admitted.contains(format!("t/p{:05}", MAX_DEMAND_PODS + 2).as_str()));

@@ -26,10 +26,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::api::crd::{
-    DEFAULT_DRAIN_TIMEOUT_SECONDS, DemandStatus, DynamicMig, Mig, ProfileDemand,
+    DEFAULT_DRAIN_TIMEOUT_SECONDS, DemandStatus, DynamicMig, Mig, ProfileDemand, RecentDrain,
 };
 use crate::api::names::{
-    ANNOTATION_MIG_DEMAND, LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT, LABEL_MIG_CONFIG,
+    ANNOTATION_CORDONED, ANNOTATION_MIG_DEMAND, LABEL_GPU_COUNT, LABEL_GPU_MEMORY,
+    LABEL_GPU_PRODUCT, LABEL_MIG_CONFIG,
 };
 
 use super::NodeView;
@@ -38,7 +39,7 @@ use super::capacity::layout_resources;
 use super::decision::mig_of;
 use super::input::ClusterFacts;
 use super::input::PendingPod;
-use super::policies::{Prepared, catalogue, node_layout, recorded};
+use super::policies::{MIN_LIFETIME_WITH_BUSY_NODES, Prepared, catalogue, node_layout, recorded};
 
 /// Why demand waits.
 pub const PROFILE_NOT_IN_CATALOGUE: &str = "ProfileNotInCatalogue";
@@ -64,6 +65,9 @@ pub struct DemandPlan {
     /// Seconds after which demand may be acted on without any other change (quiet period,
     /// idle time, cooldown running out).
     pub recheck_in: Option<i64>,
+    /// Nodes whose drain for demand is given up before its first eviction: the pods it was
+    /// for are gone (the rollout's drain path must not evict on them in this pass).
+    pub given_up: BTreeSet<String>,
 }
 
 /// One node of a dynamic policy as demand planning sees it.
@@ -120,6 +124,31 @@ struct Policy<'a, 'p> {
     transient: Option<&'a str>,
     /// Pending pods the bounds of admission left out (see [`super::admit`]).
     ignored: &'a [crate::api::crd::IgnoredDemand],
+    /// Drains for demand in the last hour (from the policy's status), oldest first.
+    recent: Vec<RecentDrain>,
+    /// Drains chosen in this pass.
+    drained_now: std::cell::Cell<usize>,
+}
+
+/// Seconds a drain counts against `maxDrainsPerHour`.
+const DRAIN_WINDOW: i64 = 3600;
+
+/// The policy's drains for demand in the hour before `now` (a time in the future counts as
+/// now), oldest first.
+fn recent_drains(w: &Prepared, now: i64) -> Vec<RecentDrain> {
+    let status = w.policy.status.as_ref().and_then(|s| s.demand.as_ref());
+    let mut recent: Vec<RecentDrain> = status
+        .map(|d| d.recent_drains.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|r| RecentDrain {
+            at: r.at.min(now),
+            ..r
+        })
+        .filter(|r| now - r.at < DRAIN_WINDOW)
+        .collect();
+    recent.sort_by_key(|r| r.at);
+    recent
 }
 
 /// A layout's device-plugin resources on a node, per (layout, GPU labels), computed once a
@@ -237,6 +266,8 @@ pub fn plan(
             offers: &offers,
             transient,
             ignored: &cluster.demand_ignored,
+            recent: recent_drains(w, now),
+            drained_now: Default::default(),
         };
         handled.extend(p.plan(&demand, &mut out));
     }
@@ -287,17 +318,15 @@ fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers, now: i64) -> Node<'a
     let evicts = if reserve {
         Some(Vec::new())
     } else {
-        dynamic
-            .and_then(|d| d.drain_busy_nodes.as_ref())
-            .and_then(|_| {
-                v.gpu_pods
-                    .iter()
-                    .map(|p| {
-                        let priority = v.gpu_pod_details.get(p).map_or(0, |d| d.priority);
-                        (!w.never_evicts(v, p, true)).then_some(priority)
-                    })
-                    .collect()
-            })
+        super::policies::demand_drain(w.spec).and_then(|_| {
+            v.gpu_pods
+                .iter()
+                .map(|p| {
+                    let priority = v.gpu_pod_details.get(p).map_or(0, |d| d.priority);
+                    (!w.never_evicts(v, p, true)).then_some(priority)
+                })
+                .collect()
+        })
     };
     Node {
         view: v,
@@ -440,6 +469,7 @@ impl Policy<'_, '_> {
                 profiles: st.profiles(),
                 reshaping,
                 ignored: self.ignored.to_vec(),
+                recent_drains: self.recent_drains(out),
             },
         );
         let left: BTreeSet<usize> = residual.iter().copied().collect();
@@ -460,6 +490,7 @@ impl Policy<'_, '_> {
         let model = n.view.labels.get(LABEL_GPU_PRODUCT).unwrap_or_default();
         if evicted > 0 {
             out.drains.insert(n.view.name().to_string(), evicted);
+            self.drained_now.set(self.drained_now.get() + 1);
         }
         let running = n.view.gpu_pods.len();
         let drain = if evicted > 0 {
@@ -525,6 +556,20 @@ impl Policy<'_, '_> {
         false
     }
 
+    /// The drains of the last hour with those chosen now, for the status.
+    fn recent_drains(&self, out: &DemandPlan) -> Vec<RecentDrain> {
+        let mine = |node: &String| self.nodes.iter().any(|n| n.view.name() == node);
+        let now = out
+            .drains
+            .keys()
+            .filter(|n| mine(n))
+            .map(|node| RecentDrain {
+                node: node.clone(),
+                at: self.now,
+            });
+        self.recent.iter().cloned().chain(now).collect()
+    }
+
     /// `node: layout` of the nodes being reshaped, and of those chosen now.
     fn reshaping(&self, out: &DemandPlan) -> Vec<String> {
         let mut reshaping: Vec<String> = self
@@ -580,9 +625,15 @@ impl Policy<'_, '_> {
             // that never allows the eviction) is given up too: the node is uncordoned.
             let deadline = n.since + reserve.map_or(self.drain_timeout(), |r| r.max_wait_seconds);
             let overran = self.now >= deadline;
-            let unneeded = reserve.is_some() && placed[i].is_empty();
+            // The pods a reservation waits for, or a drain not yet begun was chosen for, are
+            // gone (deleted, or bound elsewhere): nothing is evicted for them.
+            let begun = n.view.annotations.get(ANNOTATION_CORDONED).is_some();
+            let unneeded = (reserve.is_some() || !begun) && placed[i].is_empty();
             if busy && n.evicts.is_some() && !overran {
                 recheck(out, deadline - self.now);
+            }
+            if busy && unneeded && n.evicts.as_ref().is_some_and(|e| !e.is_empty()) {
+                out.given_up.insert(name.clone());
             }
             if busy && (n.evicts.is_none() || overran || unneeded) {
                 let keep = label
@@ -614,10 +665,14 @@ impl Policy<'_, '_> {
                 .collect()
         };
         let mut best: Option<(Score, Choice)> = None;
-        // Idle nodes of one class, with the same layout and no pods placed on them, answer
-        // alike: the first stands for the others (ties go to the first anyway).
+        // Nodes of one class, with the same layout, no pods placed on them and none to evict,
+        // answer alike: the first stands for the others. Asked in order of running GPU pods
+        // (a reserved node waits for them), then by name, the first is the one ties go to.
+        let mut order: Vec<usize> = (0..self.nodes.len()).collect();
+        order.sort_by_key(|&i| (self.nodes[i].view.gpu_pods.len(), i));
         let mut asked: BTreeSet<(&str, &str)> = BTreeSet::new();
-        for (i, n) in self.nodes.iter().enumerate() {
+        for i in order {
+            let n = &self.nodes[i];
             if taken.contains(&i) || self.blocked(n).is_some() {
                 continue;
             }
@@ -625,7 +680,6 @@ impl Policy<'_, '_> {
             let running = n.view.gpu_pods.len();
             if placed[i].is_empty()
                 && evicts.is_empty()
-                && running == 0
                 && !asked.insert((self.class[i].as_str(), n.layout.as_str()))
             {
                 continue;
@@ -675,20 +729,49 @@ impl Policy<'_, '_> {
         if !n.configured || n.failed {
             return Some((NO_IDLE_NODE, 0));
         }
-        // A node demand may drain need not be idle.
+        // A node demand may drain (within maxDrainsPerHour) or reserve need not be idle.
+        let drains = n.evicts.as_ref().is_some_and(|e| !e.is_empty());
+        let spent = drains.then(|| self.drains_spent()).flatten();
         match self.idle_for(n) {
-            _ if n.evicts.is_some() => {}
-            None => return Some((NO_IDLE_NODE, 0)),
+            _ if n.evicts.is_some() && spent.is_none() => {}
+            None => return Some((NO_IDLE_NODE, spent.unwrap_or(0))),
             Some(idle) if idle < self.dynamic.idle_seconds => {
                 return Some((NO_IDLE_NODE, self.dynamic.idle_seconds - idle));
             }
             _ => {}
         }
         let age = self.now - n.since;
-        if n.since > 0 && age < self.dynamic.min_layout_lifetime_seconds {
-            return Some((COOLDOWN, self.dynamic.min_layout_lifetime_seconds - age));
+        let lifetime = self.min_lifetime();
+        if n.since > 0 && age < lifetime {
+            return Some((COOLDOWN, lifetime - age));
         }
         None
+    }
+
+    /// `minLayoutLifetimeSeconds`, at least [`MIN_LIFETIME_WITH_BUSY_NODES`] when demand may
+    /// take busy nodes (a node must not be drained or cordoned again and again).
+    fn min_lifetime(&self) -> i64 {
+        let busy = self.dynamic.reserve_busy_nodes.is_some()
+            || super::policies::demand_drain(self.w.spec).is_some();
+        let d = self.dynamic.min_layout_lifetime_seconds;
+        if busy {
+            d.max(MIN_LIFETIME_WITH_BUSY_NODES)
+        } else {
+            d
+        }
+    }
+
+    /// When `maxDrainsPerHour` drains were made in the last hour (this pass's included): the
+    /// seconds until the oldest of them leaves the hour.
+    fn drains_spent(&self) -> Option<i64> {
+        let max = super::policies::demand_drain(self.w.spec)?
+            .max_drains_per_hour
+            .max(1) as usize;
+        (self.recent.len() + self.drained_now.get() >= max).then(|| {
+            self.recent
+                .first()
+                .map_or(DRAIN_WINDOW, |r| r.at + DRAIN_WINDOW - self.now)
+        })
     }
 
     /// The first reason that keeps `p` waiting, with a message; asks for a recheck when time
@@ -814,8 +897,12 @@ impl Policy<'_, '_> {
                 ),
             );
         }
-        let runs = match &self.dynamic.drain_busy_nodes {
+        let runs = match super::policies::demand_drain(self.w.spec) {
             None => "runs GPU pods, was busy in the last idleSeconds".to_string(),
+            Some(d) if self.drains_spent().is_some() => format!(
+                "runs GPU pods, and drainBusyNodes.maxDrainsPerHour {} is spent",
+                d.max_drains_per_hour
+            ),
             Some(d) => format!(
                 "runs GPU pods above drainBusyNodes.maxPodPriority {} or protected by disruption.neverEvict",
                 d.max_pod_priority
@@ -903,7 +990,7 @@ impl Tally {
 mod tests {
     use super::*;
     use crate::api::crd::GpuSharingPolicy;
-    use crate::api::names::{ANNOTATION_CORDONED, LABEL_MIG_CONFIG, LABEL_MIG_STATE};
+    use crate::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE};
     use crate::plan::testing::a100_node;
     use crate::plan::{NodeView, PlanInput, plan as plan_all};
 
@@ -928,11 +1015,13 @@ mod tests {
         NodeView::idle(n)
     }
 
+    /// A pending pod as admission passes it on: its namespace known, with no labels.
     fn pod(id: &str, profile: &str, count: i64, since: i64) -> PendingPod {
         PendingPod {
             id: id.into(),
             since,
             profiles: [(profile.to_string(), count)].into_iter().collect(),
+            namespace_labels: Some(Default::default()),
             ..Default::default()
         }
     }
@@ -1291,7 +1380,7 @@ mod tests {
         );
     }
 
-    const DRAIN: &str = "      drainBusyNodes: {maxPodPriority: 100}\n";
+    const DRAIN: &str = "      drainBusyNodes: {maxPodPriority: 100}\n      namespaceSelector: {}\n      minLayoutLifetimeSeconds: 60\n";
 
     /// Node "a" on all-7g.80gb running one GPU pod of `priority`.
     fn running(priority: i32) -> NodeView {
@@ -1458,6 +1547,80 @@ mod tests {
             plan.demand.annotations,
             [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into()
         );
+    }
+
+    /// Drains are bounded: `maxDrainsPerHour` (1 by default) counts the drains of the last
+    /// hour the status keeps; a policy stored without a `namespaceSelector` (before admission
+    /// refused it) drains nothing; its cooldown is at least 60 s whatever it says.
+    #[test]
+    fn drains_are_bounded_per_hour_fenced_by_namespace_and_cooled_down() {
+        let plan = plan_all(&input(DRAIN, vec![running(0)], three(2)));
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(
+            st.recent_drains,
+            [RecentDrain {
+                node: "a".into(),
+                at: NOW
+            }]
+        );
+        // One drain 100 s ago: the hour's drain is spent, the status says so.
+        let mut i = input(DRAIN, vec![running(0)], three(2));
+        i.policies[0].status = Some(crate::api::crd::GpuSharingPolicyStatus {
+            demand: Some(DemandStatus {
+                recent_drains: vec![RecentDrain {
+                    node: "b".into(),
+                    at: NOW - 100,
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let plan = plan_all(&i);
+        assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        let d = profile(&st, "3g.40gb");
+        assert_eq!(d.reason.as_deref(), Some(NO_IDLE_NODE));
+        assert!(
+            d.message.as_deref().unwrap().contains("maxDrainsPerHour 1"),
+            "{d:?}"
+        );
+        assert_eq!(plan.demand.recheck_in, Some(3500));
+        assert_eq!(st.recent_drains.len(), 1, "kept until it is an hour old");
+        // Stored without a namespaceSelector: no drain.
+        let unfenced = "      drainBusyNodes: {maxPodPriority: 100}\n";
+        let plan = plan_all(&input(unfenced, vec![running(0)], three(2)));
+        assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
+        // Stored with a 5 s cooldown: 60 s all the same.
+        let mut young = running(0);
+        std::sync::Arc::make_mut(&mut young.facts)
+            .annotations
+            .insert(
+                ANNOTATION_MIG_DEMAND,
+                format!("all-7g.80gb@{}", NOW - 30).as_str(),
+            );
+        let short = "      drainBusyNodes: {maxPodPriority: 100}\n      namespaceSelector: {}\n      minLayoutLifetimeSeconds: 5\n";
+        let plan = plan_all(&input(short, vec![young], three(2)));
+        assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
+        let st = plan.statuses["dyn"].demand.clone().unwrap();
+        assert_eq!(profile(&st, "3g.40gb").reason.as_deref(), Some(COOLDOWN));
+    }
+
+    /// Right before its first eviction, a drain is checked again: when the pods it was chosen
+    /// for are gone it is given up and nothing is evicted; once begun (cordoned) it goes on.
+    #[test]
+    fn a_drain_whose_pods_are_gone_is_given_up_before_its_first_eviction() {
+        let plan = plan_all(&input(DRAIN, vec![chosen(0)], vec![]));
+        assert!(plan.drains.is_empty(), "{:?}", plan.drains);
+        assert_eq!(
+            plan.demand.annotations,
+            [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into()
+        );
+        let mut begun = chosen(0);
+        let f = std::sync::Arc::make_mut(&mut begun.facts);
+        f.annotations.insert(ANNOTATION_CORDONED, "true");
+        f.owned_annotations.insert(ANNOTATION_CORDONED);
+        let plan = plan_all(&input(DRAIN, vec![begun], vec![]));
+        assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
     }
 
     const RESERVE: &str = "      reserveBusyNodes: {maxWaitSeconds: 300}\n";

@@ -66,6 +66,11 @@ impl LabelFilter {
             || self.keys.contains(key)
     }
 
+    /// The keys given to keep (besides the prefixes and names every filter keeps).
+    pub fn keys(&self) -> &BTreeSet<String> {
+        &self.keys
+    }
+
     /// Every key of `keys` is kept.
     pub fn covers(&self, keys: &BTreeSet<String>) -> bool {
         keys.iter().all(|k| self.keeps(k))

@@ -573,6 +573,10 @@ impl Planner {
         let cluster = cluster_of(input);
         let mut per_policy = per_policy(&prepared, &assignment, &mut np, input, &cluster);
         let demand = demand::plan(&prepared, &views, &assignment.winner, c);
+        // A drain demand gave up before its first eviction evicts nothing.
+        for node in &demand.given_up {
+            np.drains.remove(node);
+        }
         for (name, st) in &demand.statuses {
             if let Some(s) = per_policy.statuses.get_mut(name) {
                 s.demand = Some(st.clone());

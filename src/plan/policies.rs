@@ -174,15 +174,18 @@ pub fn demand_reshape(w: &Prepared, n: &NodeFacts) -> bool {
     w.spec.mig.as_ref().is_some_and(|m| m.dynamic.is_some()) && node_layout(w, n).is_some()
 }
 
-/// `spec.mig.dynamic.drainBusyNodes`: which busy nodes demand may drain.
+/// `spec.mig.dynamic.drainBusyNodes`: which busy nodes demand may drain. Only with a
+/// `namespaceSelector`: admission refuses drains without one, and a policy stored before that
+/// rule gets no drains either.
 pub fn demand_drain(spec: &GpuSharingPolicySpec) -> Option<&DemandDrain> {
-    spec.mig
-        .as_ref()?
-        .dynamic
-        .as_ref()?
-        .drain_busy_nodes
-        .as_ref()
+    let dynamic = spec.mig.as_ref()?.dynamic.as_ref()?;
+    dynamic.namespace_selector.as_ref()?;
+    dynamic.drain_busy_nodes.as_ref()
 }
+
+/// Under drains or reservations a layout stays at least this long, whatever a policy stored
+/// before the admission rule says.
+pub const MIN_LIFETIME_WITH_BUSY_NODES: i64 = 60;
 
 /// `spec.mig.dynamic.reserveBusyNodes`: demand may cordon busy nodes and wait for them.
 pub fn demand_reserve(spec: &GpuSharingPolicySpec) -> Option<&DemandReserve> {

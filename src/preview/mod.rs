@@ -104,13 +104,6 @@ async fn gpu_clusters(
         .unwrap_or_default())
 }
 
-/// Reads everything the planner needs, as the controller's caches hold it, and builds the
-/// planner's input the same way ([`observe::plan_input`]). Nodes, policies, the ClusterPolicy
-/// and our ConfigMaps are required; pods (the idle-GPU wait), ResourceClaims (nodes leaving
-/// DRA), GPUClusters and namespaces (DRA templates) are optional: without the permission they
-/// are assumed (no GPU pods, no allocated claims, no DRA-only mode, every namespace exists)
-/// and said so. The controller's own flags and memory are not in the cluster: defaults, and
-/// nothing remembered.
 /// The pending pods admitted as demand, as the controller admits them.
 fn admitted_demand(
     policies: &[GpuSharingPolicy],
@@ -125,14 +118,22 @@ fn admitted_demand(
         },
         namespaces: || namespaces.clone(),
     };
-    crate::plan::admit::admit(
-        policies,
-        sources,
-        &crate::plan::selector_keys(policies),
-        observe::pods::demand(pending),
-    )
+    // As a controller that has kept the policies' keys only.
+    let keys = crate::plan::selector_keys(policies);
+    let budget = crate::plan::admit::KeyBudget {
+        policy: &keys,
+        filter: &LabelFilter::new(keys.clone()),
+    };
+    crate::plan::admit::admit(policies, sources, &budget, observe::pods::demand(pending))
 }
 
+/// Reads everything the planner needs, as the controller's caches hold it, and builds the
+/// planner's input the same way ([`observe::plan_input`]). Nodes, policies, the ClusterPolicy
+/// and our ConfigMaps are required; pods (the idle-GPU wait), ResourceClaims (nodes leaving
+/// DRA), GPUClusters and namespaces (DRA templates) are optional: without the permission they
+/// are assumed (no GPU pods, no allocated claims, no DRA-only mode, every namespace exists)
+/// and said so. The controller's own flags and memory are not in the cluster: defaults, and
+/// nothing remembered.
 pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snapshot, Error> {
     let namespace = match namespace {
         Some(n) => n,

@@ -42,15 +42,8 @@ impl Context {
             .map(|p| (**p).clone())
             .collect();
         // Checked before the snapshot: the cache's listed labels only grow.
-        // Pending pods' node selectors and affinity are judged against node labels too, but
-        // only those of pods admitted as demand, and only so many keys (tenants write them).
         let mut keys = selector_keys(&policies);
-        let demand = observe::pods::demand(self.caches.pending.state().iter().map(|p| &**p));
-        let sources = admit::Sources {
-            mig_configs: || self.mig_catalogue(),
-            namespaces: || self.namespace_labels(),
-        };
-        let admitted = admit::admit(&policies, sources, &keys, demand);
+        let admitted = self.admitted_demand(&policies, &keys);
         keys.extend(admitted.keys.iter().cloned());
         if !self.caches.nodes.require(&keys) {
             return None;
@@ -132,6 +125,27 @@ impl Context {
             now,
         };
         Some(observe::plan_input(view, &settings, memory))
+    }
+
+    /// The pending pods admitted as demand ([`admit`]). Their node selectors and affinity are
+    /// judged against node labels too, but only those of admitted pods, and only so many keys
+    /// over the node cache's life (tenants write them).
+    fn admitted_demand(
+        &self,
+        policies: &[GpuSharingPolicy],
+        keys: &std::collections::BTreeSet<String>,
+    ) -> admit::Admitted {
+        let demand = observe::pods::demand(self.caches.pending.state().iter().map(|p| &**p));
+        let sources = admit::Sources {
+            mig_configs: || self.mig_catalogue(),
+            namespaces: || self.namespace_labels(),
+        };
+        let filter = self.caches.nodes.filter();
+        let budget = admit::KeyBudget {
+            policy: keys,
+            filter: &filter,
+        };
+        admit::admit(policies, sources, &budget, demand)
     }
 
     /// NVIDIA's named MIG layouts: the GPU Operator's default config, else the embedded copy

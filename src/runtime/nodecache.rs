@@ -123,6 +123,11 @@ impl NodeCache {
         false
     }
 
+    /// The label filter in force (it only grows).
+    pub fn filter(&self) -> LabelFilter {
+        self.state.read().expect("node cache lock").filter.clone()
+    }
+
     /// Changes when the node watch must list again.
     pub fn relists(&self) -> watch::Receiver<u64> {
         self.relists.subscribe()

@@ -44,7 +44,11 @@ async fn keep_server_write_time(
         .get(LABEL_DEVICE_PLUGIN_CONFIG)
         .map(String::as_str)
         == Some(planned);
-    if let (true, Some(t)) = (same, n.annotations().get(ANNOTATION_CONFIG_WRITTEN)) {
+    // Only a time our own manager wrote: a forged one in the future would hold the node back.
+    let managed = n.metadata.managed_fields.as_deref().unwrap_or_default();
+    let ours = crate::observe::node::believed_annotations(managed, MANAGER)
+        .contains(ANNOTATION_CONFIG_WRITTEN);
+    if let (true, true, Some(t)) = (same, ours, n.annotations().get(ANNOTATION_CONFIG_WRITTEN)) {
         debug!(node = %name, written = %t, "config label already in place: keeping its write time");
         annotations.insert(ANNOTATION_CONFIG_WRITTEN.to_string(), t.clone());
     }
