@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{NodeSelectorTerm, Pod};
 use kube::ResourceExt;
 
 use crate::plan::input::{GpuPod, PendingPod, Requirement};
@@ -134,14 +134,9 @@ pub const MAX_AFFINITY_EXPRESSIONS: usize = 16;
 pub const MAX_AFFINITY_VALUES: usize = 64;
 pub const MAX_TOLERATIONS: usize = 32;
 
-/// Whether a pod not bound to a node could be demand: it asks for a MIG device and what it
-/// selects nodes by is within the bounds above (preferred affinity is not read at all).
-pub fn may_be_demand(p: &Pod) -> bool {
-    let Some(spec) = p.spec.as_ref() else {
-        return false;
-    };
-    let terms = spec
-        .affinity
+/// The terms of a pod's required node affinity (a node must satisfy one of them).
+fn required_terms(spec: &k8s_openapi::api::core::v1::PodSpec) -> &[NodeSelectorTerm] {
+    spec.affinity
         .as_ref()
         .and_then(|a| a.node_affinity.as_ref())
         .and_then(|a| {
@@ -149,7 +144,16 @@ pub fn may_be_demand(p: &Pod) -> bool {
                 .as_ref()
         })
         .map(|r| r.node_selector_terms.as_slice())
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// Whether a pod not bound to a node could be demand: it asks for a MIG device and what it
+/// selects nodes by is within the bounds above (preferred affinity is not read at all).
+pub fn may_be_demand(p: &Pod) -> bool {
+    let Some(spec) = p.spec.as_ref() else {
+        return false;
+    };
+    let terms = required_terms(spec);
     resources(p).any(|k| k.starts_with("nvidia.com/mig-"))
         && spec.node_selector.as_ref().map_or(0, |s| s.len()) <= MAX_NODE_SELECTOR
         && spec.tolerations.as_ref().map_or(0, |t| t.len()) <= MAX_TOLERATIONS
@@ -191,31 +195,20 @@ pub fn pending_pod(p: &Pod) -> Option<PendingPod> {
     if profiles.is_empty() {
         return None;
     }
-    let affinity = spec
-        .affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|a| {
-            a.required_during_scheduling_ignored_during_execution
-                .as_ref()
-        })
-        .map(|r| {
-            r.node_selector_terms
+    let affinity = required_terms(spec)
+        .iter()
+        .map(|t| {
+            t.match_expressions
                 .iter()
-                .map(|t| {
-                    t.match_expressions
-                        .iter()
-                        .flatten()
-                        .map(|e| Requirement {
-                            key: e.key.clone(),
-                            operator: e.operator.clone(),
-                            values: e.values.clone().unwrap_or_default(),
-                        })
-                        .collect()
+                .flatten()
+                .map(|e| Requirement {
+                    key: e.key.clone(),
+                    operator: e.operator.clone(),
+                    values: e.values.clone().unwrap_or_default(),
                 })
                 .collect()
         })
-        .unwrap_or_default();
+        .collect();
     Some(PendingPod {
         id: format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()),
         priority: spec.priority.unwrap_or(0),

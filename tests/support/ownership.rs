@@ -138,6 +138,27 @@ fn ours(kind: Kind, obj: &Value, path: &str) -> bool {
     }
 }
 
+/// The leaves of `prev` and `cur` (see [`leaves`]), and the paths whose value differs.
+fn changed_leaves(
+    prev: &Value,
+    cur: &Value,
+) -> (
+    BTreeMap<String, Value>,
+    BTreeMap<String, Value>,
+    Vec<String>,
+) {
+    let (mut before, mut after) = (BTreeMap::new(), BTreeMap::new());
+    leaves(prev, "", &mut before);
+    leaves(cur, "", &mut after);
+    let changed = before
+        .iter()
+        .filter(|(k, v)| after.get(*k) != Some(*v))
+        .map(|(k, _)| k.clone())
+        .chain(after.keys().filter(|k| !before.contains_key(*k)).cloned())
+        .collect();
+    (before, after, changed)
+}
+
 /// What the demand's manager may hold: on a node, its one annotation (and the maps holding it).
 fn demands(kind: Kind, path: &str) -> bool {
     kind == Kind::Node
@@ -191,18 +212,12 @@ fn not_demands(kind: Kind, prev: Option<&Value>, cur: &Value) -> Vec<String> {
     let Some(prev) = prev.filter(|p| written_by(p, cur, DEMAND)) else {
         return out;
     };
-    let (mut before, mut after) = (BTreeMap::new(), BTreeMap::new());
-    leaves(prev, "", &mut before);
-    leaves(cur, "", &mut after);
-    let changed = before
-        .iter()
-        .filter(|(k, v)| after.get(*k) != Some(*v))
-        .map(|(k, _)| k)
-        .chain(after.keys().filter(|k| !before.contains_key(*k)));
+    let (_, _, changed) = changed_leaves(prev, cur);
     // (Two states apart by a relist may hold a write of our other manager too.)
     let ours_too = written_by_us(prev, cur);
     out.extend(
         changed
+            .into_iter()
             .filter(|path| !demands(kind, path) && !(ours_too && ours(kind, prev, path)))
             .map(|path| format!("{DEMAND} changed {path}")),
     );
@@ -247,15 +262,8 @@ pub fn not_ours(kind: Kind, prev: Option<&Value>, cur: &Value) -> Vec<String> {
         return out;
     }
     // Our manager wrote this state: everything that changed must be ours.
-    let (mut before, mut after) = (BTreeMap::new(), BTreeMap::new());
-    leaves(prev, "", &mut before);
-    leaves(cur, "", &mut after);
-    let changed = before
-        .iter()
-        .filter(|(k, v)| after.get(*k) != Some(*v))
-        .map(|(k, _)| k)
-        .chain(after.keys().filter(|k| !before.contains_key(*k)));
-    for path in changed {
+    let (before, after, changed) = changed_leaves(prev, cur);
+    for path in &changed {
         if kind == Kind::Node && path == "spec.taints" {
             if foreign_taints(before.get(path)) != foreign_taints(after.get(path)) {
                 out.push(format!(
