@@ -87,6 +87,69 @@ async fn reshaping_events_in(c: &Client, ns: &str, pod: &str) -> Vec<String> {
     pod_events_in(c, ns, pod, |e| e.reason.as_deref() == Some("ReshapingNode")).await
 }
 
+/// The operator as `run` starts it: evictions through a client that does not retry 429 (a
+/// PodDisruptionBudget's refusal).
+async fn start_operator(cluster: &testkit::TestCluster) -> Operator {
+    let no_retries = testkit::client_without_retries(&cluster.kubeconfig)
+        .await
+        .unwrap();
+    Operator::start_with(
+        cluster.client.clone(),
+        gpu_sharing_operator::runtime::controller::Config {
+            namespace: Some(NS.into()),
+            resync: Duration::from_secs(30),
+            eviction_client: Some(gpu_sharing_operator::runtime::controller::EvictionClient(
+                no_retries,
+            )),
+            ..Default::default()
+        },
+    )
+}
+
+/// A node's (cordoned, `nvidia.com/mig.config`) states in the order the API server made them.
+struct NodeHistory {
+    states: std::sync::Arc<std::sync::Mutex<Vec<(bool, Option<String>)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl NodeHistory {
+    async fn start(c: &Client, node: &str) -> NodeHistory {
+        use futures::StreamExt;
+        use kube::runtime::watcher;
+        let states = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s = states.clone();
+        let cfg = watcher::Config::default().fields(&format!("metadata.name={node}"));
+        let mut stream = watcher(Api::<Node>::all(c.clone()), cfg).boxed();
+        let task = tokio::spawn(async move {
+            while let Some(ev) = stream.next().await {
+                if let Ok(watcher::Event::Apply(n) | watcher::Event::InitApply(n)) = ev {
+                    let cordoned = n.spec.and_then(|s| s.unschedulable) == Some(true);
+                    let layout = n.metadata.labels.unwrap_or_default();
+                    let state = (cordoned, layout.get("nvidia.com/mig.config").cloned());
+                    let mut v = s.lock().unwrap();
+                    if v.last() != Some(&state) {
+                        v.push(state);
+                    }
+                }
+            }
+        });
+        let h = NodeHistory { states, task };
+        until("the node history's first state", LONG, || async {
+            (!h.states().is_empty()).then_some(())
+        })
+        .await;
+        h
+    }
+
+    fn states(&self) -> Vec<(bool, Option<String>)> {
+        self.states.lock().unwrap().clone()
+    }
+
+    fn stop(self) {
+        self.task.abort();
+    }
+}
+
 /// The policy's `status.demand.profiles`, by profile.
 async fn demand(c: &Client) -> BTreeMap<String, Value> {
     policy_status(c, "dyn")
@@ -109,7 +172,7 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
     for n in NODES {
         label_node(&c, n, "gpusharing.io/profile", Some("dyn")).await;
     }
-    let op = Operator::start(c.clone(), Some(NS));
+    let op = start_operator(&cluster).await;
     testkit::apply_yaml(&c, POLICY).await.unwrap();
     until("both nodes on all-7g.80gb", LONG, || async {
         ready_on(&c, "dyn", 2).await?;
@@ -157,14 +220,19 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
     for k in 0..4 {
         create(&c, mig_pod(&format!("big-{k}"), "3g.40gb", 1, 30)).await;
     }
+    // (Restarted once each 3g pod was told: events are posted after the record, and a
+    // restart does not tell the pods again.)
     let recorded = until("the 3g layout chosen for a100-node-1", LONG, || async {
         let (ann, _) = node_meta(&c, "a100-node-1").await;
         let v = ann.get(DEMAND)?;
+        for k in 0..4 {
+            reshaping_events(&c, &format!("big-{k}")).await.first()?;
+        }
         v.starts_with("all-3g.40gb@").then(|| v.clone())
     })
     .await;
     op.stop().await;
-    let op = Operator::start(c.clone(), Some(NS));
+    let op = start_operator(&cluster).await;
     let placed = until("all 18 pods running", LONG, || async {
         let s = pod_states(&c).await;
         let running: Vec<_> = s
@@ -293,7 +361,7 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let op = Operator::start(c.clone(), Some(NS));
+    let op = start_operator(&cluster).await;
     let node = until("moved bound", LONG, || async {
         let (node, _) = pod_states(&c).await.remove("moved")?;
         (!node.is_empty()).then_some(node)
@@ -318,8 +386,12 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
 
     // 6. drainBusyNodes: a100-node-1 runs a 1g pod of priority 0 and one of priority 1000,
     // above the ceiling: two 3g pods wait (NoIdleNode, naming the ceiling). Once the
-    // high-priority pod is gone, the node is drained (the other pod evicted through the
-    // Eviction API), reshaped, and the scheduler binds the 3g pods there.
+    // high-priority pod is gone, the node is drained: cordoned, its other pod evicted through
+    // the Eviction API. A PodDisruptionBudget first refuses the eviction: after
+    // drainTimeoutSeconds the drain is given up and the node uncordoned, layout unchanged, the
+    // rollout not halted. Once the budget allows it, the pod is evicted; it takes 5 s to stop
+    // (within its grace period), and the node is relabelled only after it is gone; the
+    // scheduler binds the 3g pods there.
     let vip: k8s_openapi::api::scheduling::v1::PriorityClass =
         serde_json::from_value(json!({"metadata": {"name": "vip"}, "value": 1000})).unwrap();
     Api::all(c.clone())
@@ -347,10 +419,10 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
             "dyn",
             &kube::api::PatchParams::default(),
             &kube::api::Patch::Merge(json!({"spec": {"mig": {"dynamic": {
-                "drainBusyNodes": {"maxPodPriority": 0},
+                "drainBusyNodes": {"maxPodPriority": 0, "maxDrainsPerHour": 2},
                 "minLayoutLifetimeSeconds": 60,
                 "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}},
-            }}}})),
+            }}, "disruption": {"drainTimeoutSeconds": 15}}})),
         )
         .await
         .unwrap();
@@ -372,7 +444,23 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
     let mut high = mig_pod("vip", "1g.10gb", 1, 600);
     high.spec.as_mut().unwrap().priority_class_name = Some("vip".into());
     create(&c, high).await;
-    create(&c, mig_pod("low", "1g.10gb", 1, 600)).await;
+    let mut low = mig_pod("low", "1g.10gb", 1, 600);
+    low.metadata.labels = Some([("app".to_string(), "low".to_string())].into());
+    low.metadata
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert("simulator.gpusharing.io/stop-seconds".into(), "5".into());
+    create(&c, low).await;
+    let pdbs: Api<k8s_openapi::api::policy::v1::PodDisruptionBudget> =
+        Api::namespaced(c.clone(), "default");
+    // (minAvailable: a bare pod has no controller to compute maxUnavailable from.)
+    let pdb: k8s_openapi::api::policy::v1::PodDisruptionBudget =
+        serde_json::from_value(json!({"metadata": {"name": "low"},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "low"}}}}))
+        .unwrap();
+    pdbs.create(&PostParams::default(), &pdb).await.unwrap();
+    let node1 = NodeHistory::start(&c, "a100-node-1").await;
     until("vip and low running on a100-node-1", LONG, || async {
         let s = pod_states(&c).await;
         ["vip", "low"]
@@ -402,8 +490,59 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
     // The node's layout may first have to reach its 60 s lifetime (the least drains allow).
     let cooldown = Duration::from_secs(60);
     until(
-        "the 3g pods bound on a100-node-1",
+        "the eviction refused by the budget",
         LONG + cooldown,
+        || async {
+            let events = Api::<k8s_openapi::api::events::v1::Event>::all(c.clone())
+                .list(&Default::default())
+                .await
+                .ok()?;
+            events
+                .items
+                .iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("EvictionBlocked")
+                        && e.note
+                            .as_deref()
+                            .is_some_and(|n| n.contains("a100-node-1") && n.contains("low"))
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    until(
+        "the drain given up: a100-node-1 uncordoned",
+        LONG,
+        || async {
+            let h = node1.states();
+            let cordoned = h.iter().any(|(u, _)| *u);
+            (cordoned && !h.last()?.0).then_some(())
+        },
+    )
+    .await;
+    let given_up = node1.states();
+    assert!(
+        given_up.iter().all(|(_, l)| *l == given_up[0].1),
+        "the layout stays while the budget refuses: {given_up:?}"
+    );
+    assert_eq!(pod_states(&c).await["low"].1, "Running");
+    let s = policy_status(&c, "dyn").await.unwrap();
+    assert_ne!(
+        condition(&s, "Progressing").map(|c| c["reason"].clone()),
+        Some(json!("RolloutHalted")),
+        "a demand drain given up halts no rollout: {s}"
+    );
+    pdbs.patch(
+        "low",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(json!({"spec": {"minAvailable": 0}})),
+    )
+    .await
+    .unwrap();
+    until(
+        "the 3g pods bound on a100-node-1",
+        // (A drain given up keeps the node's layout for another lifetime before the next.)
+        LONG + 2 * cooldown,
         || async {
             let s = pod_states(&c).await;
             (0..2)
@@ -429,6 +568,19 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         layouts(&history[1]).last().map(String::as_str),
         Some("all-3g.40gb")
     );
+    // Cordoned again before the relabel (the invariant watcher saw no relabel while the
+    // evicted pod was still stopping).
+    let h = node1.states();
+    let relabel = h
+        .iter()
+        .position(|(_, l)| l.as_deref() == Some("all-3g.40gb"))
+        .unwrap();
+    assert!(
+        h[..relabel].iter().skip(given_up.len()).any(|(u, _)| *u) && h[relabel].0,
+        "cordoned before and while relabelled: {h:?}"
+    );
+    node1.stop();
+    pdbs.delete("low", &Default::default()).await.unwrap();
     until("a100-node-1 uncordoned", LONG, || async {
         let n = Api::<Node>::all(c.clone()).get("a100-node-1").await.ok()?;
         (n.spec?.unschedulable != Some(true)).then_some(())
@@ -454,7 +606,7 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
                 "drainBusyNodes": null,
                 "minLayoutLifetimeSeconds": 5,
                 "namespaceSelector": null,
-            }}}})),
+            }}, "disruption": null}})),
         )
         .await
         .unwrap();

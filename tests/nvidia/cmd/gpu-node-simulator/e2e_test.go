@@ -227,6 +227,10 @@ func TestE2ESimulatorAgainstAPIServer(t *testing.T) {
 	if msg := node("a100-node-1").Annotations[sim.AnnMigError]; !strings.Contains(msg, "In use by another client") {
 		t.Fatalf("mig error %q", msg)
 	}
+	// The kubelet recorded which GPU it gave the pod (a whole one: MIG off).
+	if got, err := core.Pods("default").Get(ctx, "busy", metav1.GetOptions{}); err != nil || got.Annotations[sim.AnnDevices] != "0" {
+		t.Fatalf("pod devices %v (%v)", got.Annotations, err)
+	}
 
 	// A layout no A100 can hold (two 3g.40gb take all 8 memory slices): failed,
 	// with mig-parted's error; mig-parted stops at GPU 0 and leaves it

@@ -127,6 +127,9 @@ type simulator struct {
 	timers   map[string]pendingMig     // node -> MIG reconfiguration in progress
 	restarts map[string]pendingRestart // node -> device plugin/GFD restart in progress
 	lastLog  map[string]string         // node -> last message of logOnce
+	// devices: pod UID -> the devices the kubelet gave it, until the pod
+	// cache shows them on the pod (sim.AnnDevices).
+	devices sync.Map
 }
 
 type pendingRestart struct {
@@ -480,7 +483,7 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		if err != nil {
 			return 0, err
 		}
-		migIn.BusyPods = sim.BusyPods(pods.Items, name)
+		migIn.Busy = sim.BusyOf(pods.Items, name)
 	}
 	migRes := sim.PlanMig(n, hw, migIn, patch)
 
@@ -567,6 +570,11 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) (
 		return 0, nil
 	}
 	if pod.DeletionTimestamp != nil {
+		if wait := sim.Stopped(pod, time.Now()); wait > 0 {
+			// Its containers are still exiting (AnnStopSeconds, at most
+			// the grace period): it runs and holds its GPUs until then.
+			return wait, nil
+		}
 		zero := int64(0)
 		err := s.core.Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
 		if err == nil {
@@ -593,7 +601,10 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) (
 	case run.Running:
 		return run.After, nil
 	}
-	p := pod.DeepCopy()
+	p, wait, err := s.admitDevices(ctx, pods, pod)
+	if p == nil || wait > 0 || err != nil {
+		return wait, err
+	}
 	now := metav1.Now()
 	p.Status.Phase = corev1.PodRunning
 	p.Status.StartTime = &now
@@ -601,7 +612,7 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) (
 	for _, t := range []corev1.PodConditionType{corev1.PodScheduled, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady} {
 		p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: now})
 	}
-	_, err := s.core.Pods(pod.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{FieldManager: fieldManager})
+	_, err = s.core.Pods(pod.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{FieldManager: fieldManager})
 	if err == nil {
 		log.Printf("pod %s: running and ready (kubelet)", key)
 	}
@@ -609,6 +620,61 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) (
 		return 0, nil
 	}
 	return sim.PodRun(p, time.Now()).After, err
+}
+
+// admitDevices is the kubelet's device manager admitting a pod that asks
+// for NVIDIA resources: while the MIG manager reshapes the node the device
+// plugin is paused and no GPU pod starts (retried in a second); otherwise
+// the pod gets devices no running pod holds (sim.AssignDevices), recorded on
+// it (sim.AnnDevices). With too few free devices the real kubelet rejects the
+// pod (UnexpectedAdmissionError); the simulator logs it and runs the pod on
+// unknown devices ("*": it counts as using every GPU of the node). Returns
+// the pod to start (nil: gone), or how long to wait.
+func (s *simulator) admitDevices(ctx context.Context, pods cache.Store, pod *corev1.Pod) (*corev1.Pod, time.Duration, error) {
+	if len(sim.GPURequests(pod)) == 0 || pod.Annotations[sim.AnnDevices] != "" {
+		return pod.DeepCopy(), 0, nil
+	}
+	obj, ok, _ := s.nodes.GetByKey(pod.Spec.NodeName)
+	if !ok && s.tableNodes != nil {
+		obj, ok, _ = s.tableNodes.GetByKey(pod.Spec.NodeName)
+	}
+	if !ok {
+		return pod.DeepCopy(), 0, nil
+	}
+	node := obj.(*corev1.Node)
+	if node.Labels[sim.LabelMigState] == sim.StatePending {
+		s.logOnce(pod.Spec.NodeName, "kubelet: GPU pods wait: the device plugin is paused while the MIG manager reshapes the node")
+		return nil, time.Second, nil
+	}
+	hw, _ := sim.HardwareOf(node.Labels, node.Annotations)
+	var onNode []corev1.Pod
+	for _, o := range pods.List() {
+		if p := o.(*corev1.Pod); p.Spec.NodeName == pod.Spec.NodeName && p.UID != pod.UID {
+			if p.Annotations[sim.AnnDevices] != "" {
+				s.devices.Delete(string(p.UID))
+			} else if d, ok := s.devices.Load(string(p.UID)); ok {
+				p = p.DeepCopy()
+				p.Annotations = map[string]string{sim.AnnDevices: d.(string)}
+			}
+			onNode = append(onNode, *p)
+		}
+	}
+	devices, err := sim.AssignDevices(pod, sim.GeometryOf(node.Annotations, hw.Count), sim.PlacementsOf(node.Annotations, hw.Count),
+		sim.AdvertisedOf(node.Annotations), sim.BusyOf(onNode, pod.Spec.NodeName))
+	if err != nil {
+		log.Printf("pod %s/%s: %v: the real kubelet would reject it (UnexpectedAdmissionError); running it on unknown devices", pod.Namespace, pod.Name, err)
+		devices = sim.AnyDevice
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{sim.AnnDevices: devices}}})
+	out, err := s.core.Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{FieldManager: fieldManager})
+	if apierrors.IsNotFound(err) {
+		return nil, 0, nil
+	}
+	if err != nil {
+		return nil, 0, err
+	}
+	s.devices.Store(string(pod.UID), devices)
+	return out, 0, nil
 }
 
 // ours reports whether the simulator plays the node's kubelet: a GPU node,

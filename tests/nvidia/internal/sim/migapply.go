@@ -60,8 +60,16 @@ func GeometryAnnotation(g Geometry, places Placements) string {
 //     with MIG on (mig-parted clears it after its last ordering), the others
 //     keep what they had.
 //
+// Pods hold GPUs (busy, as the kubelet assigned them): a MIG mode change
+// resets GPUs, so with any GPU pod on the node it fails before touching
+// anything; a GPU whose devices change has all its instances destroyed
+// first, in placement order, and the first one a pod uses fails with "In
+// use by another client": the idle ones before it are gone, it and the
+// later ones stay, the apply ends there (later GPUs untouched). GPUs whose
+// devices do not change are skipped whatever runs on them.
+//
 // It returns the GPUs afterwards, their placements and the apply error.
-func ApplyOnModel(model *nvmig.Model, slice mpv1.MigConfigSpecSlice, hw Hardware, cur Geometry, curPlaces Placements) (Geometry, Placements, error) {
+func ApplyOnModel(model *nvmig.Model, slice mpv1.MigConfigSpecSlice, hw Hardware, cur Geometry, curPlaces Placements, busy Busy) (Geometry, Placements, error) {
 	next := make(Geometry, hw.Count)
 	copy(next, cur)
 	places := make(Placements, hw.Count)
@@ -78,6 +86,11 @@ func ApplyOnModel(model *nvmig.Model, slice mpv1.MigConfigSpecSlice, hw Hardware
 				enabled[i] = e.MigEnabled
 			}
 		}
+	}
+	if err := modeChangeOnBusyNode(cur, enabled, busy); err != nil {
+		return next, places, err
+	}
+	for i := range next {
 		if enabled[i] != next[i].MigEnabled {
 			next[i], places[i] = nvconf.GPU{MigEnabled: enabled[i]}, nil
 		}
@@ -100,6 +113,12 @@ func ApplyOnModel(model *nvmig.Model, slice mpv1.MigConfigSpecSlice, hw Hardware
 			}
 			if e.MigDevices.Equals(next[i].MigDevices) {
 				continue
+			}
+			if pods := busy.OnGPU(i); len(pods) > 0 {
+				places[i] = destroyUntilBusy(i, places[i], busy)
+				next[i] = nvconf.GPU{MigEnabled: true, MigDevices: nvmig.Counts(places[i])}
+				return next, places, fmt.Errorf("GPU %d (%s): error destroying MIG devices: In use by another client (GPU pods running on it: %s)",
+					i, model.Product, strings.Join(pods, ", "))
 			}
 			res, err := node.SetMigConfig(i, e.MigDevices)
 			next[i] = nvconf.GPU{MigEnabled: true}
@@ -136,4 +155,38 @@ func sortedKeys(m map[string]int) []string {
 	}
 	sort.Strings(keys)
 	return keys
+}
+
+// modeChangeOnBusyNode refuses a MIG mode change while any GPU pod runs on
+// the node: the change resets the GPU (with WITH_REBOOT the MIG manager
+// reboots the node), which a running process prevents or would lose.
+func modeChangeOnBusyNode(cur Geometry, enabled []bool, busy Busy) error {
+	if busy.Empty() {
+		return nil
+	}
+	for i := range enabled {
+		if i < len(cur) && cur[i].MigEnabled != enabled[i] {
+			return fmt.Errorf("GPU %d: error setting MIG mode: In use by another client (a MIG mode change resets the GPUs; GPU pods running on the node: %s)",
+				i, strings.Join(busy.Pods(), ", "))
+		}
+	}
+	return nil
+}
+
+// destroyUntilBusy is mig-parted clearing GPU i before creating its new
+// devices: it destroys the instances in placement order and stops at the
+// first one a pod uses. Returns what is left. Without placements (or with a
+// pod whose devices are unknown) nothing is destroyed.
+func destroyUntilBusy(i int, current []nvmig.Placement, busy Busy) []nvmig.Placement {
+	if len(busy.Anywhere) > 0 {
+		return current
+	}
+	ps := append([]nvmig.Placement(nil), current...)
+	sort.Slice(ps, func(a, b int) bool { return ps[a].Start < ps[b].Start })
+	for k, p := range ps {
+		if len(busy.holders(fmt.Sprintf("%d/%s@%d", i, p.Profile, p.Start))) > 0 {
+			return ps[k:]
+		}
+	}
+	return nil
 }

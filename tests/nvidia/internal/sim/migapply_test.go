@@ -27,6 +27,13 @@ mig-configs:
   - devices: [0]
     mig-enabled: true
     mig-devices: {"3g.40gb": 2, "2g.20gb": 1}
+  gpu1-all-1g:
+  - devices: all
+    mig-enabled: true
+    mig-devices: {"3g.40gb": 1, "2g.20gb": 1, "1g.10gb": 2}
+  - devices: [1]
+    mig-enabled: true
+    mig-devices: {"1g.10gb": 7}
   %s:
   - devices: all
     mig-enabled: true
@@ -43,6 +50,12 @@ var orderDependent = map[string]int{"2g.20gb": 2, "1g.20gb": 1, "1g.10gb": 2}
 // pending delay.
 func applyMig(t *testing.T, n *Node, layout string) {
 	t.Helper()
+	applyMigBusy(t, n, layout, Busy{})
+}
+
+// applyMigBusy is applyMig with GPU pods holding devices.
+func applyMigBusy(t *testing.T, n *Node, layout string, busy Busy) {
+	t.Helper()
 	devs := []string{}
 	for p, c := range orderDependent {
 		devs = append(devs, fmt.Sprintf("%q: %d", p, c))
@@ -55,7 +68,49 @@ func applyMig(t *testing.T, n *Node, layout string) {
 		t.Fatalf("%s: state %q (error %q), want pending", layout, n.Labels[LabelMigState], n.Annotations[AnnMigError])
 	}
 	due := now.Add(time.Second)
-	step(t, n, MigInput{MigConfig: cfg, Now: due, Due: &due, Delay: time.Second}, DPInput{})
+	step(t, n, MigInput{MigConfig: cfg, Now: due, Due: &due, Delay: time.Second, Busy: busy}, DPInput{})
+}
+
+// mig-parted on a node with pods: a GPU whose devices do not change is
+// skipped whatever runs on it; a changed GPU a pod uses loses the idle
+// instances before the pod's and fails "In use by another client", the GPUs
+// after it untouched; once the pod is gone the change goes through.
+func TestMigBusyGPUsAreSkippedOrFailAsMigParted(t *testing.T) {
+	n := a100Node()
+	step(t, n, MigInput{}, DPInput{})
+	applyMig(t, n, "balanced")
+	var busy Busy
+	busy.Add("x/a", "0/3g.40gb@4")
+	busy.Add("x/b", "1/1g.10gb@3")
+	applyMigBusy(t, n, "gpu1-all-1g", busy)
+	msg := n.Annotations[AnnMigError]
+	if n.Labels[LabelMigState] != StateFailed || !strings.Contains(msg, "GPU 1") || !strings.Contains(msg, "In use by another client") || !strings.Contains(msg, "x/b") {
+		t.Fatalf("state %q error %q", n.Labels[LabelMigState], msg)
+	}
+	places := PlacementsOf(n.Annotations, 8)
+	balanced := "[2g.20gb@0:2][1g.10gb@2:1][1g.10gb@3:1][3g.40gb@4:4]"
+	if got := nvmig.FormatPlacements(places[1]); got != "[1g.10gb@3:1][3g.40gb@4:4]" {
+		t.Fatalf("GPU 1: %s: the idle 2g@0 and 1g@2 go, the busy 1g@3 and what follows stay", got)
+	}
+	for _, i := range []int{0, 2, 7} {
+		if got := nvmig.FormatPlacements(places[i]); got != balanced {
+			t.Fatalf("GPU %d: %s, want it untouched", i, got)
+		}
+	}
+	// x/b ended; x/a still runs on GPU 0, which neither layout changes.
+	busy = Busy{}
+	busy.Add("x/a", "0/3g.40gb@4")
+	applyMigBusy(t, n, "balanced", busy)
+	applyMigBusy(t, n, "gpu1-all-1g", busy)
+	places = PlacementsOf(n.Annotations, 8)
+	if n.Labels[LabelMigState] != StateSuccess || len(places[1]) != 7 || nvmig.FormatPlacements(places[0]) != balanced {
+		t.Fatalf("state %q error %q GPU 0 %v GPU 1 %v", n.Labels[LabelMigState], n.Annotations[AnnMigError], places[0], places[1])
+	}
+	// Back to all-disabled is a mode change: refused while x/a runs, nothing touched.
+	applyMigBusy(t, n, "all-disabled", busy)
+	if n.Labels[LabelMigState] != StateFailed || !strings.Contains(n.Annotations[AnnMigError], "MIG mode") || !GeometryOf(n.Annotations, 8)[3].MigEnabled {
+		t.Fatalf("state %q error %q", n.Labels[LabelMigState], n.Annotations[AnnMigError])
+	}
 }
 
 func TestMigPlacesAFeasibleLayout(t *testing.T) {

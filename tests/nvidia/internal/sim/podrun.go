@@ -13,6 +13,33 @@ import (
 // until deleted.
 const AnnRunSeconds = AnnPrefix + "run-seconds"
 
+// AnnStopSeconds on a pod: how long its containers take to exit after
+// SIGTERM when it is deleted (evicted, drained). The kubelet waits for them
+// at most the pod's grace period (terminationGracePeriodSeconds, or the
+// delete's own), then kills them; only then is the pod gone and its GPUs
+// free. Without it the containers exit at once.
+const AnnStopSeconds = AnnPrefix + "stop-seconds"
+
+// Stopped tells, for a pod being deleted, how long until its containers
+// have exited at now (0: they have; the kubelet removes the pod).
+func Stopped(pod *corev1.Pod, now time.Time) time.Duration {
+	if pod.DeletionTimestamp == nil {
+		return 0
+	}
+	grace := int64(0)
+	if pod.DeletionGracePeriodSeconds != nil {
+		grace = max(0, *pod.DeletionGracePeriodSeconds)
+	}
+	stop, err := strconv.ParseInt(pod.Annotations[AnnStopSeconds], 10, 64)
+	if err != nil || stop < 0 {
+		stop = 0
+	}
+	// The API server sets the deletion timestamp to the delete's time plus
+	// the grace period.
+	asked := pod.DeletionTimestamp.Add(-time.Duration(grace) * time.Second)
+	return max(0, asked.Add(time.Duration(min(stop, grace))*time.Second).Sub(now))
+}
+
 // Run is where a bound pod is in its simulated life.
 type Run struct {
 	// Done: it Succeeded or Failed; nothing more to do.

@@ -38,3 +38,29 @@ func TestPodRun(t *testing.T) {
 		t.Errorf("succeeded: %+v", done.Status)
 	}
 }
+
+// A deleted pod is gone once its containers exit: at once without
+// AnnStopSeconds, else after that long, never later than its grace period.
+func TestStopped(t *testing.T) {
+	now := time.Now()
+	pod := func(grace int64, stop string) *corev1.Pod {
+		ts := metav1.NewTime(now.Add(time.Duration(grace) * time.Second))
+		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{DeletionTimestamp: &ts, DeletionGracePeriodSeconds: &grace, Annotations: map[string]string{}}}
+		if stop != "" {
+			p.Annotations[AnnStopSeconds] = stop
+		}
+		return p
+	}
+	for _, c := range []struct {
+		grace int64
+		stop  string
+		want  time.Duration
+	}{{30, "", 0}, {30, "20", 20 * time.Second}, {5, "20", 5 * time.Second}, {0, "20", 0}, {30, "x", 0}} {
+		if got := Stopped(pod(c.grace, c.stop), now); got != c.want {
+			t.Fatalf("grace %d stop %q: %v, want %v", c.grace, c.stop, got, c.want)
+		}
+	}
+	if got := Stopped(&corev1.Pod{}, now); got != 0 {
+		t.Fatalf("not deleted: %v", got)
+	}
+}

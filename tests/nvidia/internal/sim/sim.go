@@ -8,7 +8,6 @@ package sim
 import (
 	"encoding/json"
 	"fmt"
-	"sort"
 	"strings"
 	"time"
 
@@ -335,9 +334,9 @@ type MigInput struct {
 	MigConfig string
 	Source    string
 	Err       error
-	// BusyPods: unfinished pods on the node that hold GPU resources.
-	BusyPods []string
-	Now      time.Time
+	// Busy: what the unfinished GPU pods of the node hold.
+	Busy Busy
+	Now  time.Time
 	// Due is when the pending reconfiguration to the current label value
 	// may complete (nil: no reconfiguration started for it yet).
 	Due            *time.Time
@@ -361,8 +360,10 @@ type MigResult struct {
 // nvidia.com/mig.config differs from the last value it acted on. It
 // validates the layout (mig-parted assert --valid-config), reports success
 // at once if the GPUs already have it, else sets state=pending, waits
-// Delay, then fails if GPU pods are running on the node ("In use by another
-// client") or applies the layout.
+// Delay, then applies the layout as mig-parted does (ApplyOnModel): GPUs
+// whose devices do not change are skipped, a changed GPU a pod uses fails
+// with "In use by another client", a MIG mode change fails while any GPU pod
+// runs on the node.
 func PlanMig(n *Node, hw Hardware, in MigInput, p *Patch) MigResult {
 	geo := GeometryOf(n.Annotations, hw.Count)
 	res := MigResult{Geometry: geo}
@@ -430,12 +431,6 @@ func PlanMig(n *Node, hw Hardware, in MigInput, p *Patch) MigResult {
 		res.Requeue, res.InProgress = wait, true
 		return res
 	}
-	if len(in.BusyPods) > 0 {
-		msg := fmt.Sprintf("In use by another client: GPU pods still running on the node: %s", strings.Join(in.BusyPods, ", "))
-		finish(StateFailed, msg)
-		p.logf("MIG config %q failed: %s", desired, msg)
-		return res
-	}
 	if n.Annotations[AnnFault] == FaultMigApplyFail {
 		msg := "fault injected (" + AnnFault + "=" + FaultMigApplyFail + "): the MIG manager failed before changing the GPUs"
 		finish(StateFailed, msg)
@@ -443,6 +438,14 @@ func PlanMig(n *Node, hw Hardware, in MigInput, p *Patch) MigResult {
 		return res
 	}
 	model := nvmig.ModelFor(hw.Product, hw.MemoryMiB)
+	if model == nil && !in.Busy.Empty() {
+		// Without placement data no instance can be told from another:
+		// any running GPU pod fails the change.
+		msg := fmt.Sprintf("In use by another client: GPU pods still running on the node: %s", strings.Join(in.Busy.Pods(), ", "))
+		finish(StateFailed, msg)
+		p.logf("MIG config %q failed: %s", desired, msg)
+		return res
+	}
 	if model == nil {
 		// No go-nvml mock data for this GPU: nothing to place the instances
 		// with. They are created as asked, unchecked.
@@ -453,7 +456,7 @@ func PlanMig(n *Node, hw Hardware, in MigInput, p *Patch) MigResult {
 			desired, next.String(), hw.Product, hw.MemoryMiB)
 		return res
 	}
-	applied, places, err := ApplyOnModel(model, slice, hw, geo, PlacementsOf(n.Annotations, hw.Count))
+	applied, places, err := ApplyOnModel(model, slice, hw, geo, PlacementsOf(n.Annotations, hw.Count), in.Busy)
 	p.setAnn(n, AnnMigGeometry, GeometryAnnotation(applied, places))
 	res.Geometry = applied
 	if err != nil {
@@ -494,35 +497,6 @@ func formatPlacements(places Placements) string {
 		return "no MIG instances"
 	}
 	return strings.Join(parts, ", ")
-}
-
-// BusyPods lists the unfinished pods of a node that request NVIDIA GPU
-// resources (nvidia.com/gpu*, nvidia.com/mig-*).
-func BusyPods(pods []corev1.Pod, node string) []string {
-	var out []string
-	for _, pod := range pods {
-		if pod.Spec.NodeName != node || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
-			continue
-		}
-		if usesGPU(pod.Spec.Containers) || usesGPU(pod.Spec.InitContainers) {
-			out = append(out, pod.Namespace+"/"+pod.Name)
-		}
-	}
-	sort.Strings(out)
-	return out
-}
-
-func usesGPU(cs []corev1.Container) bool {
-	for _, c := range cs {
-		for _, rl := range []corev1.ResourceList{c.Resources.Requests, c.Resources.Limits} {
-			for name := range rl {
-				if IsGPUResource(string(name)) {
-					return true
-				}
-			}
-		}
-	}
-	return false
 }
 
 // IsGPUResource reports whether an extended resource is one NVIDIA's device

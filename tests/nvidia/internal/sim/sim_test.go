@@ -341,13 +341,17 @@ func TestMigFailures(t *testing.T) {
 	if n.Labels[LabelMigState] != StateFailed || !strings.Contains(n.Annotations[AnnMigError], "selected mig-config not present: no-such-layout") {
 		t.Fatalf("state %q error %q", n.Labels[LabelMigState], n.Annotations[AnnMigError])
 	}
-	// Busy GPU: pending, then failed; the geometry stays.
+	// A pod on GPU 5 and a MIG mode change: pending, then failed before
+	// any GPU is touched (a mode change resets the GPUs).
 	n.Labels[LabelMigConfig] = "all-3g.40gb"
 	now := time.Now()
 	step(t, n, MigInput{Now: now, Delay: time.Second}, DPInput{})
 	due := now.Add(time.Second)
-	step(t, n, MigInput{Now: due, Due: &due, BusyPods: []string{"default/train"}}, DPInput{})
-	if n.Labels[LabelMigState] != StateFailed || !strings.Contains(n.Annotations[AnnMigError], "In use by another client") || n.Annotations[AnnMigGeometry] != "" {
+	var busy Busy
+	busy.Add("default/train", "5")
+	step(t, n, MigInput{Now: due, Due: &due, Busy: busy}, DPInput{})
+	if n.Labels[LabelMigState] != StateFailed || !strings.Contains(n.Annotations[AnnMigError], "In use by another client") ||
+		!strings.Contains(n.Annotations[AnnMigError], "MIG mode") || strings.Contains(GeometryOf(n.Annotations, 8).String(), `"e":true`) {
 		t.Fatalf("state %q error %q geometry %q", n.Labels[LabelMigState], n.Annotations[AnnMigError], n.Annotations[AnnMigGeometry])
 	}
 	// No retry until the label changes (as the real MIG manager).
@@ -392,16 +396,68 @@ func TestAutoLabel(t *testing.T) {
 	}
 }
 
-func TestBusyPods(t *testing.T) {
+func TestBusyOf(t *testing.T) {
 	gpu := corev1.ResourceList{"nvidia.com/mig-1g.10gb": resource.MustParse("1")}
-	pods := []corev1.Pod{
-		{ObjectMeta: metav1.ObjectMeta{Name: "a", Namespace: "x"}, Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Resources: corev1.ResourceRequirements{Limits: gpu}}}}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "done", Namespace: "x"}, Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{Resources: corev1.ResourceRequirements{Limits: gpu}}}}, Status: corev1.PodStatus{Phase: corev1.PodSucceeded}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "cpu", Namespace: "x"}, Spec: corev1.PodSpec{NodeName: "n", Containers: []corev1.Container{{}}}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "other", Namespace: "x"}, Spec: corev1.PodSpec{NodeName: "m", Containers: []corev1.Container{{Resources: corev1.ResourceRequirements{Limits: gpu}}}}},
+	pod := func(name, node, devices string, phase corev1.PodPhase, res corev1.ResourceList) corev1.Pod {
+		p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "x", Annotations: map[string]string{}},
+			Spec:   corev1.PodSpec{NodeName: node, Containers: []corev1.Container{{Resources: corev1.ResourceRequirements{Limits: res}}}},
+			Status: corev1.PodStatus{Phase: phase}}
+		if devices != "" {
+			p.Annotations[AnnDevices] = devices
+		}
+		return p
 	}
-	if got := BusyPods(pods, "n"); len(got) != 1 || got[0] != "x/a" {
-		t.Fatalf("%v", got)
+	pods := []corev1.Pod{
+		pod("a", "n", "2/1g.10gb@3", corev1.PodRunning, gpu),
+		pod("old", "n", "", corev1.PodRunning, gpu),
+		pod("done", "n", "0/1g.10gb@0", corev1.PodSucceeded, gpu),
+		pod("cpu", "n", "", corev1.PodRunning, nil),
+		pod("not-admitted", "n", "", corev1.PodPending, gpu),
+		pod("other", "m", "0/1g.10gb@0", corev1.PodRunning, gpu),
+	}
+	b := BusyOf(pods, "n")
+	if got := b.Pods(); len(got) != 2 || got[0] != "x/a" || got[1] != "x/old" {
+		t.Fatalf("pods %v", got)
+	}
+	if got := b.holders("2/1g.10gb@3"); len(got) != 2 {
+		t.Fatalf("holders %v (a, and old whose devices are unknown)", got)
+	}
+	if len(b.Devices["0/1g.10gb@0"]) != 0 || len(b.OnGPU(1)) != 1 {
+		t.Fatalf("GPU 0 %v, GPU 1 %v: only the unknown pod may hold GPU 1", b.Devices["0/1g.10gb@0"], b.OnGPU(1))
+	}
+}
+
+// The kubelet's device manager: exclusive instances go to free ones, lowest
+// GPU first; shared ones to the least shared; too few fails admission.
+func TestAssignDevices(t *testing.T) {
+	geo := Geometry{{MigEnabled: true, MigDevices: map[string]int{"3g.40gb": 2}}, {MigEnabled: true, MigDevices: map[string]int{"3g.40gb": 1, "1g.10gb": 4}}}
+	places := Placements{
+		{{Profile: "3g.40gb", Start: 4, Size: 4}, {Profile: "3g.40gb", Start: 0, Size: 4}},
+		{{Profile: "3g.40gb", Start: 4, Size: 4}, {Profile: "1g.10gb", Start: 0, Size: 1}, {Profile: "1g.10gb", Start: 1, Size: 1}, {Profile: "1g.10gb", Start: 2, Size: 1}, {Profile: "1g.10gb", Start: 3, Size: 1}},
+	}
+	ask := func(r string, n int64) *corev1.Pod {
+		return &corev1.Pod{Spec: corev1.PodSpec{Containers: []corev1.Container{{Resources: corev1.ResourceRequirements{
+			Limits: corev1.ResourceList{corev1.ResourceName(r): *resource.NewQuantity(n, resource.DecimalSI)}}}}}}
+	}
+	var busy Busy
+	busy.Add("x/p", "0/3g.40gb@0")
+	got, err := AssignDevices(ask("nvidia.com/mig-3g.40gb", 2), geo, places, map[string]int{"nvidia.com/mig-3g.40gb": 3}, busy)
+	if err != nil || got != "0/3g.40gb@4,1/3g.40gb@4" {
+		t.Fatalf("got %q, %v", got, err)
+	}
+	if _, err := AssignDevices(ask("nvidia.com/mig-3g.40gb", 3), geo, places, map[string]int{"nvidia.com/mig-3g.40gb": 3}, busy); err == nil || !strings.Contains(err.Error(), "available 2") {
+		t.Fatalf("3 of 2 free: %v", err)
+	}
+	// Time-sliced 1g (replicas 2: 8 advertised over 4 instances): two pods per instance.
+	busy.Add("x/q", "1/1g.10gb@0")
+	got, err = AssignDevices(ask("nvidia.com/mig-1g.10gb.shared", 2), geo, places, map[string]int{"nvidia.com/mig-1g.10gb.shared": 8}, busy)
+	if err != nil || got != "1/1g.10gb@1,1/1g.10gb@2" {
+		t.Fatalf("shared: got %q, %v", got, err)
+	}
+	// Whole GPUs on a node without MIG.
+	got, err = AssignDevices(ask("nvidia.com/gpu", 1), Geometry{{}, {}}, nil, map[string]int{"nvidia.com/gpu": 2}, Busy{Devices: map[string][]string{"0": {"x/r"}}})
+	if err != nil || got != "1" {
+		t.Fatalf("whole GPU: got %q, %v", got, err)
 	}
 }
 
