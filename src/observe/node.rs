@@ -122,11 +122,11 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
         .filter(|(k, _)| believed.contains(k.as_str()))
         .map(|(k, v)| (strings.intern(k), strings.intern(v)))
         .collect::<Vec<_>>();
-    let labels = meta
-        .labels
-        .unwrap_or_default()
+    let all_labels = meta.labels.unwrap_or_default();
+    let whole = filter.keeps_all_of(&all_labels);
+    let labels = all_labels
         .iter()
-        .filter(|(k, _)| filter.keeps(k))
+        .filter(|(k, _)| whole || filter.keeps(k))
         .map(|(k, v)| (strings.intern(k), strings.intern(v)))
         .collect::<Vec<_>>();
     NodeFacts {

@@ -116,26 +116,18 @@ pub struct Sources<B, N> {
     pub namespaces: N,
 }
 
-/// The node label keys pending pods may still add to the node cache's filter: the filter only
-/// grows (each new key lists every node again), so the cap counts the keys it already holds
-/// beyond the policies' own, whichever pass added them.
+/// The node label keys pending pods may bring into a pass beyond those the policies select on
+/// and the node cache keeps anyway. They list nothing again (the nodes a dynamic policy
+/// selects keep every label), but each is judged against every such node, so a pass judges
+/// at most [`MAX_DEMAND_LABEL_KEYS`] of them.
 pub struct KeyBudget<'a> {
     /// The policies' selector keys (free).
     pub policy: &'a BTreeSet<String>,
-    /// The node cache's filter now (what it keeps is free).
+    /// The node cache's filter now (what it keeps on every node is free).
     pub filter: &'a LabelFilter,
 }
 
 impl KeyBudget<'_> {
-    /// Keys pods added before, counted against [`MAX_DEMAND_LABEL_KEYS`].
-    fn spent(&self) -> usize {
-        self.filter
-            .keys()
-            .iter()
-            .filter(|k| !self.policy.contains(*k))
-            .count()
-    }
-
     fn free(&self, key: &str) -> bool {
         self.policy.contains(key) || self.filter.keeps(key)
     }
@@ -183,7 +175,7 @@ where
     let over = candidates.len().saturating_sub(MAX_DEMAND_PODS);
     candidates.truncate(MAX_DEMAND_PODS);
     let mut over_keys = 0;
-    let mut spent = budget.spent();
+    let mut spent = 0;
     for p in candidates {
         let new: BTreeSet<&String> = p
             .label_keys()
@@ -215,7 +207,7 @@ where
             reason: TOO_MANY_LABEL_KEYS.into(),
             pods: over_keys,
             message: format!(
-                "{over_keys} pending pod(s) select on node labels beyond the {MAX_DEMAND_LABEL_KEYS} keys demand may add to the policies' own"
+                "{over_keys} pending pod(s) select on node labels beyond the {MAX_DEMAND_LABEL_KEYS} keys a pass judges besides the policies' own"
             ),
         });
     }
@@ -381,13 +373,13 @@ mod tests {
         assert_eq!(a.ignored[0].pods, 5);
     }
 
-    /// Keys pods added in earlier passes stay in the node cache's filter and count: once it
-    /// holds the cap, a pod with a new key is left out, one with a kept key still admitted.
+    /// The cap counts the keys of one pass: a key the node cache keeps on every node is free,
+    /// and a pod with one is admitted when the new keys already reached the cap.
     #[test]
-    fn keys_kept_from_earlier_passes_count_against_the_cap() {
+    fn keys_the_cache_keeps_are_free_and_the_cap_is_per_pass() {
         let policy: BTreeSet<String> = ["shared".to_string()].into();
         let mut kept = policy.clone();
-        kept.extend((0..MAX_DEMAND_LABEL_KEYS).map(|i| format!("old-{i}")));
+        kept.insert("kept".into());
         let filter = LabelFilter::new(kept);
         let budget = KeyBudget {
             policy: &policy,
@@ -399,14 +391,23 @@ mod tests {
             p
         };
         let base = crate::nvidia::default_mig_configs();
-        let a = admit(
+        let mut pods: Vec<PendingPod> = (0..MAX_DEMAND_LABEL_KEYS)
+            .map(|i| with_key(&format!("t/a{i:02}"), &format!("new-{i}")))
+            .collect();
+        pods.push(with_key("t/b-new", "one-too-many"));
+        pods.push(with_key("t/c-kept", "kept"));
+        let a = admit(&[policy_of("a")], src(&base, &None), &budget, pods.clone());
+        assert!(ids(&a).contains(&"t/c-kept") && !ids(&a).contains(&"t/b-new"));
+        assert_eq!(a.pods.len(), MAX_DEMAND_LABEL_KEYS + 1);
+        assert_eq!(a.ignored[0].reason, TOO_MANY_LABEL_KEYS);
+        // The next pass starts afresh (nothing of the last one is spent).
+        let again = admit(
             &[policy_of("a")],
             src(&base, &None),
             &budget,
-            vec![with_key("t/new", "new-key"), with_key("t/old", "old-3")],
+            pods.split_off(30),
         );
-        assert_eq!(ids(&a), ["t/old"]);
-        assert_eq!(a.ignored[0].reason, TOO_MANY_LABEL_KEYS);
+        assert_eq!(ids(&again).len(), 4, "{:?}", again.ignored);
     }
 
     fn policy_of(name: &str) -> GpuSharingPolicy {

@@ -18,6 +18,21 @@ use crate::api::names::{
 pub const PLANNER_LABEL_PREFIXES: [&str; 2] = ["nvidia.com/", "gpusharing.io/"];
 
 /// The label keys the policies' node selectors read (`matchLabels` and `matchExpressions`).
+/// The node selectors of the dynamic MIG policies: the nodes they match keep every label (see
+/// [`LabelFilter`]).
+pub fn dynamic_selectors<'a>(
+    policies: impl IntoIterator<Item = &'a GpuSharingPolicy>,
+) -> Vec<LabelSelector> {
+    let mut out: Vec<LabelSelector> = Vec::new();
+    for p in policies {
+        let dynamic = p.spec.mig.as_ref().is_some_and(|m| m.dynamic.is_some());
+        if dynamic && !out.contains(&p.spec.node_selector) {
+            out.push(p.spec.node_selector.clone());
+        }
+    }
+    out
+}
+
 pub fn selector_keys<'a>(
     policies: impl IntoIterator<Item = &'a GpuSharingPolicy>,
 ) -> BTreeSet<String> {
@@ -38,16 +53,45 @@ pub fn selector_keys<'a>(
 /// The node labels a cache must keep for the planner to plan as it would with all of them:
 /// those under [`PLANNER_LABEL_PREFIXES`], the instance type and the cloud providers' GPU labels
 /// (what Karpenter's instance types are learnt from) and the keys given (the policies' selector
-/// keys).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// keys). Nodes that a dynamic MIG policy's selector matches keep every label: pending pods'
+/// node selectors and affinity are judged against them, and those keys are the pod authors',
+/// so they must never make the cache list every node again.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct LabelFilter {
     keys: BTreeSet<String>,
     all: bool,
+    /// Nodes these select keep every label (the dynamic policies' node selectors).
+    whole: Vec<LabelSelector>,
 }
 
 impl LabelFilter {
     pub fn new(keys: BTreeSet<String>) -> Self {
-        LabelFilter { keys, all: false }
+        LabelFilter {
+            keys,
+            all: false,
+            whole: Vec::new(),
+        }
+    }
+
+    /// Keeps every label of the nodes `selectors` match too; whether that is new.
+    pub fn extend_whole(&mut self, selectors: &[LabelSelector]) -> bool {
+        let before = self.whole.len();
+        for s in selectors {
+            if !self.whole.contains(s) {
+                self.whole.push(s.clone());
+            }
+        }
+        self.whole.len() != before
+    }
+
+    /// Every node `selectors` match keeps every label.
+    pub fn covers_whole(&self, selectors: &[LabelSelector]) -> bool {
+        self.all || selectors.iter().all(|s| self.whole.contains(s))
+    }
+
+    /// Whether a node with these (complete) labels keeps all of them.
+    pub fn keeps_all_of(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.all || self.whole.iter().any(|s| selector_matches(s, labels))
     }
 
     /// Keeps every label (a one-off read that plans policies not known in advance).
@@ -55,6 +99,7 @@ impl LabelFilter {
         LabelFilter {
             keys: BTreeSet::new(),
             all: true,
+            whole: Vec::new(),
         }
     }
 

@@ -56,8 +56,8 @@ pub mod vm;
 
 pub use input::{ClusterFacts, Memory, NodeView, PlanInput, Settings};
 pub use labels::{
-    LabelFilter, LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, selection_labels,
-    selector_keys, selector_matches,
+    LabelFilter, LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, dynamic_selectors,
+    selection_labels, selector_keys, selector_matches,
 };
 pub use nodemap::NodeMap;
 pub use status::MAX_NODE_DETAILS;

@@ -14,7 +14,7 @@ use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::*;
 use crate::observe::karpenter::KarpenterView;
 use crate::observe::{self, ClusterView, Settings};
-use crate::plan::{PlanInput, admit, selector_keys};
+use crate::plan::{PlanInput, admit, dynamic_selectors, selector_keys};
 use crate::runtime::controller::Context;
 use crate::runtime::memory::ControllerMemory;
 
@@ -41,13 +41,17 @@ impl Context {
             .iter()
             .map(|p| (**p).clone())
             .collect();
-        // Checked before the snapshot: the cache's listed labels only grow.
-        let mut keys = selector_keys(&policies);
-        let admitted = self.admitted_demand(&policies, &keys);
-        keys.extend(admitted.keys.iter().cloned());
-        if !self.caches.nodes.require(&keys) {
+        // Checked before the snapshot: the cache's listed labels only grow. Pending pods'
+        // label keys need no list: the nodes they may be demand for keep every label.
+        let keys = selector_keys(&policies);
+        if !self
+            .caches
+            .nodes
+            .require(&keys, &dynamic_selectors(&policies))
+        {
             return None;
         }
+        let admitted = self.admitted_demand(&policies, &keys);
         let nodes = self.caches.nodes.snapshot();
         let pods = self.caches.pods.state();
         let claims = self

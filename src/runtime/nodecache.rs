@@ -11,13 +11,15 @@
 //! the policies select on); the kubelet's, the cloud provider's and Node Feature Discovery's
 //! (most of a GPU node's ~58, some unique per node such as its hostname) are dropped. When a
 //! policy starts selecting on a label that was dropped, the filter grows and the node watch
-//! lists again; until that list is complete [`NodeCache::require`] says no and the controller
+//! lists again (nodes a dynamic MIG policy selects keep every label, so pending pods' selectors,
+//! which tenants write, never make it list again); until that list is complete [`NodeCache::require`] says no and the controller
 //! does not plan (a node missing the label would look unselected and lose its config).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::runtime::watcher;
 use tokio::sync::watch;
 
@@ -104,15 +106,19 @@ impl NodeCache {
         }
     }
 
-    /// Whether every node in the cache has the labels `keys` (a complete list kept them). If
-    /// not, keeps them from now on and asks the node watch to list again (see
-    /// [`relists`](Self::relists)); the answer turns true once that list is complete.
-    pub fn require(&self, keys: &BTreeSet<String>) -> bool {
+    /// Whether every node in the cache has the labels `keys`, and the nodes `whole` selects
+    /// all their labels (a complete list kept them). If not, keeps them from now on and asks
+    /// the node watch to list again (see [`relists`](Self::relists)); the answer turns true
+    /// once that list is complete. Both come from the policies (an admin's edit), never from
+    /// pods.
+    pub fn require(&self, keys: &BTreeSet<String>, whole: &[LabelSelector]) -> bool {
         let mut s = self.state.write().expect("node cache lock");
-        if s.listed.as_ref().is_some_and(|l| l.covers(keys)) {
+        let covered = |l: &LabelFilter| l.covers(keys) && l.covers_whole(whole);
+        if s.listed.as_ref().is_some_and(covered) {
             return true;
         }
-        if s.filter.extend(keys) {
+        let grew = s.filter.extend(keys);
+        if s.filter.extend_whole(whole) || grew {
             drop(s);
             tracing::info!(
                 keys = ?keys,
@@ -321,13 +327,13 @@ mod tests {
             c.apply(watcher::Event::InitDone);
         };
         // Nothing listed yet: not even the seeded keys are there.
-        assert!(!c.require(&keys(&["team"])));
+        assert!(!c.require(&keys(&["team"]), &[]));
         assert!(
             !relists.has_changed().unwrap(),
             "the first list is coming anyway"
         );
         list(&c);
-        assert!(c.require(&keys(&["team"])));
+        assert!(c.require(&keys(&["team"]), &[]));
         let labels = |c: &NodeCache| -> Vec<String> {
             c.snapshot()[0]
                 .labels
@@ -341,19 +347,19 @@ mod tests {
             "hostname and zone are not read by the planner"
         );
         // A policy now selects on the zone: no plan until the nodes are listed again with it.
-        assert!(!c.require(&keys(&["team", "topology.kubernetes.io/zone"])));
+        assert!(!c.require(&keys(&["team", "topology.kubernetes.io/zone"]), &[]));
         assert!(relists.has_changed().unwrap());
         relists.mark_unchanged();
-        assert!(!c.require(&keys(&["topology.kubernetes.io/zone"])));
+        assert!(!c.require(&keys(&["topology.kubernetes.io/zone"]), &[]));
         assert!(!relists.has_changed().unwrap(), "one relist per new key");
         // An update before the list is complete already keeps it, but is not enough.
         c.apply(watcher::Event::Apply(labelled(
             "a",
             &[("topology.kubernetes.io/zone", "z1")],
         )));
-        assert!(!c.require(&keys(&["topology.kubernetes.io/zone"])));
+        assert!(!c.require(&keys(&["topology.kubernetes.io/zone"]), &[]));
         list(&c);
-        assert!(c.require(&keys(&["topology.kubernetes.io/zone", "team"])));
+        assert!(c.require(&keys(&["topology.kubernetes.io/zone", "team"]), &[]));
         assert_eq!(
             labels(&c),
             [
@@ -364,7 +370,53 @@ mod tests {
             ]
         );
         // Keys under NVIDIA's and our prefixes are always there.
-        assert!(c.require(&keys(&["nvidia.com/gpu.family", "gpusharing.io/x"])));
+        assert!(c.require(&keys(&["nvidia.com/gpu.family", "gpusharing.io/x"]), &[]));
+    }
+
+    /// A dynamic policy's selector: the nodes it matches keep every label (pending pods select
+    /// on any of them), after one list; nothing a pod selects on lists again.
+    #[tokio::test]
+    async fn nodes_a_dynamic_policy_selects_keep_every_label() {
+        let c = NodeCache::new("ours", LabelFilter::default());
+        let dynamic: LabelSelector =
+            serde_json::from_value(json!({"matchLabels": {"gpusharing.io/profile": "dyn"}}))
+                .unwrap();
+        let list = |c: &NodeCache| {
+            c.apply(watcher::Event::Init);
+            for (name, profile) in [("a", "dyn"), ("b", "static")] {
+                c.apply(watcher::Event::InitApply(labelled(
+                    name,
+                    &[
+                        ("gpusharing.io/profile", profile),
+                        ("tenant.example/rack", "r1"),
+                    ],
+                )));
+            }
+            c.apply(watcher::Event::InitDone);
+        };
+        list(&c);
+        let mut relists = c.relists();
+        assert!(!c.require(&BTreeSet::new(), std::slice::from_ref(&dynamic)));
+        assert!(
+            relists.has_changed().unwrap(),
+            "a new dynamic selector lists again"
+        );
+        relists.mark_unchanged();
+        list(&c);
+        assert!(c.require(&BTreeSet::new(), std::slice::from_ref(&dynamic)));
+        let rack = |name: &str| {
+            c.snapshot()
+                .iter()
+                .find(|n| n.name == name)
+                .and_then(|n| n.labels.get("tenant.example/rack").map(str::to_string))
+        };
+        assert_eq!(rack("a").as_deref(), Some("r1"));
+        assert_eq!(
+            rack("b"),
+            None,
+            "other nodes keep only the planner's labels"
+        );
+        assert!(!relists.has_changed().unwrap());
     }
 
     #[tokio::test]
