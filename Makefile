@@ -51,6 +51,16 @@ bench:
 	target/release/scale-bench $(ROLLOUT_ARGS)
 	target/release/scale-bench $(DEMAND_ARGS)
 
+# Flood benchmark: the time from a node label change to the operator's write, quiet and under
+# floods of pending pods (bogus MIG profiles, valid ones with a new selector key each, thousands
+# of non-GPU pods), kube-scheduler running; results in target/bench/flood.md.
+FLOOD_ARGS ?= --flood 3000
+.PHONY: bench-flood
+bench-flood:
+	bash tests/cluster/cluster.sh build
+	cargo build --release --locked -p gpu-sharing-operator -p scale-bench
+	target/release/scale-bench $(FLOOD_ARGS)
+
 # Fuzzing (issue 16, part 3): each cargo-fuzz target of fuzz/ for FUZZ_SECONDS, adding what it
 # finds to fuzz/corpus/<target>/ (minimize with `cargo +nightly fuzz cmin <target>` before
 # committing). Needs nightly Rust and cargo-fuzz (`cargo install cargo-fuzz`). make test

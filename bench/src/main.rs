@@ -20,6 +20,7 @@
 //! make bench
 //! cargo run --release --bin scale-bench -- --nodes 100,1000,5000 --policies 1,20,100
 //! cargo run --release --bin scale-bench -- --configs 100x1,1000x20,5000x100
+//! cargo run --release --bin scale-bench -- --flood 3000
 //! ```
 
 use std::collections::BTreeMap;
@@ -50,6 +51,7 @@ mod baseline;
 mod converge;
 mod demand;
 mod fixtures;
+mod flood;
 mod metrics;
 mod operator;
 mod planonly;
@@ -125,6 +127,17 @@ struct Args {
     /// How long the rollout benchmark's simulated GFD takes to confirm a node's new config.
     #[arg(long, default_value_t = 1000)]
     confirm_delay_ms: u64,
+    /// Run the flood benchmark on this many nodes instead of the scale matrix (see flood.rs):
+    /// the time from a node label change to the operator's write, quiet and under floods of
+    /// pending pods (kube-scheduler runs); writes flood.md.
+    #[arg(long)]
+    flood: Option<usize>,
+    /// Label changes timed per scenario of the flood benchmark.
+    #[arg(long, default_value_t = 15)]
+    flood_samples: usize,
+    /// Pending non-GPU pods of the flood benchmark's last scenario.
+    #[arg(long, default_value_t = 3000)]
+    flood_pending: usize,
     /// Measure the planner alone, in memory, at the configurations (no API server).
     #[arg(long)]
     plan_only: bool,
@@ -157,11 +170,19 @@ struct Args {
 /// occasionally races the ClusterPolicy CRD's discovery ("no matches for kind ClusterPolicy")
 /// and exits. Its log goes to `log`.
 async fn start_cluster(bin: &Path, log: &Path) -> anyhow::Result<TestCluster> {
-    let opts = ClusterOptions::default()
+    start_cluster_with(bin, log, &[]).await
+}
+
+/// [`start_cluster`] with extra kube-local flags (e.g. `--scheduler`).
+async fn start_cluster_with(bin: &Path, log: &Path, extra: &[&str]) -> anyhow::Result<TestCluster> {
+    let mut opts = ClusterOptions::default()
         .namespace(NAMESPACE)
         .without_nodes()
         .bin(bin)
         .log(log);
+    for a in extra {
+        opts = opts.arg(a);
+    }
     match TestCluster::try_start_with(opts.clone()).await {
         Ok(c) => Ok(c),
         Err(e) => {
@@ -258,6 +279,11 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(args.out.join("logs"))?;
     if let Some(n) = args.rollout {
         let md = rollout::run(&args, &kl, &op, n).await?;
+        println!("{md}");
+        return Ok(());
+    }
+    if let Some(n) = args.flood {
+        let md = flood::run(&args, &kl, &op, n).await?;
         println!("{md}");
         return Ok(());
     }

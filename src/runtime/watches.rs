@@ -186,9 +186,12 @@ fn strip_pending_pod(p: &mut Pod) {
     }
 }
 
-/// Pods waiting for a node (demand for dynamic MIG layouts): their cache and its stream.
+/// Pods waiting for a node (demand for dynamic MIG layouts): their cache and its stream. The
+/// stream wakes the control loop only for pods that may be demand, and only while some policy
+/// is dynamic: anyone may create pending pods, and each wake restarts the pass's quiet period.
 fn pending_watch(
     client: &Client,
+    policies: Store<GpuSharingPolicy>,
 ) -> (
     Store<Pod>,
     futures::stream::BoxStream<'static, Result<(), watcher::Error>>,
@@ -203,6 +206,22 @@ fn pending_watch(
         .default_backoff()
         .modify(strip_pending_pod),
     )
+    .try_filter(move |event| {
+        let demand = |p: &Pod| p.spec.is_some();
+        let matters = match event {
+            watcher::Event::Apply(p) | watcher::Event::Delete(p) => demand(p),
+            // A list (the first, or after a watch error) is one wake at its end.
+            watcher::Event::Init | watcher::Event::InitApply(_) => false,
+            watcher::Event::InitDone => true,
+        };
+        let dynamic = || {
+            policies
+                .state()
+                .iter()
+                .any(|p| p.spec.mig.as_ref().is_some_and(|m| m.dynamic.is_some()))
+        };
+        futures::future::ready(matters && dynamic())
+    })
     .map_ok(|_| ())
     .boxed();
     (pending, stream)
@@ -245,14 +264,11 @@ pub async fn start(
         .modify(strip_pod),
     )
     .boxed();
-    let (pending, pending_stream) = pending_watch(client);
-    let mut streams: Streams = vec![
-        pod_stream.map_ok(|_| ()).boxed(),
-        pending_stream,
-        node_stream,
-    ];
+    let mut streams: Streams = vec![pod_stream.map_ok(|_| ()).boxed(), node_stream];
     let all = watcher::Config::default;
     let policies = cache(Api::all(client.clone()), all(), (), &mut streams);
+    let (pending, pending_stream) = pending_watch(client, policies.clone());
+    streams.push(pending_stream);
     let configmaps = cache(
         Api::namespaced(client.clone(), namespace),
         all(),
