@@ -414,6 +414,22 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         refused.contains("drainBusyNodes needs a namespaceSelector"),
         "{refused}"
     );
+    // A catalogue entry is written to a node label: it must be a label value.
+    let refused = Api::<GpuSharingPolicy>::all(c.clone())
+        .patch(
+            "dyn",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"spec": {"mig": {"dynamic": {"layouts": ["all-1g.10gb", "all 3g; rm -rf"]}}}}),
+            ),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("each layout must be a valid label value"),
+        "{refused}"
+    );
     Api::<GpuSharingPolicy>::all(c.clone())
         .patch(
             "dyn",

@@ -467,8 +467,9 @@ pub struct DynamicMig {
     /// Named mig-parted layouts (besides the policy's own) a node may be reshaped to. MIG must
     /// be enabled on every GPU they configure: switching MIG mode needs a GPU reset, which the
     /// catalogue never asks for.
-    #[schemars(length(min = 1, max = 16))]
+    #[schemars(length(min = 1, max = 16), inner(length(min = 1, max = 63)))]
     #[x_kube(validation = Rule::new("self.all(l, l != 'all-disabled')").message("all-disabled switches MIG mode off: the catalogue holds MIG-enabled layouts only"))]
+    #[x_kube(validation = Rule::new("self.all(l, l.matches('^[a-z0-9A-Z]([-a-z0-9A-Z_.]*[a-z0-9A-Z])?$'))").message("each layout must be a valid label value (it is written to the node label nvidia.com/mig.config)"))]
     pub layouts: Vec<String>,
 
     /// Only pods in the namespaces this selects count as demand (absent: every namespace).
