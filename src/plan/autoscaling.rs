@@ -108,6 +108,9 @@ pub fn catalogue(
 ) -> (BTreeMap<String, InstanceType>, Vec<String>) {
     let mut out = BTreeMap::new();
     let mut passthrough = BTreeMap::new();
+    // Per type, the nodes' (GPU count, product, memory) with their votes and first node.
+    let mut seen: BTreeMap<&str, BTreeMap<(i64, &str, &str), (usize, &NodeFacts)>> =
+        BTreeMap::new();
     for v in nodes {
         let n: &NodeFacts = &v.facts;
         let Some(t) = n.labels.get(LABEL_INSTANCE_TYPE) else {
@@ -120,22 +123,19 @@ pub fn catalogue(
         let Some(gpus) = n.labels.get(LABEL_GPU_COUNT).and_then(|c| c.parse().ok()) else {
             continue;
         };
-        if out.contains_key(t)
-            || n.labels
-                .get(LABEL_GPU_PRODUCT)
-                .is_some_and(|p| p.contains("-MIG-"))
-        {
+        let product = n.labels.get(LABEL_GPU_PRODUCT).unwrap_or_default();
+        if product.contains("-MIG-") {
             continue;
         }
-        out.insert(
-            t.to_string(),
-            InstanceType {
-                labels: gpu_labels(n),
-                gpus,
-                pci_name: None,
-                source: format!("node {}", n.name),
-            },
-        );
+        let memory = n.labels.get(LABEL_GPU_MEMORY).unwrap_or_default();
+        seen.entry(t)
+            .or_default()
+            .entry((gpus, product, memory))
+            .or_insert((0, n))
+            .0 += 1;
+    }
+    for (t, kinds) in seen {
+        out.insert(t.to_string(), most_nodes_say(&kinds));
     }
     for (t, (name, gpus, n)) in passthrough {
         out.entry(t)
@@ -152,6 +152,31 @@ pub fn catalogue(
         None => Vec::new(),
     };
     (out, errors)
+}
+
+/// What most nodes of one instance type say about its GPUs: node labels can be written by
+/// others than GPU Feature Discovery, so one node does not decide for the type. A tie goes to
+/// fewer GPUs (capacity promised to Karpenter must not be more than a node has).
+fn most_nodes_say(kinds: &BTreeMap<(i64, &str, &str), (usize, &NodeFacts)>) -> InstanceType {
+    let total: usize = kinds.values().map(|(votes, _)| votes).sum();
+    let (&(gpus, _, _), &(votes, n)) = kinds
+        .iter()
+        .max_by_key(|((gpus, _, _), (votes, _))| (*votes, std::cmp::Reverse(*gpus)))
+        .expect("one node at least");
+    let source = if votes == total {
+        format!("node {}", n.name)
+    } else {
+        format!(
+            "node {} ({votes} of the type's {total} nodes agree)",
+            n.name
+        )
+    };
+    InstanceType {
+        labels: gpu_labels(n),
+        gpus,
+        pci_name: None,
+        source,
+    }
 }
 
 /// The admin's table's rows, for the types no node showed (and the PCI name a node did not).
@@ -710,6 +735,33 @@ mod tests {
             st.node_pools[1].reason,
             "its template labels lack gpusharing.io/profile=ts4"
         );
+    }
+
+    /// An instance type's GPUs are what most of its nodes say, not the first node by name (a
+    /// label anyone with node `patch` can write); a tie goes to fewer GPUs.
+    #[test]
+    fn an_instance_types_gpus_are_what_most_of_its_nodes_say() {
+        let node = |name: &str, t: &str, count: &str| {
+            let mut n = a100_node(&[(LABEL_INSTANCE_TYPE, t), (LABEL_GPU_COUNT, count)]);
+            n.name = name.into();
+            crate::plan::NodeView::idle(n)
+        };
+        let nodes = vec![
+            node("a-forged", "p4de", "64"),
+            node("b", "p4de", "8"),
+            node("c", "p4de", "8"),
+            node("d", "p4de", "8"),
+            node("e", "tie", "8"),
+            node("f", "tie", "4"),
+        ];
+        let (types, errors) = catalogue(&nodes, None);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(types["p4de"].gpus, 8);
+        assert_eq!(
+            types["p4de"].source,
+            "node b (3 of the type's 4 nodes agree)"
+        );
+        assert_eq!(types["tie"].gpus, 4);
     }
 
     /// MIG: per-profile counts from the layout and the GPU model, `nvidia.com/gpu` set to 0 (the
