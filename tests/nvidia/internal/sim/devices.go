@@ -40,29 +40,21 @@ func (b Busy) Empty() bool { return len(b.Devices) == 0 && len(b.Anywhere) == 0 
 
 // Pods lists every pod holding something, sorted.
 func (b Busy) Pods() []string {
-	seen := map[string]bool{}
-	for _, ps := range b.Devices {
-		for _, p := range ps {
-			seen[p] = true
-		}
-	}
-	for _, p := range b.Anywhere {
-		seen[p] = true
-	}
-	out := make([]string, 0, len(seen))
-	for p := range seen {
-		out = append(out, p)
-	}
-	sort.Strings(out)
-	return out
+	return b.podsOn(func(string) bool { return true })
 }
 
 // OnGPU lists the pods that hold GPU i or one of its instances (or may).
 func (b Busy) OnGPU(i int) []string {
-	prefix := strconv.Itoa(i)
+	gpu := strconv.Itoa(i)
+	return b.podsOn(func(id string) bool { return id == gpu || strings.HasPrefix(id, gpu+"/") })
+}
+
+// podsOn lists, sorted and once each, the pods holding a device keep admits, and those whose
+// devices are unknown.
+func (b Busy) podsOn(keep func(id string) bool) []string {
 	seen := map[string]bool{}
 	for id, ps := range b.Devices {
-		if id == prefix || strings.HasPrefix(id, prefix+"/") {
+		if keep(id) {
 			for _, p := range ps {
 				seen[p] = true
 			}
