@@ -114,8 +114,11 @@ pub const UNSTABLE_LABELS: [&str; 12] = [
     LABEL_GPU_REPLICAS,
     LABEL_GPU_SHARING_STRATEGY,
     "nvidia.com/mps.capable",
-    "nvidia.com/mig.strategy",
+    LABEL_GFD_MIG_STRATEGY,
 ];
+
+/// GFD's report of the device plugin's MIG strategy (the ClusterPolicy's `mig.strategy`).
+pub const LABEL_GFD_MIG_STRATEGY: &str = "nvidia.com/mig.strategy";
 
 /// GFD appends `-SHARED` to the product when a GPU is shared without renaming.
 pub const SHARED_SUFFIX: &str = "-SHARED";

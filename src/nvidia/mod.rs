@@ -172,6 +172,22 @@ pub fn layout_profiles(mig: &Mig) -> Option<Vec<String>> {
 }
 
 /// The resource name under which a MIG profile is advertised with the `mixed` strategy.
+/// The MIG profiles `mig.timeSlicing` without `resources` shares under `mixed`: those of the
+/// policy's layout and, under `mig.dynamic`, of each catalogue layout whose name gives its
+/// profile (`all-<profile>`; validation refuses the others), as demand may give a node any of
+/// them.
+pub fn time_sliced_profiles(mig: &Mig) -> Vec<String> {
+    let catalogue = mig.dynamic.iter().flat_map(|d| &d.layouts);
+    let mut v: Vec<String> = layout_profiles(mig)
+        .into_iter()
+        .chain(catalogue.filter_map(|l| layout_profiles(&mig.with_layout(l))))
+        .flatten()
+        .collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
 /// The device plugin advertises `1g.10gb+me` as `nvidia.com/mig-1g.10gb.me` ('+' becomes '.').
 pub fn mig_resource(profile: &str) -> String {
     format!("nvidia.com/mig-{}", profile.replace('+', "."))
@@ -251,8 +267,7 @@ pub fn device_plugin_config(spec: &GpuSharingPolicySpec) -> DevicePluginConfig {
             let sharing = mig.time_slicing.as_ref().map(|ts| {
                 let names = match mig.mig_strategy {
                     MigStrategy::Single => vec![GPU_RESOURCE.to_string()],
-                    MigStrategy::Mixed => layout_profiles(mig)
-                        .unwrap_or_default()
+                    MigStrategy::Mixed => time_sliced_profiles(mig)
                         .iter()
                         .map(|p| mig_resource(p))
                         .collect(),

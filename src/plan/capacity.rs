@@ -362,7 +362,7 @@ fn cap(
 
 /// Replicas of each device of `res` under time-slicing settings (1: not replicated). Without
 /// per-resource entries `replicas` covers every resource; with them, only those they name.
-fn ts_replicas(ts: &TimeSlicing, res: &str) -> i64 {
+pub fn ts_replicas(ts: &TimeSlicing, res: &str) -> i64 {
     let listed = || {
         ts.resources
             .iter()
@@ -433,8 +433,28 @@ pub fn device_plugin_advertises(
             let mem = label_i64(node, LABEL_GPU_MEMORY);
             let gpus = physical_gpus(mig, base, node, count, mem);
             let candidates = mig_candidates(mig, base, gpus, Gpu::of(node))?;
-            let per: Vec<BTreeMap<String, i64>> =
-                candidates.iter().map(|c| mig_resources(mig, c)).collect();
+            // GPUs with MIG off are served whole, as `nvidia.com/gpu`, under either strategy.
+            let whole = mig_disabled_gpus(mig, gpus);
+            let per: Vec<BTreeMap<String, i64>> = candidates
+                .iter()
+                .map(|c| {
+                    let mut r = mig_resources(mig, c);
+                    if whole > 0 {
+                        let ts = mig.time_slicing.as_ref();
+                        let listed = ts
+                            .and_then(|t| {
+                                t.resources
+                                    .iter()
+                                    .find(|x| nvidia::qualify_resource(&x.name) == gpu)
+                            })
+                            .map_or(1, |x| x.replicas as i64);
+                        let name =
+                            advertised_name(gpu, listed, ts.is_some_and(|t| t.rename_by_default));
+                        *r.entry(name).or_insert(0) += whole * listed;
+                    }
+                    r
+                })
+                .collect();
             let names: std::collections::BTreeSet<&String> =
                 per.iter().flat_map(|m| m.keys()).collect();
             let resources: BTreeMap<String, (i64, i64)> = names
@@ -449,6 +469,27 @@ pub fn device_plugin_advertises(
             (!resources.is_empty()).then_some(Advertised { resources })
         }
         Strategy::Vgpu | Strategy::Passthrough => None,
+    }
+}
+
+/// The GPUs a MIG layout leaves with MIG off: every GPU under `all-disabled`, those of a custom
+/// layout's disabled groups.
+fn mig_disabled_gpus(mig: &Mig, gpus: i64) -> i64 {
+    if let Some(groups) = &mig.custom_layout {
+        let listed = listed_gpus(groups);
+        return groups
+            .iter()
+            .filter(|g| !g.mig_enabled)
+            .map(|g| {
+                g.indices()
+                    .map_or((gpus - listed).max(0), |d| d.len() as i64)
+            })
+            .sum();
+    }
+    if mig.layout.as_deref() == Some(MIG_DISABLED_LAYOUT) {
+        gpus
+    } else {
+        0
     }
 }
 
@@ -573,6 +614,34 @@ pub fn layout_resources(
     let gpus = physical_gpus(mig, base, node, count, label_i64(node, LABEL_GPU_MEMORY));
     let c = mig_candidates(mig, base, gpus, Gpu::of(node))?;
     (c.len() == 1).then(|| mig_resources(mig, &c[0]))
+}
+
+/// Whether `layout` (`None`: the policy's own) turns MIG on on every GPU: a custom layout whose
+/// groups all enable it, or a named layout whose entries all do. `false` when unknown.
+pub fn mig_on_every_gpu(
+    mig: &Mig,
+    layout: Option<&str>,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+) -> bool {
+    let owned;
+    let mig = match layout {
+        Some(l) => {
+            owned = mig.with_layout(l);
+            &owned
+        }
+        None => mig,
+    };
+    if let Some(groups) = &mig.custom_layout {
+        return groups.iter().all(|g| g.mig_enabled);
+    }
+    if mig.layout.as_deref() == Some(MIG_DISABLED_LAYOUT) {
+        return false;
+    }
+    layout_entries(mig, base).is_some_and(|entries| {
+        entries
+            .iter()
+            .all(|e| e.get("mig-enabled").and_then(serde_json::Value::as_bool) == Some(true))
+    })
 }
 
 fn profile_name(p: &MigProfile) -> String {

@@ -2,13 +2,14 @@
 
 use std::collections::BTreeSet;
 
-use crate::api::crd::{GpuSharingPolicySpec, Strategy};
+use crate::api::crd::{GpuSharingPolicySpec, Mig, Strategy};
 use crate::api::names::*;
 use crate::nvidia::{self, mig};
 
 use super::NodeFacts;
 use super::capacity::profile_fits_memory;
 use super::facts::label_i64;
+use super::geometry::{NodeModel, node_model};
 
 /// Node-specific reasons a policy cannot be applied to a node.
 pub fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<String> {
@@ -83,19 +84,38 @@ pub fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<S
                     ));
                 }
             }
-            if let Some(mem) = label_i64(node, LABEL_GPU_MEMORY).filter(|_| physical) {
-                for p in nvidia::layout_profiles(mig).unwrap_or_default() {
-                    if let Some(prof) = mig::parse_mig_profile(&p)
-                        && !profile_fits_memory(&prof, mem)
-                    {
-                        return Some(format!(
-                            "MIG profile {p} does not exist on {product} ({mem} MiB per GPU): its memory must be 1/8, 1/4, 1/2 or all of the GPU's"
-                        ));
-                    }
-                }
-            }
-            None
+            mig_profile_refusal(mig, node)
         }
         _ => None,
     }
+}
+
+/// Why the node's GPUs cannot hold a MIG profile the layout names, when they cannot: a profile
+/// the GPU model (known from its product) does not have, or whose memory is not 1/8, 1/4, 1/2
+/// or all of the GPU's. Under the `single` strategy GFD's labels describe the MIG devices, not
+/// the GPUs: the product still names the model, the memory is not the GPU's.
+pub fn mig_profile_refusal(mig: &Mig, node: &NodeFacts) -> Option<String> {
+    let product = node
+        .labels
+        .get(LABEL_GPU_PRODUCT)
+        .map(|p| p.trim_end_matches(SHARED_SUFFIX).to_string())
+        .unwrap_or_else(|| "unknown GPU".into());
+    let physical = !product.contains("-MIG-");
+    let profiles = nvidia::layout_profiles(mig).unwrap_or_default();
+    // A custom layout's profiles are checked with its placements (`geometry::node_refusal`).
+    if mig.custom_layout.is_none()
+        && let NodeModel::Known(model) = node_model(node)
+        && let Some(p) = profiles.iter().find(|p| model.profile(p).is_none())
+    {
+        return Some(format!("MIG profile {p} does not exist on {}", model.name));
+    }
+    let mem = label_i64(node, LABEL_GPU_MEMORY).filter(|_| physical)?;
+    profiles.iter().find_map(|p| {
+        let prof = mig::parse_mig_profile(p)?;
+        (!profile_fits_memory(&prof, mem)).then(|| {
+            format!(
+                "MIG profile {p} does not exist on {product} ({mem} MiB per GPU): its memory must be 1/8, 1/4, 1/2 or all of the GPU's"
+            )
+        })
+    })
 }

@@ -30,13 +30,16 @@ use crate::api::crd::{
 };
 use crate::api::names::{
     ANNOTATION_CORDONED, ANNOTATION_MIG_DEMAND, LABEL_GPU_COUNT, LABEL_GPU_MEMORY,
-    LABEL_GPU_PRODUCT, LABEL_MIG_CONFIG,
+    LABEL_GPU_PRODUCT, LABEL_MIG_CONFIG, LABEL_WORKLOAD,
 };
 
 use super::NodeView;
 use super::admit::selects_namespace;
-use super::capacity::layout_resources;
+use super::capacity::{layout_resources, mig_on_every_gpu};
+use super::compat::{mig_profile_refusal, node_rejection};
 use super::decision::mig_of;
+use super::facts::is_vm_host;
+use super::geometry::{NodeModel, node_model, node_refusal};
 use super::input::ClusterFacts;
 use super::input::PendingPod;
 use super::policies::{MIN_LIFETIME_WITH_BUSY_NODES, Prepared, catalogue, node_layout, recorded};
@@ -152,12 +155,13 @@ fn recent_drains(w: &Prepared, now: i64) -> Vec<RecentDrain> {
 }
 
 /// A layout's device-plugin resources on a node, per (layout, GPU labels), computed once a
-/// pass.
+/// pass; `None` for a layout the node's GPUs cannot take (a profile their model does not have).
 struct Offers<'a> {
     mig: &'a Mig,
     own: String,
     base: Option<&'a BTreeMap<String, serde_json::Value>>,
     cache: std::cell::RefCell<HashMap<(String, String), Option<Resources>>>,
+    mig_on: std::cell::RefCell<HashMap<String, bool>>,
 }
 
 impl Offers<'_> {
@@ -167,10 +171,47 @@ impl Offers<'_> {
             return hit.clone();
         }
         let named = (layout != self.own).then_some(layout);
-        let got = layout_resources(self.mig, named, v, self.base).map(Arc::new);
+        let got = layout_resources(self.mig, named, v, self.base)
+            .filter(|r| named.is_none_or(|l| takes(&self.mig.with_layout(l), v, r)))
+            .map(Arc::new);
         self.cache.borrow_mut().insert(key, got.clone());
         got
     }
+
+    /// Whether `layout` has MIG on on every GPU. Demand moves a node only between such layouts:
+    /// a MIG mode change resets every GPU of the node (or reboots it), which no pod's demand
+    /// is worth; a policy's own layout may leave MIG off on some GPUs.
+    fn mig_on(&self, layout: &str) -> bool {
+        if let Some(&hit) = self.mig_on.borrow().get(layout) {
+            return hit;
+        }
+        let named = (layout != self.own).then_some(layout);
+        let on = mig_on_every_gpu(self.mig, named, self.base);
+        self.mig_on.borrow_mut().insert(layout.to_string(), on);
+        on
+    }
+}
+
+/// Whether node `v`'s GPUs can take named layout `mig` bringing `resources`: every profile exists
+/// on their model (when GFD's labels name a known one) and fits their memory. NVIDIA's own
+/// `all-3g.71gb` has one entry for every GPU: mig-parted would fail it on an A100.
+fn takes(mig: &Mig, v: &NodeView, resources: &BTreeMap<String, i64>) -> bool {
+    if mig_profile_refusal(mig, v).is_some() {
+        return false;
+    }
+    let NodeModel::Known(model) = node_model(v) else {
+        return true;
+    };
+    resources
+        .keys()
+        .filter(|r| r.starts_with("nvidia.com/mig-"))
+        .all(|r| {
+            let r = r.trim_end_matches(".shared");
+            model
+                .profiles
+                .iter()
+                .any(|p| crate::nvidia::mig_resource(p.name) == r)
+        })
 }
 
 /// The GPU labels a layout's instances depend on.
@@ -243,11 +284,14 @@ pub fn plan(
             own: w.mig().map(|m| m.layout.clone()).unwrap_or_default(),
             base,
             cache: Default::default(),
+            mig_on: Default::default(),
         };
+        // Nodes the policy refuses (`Rejected`, `Invalid`) are left as they are: they are not
+        // reshaping, take no rollout budget and are offered nothing.
         let nodes: Vec<Node> = views
             .iter()
             .zip(winner)
-            .filter(|(_, wi)| **wi == Some(i))
+            .filter(|(v, wi)| **wi == Some(i) && !refuses(w, v))
             .map(|(v, _)| node(w, v, &offers, now))
             .collect();
         let demand: Vec<PendingPod> = demand
@@ -278,6 +322,14 @@ pub fn plan(
         }
     }
     out
+}
+
+/// Whether the policy refuses the node for what it is (its GPUs, a VM host someone else made),
+/// as the node's transition does.
+fn refuses(w: &Prepared, v: &NodeView) -> bool {
+    node_rejection(w.spec, v).is_some()
+        || node_refusal(w.spec, v).is_some()
+        || is_vm_host(v) && !v.owned.contains(LABEL_WORKLOAD)
 }
 
 fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers, now: i64) -> Node<'a> {
@@ -673,7 +725,7 @@ impl Policy<'_, '_> {
         let mut asked: BTreeSet<(&str, &str)> = BTreeSet::new();
         for i in order {
             let n = &self.nodes[i];
-            if taken.contains(&i) || self.blocked(n).is_some() {
+            if taken.contains(&i) || self.blocked(n).is_some() || !self.offers.mig_on(&n.layout) {
                 continue;
             }
             let evicts: &[i32] = n.evicts.as_deref().unwrap_or_default();
@@ -684,7 +736,8 @@ impl Policy<'_, '_> {
             {
                 continue;
             }
-            for layout in catalogue.iter().filter(|l| **l != n.layout) {
+            let others = catalogue.iter().filter(|l| **l != n.layout);
+            for layout in others.filter(|l| self.offers.mig_on(l)) {
                 let Some(offer) = self.layout_on(n, layout) else {
                     continue;
                 };

@@ -474,6 +474,12 @@ impl SmallMap {
         }
     }
 
+    /// Removes `key`; returns its value.
+    pub fn remove(&mut self, key: &str) -> Option<String> {
+        let i = self.0.binary_search_by(|(k, _)| (**k).cmp(key)).ok()?;
+        Some(Arc::make_mut(&mut self.0).remove(i).1)
+    }
+
     pub fn get(&self, key: &str) -> Option<&String> {
         self.0
             .binary_search_by(|(k, _)| (**k).cmp(key))

@@ -411,8 +411,13 @@ fn plan_node(
     let decision = node::decide(n, policy, &env);
     let hold = matches!(decision, Decision::Hold { .. });
     let mut outcome = node::outcome(n, policy, &env, decision);
-    if policy.is_some() {
-        rollout::keep_mark(n, &mut outcome);
+    if let Some(w) = policy {
+        rollout::keep_mark(n, &mut outcome, &w.name);
+        // A refused policy changes nothing on its nodes: no drain or reservation of it goes
+        // on, so its cordon goes (the node is left as it was otherwise).
+        if !w.accepted() {
+            outcome.annotations.remove(ANNOTATION_CORDONED);
+        }
     }
     let capacity = policy
         .filter(|_| outcome.state == Some(NodeState::Applied))

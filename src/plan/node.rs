@@ -23,7 +23,7 @@ use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::NodeFacts;
 use super::backend::Backing;
-use super::capacity::replicas_of;
+use super::capacity::{replicas_of, ts_replicas};
 use super::compat::node_rejection;
 use super::decision::hold;
 use super::facts::is_vm_host;
@@ -391,6 +391,18 @@ fn unconfirmed(
             "waiting for GPU Feature Discovery to report config {dp} (nvidia.com/gfd.timestamp not newer than our label write at {w})"
         ));
     }
+    // The device plugin takes its MIG strategy from the ClusterPolicy (cluster-wide), which
+    // may still be switching back: until GFD reports the policy's, the node serves the other.
+    let strategy = w.spec.mig.as_ref().map(|m| m.mig_strategy.as_str());
+    if let (Strategy::Mig, Backend::DevicePlugin, Some(want)) =
+        (w.spec.strategy, w.spec.backend, strategy)
+        && let Some(got) = n.labels.get(LABEL_GFD_MIG_STRATEGY)
+        && got != want
+    {
+        return Some(format!(
+            "waiting for GPU Feature Discovery to report {LABEL_GFD_MIG_STRATEGY}={want} (it reports {got}; the ClusterPolicy's mig.strategy applies cluster-wide)"
+        ));
+    }
     let gfd = GfdReport::read(n.labels.iter());
     let expected = if w.spec.backend == Backend::Dra {
         1
@@ -410,19 +422,23 @@ fn unconfirmed(
     if w.spec.strategy == Strategy::Mig && mig_time_sliced && mixed {
         // Under `mixed` GFD reports each MIG profile's replicas on its own resource
         // (`nvidia.com/mig-<profile>.replicas`); the MIG-enabled GPUs themselves are labelled
-        // without sharing (`nvidia.com/gpu.replicas=0`).
+        // without sharing (`nvidia.com/gpu.replicas=0`). A profile the config does not share
+        // (resources that name others) has 1.
+        let ts = w.spec.mig.as_ref().and_then(|m| m.time_slicing.as_ref());
+        let wanted = |k: &str| match ts {
+            Some(ts) if w.spec.backend != Backend::Dra => {
+                ts_replicas(ts, k.trim_end_matches(".replicas"))
+            }
+            _ => expected,
+        };
         let wrong: Vec<String> = gfd
             .mig_replicas
             .iter()
-            .filter(|(_, v)| v.parse::<i64>().ok() != Some(expected))
-            .map(|(k, v)| format!("{k}={v}"))
+            .filter(|(k, v)| v.parse::<i64>().ok() != Some(wanted(k)))
+            .map(|(k, v)| format!("{k}={v}, expected {}", wanted(k)))
             .collect();
-        return (!wrong.is_empty()).then(|| {
-            format!(
-                "GPU Feature Discovery reports {}, expected {expected}",
-                wrong.join(", ")
-            )
-        });
+        return (!wrong.is_empty())
+            .then(|| format!("GPU Feature Discovery reports {}", wrong.join(", ")));
     }
     let reported = gfd.replicas.and_then(|r| r.parse::<i64>().ok());
     let ok = match (w.spec.strategy, reported) {

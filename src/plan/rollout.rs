@@ -15,8 +15,9 @@ use crate::api::crd::{
     DEFAULT_DRAIN_TIMEOUT_SECONDS, DEFAULT_NODE_TIMEOUT_SECONDS, GpuSharingPolicySpec,
 };
 use crate::api::names::{
-    ANNOTATION_CONFIG_WRITTEN, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG,
-    LABEL_MIG_STATE, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE, LABEL_WORKLOAD,
+    ANNOTATION_CONFIG_WRITTEN, ANNOTATION_CORDONED, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG,
+    LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_POLICY, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE,
+    LABEL_WORKLOAD,
 };
 use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::DEFAULT_KEY;
@@ -334,10 +335,48 @@ fn start_or_queue(
     }
 }
 
-/// Keeps the rollout mark we own on a governed node (the gate replaces it when a change starts).
-pub fn keep_mark(n: &NodeFacts, outcome: &mut Outcome) {
+/// A busy node demand chose (reserved, or drained under `drainBusyNodes`) is cordoned at once,
+/// even while its change waits for its wave or for NVIDIA's components to confirm an earlier
+/// change: the cordon is what lets it empty (no new pod lands there); evictions wait for the
+/// change to start. Not while the rollout is paused or halted, nor on a node running a pod
+/// demand may not evict (demand gives that choice up).
+fn cordon_queued_demand(entries: &mut [Entry], idx: &[usize], w: &Prepared) {
+    let reserve = super::policies::demand_reserve(w.spec).is_some();
+    if !reserve && super::policies::demand_drain(w.spec).is_none() {
+        return;
+    }
+    for &i in idx {
+        let e = &mut entries[i];
+        let waits = matches!(
+            e.outcome.reason,
+            Some(HoldReason::WaitingForConfirmation | HoldReason::WaitingForRolloutWave)
+        );
+        let n = e.node;
+        let evictable = || reserve || n.gpu_pods.iter().all(|p| !w.never_evicts(n, p, true));
+        if e.hold
+            && waits
+            && !n.foreign_cordon
+            && !n.gpu_pods.is_empty()
+            && super::policies::demand_reshape(w, n)
+            && evictable()
+        {
+            e.outcome
+                .to_mut()
+                .annotations
+                .insert(ANNOTATION_CORDONED.to_string(), "true".to_string());
+        }
+    }
+}
+
+/// Keeps the rollout mark we own on a node `policy` governs (the gate replaces it when a change
+/// starts), unless the node was last labelled for another policy (`gpusharing.io/policy`): that
+/// mark is of a change of the other policy, and kept it would count the node as started should
+/// it come back to the same target, past the rollout budget. Dropped in the write that
+/// relabels the node for its new policy.
+pub fn keep_mark(n: &NodeFacts, outcome: &mut Outcome, policy: &str) {
     if let Some(m) = n.annotations.get(ANNOTATION_ROLLOUT)
         && n.owned_annotations.contains(ANNOTATION_ROLLOUT)
+        && n.labels.get(LABEL_POLICY).is_none_or(|p| p == policy)
     {
         outcome
             .annotations
@@ -382,6 +421,7 @@ pub fn gate(
         let sorted = sort(entries, &idx, w, now, &mut progress);
         let generation = w.policy.metadata.generation.unwrap_or(0);
         start_or_queue(entries, sorted, generation, now, &mut progress, &queue);
+        cordon_queued_demand(entries, &idx, w);
         let started = |e: &Entry| {
             // An applied node's labels are the transition's (the gate queues only others).
             let settled = e.outcome.state == Some(NodeState::Applied) && e.in_sync;

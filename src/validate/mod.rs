@@ -346,7 +346,10 @@ fn check_mig_time_slicing(
     if mig.mig_strategy == MigStrategy::Mixed
         && let Some(profiles) = nvidia::layout_profiles(mig)
     {
-        let offered: BTreeSet<String> = profiles.iter().map(|p| nvidia::mig_resource(p)).collect();
+        let offered: BTreeSet<String> = nvidia::time_sliced_profiles(mig)
+            .iter()
+            .map(|p| nvidia::mig_resource(p))
+            .collect();
         for (i, r) in ts.resources.iter().enumerate() {
             let q = nvidia::qualify_resource(&r.name);
             if q != GPU_RESOURCE && !offered.contains(&q) {
@@ -393,6 +396,18 @@ fn check_mig_time_slicing(
                             mig.layout.as_deref().unwrap_or("")
                         ),
                     )),
+                }
+                let catalogue = mig
+                    .dynamic
+                    .iter()
+                    .flat_map(|d| d.layouts.iter().enumerate());
+                for (i, l) in catalogue {
+                    if nvidia::layout_profiles(&mig.with_layout(l)).is_none_or(|p| p.is_empty()) {
+                        errs.push(err(
+                            format!("spec.mig.dynamic.layouts[{i}]"),
+                            format!("with mig.timeSlicing and no resources, demand's layouts must name their MIG profile (all-<profile>): {l:?} may create several, depending on the GPU model; name the nvidia.com/mig-<profile> resources to time-slice in spec.mig.timeSlicing.resources"),
+                        ));
+                    }
                 }
             }
         }
