@@ -18,24 +18,45 @@
 //! - on the GPUs themselves: no MPS or full-GPU time-slicing loaded while a GPU has MIG on, no
 //!   VM host with MIG on, every config the plan labels is one NVIDIA's parser accepts, and no
 //!   device plugin refuses (or crash-loops on) what it was given;
-//! - once converged, nothing waits (no node `Queued` or `Pending`) and a node is `Rejected` only
-//!   for what it is (the same nodes as before any write), not for what NVIDIA's components
-//!   report about our own changes.
+//! - once converged, nothing waits (no node `Queued` or `Pending`), no cordon of ours is left,
+//!   and a node is `Rejected` only for what it is (the same nodes as before any write), not for
+//!   what NVIDIA's components report about our own changes.
+//!
+//! Demand-driven MIG (`spec.mig.dynamic`, `docs/dynamic-mig.md`): policies may be dynamic (their
+//! catalogue, delays, idle time, lifetime, namespace fence, busy nodes reserved or drained);
+//! pending MIG pods arrive (profiles offered or not, namespaces selected or not, priorities,
+//! node selectors) and leave, kube-scheduler binds them, GPU pods start and finish, time passes.
+//! After every pass (`DemandCheck`):
+//! - no node's MIG layout or workload changes while GPU pods run there;
+//! - demand chooses a layout of the governing policy's catalogue, that the node's GPUs can take
+//!   without a MIG mode change, never on a failed node, for pods of namespaces the policy
+//!   selects that the layout serves (each pod acted for once), on a node idle `idleSeconds`
+//!   unless busy nodes may be reserved or drained (under the priority ceiling), not before
+//!   `minLayoutLifetimeSeconds` since the node's last record, within the rollout budget;
+//! - only demand drains evict: on a node we cordoned, of a policy with `drainBusyNodes` and a
+//!   namespace fence, with no pod above `maxPodPriority`, while a pending pod is left for it,
+//!   at most `maxDrainsPerHour` per policy in any hour;
+//! - a choice a pod made busy is given up (waiting policies); a reserved or drained node is
+//!   cordoned, and given up at its deadline or once its pods are gone;
+//! - `status.demand` counts as served only free instances, as reshaping no refused node; a
+//!   refused policy's records stay.
 
 mod planner_model;
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpu_sharing_operator::api::crd::{
-    GpuSelection, GpuSharingPolicy, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Mps,
-    Strategy as Sharing, TimeSlicing, Vgpu,
+    DemandDrain, DemandReserve, DynamicMig, GpuSelection, GpuSharingPolicy, GpuSharingPolicySpec,
+    Mig, MigDeviceGroup, MigStrategy, Mps, Strategy as Sharing, TimeSlicing, Vgpu,
 };
 use gpu_sharing_operator::api::names::{
-    self, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE,
+    self, ANNOTATION_CORDONED, ANNOTATION_MIG_DEMAND, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG,
+    LABEL_MIG_STATE,
 };
 use gpu_sharing_operator::api::state::NodeState;
 use gpu_sharing_operator::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
-use gpu_sharing_operator::plan::input::GpuPod;
+use gpu_sharing_operator::plan::admit;
+use gpu_sharing_operator::plan::input::{GpuPod, PendingPod};
 use gpu_sharing_operator::plan::{self, Labels, NodeFacts, Plan, PlanInput};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
 use planner_model::{
@@ -44,6 +65,8 @@ use planner_model::{
 use proptest::prelude::*;
 
 const PROFILES: [&str; 4] = ["a", "b", "c", "d"];
+/// A policy "profile" that selects both A100 nodes by their GPU product instead.
+const A100S: usize = 4;
 /// Profiles are labelled under both keys; policies of profiles c and d select on the second (a
 /// label outside NVIDIA's and ours, which the node cache keeps only because it is selected).
 const PROFILE_KEYS: [&str; 2] = ["gpusharing.io/profile", "team.example.com/profile"];
@@ -203,6 +226,122 @@ struct PolicyGen {
     profile: Option<usize>,
     priority: i32,
     age: i64,
+    /// Demand-driven MIG (`spec.mig.dynamic`): the policy is then a `mixed` MIG policy.
+    dynamic: Option<DynGen>,
+}
+
+/// Named layouts of [`base_layouts`] a dynamic catalogue may hold (MIG on every GPU): the A100
+/// 80GB's, then the H200's (each fails on the other model).
+const CATALOGUE: [&str; 7] = [
+    "all-1g.10gb",
+    "all-2g.20gb",
+    "all-3g.40gb",
+    "all-7g.80gb",
+    "all-balanced-a100",
+    "all-1g.18gb",
+    "all-3g.71gb",
+];
+/// A dynamic policy's own layout: a named one, the custom layout of kind 4 (MIG off on GPUs
+/// 4-7), or `all-disabled` (the CRD refuses it in the catalogue only).
+const OWN_LAYOUTS: [&str; 5] = [
+    "all-7g.80gb",
+    "all-1g.10gb",
+    "all-1g.18gb",
+    "custom",
+    MIG_DISABLED_LAYOUT,
+];
+/// MIG profiles pending pods ask for: offered by some catalogue layout (A100, H200), real but
+/// offered by none, and bogus.
+const POD_PROFILES: [&str; 8] = [
+    "1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb", "1g.18gb", "3g.71gb", "4g.40gb", "9g.999gb",
+];
+/// The namespaces pods come from; `new` is one the operator has not seen (labels unknown).
+const NAMESPACES: [&str; 3] = ["ml", "web", "new"];
+const POD_PRIORITIES: [i32; 3] = [0, 50, 1000];
+
+/// How a dynamic policy may take busy nodes.
+#[derive(Debug, Clone)]
+enum BusyGen {
+    /// Neither: demand waits for an idle node.
+    Wait,
+    /// `reserveBusyNodes` with this `maxWaitSeconds`.
+    Reserve(i64),
+    /// `drainBusyNodes` with this `maxPodPriority` and `maxDrainsPerHour`.
+    Drain(i32, i32),
+}
+
+#[derive(Debug, Clone)]
+struct DynGen {
+    own: usize,
+    layouts: Vec<usize>,
+    quiet: i64,
+    max_delay: i64,
+    idle: i64,
+    lifetime: i64,
+    /// `namespaceSelector`: absent, `{}`, or `tenant: ml`.
+    namespaces: Option<bool>,
+    busy: BusyGen,
+    time_slicing: bool,
+}
+
+fn dyn_gen() -> impl Strategy<Value = DynGen> {
+    let busy = prop_oneof![
+        1 => Just(BusyGen::Wait),
+        1 => prop::sample::select(vec![60i64, 300]).prop_map(BusyGen::Reserve),
+        2 => (prop::sample::select(vec![0i32, 100]), 1i32..3)
+            .prop_map(|(p, h)| BusyGen::Drain(p, h)),
+    ];
+    // Now and then a layout that is no layout of the mig-parted config: the policy is refused.
+    let layouts = (
+        prop::sample::subsequence((0..CATALOGUE.len()).collect::<Vec<_>>(), 1..5),
+        proptest::bool::weighted(0.05),
+    )
+        .prop_map(|(mut l, bogus)| {
+            if bogus {
+                l.push(CATALOGUE.len());
+            }
+            l
+        });
+    (
+        prop::sample::select(vec![0usize, 0, 0, 1, 2, 3, 4]),
+        layouts,
+        (
+            prop::sample::select(vec![0i64, 2]),
+            prop::sample::select(vec![0i64, 10]),
+        ),
+        prop::sample::select(vec![0i64, 5, 30, 120]),
+        prop::sample::select(vec![0i64, 30, 60, 300, 600]),
+        proptest::option::of(any::<bool>()),
+        busy,
+        proptest::bool::weighted(0.2),
+        proptest::bool::weighted(0.1),
+    )
+        .prop_map(
+            |(own, layouts, (quiet, max_delay), idle, lifetime, namespaces, busy, ts, legacy)| {
+                let mut d = DynGen {
+                    own,
+                    layouts,
+                    quiet,
+                    max_delay,
+                    idle,
+                    lifetime,
+                    namespaces,
+                    busy,
+                    time_slicing: ts,
+                };
+                // What admission requires: a namespace fence for drains, a lifetime of at
+                // least 60 s for drains and reservations. A policy stored before these rules
+                // (`legacy`) may lack them: the planner drains nothing without a fence, and
+                // keeps layouts 60 s all the same.
+                if matches!(d.busy, BusyGen::Drain(..)) && !legacy {
+                    d.namespaces.get_or_insert(false);
+                }
+                if !matches!(d.busy, BusyGen::Wait) && !legacy {
+                    d.lifetime = d.lifetime.max(60);
+                }
+                d
+            },
+        )
 }
 
 fn policy_gen() -> impl Strategy<Value = PolicyGen> {
@@ -213,34 +352,150 @@ fn policy_gen() -> impl Strategy<Value = PolicyGen> {
         proptest::option::of(0usize..4),
         0i32..3,
         0i64..5,
+        proptest::option::weighted(0.2, dyn_gen()),
     )
         .prop_map(
-            |(kind, replicas, mixed, profile, priority, age)| PolicyGen {
+            |(kind, replicas, mixed, profile, priority, age, dynamic)| PolicyGen {
                 kind,
                 replicas,
                 mixed,
                 profile,
                 priority,
                 age,
+                dynamic,
             },
         )
+}
+
+/// A policy set for a history about demand: a dynamic policy of the highest priority first (it
+/// governs the nodes it selects: all, one A100, or both by their product), sometimes a second
+/// one for the second A100 (younger: the first keeps what both select), then up to two other
+/// policies.
+fn demand_policies_gen() -> impl Strategy<Value = Vec<PolicyGen>> {
+    let profile = prop::sample::select(vec![None, Some(0usize), Some(1), Some(A100S)]);
+    let first = (dyn_gen(), profile);
+    let second = proptest::option::weighted(0.3, dyn_gen());
+    let rest = proptest::collection::vec(policy_gen(), 0..3);
+    (first, second, rest).prop_map(|((d, profile), second, rest)| {
+        let dynamic = |profile, age, d| PolicyGen {
+            kind: 3,
+            replicas: 2,
+            mixed: true,
+            profile,
+            priority: 3,
+            age,
+            dynamic: Some(d),
+        };
+        let first = dynamic(profile, 0, d);
+        let second = second.map(|d| dynamic(Some(1), 1, d));
+        [first].into_iter().chain(second).chain(rest).collect()
+    })
+}
+
+/// The spec of a dynamic policy (`mixed` MIG, its own layout, the catalogue).
+fn dynamic_spec(d: &DynGen, replicas: i32) -> GpuSharingPolicySpec {
+    let custom = OWN_LAYOUTS[d.own] == "custom";
+    let mut s = spec_of(if custom { 4 } else { 3 }, replicas, true);
+    let mig = s.mig.as_mut().unwrap();
+    if !custom {
+        mig.layout = Some(OWN_LAYOUTS[d.own].into());
+    }
+    if !d.time_slicing {
+        mig.time_slicing = None;
+    }
+    let selector = d.namespaces.map(|ml| LabelSelector {
+        match_labels: ml.then(|| [("tenant".to_string(), "ml".to_string())].into()),
+        ..Default::default()
+    });
+    mig.dynamic = Some(DynamicMig {
+        layouts: (d.layouts.iter())
+            .map(|&i| CATALOGUE.get(i).unwrap_or(&"all-9g.999gb").to_string())
+            .collect(),
+        namespace_selector: selector,
+        quiet_seconds: d.quiet,
+        max_delay_seconds: d.max_delay,
+        idle_seconds: d.idle,
+        min_layout_lifetime_seconds: d.lifetime,
+        drain_busy_nodes: match d.busy {
+            BusyGen::Drain(max_pod_priority, max_drains_per_hour) => Some(DemandDrain {
+                max_pod_priority,
+                max_drains_per_hour,
+            }),
+            _ => None,
+        },
+        reserve_busy_nodes: match d.busy {
+            BusyGen::Reserve(max_wait_seconds) => Some(DemandReserve { max_wait_seconds }),
+            _ => None,
+        },
+    });
+    s
 }
 
 fn build(gens: &[PolicyGen]) -> Vec<GpuSharingPolicy> {
     gens.iter()
         .enumerate()
         .map(|(i, g)| {
-            policy(
+            let mut p = policy(
                 &format!("p{i}"),
                 g.kind,
                 g.replicas,
                 g.mixed,
-                g.profile.map(|p| PROFILES[p]),
+                g.profile.and_then(|p| PROFILES.get(p).copied()),
                 g.priority,
                 g.age,
-            )
+            );
+            if g.profile == Some(A100S) {
+                let product = (
+                    "nvidia.com/gpu.product".into(),
+                    "NVIDIA-A100-SXM4-80GB".into(),
+                );
+                p.spec.node_selector.match_labels = Some([product].into());
+            }
+            if let Some(d) = &g.dynamic {
+                p.spec = GpuSharingPolicySpec {
+                    node_selector: p.spec.node_selector.clone(),
+                    priority: p.spec.priority,
+                    ..dynamic_spec(d, g.replicas)
+                };
+            }
+            p
         })
         .collect()
+}
+
+/// A pending MIG pod: a profile of [`POD_PROFILES`] (one or two instances), a namespace of
+/// [`NAMESPACES`], a priority of [`POD_PRIORITIES`], and a node selector: none, on the GPU
+/// product (A100, H200), or on a label only pods select on (`kubernetes.io/hostname`).
+#[derive(Debug, Clone)]
+struct PodGen {
+    profile: usize,
+    count: i64,
+    namespace: usize,
+    priority: usize,
+    selector: usize,
+    /// Alike pods arriving together (a Job's).
+    burst: usize,
+}
+
+fn pod_gen() -> impl Strategy<Value = PodGen> {
+    (
+        prop::sample::select(vec![0usize, 0, 0, 1, 2, 2, 2, 3, 4, 5, 6, 7]),
+        1i64..3,
+        prop::sample::select(vec![0usize, 0, 0, 1, 2]),
+        0usize..3,
+        prop::sample::select(vec![0usize, 0, 0, 0, 0, 1, 2, 3]),
+        1usize..4,
+    )
+        .prop_map(
+            |(profile, count, namespace, priority, selector, burst)| PodGen {
+                profile,
+                count,
+                namespace,
+                priority,
+                selector,
+                burst,
+            },
+        )
 }
 
 #[derive(Debug, Clone)]
@@ -257,8 +512,21 @@ enum Step {
     GfdBeforeKubelet,
     /// An admin relabels a node's profile.
     Relabel(usize, Option<usize>),
-    /// The policy set changes.
+    /// The policy set changes (each policy keeps its status, as an edit does).
     Policies(Vec<PolicyGen>),
+    /// A pod asking for MIG instances is marked unschedulable by kube-scheduler.
+    Arrive(PodGen),
+    /// A pending pod is deleted, with those that arrived with it (its Job is).
+    Leave(usize),
+    /// kube-scheduler binds the pending pods that fit a node's free instances.
+    Schedule,
+    /// A GPU pod (one device of what the node advertises, of a priority of
+    /// [`POD_PRIORITIES`]) starts on a node.
+    Start(usize, usize),
+    /// A running GPU pod finishes.
+    Finish(usize),
+    /// Time passes (seconds).
+    Tick(i64),
 }
 
 fn step_gen() -> impl Strategy<Value = Step> {
@@ -269,7 +537,74 @@ fn step_gen() -> impl Strategy<Value = Step> {
         2 => Just(Step::GfdBeforeKubelet),
         1 => (0usize..4, proptest::option::of(0usize..4)).prop_map(|(n, p)| Step::Relabel(n, p)),
         1 => proptest::collection::vec(policy_gen(), 0..4).prop_map(Step::Policies),
+        2 => pod_step_gen(),
+        2 => tick_gen(),
     ]
+}
+
+/// Steps of a history about demand: the pods come and go and time passes more often, the
+/// policies change less (and a dynamic policy stays first).
+fn demand_step_gen() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        10 => Just(Step::Apply),
+        3 => Just(Step::MigManager),
+        3 => Just(Step::Gfd),
+        1 => Just(Step::GfdBeforeKubelet),
+        1 => (0usize..4, proptest::option::of(0usize..4)).prop_map(|(n, p)| Step::Relabel(n, p)),
+        1 => demand_policies_gen().prop_map(Step::Policies),
+        16 => pod_step_gen(),
+        4 => tick_gen(),
+    ]
+}
+
+/// A pod arrives, leaves, is bound, starts or finishes.
+fn pod_step_gen() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        6 => pod_gen().prop_map(Step::Arrive),
+        2 => (0usize..8).prop_map(Step::Leave),
+        2 => Just(Step::Schedule),
+        4 => (0usize..4, prop::sample::select(vec![0usize, 0, 0, 1, 2]))
+            .prop_map(|(n, p)| Step::Start(n, p)),
+        3 => (0usize..8).prop_map(Step::Finish),
+    ]
+}
+
+/// Time passes: past quiet periods, idle times, cooldowns, reservations' and drains' deadlines,
+/// the drains' hour.
+fn tick_gen() -> impl Strategy<Value = Step> {
+    prop::sample::select(vec![1i64, 3, 10, 31, 61, 301, 601, 3601]).prop_map(Step::Tick)
+}
+
+/// A history: any policies and steps, or one about demand (a dynamic policy first, its nodes
+/// brought to their layout, GPU pods on one or both A100s, then mostly pods and time).
+fn history_gen() -> impl Strategy<Value = (Vec<PolicyGen>, Vec<Step>)> {
+    let general = (
+        proptest::collection::vec(policy_gen(), 0..5),
+        proptest::collection::vec(step_gen(), 0..40),
+    );
+    let demand = (
+        demand_policies_gen(),
+        proptest::collection::vec(demand_step_gen(), 10..50),
+        any::<bool>(),
+    )
+        .prop_map(|(policies, steps, both)| {
+            let round = [
+                Step::Apply,
+                Step::MigManager,
+                Step::Gfd,
+                Step::Apply,
+                Step::Gfd,
+            ];
+            let settle = round.iter().chain(&round).cloned();
+            // A GPU pod runs on the first A100, or on both, from then on.
+            let busy = [
+                Step::Start(0, 0),
+                Step::Start(usize::from(both), 0),
+                Step::Apply,
+            ];
+            (policies, settle.chain(busy).chain(steps).collect())
+        });
+    prop_oneof![1 => general, 1 => demand]
 }
 
 fn initial_nodes() -> Vec<NodeFacts> {
@@ -283,13 +618,23 @@ fn initial_nodes() -> Vec<NodeFacts> {
 
 fn base_layouts() -> BTreeMap<String, serde_json::Value> {
     let mut m = BTreeMap::new();
-    m.insert(
-        "all-1g.10gb".to_string(),
-        gpu_sharing_operator::api::yaml::from_str(
-            "[{devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}]",
-        )
-        .unwrap(),
-    );
+    for (name, devices) in [
+        ("all-1g.10gb", "{1g.10gb: 7}"),
+        ("all-2g.20gb", "{2g.20gb: 3}"),
+        ("all-3g.40gb", "{3g.40gb: 2}"),
+        ("all-7g.80gb", "{7g.80gb: 1}"),
+        ("all-balanced-a100", "{1g.10gb: 2, 2g.20gb: 1, 3g.40gb: 1}"),
+        ("all-1g.18gb", "{1g.18gb: 7}"),
+        ("all-3g.71gb", "{3g.71gb: 2}"),
+    ] {
+        m.insert(
+            name.to_string(),
+            gpu_sharing_operator::api::yaml::from_str(&format!(
+                "[{{devices: all, mig-enabled: true, mig-devices: {devices}}}]"
+            ))
+            .unwrap(),
+        );
+    }
     m.insert(
         MIG_DISABLED_LAYOUT.to_string(),
         gpu_sharing_operator::api::yaml::from_str("[{devices: all, mig-enabled: false}]").unwrap(),
@@ -348,6 +693,40 @@ struct World {
     /// as the controller's node cache does (so the incremental planner sees unchanged nodes as
     /// the same shared facts).
     shared: std::cell::RefCell<BTreeMap<String, std::sync::Arc<NodeFacts>>>,
+    /// The pods (pending and running) and what the demand checks remember.
+    pods: Pods,
+}
+
+/// A pod bound to a node, using its GPUs.
+#[derive(Debug, Clone)]
+struct Running {
+    id: String,
+    priority: i32,
+    /// Device-plugin resource -> devices.
+    requests: BTreeMap<String, i64>,
+}
+
+/// The pods of the world, the controller's memory of busy nodes, and what the demand checks
+/// remember of the operator's earlier writes (independently of what the planner reads).
+#[derive(Debug, Default)]
+struct Pods {
+    /// Pods kube-scheduler marked unschedulable, asking for MIG instances.
+    pending: Vec<PendingPod>,
+    /// GPU pods by node.
+    running: BTreeMap<String, Vec<Running>>,
+    /// For pod names.
+    serial: usize,
+    /// The controller's memory (`note_busy`): nodes busy at the last pass, when each was last
+    /// seen busy, and the first pass.
+    busy_last_pass: BTreeSet<String>,
+    last_busy: BTreeMap<String, i64>,
+    started: Option<i64>,
+    /// When each node's last GPU pod ended (the truth, not the controller's view).
+    idle_since: BTreeMap<String, i64>,
+    /// When demand last recorded a layout on each node.
+    recorded_at: BTreeMap<String, i64>,
+    /// By policy: when it chose nodes to drain for demand.
+    drains: BTreeMap<String, Vec<i64>>,
 }
 
 impl World {
@@ -364,6 +743,7 @@ impl World {
             base: base_layouts(),
             unconfirmed: BTreeMap::new(),
             shared: Default::default(),
+            pods: Pods::default(),
         }
     }
 
@@ -381,11 +761,11 @@ impl World {
             let kept = shared.get(&n.name).filter(|f| ***f == *n).cloned();
             let facts = kept.unwrap_or_else(|| std::sync::Arc::new(n.clone()));
             shared.insert(n.name.clone(), facts.clone());
-            i.nodes.push(plan::NodeView {
-                facts,
-                ..Default::default()
-            });
+            i.nodes.push(self.pods.view(facts, &n.name));
         }
+        let admitted = self.admitted();
+        i.cluster.demand = admitted.pods;
+        i.cluster.demand_ignored = admitted.ignored;
         i.cluster.current_device_config = self.config.clone();
         i.cluster.base_mig_configs = Some(self.base.clone());
         i.cluster.current_mig_configs = self.mig_config.clone();
@@ -487,6 +867,12 @@ impl World {
                     let gfd = dp_changed || self.unconfirmed.get(&n.name).is_some_and(|(_, g)| *g);
                     self.unconfirmed
                         .insert(n.name.clone(), (p.to_string(), gfd));
+                }
+                // A node released while its MIG manager still works is not available yet:
+                // a policy that takes it over does not make it unavailable.
+                None if n.labels.get(LABEL_MIG_STATE) == Some("pending") => {
+                    self.unconfirmed
+                        .insert(n.name.clone(), (String::new(), false));
                 }
                 None => {
                     self.unconfirmed.remove(&n.name);
@@ -733,6 +1119,876 @@ impl World {
     }
 }
 
+/// The namespaces the operator has seen, with their labels (`new` is not among them).
+fn namespace_labels() -> BTreeMap<String, BTreeMap<String, String>> {
+    [("ml", "ml"), ("web", "web")]
+        .map(|(ns, t)| (ns.into(), [("tenant".into(), t.into())].into()))
+        .into()
+}
+
+impl Pods {
+    /// The node as the controller sees it: its facts and the GPU pods running there.
+    fn view(&self, facts: std::sync::Arc<NodeFacts>, name: &str) -> plan::NodeView {
+        let running = self
+            .running
+            .get(name)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let mut gpu_pods: Vec<String> = running.iter().map(|r| r.id.clone()).collect();
+        gpu_pods.sort();
+        let mut gpu_requests = BTreeMap::new();
+        for (r, c) in running.iter().flat_map(|r| &r.requests) {
+            *gpu_requests.entry(r.clone()).or_default() += c;
+        }
+        let details = running.iter().map(|r| {
+            let pod = GpuPod {
+                labels: Labels::default(),
+                priority: r.priority,
+            };
+            (r.id.clone(), pod)
+        });
+        plan::NodeView {
+            facts,
+            gpu_pods,
+            gpu_pod_details: details.collect(),
+            gpu_requests,
+            last_busy: (self.last_busy.get(name).copied()).unwrap_or(self.started.unwrap_or(0)),
+            ..Default::default()
+        }
+    }
+}
+
+impl World {
+    /// The pending pods admitted as demand, as the controller admits them.
+    fn admitted(&self) -> admit::Admitted {
+        let keys = plan::selector_keys(&self.policies);
+        let filter = plan::LabelFilter::new(keys.clone());
+        let sources = admit::Sources {
+            mig_configs: || self.base.clone(),
+            namespaces: || Some(namespace_labels()),
+        };
+        let budget = admit::KeyBudget {
+            policy: &keys,
+            filter: &filter,
+        };
+        admit::admit(&self.policies, sources, &budget, self.pods.pending.clone())
+    }
+
+    /// A pass of the controller: it notes the busy nodes, then reads its input.
+    fn pass_input(&mut self) -> PlanInput {
+        self.note_busy();
+        self.input()
+    }
+
+    /// The controller notes the nodes that run GPU pods (a node busy when it last looked was
+    /// busy until now, as far as it knows): at every pass, and at every pod event (its pod
+    /// watch starts a pass).
+    fn note_busy(&mut self) {
+        let (now, p) = (self.now, &mut self.pods);
+        p.started.get_or_insert(now);
+        let busy: BTreeSet<String> = p.running.keys().cloned().collect();
+        for n in busy.union(&p.busy_last_pass) {
+            p.last_busy.insert(n.clone(), now);
+        }
+        p.busy_last_pass = busy;
+    }
+
+    /// Devices of `resource` on `n` no running pod holds.
+    fn free(&self, n: &NodeFacts, resource: &str) -> i64 {
+        n.allocatable(resource) - self.held(&n.name, resource)
+    }
+
+    /// Devices of `resource` the pods running on `node` hold.
+    fn held(&self, node: &str, resource: &str) -> i64 {
+        let running = self.pods.running.get(node).into_iter().flatten();
+        running.filter_map(|r| r.requests.get(resource)).sum()
+    }
+
+    /// Whether a container pod may start on `n`: not cordoned, not a VM host (its GPUs are
+    /// bound to VFIO, even while the kubelet still lists the device plugin's resources), its
+    /// MIG manager not reconfiguring it.
+    fn takes_pods(n: &NodeFacts) -> bool {
+        n.annotations.get(ANNOTATION_CORDONED).is_none()
+            && !vm_label(n)
+            && n.labels.get(LABEL_MIG_STATE) != Some("pending")
+    }
+
+    fn arrive(&mut self, g: &PodGen) {
+        let selector = match g.selector {
+            1 => Some(("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB")),
+            2 => Some(("nvidia.com/gpu.product", "NVIDIA-H200")),
+            3 => Some(("kubernetes.io/hostname", "a100-1")),
+            _ => None,
+        };
+        for _ in 0..g.burst {
+            self.pods.serial += 1;
+            self.pods.pending.push(PendingPod {
+                id: format!("{}/pod-{}", NAMESPACES[g.namespace], self.pods.serial),
+                priority: POD_PRIORITIES[g.priority],
+                since: self.now,
+                profiles: [(POD_PROFILES[g.profile].to_string(), g.count)].into(),
+                node_selector: (selector.iter())
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                ..Default::default()
+            });
+        }
+    }
+
+    /// kube-scheduler: each pending pod, highest priority then oldest first, goes to the first
+    /// node (by name) that takes pods, whose labels its node selector accepts and whose free
+    /// devices hold all it asks for.
+    fn schedule(&mut self) {
+        let mut pending = std::mem::take(&mut self.pods.pending);
+        pending.sort_by_key(|p| (std::cmp::Reverse(p.priority), p.since, p.id.clone()));
+        for pod in pending {
+            let requests: BTreeMap<String, i64> = (pod.profiles.iter())
+                .map(|(p, c)| (format!("nvidia.com/mig-{p}"), *c))
+                .collect();
+            let node = self.nodes.iter().find(|n| {
+                Self::takes_pods(n)
+                    && (pod.node_selector.iter()).all(|(k, v)| n.labels.get(k) == Some(v))
+                    && requests.iter().all(|(r, c)| self.free(n, r) >= *c)
+            });
+            match node.map(|n| n.name.clone()) {
+                Some(n) => self.pods.running.entry(n).or_default().push(Running {
+                    id: pod.id,
+                    priority: pod.priority,
+                    requests,
+                }),
+                None => self.pods.pending.push(pod),
+            }
+        }
+        self.pods.pending.sort_by(|a, b| a.id.cmp(&b.id));
+    }
+
+    /// A GPU pod starts on node `i`, taking one free device of what the node advertises.
+    fn start(&mut self, i: usize, priority: usize) {
+        let n = &self.nodes[i];
+        let resources = n.device_plugin_resources().into_iter().map(|(r, _)| r);
+        let Some(r) = resources
+            .filter(|r| self.free(n, r) > 0)
+            .map(String::from)
+            .next()
+        else {
+            return;
+        };
+        if !Self::takes_pods(n) {
+            return;
+        }
+        let name = n.name.clone();
+        self.pods.serial += 1;
+        self.pods.running.entry(name).or_default().push(Running {
+            id: format!("web/run-{}", self.pods.serial),
+            priority: POD_PRIORITIES[priority],
+            requests: [(r, 1)].into(),
+        });
+    }
+
+    /// The `k`-th running pod (by node, then start) finishes.
+    fn finish(&mut self, k: usize) {
+        let all: Vec<(String, String)> = (self.pods.running.iter())
+            .flat_map(|(n, r)| r.iter().map(move |p| (n.clone(), p.id.clone())))
+            .collect();
+        if let Some((node, id)) = all.get(k % all.len().max(1)).cloned() {
+            self.end_pods(&node, &[id], self.now);
+        }
+    }
+
+    /// Pods of `node` end (finished, or evicted) at `now`.
+    fn end_pods(&mut self, node: &str, ids: &[String], now: i64) {
+        let Some(running) = self.pods.running.get_mut(node) else {
+            return;
+        };
+        running.retain(|p| !ids.contains(&p.id));
+        if running.is_empty() {
+            self.pods.running.remove(node);
+            self.pods.idle_since.insert(node.to_string(), now);
+        }
+    }
+
+    /// What the controller does with the demand's part of a plan made from `input`: records
+    /// the layouts (under the demand's field manager), evicts what the drains evict, and writes
+    /// each policy's `status.demand` (which keeps the recent drains).
+    fn apply_demand(&mut self, input: &PlanInput, p: &Plan) {
+        let now = input.cluster.now;
+        for (node, want) in &p.demand.annotations {
+            let n = self.nodes.iter_mut().find(|n| &n.name == node).unwrap();
+            match want {
+                Some(value) => {
+                    n.annotations.insert(ANNOTATION_MIG_DEMAND, value.as_str());
+                    self.pods.recorded_at.insert(node.clone(), now);
+                }
+                None => {
+                    n.annotations.remove(ANNOTATION_MIG_DEMAND);
+                    self.pods.recorded_at.remove(node);
+                }
+            }
+        }
+        for (node, d) in &p.drains {
+            self.end_pods(node, &d.evict, now);
+        }
+        let governs = governing(p);
+        for policy in p.demand.drains.keys().filter_map(|n| governs.get(n)) {
+            self.pods
+                .drains
+                .entry(policy.clone())
+                .or_default()
+                .push(now);
+        }
+        for policy in &mut self.policies {
+            let name = policy.metadata.name.clone().unwrap_or_default();
+            let demand = p.statuses.get(&name).and_then(|s| s.demand.clone());
+            if demand.is_none() {
+                self.pods.drains.remove(&name);
+            }
+            policy.status.get_or_insert_default().demand = demand;
+        }
+    }
+}
+
+/// The policy governing each node, by the plan's statuses (the one not reporting it
+/// conflicted or overridden).
+fn governing(p: &Plan) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for (policy, s) in &p.statuses {
+        for d in &s.node_details {
+            if !["Conflicted", "Overridden"].contains(&d.state.as_str()) {
+                out.insert(d.name.clone(), policy.clone());
+            }
+        }
+    }
+    out
+}
+
+/// MIG profiles of the test world's GPU models (NVML's tables).
+const A100_PROFILES: [&str; 6] = [
+    "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb",
+];
+const H200_PROFILES: [&str; 6] = [
+    "1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb",
+];
+
+/// The profiles the GPUs of node `n` have (by its GFD product label).
+fn model_profiles(n: &NodeFacts) -> [&'static str; 6] {
+    match n.labels.get("nvidia.com/gpu.product") {
+        Some(p) if p.contains("H200") => H200_PROFILES,
+        _ => A100_PROFILES,
+    }
+}
+
+/// What a mig-parted layout sets on a node of 8 GPUs: the GPUs with MIG on, and the profiles
+/// it creates.
+fn layout_shape(entries: &serde_json::Value) -> (BTreeSet<usize>, BTreeSet<String>) {
+    let (mut on, mut profiles) = (BTreeSet::new(), BTreeSet::new());
+    for e in entries.as_array().into_iter().flatten() {
+        let gpus: Vec<usize> = match e.get("devices").and_then(|d| d.as_array()) {
+            Some(list) => list
+                .iter()
+                .filter_map(|v| Some(v.as_u64()? as usize))
+                .collect(),
+            None => (0..8).collect(),
+        };
+        if e.get("mig-enabled") == Some(&serde_json::Value::Bool(true)) {
+            on.extend(gpus);
+            let devices = e.get("mig-devices").and_then(|d| d.as_object());
+            profiles.extend(devices.into_iter().flat_map(|d| d.keys().cloned()));
+        } else {
+            on.retain(|g| !gpus.contains(g));
+        }
+    }
+    (on, profiles)
+}
+
+/// The layout demand recorded on a node, and when (read by the test, not the planner).
+fn recorded_layout(n: &NodeFacts) -> Option<(&str, i64)> {
+    let (l, t) = n.annotations.get(ANNOTATION_MIG_DEMAND)?.rsplit_once('@')?;
+    Some((l, t.parse().ok()?))
+}
+
+/// Whether dynamic policy `d` takes pod `id`'s namespace as demand (labels unknown: only
+/// without a selector).
+fn selects(d: &DynamicMig, id: &str) -> bool {
+    let ns = id.split_once('/').map_or("", |(ns, _)| ns);
+    let Some(sel) = &d.namespace_selector else {
+        return true;
+    };
+    namespace_labels().get(ns).is_some_and(|labels| {
+        let want = sel.match_labels.iter().flatten();
+        want.into_iter().all(|(k, v)| labels.get(k) == Some(v))
+    })
+}
+
+/// What the operator promises about demand (`docs/dynamic-mig.md`), checked on one plan
+/// against the input it was made from and what the world remembers of earlier passes.
+struct DemandCheck<'a> {
+    w: &'a World,
+    input: &'a PlanInput,
+    p: &'a Plan,
+    now: i64,
+    governs: BTreeMap<String, String>,
+    /// Layouts by name: NVIDIA's and our ConfigMap's (custom ones).
+    layouts: BTreeMap<String, serde_json::Value>,
+    /// Nodes demand chooses a new layout for in this plan (one the node does not run).
+    choices: BTreeMap<String, String>,
+}
+
+impl<'a> DemandCheck<'a> {
+    fn new(w: &'a World, input: &'a PlanInput, p: &'a Plan) -> Self {
+        let now = input.cluster.now;
+        let mut layouts = w.base.clone();
+        if let Some(t) = &p.mig_config {
+            layouts.extend(gpu_sharing_operator::nvidia::parse_mig_configs(t).unwrap());
+        }
+        let mut choices = BTreeMap::new();
+        for (node, want) in &p.demand.annotations {
+            let Some(value) = want else {
+                continue;
+            };
+            let (layout, at) = value.rsplit_once('@').unwrap();
+            assert_eq!(at, now.to_string(), "{node}: {value} recorded at {now}");
+            let v = input.nodes.iter().find(|v| v.name() == node).unwrap();
+            if v.labels.get(LABEL_MIG_CONFIG) != Some(layout) {
+                choices.insert(node.clone(), layout.to_string());
+            }
+        }
+        DemandCheck {
+            w,
+            input,
+            p,
+            now,
+            governs: governing(p),
+            layouts,
+            choices,
+        }
+    }
+
+    fn view(&self, node: &str) -> &'a plan::NodeView {
+        self.input.nodes.iter().find(|v| v.name() == node).unwrap()
+    }
+
+    /// The node as the plan leaves it (our labels and annotations applied).
+    fn after(&self, node: &str) -> NodeFacts {
+        let mut n = (*self.view(node).facts).clone();
+        server_side_apply(
+            &mut n,
+            &self.p.node_labels[node],
+            &self.p.node_annotations[node],
+        );
+        n
+    }
+
+    /// The dynamic policy `name`, unless refused.
+    fn dynamic_policy(&self, name: &str) -> Option<(&'a GpuSharingPolicy, &'a DynamicMig)> {
+        let policy =
+            (self.input.policies.iter()).find(|p| p.metadata.name.as_deref() == Some(name))?;
+        let status = self.p.statuses.get(name)?;
+        // Refused (an invalid spec, a cluster-wide conflict): its demand is not planned. Nodes
+        // it cannot run on refuse it too, but it goes on with the others.
+        let accepted = !(status.conditions.iter()).any(|c| {
+            c.type_ == "Accepted"
+                && ["InvalidSpec", "ClusterWideConflict"].contains(&c.reason.as_str())
+        });
+        let d = policy.spec.mig.as_ref()?.dynamic.as_ref()?;
+        accepted.then_some((policy, d))
+    }
+
+    /// The dynamic policy governing `node`, unless refused.
+    fn dynamic(&self, node: &str) -> Option<(&'a GpuSharingPolicy, &'a DynamicMig)> {
+        self.dynamic_policy(self.governs.get(node)?)
+    }
+
+    /// The layouts demand may give a node of `policy`: its own, then the catalogue's.
+    fn catalogue(&self, policy: &GpuSharingPolicy) -> Vec<String> {
+        let name = policy.metadata.name.as_deref().unwrap_or_default();
+        let own = self.p.statuses.get(name).and_then(|s| s.mig_config.clone());
+        let d = policy.spec.mig.as_ref().and_then(|m| m.dynamic.as_ref());
+        own.into_iter()
+            .chain(d.into_iter().flat_map(|d| d.layouts.iter().cloned()))
+            .collect()
+    }
+
+    /// Whether `layout` on `node` would serve pod `p`: the GPUs have its profiles, the layout
+    /// creates them, and its node selector accepts the node.
+    fn serves(&self, p: &PendingPod, node: &str, layout: &str) -> bool {
+        let v = self.view(node);
+        let (_, profiles) = layout_shape(&self.layouts[layout]);
+        let model = model_profiles(v);
+        (p.profiles.keys()).all(|k| profiles.contains(k) && model.contains(&k.as_str()))
+            && (p.node_selector.iter()).all(|(k, val)| v.labels.get(k) == Some(val))
+    }
+
+    fn check(&self) {
+        self.busy_gpus_stay();
+        for (node, layout) in &self.choices {
+            self.choice(node, layout);
+        }
+        self.events();
+        self.drains();
+        self.drains_per_hour();
+        self.waiting();
+        self.budget();
+        self.reshaping_listed();
+        self.served_is_free();
+        self.refused_keeps_records();
+    }
+}
+
+impl DemandCheck<'_> {
+    /// No node's GPUs change while GPU pods run there: its MIG layout and workload labels stay
+    /// (demand drains and reservations included: they wait for idle GPUs). No workload label is
+    /// the GPU Operator's default, `container`.
+    fn busy_gpus_stay(&self) {
+        fn workload(n: &NodeFacts) -> &str {
+            n.labels.get(names::LABEL_WORKLOAD).unwrap_or("container")
+        }
+        for v in self.input.nodes.iter().filter(|v| !v.gpu_pods.is_empty()) {
+            let after = self.after(v.name());
+            let (mig, was) = (
+                after.labels.get(LABEL_MIG_CONFIG),
+                v.labels.get(LABEL_MIG_CONFIG),
+            );
+            for (k, now, before) in [
+                (LABEL_MIG_CONFIG, mig, was),
+                (
+                    names::LABEL_WORKLOAD,
+                    Some(workload(&after)),
+                    Some(workload(v)),
+                ),
+            ] {
+                assert_eq!(
+                    now,
+                    before,
+                    "{}: {k} changed while GPU pods run there: {:?}",
+                    v.name(),
+                    v.gpu_pods
+                );
+            }
+        }
+    }
+
+    /// A layout demand chooses for `node`: of the governing dynamic policy's catalogue, one its
+    /// GPUs can take without a MIG mode change, not on a failed node, for some pod, on an idle
+    /// node (idle `idleSeconds`) unless the policy reserves or drains busy nodes (under the
+    /// priority ceiling), and not before `minLayoutLifetimeSeconds` since the last record.
+    fn choice(&self, node: &str, layout: &str) {
+        let v = self.view(node);
+        let ctx = format!("{node} at {}: demand chose {layout}", self.now);
+        let (policy, d) = self
+            .dynamic(node)
+            .unwrap_or_else(|| panic!("{ctx}, though no dynamic policy governs it"));
+        let catalogue = self.catalogue(policy);
+        assert!(
+            catalogue.iter().any(|l| l == layout),
+            "{ctx}, not in {catalogue:?}"
+        );
+        let state = v.labels.get(LABEL_MIG_STATE);
+        assert_ne!(
+            state,
+            Some("failed"),
+            "{ctx}, though its MIG manager failed"
+        );
+        let (on, profiles) = layout_shape(&self.layouts[layout]);
+        let model = model_profiles(v);
+        assert!(
+            v.labels.get("nvidia.com/mig.capable") == Some("true")
+                && profiles.iter().all(|p| model.contains(&p.as_str())),
+            "{ctx}, which its GPUs cannot take ({profiles:?} on {:?})",
+            v.labels.get("nvidia.com/gpu.product")
+        );
+        let gpus = &self.w.nv.nodes[node].hw.gpus;
+        let mig_on: BTreeSet<usize> = (0..gpus.len()).filter(|&i| gpus[i].is_some()).collect();
+        assert_eq!(
+            on, mig_on,
+            "{ctx}: it switches MIG mode (on GPUs {mig_on:?} now, {on:?} in {layout})"
+        );
+        let takes_busy = d.reserve_busy_nodes.is_some()
+            || d.drain_busy_nodes.is_some() && d.namespace_selector.is_some();
+        if !v.gpu_pods.is_empty() {
+            let ceiling = |dr: &DemandDrain| {
+                (v.gpu_pods.iter()).all(|p| v.gpu_pod_details[p].priority <= dr.max_pod_priority)
+            };
+            let drains =
+                d.namespace_selector.is_some() && d.drain_busy_nodes.as_ref().is_some_and(ceiling);
+            assert!(
+                d.reserve_busy_nodes.is_some() || drains,
+                "{ctx} while GPU pods run there: {:?} ({:?})",
+                v.gpu_pods,
+                v.gpu_pod_details
+            );
+        } else if !takes_busy {
+            let since = self.w.pods.idle_since.get(node).copied();
+            let idle = since.map_or(i64::MAX, |t| self.now - t);
+            assert!(
+                idle >= d.idle_seconds,
+                "{ctx} {idle} s after its last GPU pod ended (idleSeconds {})",
+                d.idle_seconds
+            );
+        }
+        let lifetime = match takes_busy {
+            true => d.min_layout_lifetime_seconds.max(60),
+            false => d.min_layout_lifetime_seconds,
+        };
+        if let Some((l, _)) = recorded_layout(v).filter(|(l, _)| catalogue.iter().any(|c| c == l)) {
+            let at = self.w.pods.recorded_at[node];
+            assert!(
+                self.now - at >= lifetime,
+                "{ctx} {} s after it recorded {l} (minLayoutLifetimeSeconds {lifetime})",
+                self.now - at
+            );
+        }
+        let events = &self.p.demand.events;
+        assert!(
+            events.iter().any(|(_, n, _)| n == node),
+            "{ctx} for no pod: {events:?}"
+        );
+    }
+
+    /// Every pod acted for is acted for once, on a node chosen now, and is demand of that
+    /// node's policy: pending, from a namespace it selects, asking for profiles the chosen
+    /// layout creates on the node's GPUs, selecting the node.
+    fn events(&self) {
+        let mut seen = BTreeSet::new();
+        for (id, node, msg) in &self.p.demand.events {
+            assert!(
+                seen.insert(id),
+                "{id} acted for twice: {:?}",
+                self.p.demand.events
+            );
+            let layout = (self.choices.get(node)).unwrap_or_else(|| {
+                panic!("{id}: event on {node}, which demand did not choose: {msg}")
+            });
+            let (_, d) = self.dynamic(node).unwrap();
+            let pod = (self.w.pods.pending.iter().find(|p| &p.id == id))
+                .unwrap_or_else(|| panic!("{node} reshaped for {id}, which is not pending"));
+            assert!(
+                selects(d, id),
+                "{node} reshaped for {id}, whose namespace its policy does not select ({:?})",
+                d.namespace_selector
+            );
+            assert!(
+                self.serves(pod, node, layout),
+                "{node} reshaped to {layout} for {id}, which it does not serve: {pod:?}"
+            );
+        }
+    }
+}
+
+impl DemandCheck<'_> {
+    /// Evictions happen only in demand drains (no policy here asks for `disruption.mode:
+    /// drain`): on a node cordoned by us, under `drainBusyNodes` with its namespace fence, where
+    /// no pod runs above `maxPodPriority`; and a drain begins only while a pending pod of a
+    /// selected namespace is left for the layout it waits for.
+    fn drains(&self) {
+        for (node, drain) in &self.p.drains {
+            let v = self.view(node);
+            assert!(
+                self.after(node)
+                    .annotations
+                    .get(ANNOTATION_CORDONED)
+                    .is_some(),
+                "{node} drained without our cordon: {drain:?}"
+            );
+            let dr = (self.dynamic(node))
+                .filter(|(_, d)| d.namespace_selector.is_some())
+                .and_then(|(_, d)| d.drain_busy_nodes.as_ref().map(|dr| (d, dr)));
+            let Some((d, dr)) = dr else {
+                panic!("{node} drained, though its policy does not drain busy nodes: {drain:?}")
+            };
+            // Nothing above the ceiling runs there (a drain evicts none, and is not made).
+            for pod in &v.gpu_pods {
+                let priority = v.gpu_pod_details[pod].priority;
+                assert!(
+                    priority <= dr.max_pod_priority,
+                    "{node} drained while {pod} of priority {priority} runs, above maxPodPriority {}: {drain:?}",
+                    dr.max_pod_priority
+                );
+            }
+            if v.annotations.get(ANNOTATION_CORDONED).is_some() || drain.evict.is_empty() {
+                continue;
+            }
+            let (layout, _) = recorded_layout(v).expect("a demand drain has a recorded layout");
+            let wanted = (self.input.cluster.demand.iter())
+                .any(|p| selects(d, &p.id) && self.serves(p, node, layout));
+            assert!(
+                wanted,
+                "{node}: a drain for {layout} begins, though no pending pod it would serve is left"
+            );
+        }
+    }
+
+    /// At most `maxDrainsPerHour` drains chosen per policy in any hour.
+    fn drains_per_hour(&self) {
+        let mut chosen: BTreeMap<&str, usize> = BTreeMap::new();
+        for node in self.p.demand.drains.keys() {
+            *chosen.entry(self.governs[node].as_str()).or_default() += 1;
+        }
+        for (policy, k) in chosen {
+            let dr = self
+                .dynamic_policy(policy)
+                .and_then(|(_, d)| d.drain_busy_nodes.as_ref());
+            let Some(dr) = dr else {
+                panic!("{policy}: {k} drain(s) chosen, though it does not drain busy nodes")
+            };
+            let max = dr.max_drains_per_hour as usize;
+            let drains = self.w.pods.drains.get(policy).into_iter().flatten();
+            let before = drains.filter(|t| self.now - **t < 3600).count();
+            assert!(
+                before + k <= max,
+                "{policy}: {k} drain(s) chosen at {} after {before} in the hour: maxDrainsPerHour {max}",
+                self.now
+            );
+        }
+    }
+
+    /// A node chosen for a layout and busy (a pod bound meanwhile, or a reservation or drain
+    /// waiting): a policy that waits for idle nodes gives the choice up; one that reserves or
+    /// drains cordons it, gives it up by `maxWaitSeconds` (reservations) or
+    /// `drainTimeoutSeconds` (drains, 600 s by default), and as soon as no pending pod is left
+    /// for it (reservations, and drains before their first eviction).
+    fn waiting(&self) {
+        for v in &self.input.nodes {
+            let node = v.name();
+            let (Some((policy, d)), Some((layout, _))) = (self.dynamic(node), recorded_layout(v))
+            else {
+                continue;
+            };
+            let label = v.labels.get(LABEL_MIG_CONFIG);
+            let chosen = self.catalogue(policy).iter().any(|l| l == layout);
+            if v.gpu_pods.is_empty() || label == Some(layout) || !chosen {
+                continue;
+            }
+            let next = self.p.demand.annotations.get(node);
+            let given_up = next.is_some_and(|w| {
+                let l = w
+                    .as_deref()
+                    .and_then(|w| w.rsplit_once('@'))
+                    .map(|(l, _)| l);
+                l != Some(layout)
+            });
+            let ctx = format!(
+                "{node} at {}: chosen for {layout}, busy {:?}",
+                self.now, v.gpu_pods
+            );
+            let deadline = match (&d.reserve_busy_nodes, &d.drain_busy_nodes) {
+                (Some(r), _) => r.max_wait_seconds,
+                (None, Some(_)) if d.namespace_selector.is_some() => 600,
+                _ => {
+                    assert!(given_up, "{ctx}: not given up");
+                    continue;
+                }
+            };
+            let waited = self.now - self.w.pods.recorded_at[node];
+            if waited >= deadline {
+                assert!(
+                    given_up,
+                    "{ctx}: still waiting after {waited} s (deadline {deadline} s)"
+                );
+            } else if !given_up {
+                let cordoned = self
+                    .after(node)
+                    .annotations
+                    .get(ANNOTATION_CORDONED)
+                    .is_some();
+                assert!(cordoned, "{ctx}: not cordoned; labels {:?}", v.labels);
+                // Held only for pods: a reservation (or a drain not begun) whose pods are gone
+                // is given back.
+                let begun = v.annotations.get(ANNOTATION_CORDONED).is_some();
+                let wanted = (self.input.cluster.demand.iter())
+                    .any(|p| selects(d, &p.id) && self.serves(p, node, layout));
+                assert!(
+                    wanted || begun && d.reserve_busy_nodes.is_none(),
+                    "{ctx}: still held, though no pending pod it would serve is left"
+                );
+            }
+        }
+    }
+
+    /// An edit that makes a dynamic policy invalid keeps the layouts recorded on its nodes
+    /// until it is fixed: demand writes nothing there.
+    fn refused_keeps_records(&self) {
+        for (node, policy) in &self.governs {
+            let refused = self.p.invalid.contains_key(policy);
+            let dynamic = (self.input.policies.iter())
+                .find(|p| p.metadata.name.as_deref() == Some(policy))
+                .is_some_and(|p| p.spec.mig.as_ref().is_some_and(|m| m.dynamic.is_some()));
+            let written = self.p.demand.annotations.get(node);
+            assert!(
+                !(refused && dynamic && written.is_some()),
+                "{node}: demand wrote {written:?} under {policy}, which is refused: {:?}",
+                self.p.invalid[policy]
+            );
+        }
+    }
+
+    /// What `status.demand` counts as served, the policy's nodes have free: instances the
+    /// device plugin advertises and no running pod holds.
+    fn served_is_free(&self) {
+        for (name, s) in &self.p.statuses {
+            for d in s.demand.iter().flat_map(|d| &d.profiles) {
+                let resource = format!("nvidia.com/mig-{}", d.profile);
+                let free: i64 = (self.input.nodes.iter())
+                    .filter(|v| self.governs.get(v.name()) == Some(name))
+                    .map(|v| (v.allocatable(&resource) - self.w.held(v.name(), &resource)).max(0))
+                    .sum();
+                assert!(
+                    d.served <= free,
+                    "{name}: {} {} instance(s) counted as served, {free} free: {d:?}",
+                    d.served,
+                    d.profile
+                );
+            }
+        }
+    }
+
+    /// `status.demand.reshaping` names only nodes that can get there: none the policy refuses
+    /// (its rollout budget counts them).
+    fn reshaping_listed(&self) {
+        for (name, s) in &self.p.statuses {
+            for r in s.demand.iter().flat_map(|d| &d.reshaping) {
+                let node = r.split_once(':').map_or(r.as_str(), |(n, _)| n);
+                let detail = s.node_details.iter().find(|d| d.name == node);
+                assert!(
+                    detail.is_some_and(|d| !d.state.refused()),
+                    "{name}: demand counts {r} as reshaping, a node the policy refuses: {detail:?}"
+                );
+            }
+        }
+    }
+
+    /// Demand chooses no more nodes of a policy than its rollout budget has room for (25% of
+    /// its nodes, at least one), counting those whose chosen layout is not confirmed yet.
+    fn budget(&self) {
+        let mut chosen: BTreeMap<&str, usize> = BTreeMap::new();
+        for node in self.choices.keys() {
+            *chosen.entry(self.governs[node].as_str()).or_default() += 1;
+        }
+        for (name, k) in chosen {
+            let (policy, _) = self.dynamic_policy(name).unwrap();
+            let catalogue = self.catalogue(policy);
+            let nodes: Vec<&plan::NodeView> = (self.input.nodes.iter())
+                .filter(|v| self.governs.get(v.name()).map(String::as_str) == Some(name))
+                .collect();
+            let in_flight = nodes.iter().filter(|v| {
+                let state = v.labels.get(LABEL_MIG_STATE);
+                recorded_layout(v).is_some_and(|(l, _)| {
+                    catalogue.iter().any(|c| c == l)
+                        && state != Some("failed")
+                        && (v.labels.get(LABEL_MIG_CONFIG) != Some(l) || state == Some("pending"))
+                })
+            });
+            let in_flight = in_flight.count();
+            let budget = nodes.len().div_ceil(4).max(1);
+            assert!(
+                in_flight + k <= budget,
+                "{name} at {}: {k} node(s) chosen while {in_flight} reshape, budget {budget}",
+                self.now
+            );
+        }
+    }
+}
+
+impl World {
+    /// One step of a history.
+    fn step(&mut self, s: Step, planner: &mut plan::Planner) {
+        match s {
+            Step::Apply => self.apply_step(planner),
+            Step::MigManager => self.mig_manager(),
+            Step::Gfd => self.gfd(),
+            Step::GfdBeforeKubelet => self.gfd_before_kubelet(),
+            Step::Relabel(n, p) => match p {
+                Some(p) => {
+                    for k in PROFILE_KEYS {
+                        self.nodes[n].labels.insert(k, PROFILES[p]);
+                    }
+                }
+                None => {
+                    for k in PROFILE_KEYS {
+                        self.nodes[n].labels.remove(k);
+                    }
+                }
+            },
+            Step::Policies(g) => {
+                let old = std::mem::replace(&mut self.policies, build(&g));
+                for p in &mut self.policies {
+                    let before = old.iter().find(|o| o.metadata.name == p.metadata.name);
+                    p.status = before.and_then(|o| o.status.clone());
+                }
+            }
+            Step::Arrive(g) => self.arrive(&g),
+            Step::Leave(k) => {
+                let pending = &mut self.pods.pending;
+                if let Some(gone) = pending.get(k % pending.len().max(1)).cloned() {
+                    pending.retain(|p| (p.since, &p.profiles) != (gone.since, &gone.profiles));
+                }
+            }
+            Step::Schedule => {
+                self.schedule();
+                self.note_busy();
+            }
+            Step::Start(n, p) => {
+                self.start(n, p);
+                self.note_busy();
+            }
+            Step::Finish(k) => {
+                self.finish(k);
+                self.note_busy();
+            }
+            Step::Tick(s) => self.now += s,
+        }
+    }
+
+    /// A pass of the controller, checked: the plan is the incremental planner's, does not
+    /// depend on the input's order or on labels the node cache drops, names keys it holds, and
+    /// keeps the demand's promises; then it is applied.
+    fn apply_step(&mut self, planner: &mut plan::Planner) {
+        let input = self.pass_input();
+        let p = plan::plan(&input);
+        assert_eq!(
+            planner.plan(&input),
+            p,
+            "the incremental plan differs from the plan from scratch"
+        );
+        // Determinism: same input (in another order) -> same plan.
+        let mut shuffled = input.clone();
+        shuffled.policies.reverse();
+        shuffled.nodes.reverse();
+        assert_eq!(plan::plan(&shuffled), p, "plan depends on input order");
+        // The runtime's node cache keeps only the labels the planner reads (the policies'
+        // selector keys, and those admitted pending pods select on): the same plan from those.
+        let mut keys = plan::selector_keys(&input.policies);
+        keys.extend(self.admitted().keys);
+        let filter = plan::LabelFilter::new(keys);
+        let mut filtered = input.clone();
+        for n in &mut filtered.nodes {
+            let mut f = (*n.facts).clone();
+            f.labels = filter.apply(&f.labels);
+            n.facts = std::sync::Arc::new(f);
+        }
+        assert_eq!(
+            plan::plan(&filtered),
+            p,
+            "plan reads a label the cache drops"
+        );
+        for (n, labels) in &p.node_labels {
+            for k in labels
+                .iter()
+                .filter(|(k, _)| *k == LABEL_DEVICE_PLUGIN_CONFIG)
+                .map(|(_, v)| v)
+            {
+                assert!(
+                    p.device_config.contains_key(k),
+                    "{n}: label {k} names no key of the plan"
+                );
+            }
+        }
+        DemandCheck::new(self, &input, &p).check();
+        self.applied_nodes_advertise(&p);
+        self.apply_within_budget(&p);
+        self.apply_demand(&input, &p);
+    }
+}
+
 fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
     let mut w = World::new(initial_nodes(), build(&policies));
     // Start from MIG enabled on one node, as an admin left it.
@@ -741,83 +1997,61 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
     // GFD runs on every node: it has labelled each once already.
     w.gfd();
     let pristine = w.nodes.clone();
+    // The controller has run for an hour, and seen no GPU pod.
+    w.pods.started = Some(w.now - 3600);
     // The controller's planner, kept across the whole history: its plan of every pass must be
     // the plan from scratch.
     let mut planner = plan::Planner::default();
     for s in steps {
-        match s {
-            Step::Apply => {
-                let input = w.input();
-                let p = plan::plan(&input);
-                assert_eq!(
-                    planner.plan(&input),
-                    p,
-                    "the incremental plan differs from the plan from scratch"
-                );
-                // Determinism: same input (in another order) -> same plan.
-                let mut shuffled = input.clone();
-                shuffled.policies.reverse();
-                shuffled.nodes.reverse();
-                assert_eq!(plan::plan(&shuffled), p, "plan depends on input order");
-                // The runtime's node cache keeps only the labels the planner reads: the same
-                // plan from those.
-                let filter = plan::LabelFilter::new(plan::selector_keys(&input.policies));
-                let mut filtered = input.clone();
-                for n in &mut filtered.nodes {
-                    let mut f = (*n.facts).clone();
-                    f.labels = filter.apply(&f.labels);
-                    n.facts = std::sync::Arc::new(f);
-                }
-                assert_eq!(
-                    plan::plan(&filtered),
-                    p,
-                    "plan reads a label the cache drops"
-                );
-                for (n, labels) in &p.node_labels {
-                    for k in labels
-                        .iter()
-                        .filter(|(k, _)| *k == LABEL_DEVICE_PLUGIN_CONFIG)
-                        .map(|(_, v)| v)
-                    {
-                        assert!(
-                            p.device_config.contains_key(k),
-                            "{n}: label {k} names no key of the plan"
-                        );
-                    }
-                }
-                w.applied_nodes_advertise(&p);
-                w.apply_within_budget(&p);
-            }
-            Step::MigManager => w.mig_manager(),
-            Step::Gfd => w.gfd(),
-            Step::GfdBeforeKubelet => w.gfd_before_kubelet(),
-            Step::Relabel(n, p) => match p {
-                Some(p) => {
-                    for k in PROFILE_KEYS {
-                        w.nodes[n].labels.insert(k, PROFILES[p]);
-                    }
-                }
-                None => {
-                    for k in PROFILE_KEYS {
-                        w.nodes[n].labels.remove(k);
-                    }
-                }
-            },
-            Step::Policies(g) => w.policies = build(&g),
-        }
+        w.step(s, &mut planner);
         w.check_invariants();
     }
+    converge_and_check(w, pristine);
+}
+
+/// Every pod ends (pending pods are deleted); then plans are applied and NVIDIA's components
+/// answer until nothing changes, and the converged state is checked.
+fn converge_and_check(mut w: World, pristine: Vec<NodeFacts>) {
+    w.pods.pending.clear();
+    let running: Vec<(String, Vec<String>)> = (w.pods.running.iter())
+        .map(|(n, pods)| (n.clone(), pods.iter().map(|p| p.id.clone()).collect()))
+        .collect();
+    for (node, ids) in running {
+        w.end_pods(&node, &ids, w.now);
+    }
     // Converge: alternate apply and MIG manager; then planning the planned state changes nothing.
+    // A round whose plan is the last round's, after NVIDIA's components answered, is a fixed
+    // point: the rounds left would change nothing.
+    let mut last: Option<Plan> = None;
     for _ in 0..16 {
-        let p = plan::plan(&w.input());
+        let input = w.pass_input();
+        let p = plan::plan(&input);
+        if last.as_ref() == Some(&p) {
+            break;
+        }
+        DemandCheck::new(&w, &input, &p).check();
         w.apply_within_budget(&p);
+        w.apply_demand(&input, &p);
         w.check_invariants();
         w.mig_manager();
         w.gfd();
         w.check_invariants();
+        last = Some(p);
     }
+    check_converged(&w, &pristine);
+}
+
+/// Once converged: the nodes carry the labels planned, planning again changes nothing, nothing
+/// waits, no cordon of ours is left, and nodes are rejected for what they are.
+fn check_converged(w: &World, pristine: &[NodeFacts]) {
     let p = plan::plan(&w.input());
     for n in &w.nodes {
+        assert!(
+            n.annotations.get(ANNOTATION_CORDONED).is_none(),
+            "{}: still cordoned after convergence: {:?}",
+            n.name,
+            n.annotations
+        );
         let want = &p.node_labels[&n.name];
         for (k, v) in want {
             assert_eq!(
@@ -884,10 +2118,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
-    fn invariants_hold_over_random_histories(
-        policies in proptest::collection::vec(policy_gen(), 0..5),
-        steps in proptest::collection::vec(step_gen(), 0..30),
-    ) {
+    fn invariants_hold_over_random_histories((policies, steps) in history_gen()) {
         run_history(policies, steps);
     }
 }
@@ -1622,6 +2853,7 @@ fn mig_to_exclusive_keeps_the_budget() {
         profile: None,
         priority: 0,
         age: 0,
+        dynamic: None,
     };
     run_history(
         vec![g(3)],
@@ -1779,4 +3011,276 @@ fn incremental_planning_follows_a_named_layout_changed_under_a_node_at_rest() {
     let changed = planner.plan(&w.input());
     assert_eq!(changed, plan::plan(&w.input()));
     assert_eq!(state(&changed), NodeState::Stale);
+}
+
+// Found by the histories about demand (issue 40, item 4): each is the shrunk input of a failure
+// of `invariants_hold_over_random_histories`, kept as a regression test of its fix.
+
+/// A dynamic policy of the highest priority, as histories about demand start with.
+fn dynamic_first(profile: Option<usize>, d: DynGen) -> PolicyGen {
+    PolicyGen {
+        kind: 3,
+        replicas: 2,
+        mixed: true,
+        profile,
+        priority: 3,
+        age: 0,
+        dynamic: Some(d),
+    }
+}
+
+/// Own layout `own` of [`OWN_LAYOUTS`], catalogue `layouts` of [`CATALOGUE`]; no delays, idle
+/// time, lifetime, fence or busy nodes.
+fn catalogue_of(own: usize, layouts: &[usize]) -> DynGen {
+    DynGen {
+        own,
+        layouts: layouts.to_vec(),
+        quiet: 0,
+        max_delay: 0,
+        idle: 0,
+        lifetime: 0,
+        namespaces: None,
+        busy: BusyGen::Wait,
+        time_slicing: false,
+    }
+}
+
+/// One pending pod of namespace `ml` asking for one instance of profile `profile` of
+/// [`POD_PROFILES`].
+fn pod_of(profile: usize) -> Step {
+    Step::Arrive(PodGen {
+        profile,
+        count: 1,
+        namespace: 0,
+        priority: 0,
+        selector: 0,
+        burst: 1,
+    })
+}
+
+/// Two rounds of writes and NVIDIA's answers, as histories about demand start with.
+fn settled(then: Vec<Step>) -> Vec<Step> {
+    let round = [
+        Step::Apply,
+        Step::MigManager,
+        Step::Gfd,
+        Step::Apply,
+        Step::Gfd,
+    ];
+    round.iter().chain(&round).cloned().chain(then).collect()
+}
+
+/// Demand never switches MIG mode ("the catalogue takes MIG-enabled layouts only"): but a
+/// policy's own layout is in its catalogue, and a custom one may leave MIG off on some GPUs
+/// (GPUs 4-7 here). Demand reshapes the node to `all-3g.40gb`, MIG on everywhere.
+#[test]
+fn demand_never_switches_mig_mode_from_the_policys_own_layout() {
+    let policy = dynamic_first(Some(0), catalogue_of(3, &[2]));
+    run_history(vec![policy], settled(vec![pod_of(2), Step::Apply]));
+}
+
+/// A dynamic policy that selects nodes it refuses (the H200s, for an A100 layout) counts them
+/// as reshaping, for good: `status.demand.reshaping` lists them and they use up the rollout
+/// budget, so a pod no A100 offers waits with `BudgetExhausted` and no node is reshaped.
+#[test]
+fn nodes_a_dynamic_policy_refuses_are_not_reshaping() {
+    let policy = dynamic_first(None, catalogue_of(0, &[0]));
+    run_history(vec![policy], settled(vec![pod_of(0), Step::Apply]));
+}
+
+/// A catalogue layout with one entry and no `device-filter` (NVIDIA's own `all-3g.71gb` is one)
+/// is taken as holding its profiles on any GPU: demand reshapes an A100 to H200 profiles, the
+/// MIG manager fails, and the node is held `Failed` for the admin. A tenant's pod did that.
+#[test]
+fn demand_never_picks_a_layout_the_gpus_cannot_take() {
+    let policy = dynamic_first(Some(0), catalogue_of(0, &[6]));
+    let steps = vec![
+        pod_of(5),
+        Step::Apply,
+        Step::MigManager,
+        Step::Gfd,
+        Step::Apply,
+    ];
+    run_history(vec![policy], steps);
+}
+
+/// `mig.timeSlicing` with `replicas` time-slices the profiles of the policy's own layout only:
+/// the device-plugin config is the policy's, whatever layout demand gave the node. A node
+/// reshaped to `all-balanced-a100` never gets its instances shared, and stays `Pending`
+/// ("GPU Feature Discovery reports ... replicas=1, expected 2").
+#[test]
+fn time_sliced_instances_of_a_demand_layout_are_shared() {
+    let mut d = catalogue_of(0, &[4]);
+    d.time_slicing = true;
+    let policy = dynamic_first(Some(0), d);
+    let steps = vec![
+        Step::Apply,
+        pod_of(0),
+        Step::MigManager,
+        Step::Gfd,
+        Step::Apply,
+    ];
+    run_history(vec![policy], steps);
+}
+
+/// A MIG policy whose layout is `all-disabled`, under `mixed`: the node is reported `Applied`
+/// while the kubelet still lists the MIG devices and not the whole GPUs (the same without
+/// `dynamic`).
+#[test]
+fn a_mig_policy_on_all_disabled_is_applied_once_the_whole_gpus_are_advertised() {
+    let policy = dynamic_first(Some(0), catalogue_of(4, &[1]));
+    let steps = vec![
+        Step::Apply,
+        Step::Gfd,
+        Step::MigManager,
+        Step::Apply,
+        Step::GfdBeforeKubelet,
+        Step::Apply,
+    ];
+    run_history(vec![policy], steps);
+}
+
+/// "The node is cordoned at once" (`reserveBusyNodes`): a node chosen while GPU Feature
+/// Discovery has not yet reported its last device-plugin config (demand counts it configured,
+/// the rollout not) is queued, uncordoned, until GFD runs; pods keep landing there meanwhile.
+#[test]
+fn a_reserved_node_is_cordoned_at_once() {
+    let mut d = catalogue_of(0, &[0]);
+    d.busy = BusyGen::Reserve(60);
+    d.lifetime = 60;
+    let steps = vec![
+        Step::Apply,
+        Step::MigManager,
+        Step::Start(1, 0),
+        Step::Gfd,
+        pod_of(0),
+        Step::Apply,
+        Step::Apply,
+    ];
+    run_history(vec![dynamic_first(Some(1), d)], steps);
+}
+
+/// A node reserved for demand, then governed by a policy refused cluster-wide (`single`
+/// against `mixed`), is "left as it was": cordoned, for as long as the conflict lasts.
+#[test]
+fn a_reservation_cordon_does_not_outlive_the_reservation() {
+    let mut reserve = catalogue_of(0, &[4]);
+    (
+        reserve.busy,
+        reserve.quiet,
+        reserve.max_delay,
+        reserve.lifetime,
+    ) = (BusyGen::Reserve(60), 2, 10, 60);
+    let single = PolicyGen {
+        kind: 3,
+        replicas: 2,
+        mixed: false,
+        profile: None,
+        priority: 0,
+        age: 0,
+        dynamic: None,
+    };
+    let steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(1, 0),
+        Step::Apply,
+        pod_of(0),
+        Step::Apply,
+        Step::Gfd,
+        Step::Apply,
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(Some(A100S), catalogue_of(0, &[4]))]),
+        Step::Apply,
+        Step::MigManager,
+        Step::MigManager,
+        Step::Policies(vec![dynamic_first(Some(0), catalogue_of(0, &[4])), single]),
+    ]);
+    run_history(vec![dynamic_first(Some(1), reserve)], steps);
+}
+
+/// Not about demand: two A100s leave a MIG policy (one of them busy), then come back to it.
+/// Both still carry its rollout mark for the same target, so both count as started: their
+/// changes are written in one pass, two unconfirmed nodes for a budget of one.
+#[test]
+fn nodes_back_in_a_policy_wait_for_the_rollout_budget() {
+    let g = |kind, profile, priority| PolicyGen {
+        kind,
+        replicas: 2,
+        mixed: true,
+        profile,
+        priority,
+        age: 0,
+        dynamic: None,
+    };
+    let steps = settled(vec![
+        Step::Relabel(0, None),
+        Step::Policies(vec![g(3, Some(0), 3), g(2, None, 0)]),
+        Step::Start(0, 0),
+        Step::Apply,
+        Step::Policies(vec![g(3, Some(A100S), 3)]),
+        Step::Apply,
+    ]);
+    run_history(vec![g(3, Some(A100S), 3)], steps);
+}
+
+/// Not about demand: an H200 on an H200 layout under `single` (GPU Feature Discovery then
+/// labels the node with its MIG devices: `NVIDIA-H200-MIG-1g.18gb`, 18432 MiB), then a policy
+/// with an A100 layout. The planner no longer sees that `1g.10gb` does not exist on the H200:
+/// the node is not rejected, and the MIG manager fails.
+#[test]
+fn a_node_on_a_single_strategy_layout_is_rejected_for_a_layout_its_gpus_cannot_take() {
+    let h200 = PolicyGen {
+        kind: 0,
+        mixed: false,
+        priority: 0,
+        ..dynamic_first(Some(3), catalogue_of(2, &[6]))
+    };
+    let single = PolicyGen {
+        kind: 3,
+        dynamic: None,
+        ..h200.clone()
+    };
+    let steps = vec![
+        Step::Relabel(3, Some(3)),
+        Step::Policies(vec![h200]),
+        Step::Apply,
+        Step::Policies(vec![single]),
+    ];
+    run_history(vec![], steps);
+}
+
+/// Not about demand: a mixed MIG policy takes back an A100 whose last word from the device
+/// plugin and GPU Feature Discovery was under `single` (another policy had the node, and the
+/// ClusterPolicy's `mig.strategy`). The plan switches the ClusterPolicy back to `mixed` and, in
+/// the same pass, reports the node `Applied`: the device plugin still serves `nvidia.com/gpu`
+/// and the kubelet lists the old `nvidia.com/mig-1g.10gb`.
+#[test]
+fn a_node_is_not_applied_before_the_cluster_wide_mig_strategy_it_needs() {
+    let mixed = |profile| PolicyGen {
+        kind: 3,
+        replicas: 2,
+        mixed: true,
+        profile,
+        priority: 3,
+        age: 0,
+        dynamic: None,
+    };
+    let other = |kind, priority| PolicyGen {
+        kind,
+        replicas: 2,
+        mixed: false,
+        profile: None,
+        priority,
+        age: 0,
+        dynamic: None,
+    };
+    let steps = settled(vec![
+        Step::Relabel(1, None),
+        Step::Apply,
+        Step::Apply,
+        Step::GfdBeforeKubelet,
+        Step::Policies(vec![mixed(Some(A100S))]),
+        Step::Apply,
+    ]);
+    run_history(vec![mixed(Some(1)), other(0, 0), other(3, 1)], steps);
 }
