@@ -1,8 +1,11 @@
 //! End-to-end: field-level least privilege on nodes and on the GPU Operator's ClusterPolicy.
 //! With `config/node-admission-policy.yaml` (a ValidatingAdmissionPolicy) on the local control
 //! plane, the operator's ServiceAccount may change its own labels and annotations, remove its
-//! readiness taint and set `spec.unschedulable`; every other label, annotation, taint, finalizer
-//! or the creation of a node is refused with the policy's message. With
+//! readiness taint and cordon a node for a drain only as it does (`spec.unschedulable` on a GPU
+//! node together with its cordon annotation, lifted only with that annotation: a CPU node, a
+//! cordon without the mark or lifting an admin's cordon is refused); every other label,
+//! annotation, taint, finalizer or the creation of a node is refused with the policy's message,
+//! and the operator, run as that account, drains a node under the policy. With
 //! `config/clusterpolicy-admission-policy.yaml` it may change only the ClusterPolicy fields it
 //! manages (`allowed::CLUSTER_POLICY_FIELDS`, which is also exactly what the operator's output
 //! code writes); any other spec or metadata change, creating, deleting or a status write is
@@ -14,7 +17,7 @@ mod support;
 
 use std::collections::BTreeSet;
 
-use gpu_sharing_operator::api::names::{MANAGED_LABELS, OBSERVED_ANNOTATIONS};
+use gpu_sharing_operator::api::names::{ANNOTATION_CORDONED, MANAGED_LABELS, OBSERVED_ANNOTATIONS};
 use gpu_sharing_operator::plan::outputs::{Owned, cluster_policy_spec};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
@@ -110,6 +113,8 @@ fn the_policy_lists_exactly_what_the_operator_manages() {
         sorted(&OBSERVED_ANNOTATIONS),
         sorted(&allowed::NODE_ANNOTATIONS)
     );
+    // The cordon fence names the operator's own cordon mark.
+    assert_eq!(cel_strings(&var("cordonAnnotation")), [ANNOTATION_CORDONED]);
     let taint = cel_strings(&var("readinessTaint"));
     assert_eq!(taint, ["gpusharing.io/unconfigured"]);
     assert!(taint[0].starts_with(allowed::TAINT_PREFIX));
@@ -187,7 +192,11 @@ async fn the_operator_account_may_change_only_what_it_manages_on_nodes() {
         allowed(&sa, NODE, json!({"metadata": {"labels": {key: "x"}}})).await;
         allowed(&sa, NODE, json!({"metadata": {"labels": {key: null}}})).await;
     }
-    for key in allowed::NODE_ANNOTATIONS {
+    // (Its cordon mark only together with a cordon: see `cordon_fence`.)
+    for key in allowed::NODE_ANNOTATIONS
+        .into_iter()
+        .filter(|k| *k != ANNOTATION_CORDONED)
+    {
         allowed(&sa, NODE, json!({"metadata": {"annotations": {key: "x"}}})).await;
         allowed(&sa, NODE, json!({"metadata": {"annotations": {key: null}}})).await;
     }
@@ -308,10 +317,8 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
         .await
         .unwrap();
 
-    // Drains: cordon and uncordon.
-    let n = allowed(&sa, NODE, json!({"spec": {"unschedulable": true}})).await;
-    assert_eq!(n.spec.unwrap().unschedulable, Some(true));
-    allowed(&sa, NODE, json!({"spec": {"unschedulable": null}})).await;
+    // Drains: only its own cordon, on GPU nodes.
+    cordon_fence(&admin, &sa).await;
 
     // Taints are one list: the readiness taint may go, other taints stay as they are.
     let taints = json!([
@@ -380,12 +387,207 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
         .await
         .unwrap();
     ready_on_or_log(&admin, "h200-mps", 1, &log).await;
+    // ...and drains a node: its cordon and uncordon pass the fence.
+    operator_drains_under_the_policy(&admin, &log).await;
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
         !text.contains("gpu-sharing-operator-node-fields"),
         "the operator hit the policy:\n{text}"
     );
     op.kill().await.unwrap();
+}
+
+fn unschedulable(n: &Node) -> bool {
+    n.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)
+}
+
+fn marked(n: &Node) -> bool {
+    n.metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(ANNOTATION_CORDONED))
+}
+
+/// The operator's server-side apply of a node as `runtime::apply::nodes` writes it: its labels
+/// and annotations, and for a drain its cordon mark with `spec.unschedulable` in the same
+/// request. Applied without them, the cordon and the mark go together.
+async fn operator_apply(sa: &Client, name: &str, cordon: bool) -> Result<Node, kube::Error> {
+    let mut obj = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name,
+        "labels": {"gpusharing.io/policy": "p"}, "annotations": {}}});
+    if cordon {
+        obj["metadata"]["annotations"][ANNOTATION_CORDONED] = json!("true");
+        obj["spec"] = json!({"unschedulable": true});
+    }
+    Api::<Node>::all(sa.clone())
+        .patch(
+            name,
+            &PatchParams::apply(allowed::FIELD_MANAGER).force(),
+            &Patch::Apply(&obj),
+        )
+        .await
+}
+
+/// `r` was refused by the node policy, with a message containing `says`.
+fn assert_node_refused(what: &str, r: Result<Node, kube::Error>, says: &str) {
+    match r {
+        Err(kube::Error::Api(e)) => assert!(
+            e.message.contains("gpu-sharing-operator-node-fields") && e.message.contains(says),
+            "{what}: refused, but with {:?} (wanted {says:?})",
+            e.message
+        ),
+        other => panic!("{what} was not refused: {other:?}"),
+    }
+}
+
+/// The cordon fence: the operator's account sets `spec.unschedulable` only on a GPU node and
+/// only with its cordon mark, lifts only a cordon it marked (removing the mark in the same
+/// request), and never marks a node someone else cordoned; its own cordon and uncordon pass.
+async fn cordon_fence(admin: &Client, sa: &Client) {
+    const CPU: &str = "cpu-node-0";
+    let get = |name: &'static str| {
+        let admin = admin.clone();
+        async move { Api::<Node>::all(admin).get(name).await.unwrap() }
+    };
+    // A node without a GPU, even cordoned as the operator writes a cordon.
+    let gpu_only = "may cordon only GPU nodes (labelled nvidia.com/gpu.present=true)";
+    assert_node_refused(
+        "cordoning a CPU node",
+        operator_apply(sa, CPU, true).await,
+        gpu_only,
+    );
+    refused(sa, CPU, json!({"spec": {"unschedulable": true}}), gpu_only).await;
+    assert!(!unschedulable(&get(CPU).await));
+    // A GPU node without the operator's mark; the mark without the cordon.
+    let with_mark = "may cordon a node only together with its annotation gpusharing.io/cordoned";
+    refused(
+        sa,
+        NODE,
+        json!({"spec": {"unschedulable": true}}),
+        with_mark,
+    )
+    .await;
+    let mark_with_cordon =
+        "may add its annotation gpusharing.io/cordoned only in the request that cordons the node";
+    let mark = json!({"metadata": {"annotations": {ANNOTATION_CORDONED: "true"}}});
+    refused(sa, NODE, mark.clone(), mark_with_cordon).await;
+
+    // An admin's cordon: not lifted, not marked (and so lifted later), not claimed by an apply
+    // of the operator's cordon (a drain whose read of the node came before the admin's cordon).
+    patch(admin, NODE, json!({"spec": {"unschedulable": true}}), false)
+        .await
+        .unwrap();
+    let own_only = "may lift only its own cordon, together with removing its annotation gpusharing.io/cordoned";
+    refused(sa, NODE, json!({"spec": {"unschedulable": null}}), own_only).await;
+    refused(
+        sa,
+        NODE,
+        json!({"spec": {"unschedulable": false}}),
+        own_only,
+    )
+    .await;
+    refused(sa, NODE, mark.clone(), mark_with_cordon).await;
+    let mark_and_lift = json!({"metadata": {"annotations": {ANNOTATION_CORDONED: "true"}},
+        "spec": {"unschedulable": null}});
+    refused(sa, NODE, mark_and_lift, own_only).await;
+    let claim = operator_apply(sa, NODE, true).await;
+    assert_node_refused("claiming an admin's cordon", claim, mark_with_cordon);
+    let n = get(NODE).await;
+    assert!(
+        unschedulable(&n) && !marked(&n),
+        "the admin's cordon stays as it was"
+    );
+    patch(admin, NODE, json!({"spec": {"unschedulable": null}}), false)
+        .await
+        .unwrap();
+
+    // The operator's own cordon, applied again on every pass of its drain.
+    for _ in 0..2 {
+        let n = operator_apply(sa, NODE, true)
+            .await
+            .expect("the operator's cordon");
+        assert!(unschedulable(&n) && marked(&n));
+    }
+    // Lifted by someone during the drain: the operator cordons again (its mark is there).
+    patch(admin, NODE, json!({"spec": {"unschedulable": null}}), false)
+        .await
+        .unwrap();
+    let n = operator_apply(sa, NODE, true)
+        .await
+        .expect("cordoning again");
+    assert!(unschedulable(&n) && marked(&n));
+    // Its uncordon: the mark and the cordon go in one apply.
+    let n = operator_apply(sa, NODE, false)
+        .await
+        .expect("the operator's uncordon");
+    assert!(!unschedulable(&n) && !marked(&n), "{:?}", n.spec);
+}
+
+/// The operator, run as its ServiceAccount under the node policy, drains a100-node-0 for a MIG
+/// change: it cordons the node (with its mark), waits while a PodDisruptionBudget refuses the
+/// eviction, then evicts, changes the layout and lifts its cordon.
+async fn operator_drains_under_the_policy(admin: &Client, log: &std::path::Path) {
+    use k8s_openapi::api::core::v1::Pod;
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    let (nodes, pods) = (
+        Api::<Node>::all(admin.clone()),
+        Api::<Pod>::namespaced(admin.clone(), "default"),
+    );
+    let pdbs = Api::<PodDisruptionBudget>::namespaced(admin.clone(), "default");
+    let pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "train-0", "namespace": "default", "labels": {"app": "train"}},
+        "spec": {"nodeName": "a100-node-0", "containers": [{"name": "c", "image": "cuda",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}});
+    pods.create(
+        &PostParams::default(),
+        &serde_json::from_value(pod).unwrap(),
+    )
+    .await
+    .unwrap();
+    let pdb = json!({"metadata": {"name": "train"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "train"}}}});
+    pdbs.create(
+        &PostParams::default(),
+        &serde_json::from_value(pdb).unwrap(),
+    )
+    .await
+    .unwrap();
+    until("train-0 runs", LONG, || async {
+        let p = pods.get("train-0").await.ok()?;
+        (p.status?.phase.as_deref() == Some("Running")).then_some(())
+    })
+    .await;
+    testkit::apply_yaml(
+        admin,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: a100-mig}\nspec:\n  nodeSelector: {matchLabels: {kubernetes.io/hostname: a100-node-0}}\n  strategy: mig\n  mig: {migStrategy: single, layout: all-1g.10gb}\n  disruption: {mode: drain}\n",
+    )
+    .await
+    .unwrap();
+    // Cordoned with its mark while the budget refuses the eviction.
+    let cordoned = tokio::time::timeout(LONG, async {
+        loop {
+            let n = nodes.get("a100-node-0").await.unwrap();
+            if unschedulable(&n) && marked(&n) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
+    })
+    .await;
+    cordoned.unwrap_or_else(|_| {
+        panic!(
+            "a100-node-0 not cordoned by the operator:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        )
+    });
+    pdbs.delete("train", &Default::default()).await.unwrap();
+    let s = ready_on_or_log(admin, "a100-mig", 1, log).await;
+    assert_eq!(s["migConfig"], "all-1g.10gb");
+    let n = until("the operator's cordon lifted", LONG, || async {
+        let n = nodes.get("a100-node-0").await.ok()?;
+        (!unschedulable(&n)).then_some(n)
+    })
+    .await;
+    assert!(!marked(&n));
 }
 
 #[test]
