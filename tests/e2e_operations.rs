@@ -160,6 +160,16 @@ async fn least_privilege_rbac_is_enough_and_no_more() {
     let (_g, cluster, _sim) = setup().await;
     let admin = cluster.client.clone();
     apply_config(&admin, &[]).await;
+    // NVIDIA's vGPU licensing config, beside the configs the operator reads.
+    let licensing: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "licensing-config", "namespace": NS},
+        "data": {"client_configuration_token.tok": "secret-token", "gridd.conf": "FeatureType=1"}
+    }))
+    .unwrap();
+    Api::<ConfigMap>::namespaced(admin.clone(), NS)
+        .create(&PostParams::default(), &licensing)
+        .await
+        .unwrap();
     let sa = service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
     let op = Operator::start(sa.clone(), Some(NS));
     testkit::apply_yaml(&admin, include_str!("../examples/mps-h200.yaml"))
@@ -197,7 +207,95 @@ async fn least_privilege_rbac_is_enough_and_no_more() {
     ));
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(sa.clone(), NS);
     assert!(forbidden(secrets.list(&Default::default()).await));
+    reads_and_creates_only_its_configmaps(&sa).await;
     op.stop().await;
+}
+
+/// What the operator may do with the GPU Operator namespace's ConfigMaps: read only those it
+/// needs, by name (so not NVIDIA's vGPU `licensing-config`, by any route), and create only its
+/// own (by server-side apply, as it writes them; a plain create carries no name and is refused).
+async fn reads_and_creates_only_its_configmaps(sa: &kube::Client) {
+    use kube::api::{ListParams, WatchParams};
+    let cms: Api<ConfigMap> = Api::namespaced(sa.clone(), NS);
+    let by_name = |name: &str| ListParams::default().fields(&format!("metadata.name={name}"));
+    assert!(forbidden(cms.get("licensing-config").await));
+    assert!(forbidden(cms.list(&ListParams::default()).await));
+    assert!(forbidden(cms.list(&by_name("licensing-config")).await));
+    assert!(forbidden(cms.list_metadata(&ListParams::default()).await));
+    let watch = cms
+        .watch(
+            &WatchParams::default().fields("metadata.name=licensing-config"),
+            "0",
+        )
+        .await;
+    assert!(forbidden(watch.map(|_| ())));
+    // What it needs, by name: the list and watch its caches make.
+    let ours = DP_CM;
+    assert_eq!(cms.list(&by_name(ours)).await.unwrap().items.len(), 1);
+    cms.get("default-mig-parted-config")
+        .await
+        .expect("NVIDIA's default MIG layouts");
+    // Creating: only its own names, by apply; a plain create of any name is refused.
+    let x: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "x"}})).unwrap();
+    assert!(forbidden(cms.create(&PostParams::default(), &x).await));
+    let apply = |name: &str| json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": NS}});
+    let dry = PatchParams {
+        dry_run: true,
+        ..PatchParams::apply("gpu-sharing-operator")
+    };
+    assert!(forbidden(
+        cms.patch("x", &dry, &Patch::Apply(apply("x"))).await
+    ));
+    let mig = "gpu-sharing-mig-parted-config";
+    cms.patch(mig, &dry, &Patch::Apply(apply(mig)))
+        .await
+        .expect("creating its own ConfigMap by apply");
+}
+
+/// The names config/rbac.yaml lets the operator read in the GPU Operator's namespace are
+/// exactly those the runtime watches (`Config::configmaps_read`), and it writes only its own.
+#[test]
+fn the_configmaps_rbac_grants_are_the_names_the_operator_reads() {
+    let text = std::fs::read_to_string(testkit::repo_root().join("config/rbac.yaml")).unwrap();
+    let docs = testkit::parse_yaml_documents(&text).unwrap();
+    let role = docs
+        .iter()
+        .find(|d| d["kind"] == "Role" && d["metadata"]["namespace"] == NS)
+        .unwrap();
+    let rules: Vec<&serde_json::Value> = role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["resources"] == json!(["configmaps"]))
+        .collect();
+    let names = |verb: &str| -> Vec<String> {
+        let mut v: Vec<String> = rules
+            .iter()
+            .filter(|r| r["verbs"].as_array().unwrap().contains(&json!(verb)))
+            .flat_map(|r| {
+                let names = r["resourceNames"].as_array();
+                let names = names.unwrap_or_else(|| panic!("{verb} on every ConfigMap: {r}"));
+                names.iter().map(|n| n.as_str().unwrap().to_string())
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let config = gpu_sharing_operator::runtime::controller::Config::default();
+    let mut read: Vec<String> = config.configmaps_read().map(str::to_string).to_vec();
+    read.sort();
+    for verb in ["get", "list", "watch"] {
+        assert_eq!(names(verb), read, "{verb}");
+    }
+    let mut own = vec![
+        config.device_configmap.clone(),
+        config.mig_configmap.clone(),
+        config.vgpu_configmap.clone(),
+    ];
+    own.sort();
+    for verb in ["create", "patch", "update", "delete"] {
+        assert_eq!(names(verb), own, "{verb}");
+    }
 }
 
 /// A CA, and a directory with the `tls.crt` (with the CA after it) and `tls.key` it issued for

@@ -44,6 +44,23 @@ pub struct Config {
     pub eviction_client: Option<EvictionClient>,
 }
 
+impl Config {
+    /// The ConfigMaps of the GPU Operator's namespace the operator reads, all it reads there:
+    /// its own three, NVIDIA's default MIG and vGPU configs and the admin's instance-type
+    /// table. The RBAC grants reading exactly these by name (config/rbac.yaml), and the
+    /// runtime watches each by name.
+    pub fn configmaps_read(&self) -> [&str; 6] {
+        [
+            &self.device_configmap,
+            &self.mig_configmap,
+            &self.vgpu_configmap,
+            DEFAULT_MIG_CONFIGMAP,
+            DEFAULT_VGPU_CONFIGMAP,
+            INSTANCE_TYPES_CONFIGMAP,
+        ]
+    }
+}
+
 /// A client built with kube's default retry off, for evictions ([`Config::eviction_client`]).
 #[derive(Clone)]
 pub struct EvictionClient(pub Client);

@@ -81,6 +81,7 @@ pub async fn run(
     let (caches, events) = watches::start(
         &client,
         &namespace,
+        &config.configmaps_read(),
         config.readiness_taint.as_deref(),
         notify.clone(),
     )

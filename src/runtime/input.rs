@@ -19,10 +19,11 @@ use crate::runtime::controller::Context;
 use crate::runtime::memory::ControllerMemory;
 
 impl Context {
-    /// A ConfigMap of the GPU Operator namespace, from the cache.
+    /// A ConfigMap of the GPU Operator namespace, from the cache (only those
+    /// [`Config::configmaps_read`](crate::runtime::context::Config::configmaps_read) names are
+    /// watched).
     pub(crate) fn configmap(&self, name: &str) -> Option<Arc<ConfigMap>> {
-        let key = ObjectRef::new(name).within(&self.namespace);
-        self.caches.configmaps.get(&key)
+        self.caches.configmaps.get(name)
     }
 
     /// A policy, from the cache.
@@ -72,17 +73,12 @@ impl Context {
             vgpu_configmap: self.config.vgpu_configmap.clone(),
             pause_rollouts: self.config.pause_rollouts,
         };
-        let configmaps = [
-            settings.device_configmap.as_str(),
-            settings.mig_configmap.as_str(),
-            settings.vgpu_configmap.as_str(),
-            DEFAULT_MIG_CONFIGMAP,
-            DEFAULT_VGPU_CONFIGMAP,
-            INSTANCE_TYPES_CONFIGMAP,
-        ]
-        .into_iter()
-        .filter_map(|name| Some((name.to_string(), self.configmap(name)?.data.clone()?)))
-        .collect();
+        let configmaps = self
+            .config
+            .configmaps_read()
+            .into_iter()
+            .filter_map(|name| Some((name.to_string(), self.configmap(name)?.data.clone()?)))
+            .collect();
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64);

@@ -1,16 +1,18 @@
 //! The watches the controller plans from: policies, nodes (as planner facts only), the GPU
-//! Operator namespace's ConfigMaps, pods that may hold GPUs, our ResourceClaimTemplates and the
-//! ClusterPolicy, each into a cache. Every event wakes the control loop.
+//! Operator namespace's ConfigMaps it reads (each by name), pods that may hold GPUs, our
+//! ResourceClaimTemplates and the ClusterPolicy, each into a cache. Every event wakes the
+//! control loop.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
-use kube::Client;
 use kube::api::{Api, DynamicObject, PartialObjectMeta};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
 use tokio::sync::Notify;
 use tracing::warn;
 
@@ -58,7 +60,7 @@ pub struct Caches {
     pub lag: Arc<CacheLag>,
     pub policies: Store<GpuSharingPolicy>,
     pub nodes: Arc<NodeCache>,
-    pub configmaps: Store<ConfigMap>,
+    pub configmaps: NamedConfigMaps,
     pub pods: Store<Pod>,
     /// Pods not yet bound to a node, stripped to what demand planning reads.
     pub pending: Store<Pod>,
@@ -85,7 +87,7 @@ impl Caches {
     pub async fn wait_until_ready(&self) {
         self.policies.wait_until_ready().await.ok();
         self.nodes.wait_until_ready().await;
-        self.configmaps.wait_until_ready().await.ok();
+        self.configmaps.wait_until_ready().await;
         self.pods.wait_until_ready().await.ok();
         self.pending.wait_until_ready().await.ok();
         if let Some(c) = &self.cluster_policies {
@@ -109,6 +111,41 @@ impl Caches {
         }
         while self.tainted.as_ref().is_some_and(|t| !t.is_ready()) {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// The ConfigMaps of the GPU Operator's namespace the operator reads, each in a cache of its
+/// own, kept by a watch with a `metadata.name` field selector. The RBAC grants `get`, `list` and
+/// `watch` on exactly these names (`resourceNames`; a list or watch matches such a rule only
+/// with that selector), so nothing else in the namespace is read or cached: not NVIDIA's vGPU
+/// `licensing-config`, which holds a licence token.
+#[derive(Clone, Default)]
+pub struct NamedConfigMaps(BTreeMap<String, Store<ConfigMap>>);
+
+impl NamedConfigMaps {
+    /// Starts one watch per name in `namespace`, added to `streams`.
+    fn watch(client: &Client, namespace: &str, names: &[&str], streams: &mut Streams) -> Self {
+        let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+        let stores = names
+            .iter()
+            .map(|name| {
+                let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
+                (name.to_string(), cache(api.clone(), cfg, (), streams))
+            })
+            .collect();
+        NamedConfigMaps(stores)
+    }
+
+    /// The ConfigMap `name`, when it exists; `None` too for a name not watched.
+    pub fn get(&self, name: &str) -> Option<Arc<ConfigMap>> {
+        let store = self.0.get(name)?;
+        store.state().into_iter().find(|c| c.name_any() == name)
+    }
+
+    async fn wait_until_ready(&self) {
+        for store in self.0.values() {
+            store.wait_until_ready().await.ok();
         }
     }
 }
@@ -228,10 +265,12 @@ fn pending_watch(
 }
 
 /// Starts every watch: returns the caches and the future that drives them (it notifies
-/// `notify` on every event and ends only if every stream ends).
+/// `notify` on every event and ends only if every stream ends). `configmaps` names the
+/// ConfigMaps of the GPU Operator's namespace to watch (each by name).
 pub async fn start(
     client: &Client,
     namespace: &str,
+    configmaps: &[&str],
     readiness_taint: Option<&str>,
     notify: Arc<Notify>,
 ) -> (Caches, impl std::future::Future<Output = ()> + use<>) {
@@ -269,12 +308,7 @@ pub async fn start(
     let policies = cache(Api::all(client.clone()), all(), (), &mut streams);
     let (pending, pending_stream) = pending_watch(client, policies.clone());
     streams.push(pending_stream);
-    let configmaps = cache(
-        Api::namespaced(client.clone(), namespace),
-        all(),
-        (),
-        &mut streams,
-    );
+    let configmaps = NamedConfigMaps::watch(client, namespace, configmaps, &mut streams);
     let claim_templates = claim_template_watch(client, &mut streams).await;
     let namespaces = namespace_watch(client, &mut streams).await;
     let claims = claim_watch(client, &mut streams).await;
