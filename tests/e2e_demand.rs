@@ -106,9 +106,12 @@ async fn start_operator(cluster: &testkit::TestCluster) -> Operator {
     )
 }
 
-/// A node's (cordoned, `nvidia.com/mig.config`) states in the order the API server made them.
+/// A node's (cordoned, `nvidia.com/mig.config`) state.
+type NodeState = (bool, Option<String>);
+
+/// A node's states in the order the API server made them.
 struct NodeHistory {
-    states: std::sync::Arc<std::sync::Mutex<Vec<(bool, Option<String>)>>>,
+    states: std::sync::Arc<std::sync::Mutex<Vec<NodeState>>>,
     task: tokio::task::JoinHandle<()>,
 }
 

@@ -331,11 +331,11 @@ mod tests {
         let pods = vec![pod("ml/p", "1g.10gb", 0, 1), pod("web/p", "1g.10gb", 0, 1)];
         let none = BTreeSet::new();
         let ns = namespaces(&[("ml", "ml"), ("web", "web")]);
-        let a = admit_with(&[p.clone()], &ns, &none, pods.clone());
+        let a = admit_with(std::slice::from_ref(&p), &ns, &none, pods.clone());
         assert_eq!(ids(&a), ["ml/p"]);
         assert_eq!(a.pods[0].namespace_labels.as_ref().unwrap()["tenant"], "ml");
         assert!(
-            admit_with(&[p.clone()], &None, &none, pods.clone())
+            admit_with(std::slice::from_ref(&p), &None, &none, pods.clone())
                 .pods
                 .is_empty()
         );

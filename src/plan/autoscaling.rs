@@ -109,8 +109,8 @@ pub fn catalogue(
     let mut out = BTreeMap::new();
     let mut passthrough = BTreeMap::new();
     // Per type, the nodes' (GPU count, product, memory) with their votes and first node.
-    let mut seen: BTreeMap<&str, BTreeMap<(i64, &str, &str), (usize, &NodeFacts)>> =
-        BTreeMap::new();
+    type Votes<'a> = BTreeMap<(i64, &'a str, &'a str), (usize, &'a NodeFacts)>;
+    let mut seen: BTreeMap<&str, Votes> = BTreeMap::new();
     for v in nodes {
         let n: &NodeFacts = &v.facts;
         let Some(t) = n.labels.get(LABEL_INSTANCE_TYPE) else {

@@ -218,7 +218,7 @@ fn not_demands(kind: Kind, prev: Option<&Value>, cur: &Value) -> Vec<String> {
     out.extend(
         changed
             .into_iter()
-            .filter(|path| !demands(kind, path) && !(ours_too && ours(kind, prev, path)))
+            .filter(|path| !(demands(kind, path) || ours_too && ours(kind, prev, path)))
             .map(|path| format!("{DEMAND} changed {path}")),
     );
     out
