@@ -2914,6 +2914,36 @@ fn a_mixed_mig_policy_does_not_break_a_running_mps_node() {
     w.converge();
 }
 
+/// A `mixed` MIG policy that selects no node (say a dynamic one whose nodes are not there yet)
+/// does not set the cluster-wide MIG strategy while an MPS policy governs nodes: the MPS node
+/// stays on MPS, and the MIG policy says why it waits. Once it governs a node, it wins.
+#[test]
+fn a_mixed_mig_policy_without_nodes_leaves_running_mps_alone() {
+    let mut w = World::new(
+        vec![
+            node("a100-0", "NVIDIA-A100-SXM4-80GB", true, None),
+            node("h200-0", "NVIDIA-H200", false, Some("b")),
+        ],
+        vec![
+            policy("mps", 2, 4, false, Some("b"), 0, 0),
+            policy("mig", 3, 2, true, Some("a"), 0, 5),
+        ],
+    );
+    let p = w.converge();
+    assert_eq!(condition(&p, "mps", "Ready").0, "True");
+    assert_ne!(
+        p.cluster_policy_spec.pointer("/mig/strategy"),
+        Some(&serde_json::json!("mixed")),
+        "{}",
+        p.cluster_policy_spec
+    );
+    let why = &p.statuses["mig"].warnings;
+    assert!(
+        format!("{why:?}").contains("the nodes of MPS policy mps are switched off MPS"),
+        "{why:?}"
+    );
+}
+
 /// From a custom (mixed) layout to a named layout under the `single` strategy: the ClusterPolicy
 /// switches to `single` at once, and GFD labels a node whose GPUs are not all split alike
 /// `<product>-MIG-INVALID` with `count`, `replicas` and `memory` 0. The operator reads that

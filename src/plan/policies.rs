@@ -534,8 +534,10 @@ pub fn assign<'n>(
 }
 
 /// The cluster-wide MIG strategy: that of the highest-precedence valid MIG policy governing a
-/// node, else of the highest-precedence valid MIG policy. Policies that disagree with it (or
-/// MPS while it is `mixed`) are marked: `blocked` if they govern nodes, `latent` otherwise.
+/// node, else of the highest-precedence valid MIG policy that would not switch a governing MPS
+/// policy's nodes off MPS (a `mixed` policy selecting no node, a dynamic one say, must not).
+/// Policies that disagree with it (or MPS while it is `mixed`) are marked: `blocked` if they
+/// govern nodes, `latent` otherwise; so is a `mixed` policy left out for MPS.
 /// Without any node (e.g. `render` without `--nodes`) every policy counts as governing, so
 /// conflicts are still reported.
 pub fn cluster_mig_strategy(
@@ -547,9 +549,27 @@ pub fn cluster_mig_strategy(
         governing = (0..prepared.len()).collect();
     }
     let valid_mig = |p: &Prepared| p.errors.is_empty() && p.spec.mig.is_some();
+    let mixed =
+        |p: &Prepared| p.spec.mig.as_ref().map(|m| m.mig_strategy) == Some(MigStrategy::Mixed);
+    let mps = governing
+        .iter()
+        .map(|&i| &prepared[i])
+        .find(|p| p.errors.is_empty() && p.spec.strategy == Strategy::Mps)
+        .map(|p| p.name.clone());
     let owner = (0..prepared.len())
         .find(|i| valid_mig(&prepared[*i]) && governing.contains(i))
-        .or_else(|| (0..prepared.len()).find(|i| valid_mig(&prepared[*i])))?;
+        .or_else(|| {
+            (0..prepared.len())
+                .find(|i| valid_mig(&prepared[*i]) && !(mps.is_some() && mixed(&prepared[*i])))
+        });
+    let Some(owner) = owner else {
+        for p in prepared.iter_mut().filter(|p| valid_mig(p) && mixed(p)) {
+            p.latent = mps.as_ref().map(|m| {
+                format!("its migStrategy mixed becomes the cluster-wide MIG strategy, and the nodes of MPS policy {m} are switched off MPS (held back while this policy governs no node)")
+            });
+        }
+        return None;
+    };
     let cm = prepared[owner].spec.mig.as_ref()?.mig_strategy;
     let owner = prepared[owner].name.clone();
     for (i, p) in prepared.iter_mut().enumerate() {
