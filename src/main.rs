@@ -186,7 +186,7 @@ struct RunArgs {
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let kube_config = kube::Config::infer().await?;
-    let client = kube::Client::try_from(kube_config.clone())?;
+    let client = gpu_sharing_operator::runtime::depth::client(kube_config.clone())?;
     // Evictions without kube's retry of 429: that answer is a PodDisruptionBudget's refusal.
     let mut no_retry = kube_config;
     no_retry.default_retry = false;

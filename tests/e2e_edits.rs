@@ -264,7 +264,8 @@ async fn named_layout_edit_reaches_the_node() {
 async fn custom_layout_edit_reaches_the_node() {
     let (_g, cluster, _sim) = setup().await;
     let c = cluster.client.clone();
-    let op = Operator::start(c.clone(), Some(NS));
+    // The operator's own client (`run` builds the same), which cuts JSON nested too deep.
+    let op = Operator::start(operator_client(&cluster).await, Some(NS));
     label_node(&c, A100, "gpusharing.io/profile", Some("mig-split")).await;
     testkit::apply_yaml(&c, include_str!("../examples/mig-custom-split.yaml"))
         .await
@@ -372,6 +373,52 @@ async fn custom_layout_edit_reaches_the_node() {
         "{msg}"
     );
     assert_eq!(labels(&c, A100).await["nvidia.com/mig.config"], all);
+
+    // `devices` nested 300 deep: the API server keeps it (it allows 10,000 levels), serde_json
+    // refuses more than 128 and kube parses a whole list of policies at once. The operator
+    // still reads every policy: this one is refused naming the field, the other goes on.
+    let deep = (0..300).fold(json!(0), |v, _| Value::Array(vec![v]));
+    // A plain kube client cannot read such a policy back either: the test's own reads of it
+    // go through the operator's.
+    let oc = operator_client(&cluster).await;
+    let yaml = json!({
+        "apiVersion": "gpusharing.io/v1alpha1", "kind": "GpuSharingPolicy",
+        "metadata": {"name": "deep-devices"},
+        "spec": {"nodeSelector": {"matchLabels": {"gpusharing.io/profile": "nobody"}},
+            "strategy": "mig", "mig": {"migStrategy": "mixed", "customLayout": [
+                {"devices": deep, "migEnabled": true, "migDevices": {"1g.10gb": 7}}]}}
+    });
+    Api::<GpuSharingPolicy>::all(oc.clone())
+        .create(&PostParams::default(), &serde_json::from_value(yaml).unwrap())
+        .await
+        .expect("the API server keeps deep JSON in devices");
+    let s = until("deep devices refused", LONG, || async {
+        let s = policy_status(&oc, "deep-devices").await?;
+        (condition(&s, "Accepted")?["reason"] == "InvalidSpec").then_some(s)
+    })
+    .await;
+    let msg = condition(&s, "Accepted").unwrap()["message"].to_string();
+    assert!(msg.contains("spec.mig.customLayout[0].devices") && msg.contains("..."), "{msg}");
+    edit(
+        &c,
+        "a100-mig-split",
+        json!({"spec": {"mig": {"customLayout": [
+            {"devices": "all", "migEnabled": true, "migDevices": {"1g.10gb": 7}}
+        ]}}}),
+    )
+    .await;
+    node_runs(
+        &c,
+        "a100-mig-split",
+        A100,
+        &[("nvidia.com/mig-1g.10gb", "56")],
+        &[("nvidia.com/mig.config.state", "success")],
+    )
+    .await;
+    Api::<GpuSharingPolicy>::all(oc)
+        .delete("deep-devices", &DeleteParams::default())
+        .await
+        .unwrap();
     op.stop().await;
 }
 

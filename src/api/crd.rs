@@ -667,6 +667,9 @@ impl GpuSelection {
     }
 }
 
+/// The most GPU indices a `devices` list may hold (a node has at most 16 GPUs).
+const MAX_GPU_INDICES: usize = 16;
+
 /// The wire form of [`GpuSelection`].
 #[derive(Serialize, Deserialize)]
 #[serde(untagged)]
@@ -678,6 +681,10 @@ enum RawGpuSelection {
 impl From<RawGpuSelection> for GpuSelection {
     fn from(raw: RawGpuSelection) -> Self {
         match raw {
+            // A GPU index is 0-15: a longer list cannot be valid, and is not kept whole.
+            RawGpuSelection::List(d) if d.len() > MAX_GPU_INDICES => GpuSelection::Invalid(
+                format!("a list of {} GPU indices", d.len()).into(),
+            ),
             RawGpuSelection::List(d) => GpuSelection::Indices(d),
             RawGpuSelection::Other(v) if v.as_str() == Some("all") => GpuSelection::All,
             RawGpuSelection::Other(v) => GpuSelection::Invalid(v),

@@ -6,6 +6,7 @@ pub mod cleanup;
 pub mod cluster_policy_diff;
 pub mod context;
 pub mod controller;
+pub mod depth;
 pub mod error;
 pub mod finalize;
 pub mod input;

@@ -238,8 +238,17 @@ fn check_custom_layout(groups: &[crate::api::crd::MigDeviceGroup], errs: &mut Ve
 /// The error for a `devices` value that is neither `all` nor a list of GPU indices (the schema
 /// cannot refuse it: see [`crate::api::crd::GpuSelection`]).
 pub(crate) fn invalid_devices(v: &serde_json::Value) -> String {
-    format!("must be `all` or a list of GPU indices (0-15), as NVIDIA's configs write it; got {v}")
+    let mut got = v.to_string();
+    if got.len() > MAX_SHOWN {
+        let cut = (0..=MAX_SHOWN).rev().find(|i| got.is_char_boundary(*i)).unwrap_or(0);
+        got.truncate(cut);
+        got.push_str("...");
+    }
+    format!("must be `all` or a list of GPU indices (0-15), as NVIDIA's configs write it; got {got}")
 }
+
+/// The most of a refused value a message shows.
+const MAX_SHOWN: usize = 64;
 
 /// One device group of a custom layout (`used`: GPUs already in earlier groups).
 fn check_group(

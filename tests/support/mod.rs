@@ -543,6 +543,16 @@ pub async fn service_account_token(cluster: &TestCluster, namespace: &str, name:
         .token
 }
 
+/// A client for the test cluster built as `run` builds the operator's
+/// (`runtime::depth::client`: GpuSharingPolicy JSON nested too deep is cut).
+pub async fn operator_client(cluster: &TestCluster) -> Client {
+    let kc = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    gpu_sharing_operator::runtime::depth::client(cfg).unwrap()
+}
+
 /// A client for [`service_account_kubeconfig`].
 pub async fn service_account_client(cluster: &TestCluster, namespace: &str, name: &str) -> Client {
     let kc = service_account_kubeconfig(cluster, namespace, name).await;
