@@ -240,11 +240,16 @@ fn check_custom_layout(groups: &[crate::api::crd::MigDeviceGroup], errs: &mut Ve
 pub(crate) fn invalid_devices(v: &serde_json::Value) -> String {
     let mut got = v.to_string();
     if got.len() > MAX_SHOWN {
-        let cut = (0..=MAX_SHOWN).rev().find(|i| got.is_char_boundary(*i)).unwrap_or(0);
+        let cut = (0..=MAX_SHOWN)
+            .rev()
+            .find(|i| got.is_char_boundary(*i))
+            .unwrap_or(0);
         got.truncate(cut);
         got.push_str("...");
     }
-    format!("must be `all` or a list of GPU indices (0-15), as NVIDIA's configs write it; got {got}")
+    format!(
+        "must be `all` or a list of GPU indices (0-15), as NVIDIA's configs write it; got {got}"
+    )
 }
 
 /// The most of a refused value a message shows.
@@ -359,7 +364,14 @@ fn check_mig_time_slicing(
             .iter()
             .map(|p| nvidia::mig_resource(p))
             .collect();
-        for (i, r) in ts.resources.iter().enumerate() {
+        // A catalogue layout whose profiles depend on the GPU model (`all-balanced`) may offer
+        // any: its resources cannot be checked here.
+        let unknown = mig
+            .dynamic
+            .iter()
+            .flat_map(|d| &d.layouts)
+            .any(|l| nvidia::layout_profiles(&mig.with_layout(l)).is_none_or(|p| p.is_empty()));
+        for (i, r) in ts.resources.iter().enumerate().filter(|_| !unknown) {
             let q = nvidia::qualify_resource(&r.name);
             if q != GPU_RESOURCE && !offered.contains(&q) {
                 errs.push(err(
@@ -515,6 +527,37 @@ mod tests {
 
     /// `devices: all` is a group for all GPUs, like a group without devices: alone it is
     /// valid, next to another group it is refused, naming the field.
+    #[test]
+    fn time_slicing_a_dynamic_policy_covers_its_catalogue() {
+        let spec = |layouts: &str, ts: &str| -> GpuSharingPolicySpec {
+            crate::api::yaml::from_str(&format!(
+                "{{nodeSelector: {{}}, strategy: mig, mig: {{migStrategy: mixed, layout: all-1g.10gb, timeSlicing: {ts}, dynamic: {{layouts: {layouts}}}}}}}"
+            ))
+            .unwrap()
+        };
+        // Layouts named after their profile: shared without naming them.
+        let (errs, _) = validate("p", &spec("[all-3g.40gb]", "{replicas: 2}"));
+        assert!(errs.is_empty(), "{errs:?}");
+        let c = crate::nvidia::device_plugin_config(&spec("[all-3g.40gb]", "{replicas: 2}"));
+        let shared: Vec<String> = c
+            .sharing
+            .unwrap()
+            .time_slicing
+            .unwrap()
+            .resources
+            .into_iter()
+            .map(|r| r.name)
+            .collect();
+        assert_eq!(shared, ["nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"]);
+        // A layout whose profiles depend on the GPU model: name the resources.
+        let (errs, _) = validate("p", &spec("[all-3g.40gb, all-balanced]", "{replicas: 2}"));
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].path, "spec.mig.dynamic.layouts[1]");
+        let named = "{resources: [{name: nvidia.com/mig-2g.20gb, replicas: 2}]}";
+        let (errs, _) = validate("p", &spec("[all-balanced]", named));
+        assert!(errs.is_empty(), "{errs:?}");
+    }
+
     #[test]
     fn devices_all_covers_every_gpu() {
         let spec = |groups: &str| -> GpuSharingPolicySpec {
