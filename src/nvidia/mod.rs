@@ -597,15 +597,14 @@ mod tests {
             Some(GpuSelection::Invalid(serde_json::json!([0, "1"])))
         );
         // A list longer than a node's GPUs is not kept whole, and its message is short.
-        let long = format!("{{devices: [{}], migEnabled: false}}", vec!["7"; 100_000].join(","));
+        let long = format!(
+            "{{devices: [{}], migEnabled: false}}",
+            vec!["7"; 100_000].join(",")
+        );
         let g: MigDeviceGroup = crate::api::yaml::from_str(&long).unwrap();
         let Some(GpuSelection::Invalid(v)) = &g.devices else {
             panic!("{:?}", g.devices);
         };
         assert_eq!(v, "a list of 100000 GPU indices");
-        let deep: serde_json::Value =
-            serde_json::from_str(&format!("{}1{}", "[".repeat(100), "]".repeat(100))).unwrap();
-        let msg = crate::validate::invalid_devices(&deep);
-        assert!(msg.len() < 200 && msg.ends_with("[[[..."), "{msg}");
     }
 }

@@ -587,6 +587,11 @@ mod tests {
             format!("{errs:?}").contains("spec.mig.customLayout[0].devices"),
             "{errs:?}"
         );
+        // A refused value is shown cut short.
+        let deep: serde_json::Value =
+            serde_json::from_str(&format!("{}1{}", "[".repeat(100), "]".repeat(100))).unwrap();
+        let msg = invalid_devices(&deep);
+        assert!(msg.len() < 200 && msg.ends_with("[[[..."), "{msg}");
         // What the schema cannot refuse (see GpuSelection) is refused here, naming the field.
         let (errs, _) = validate("p", &spec("[{devices: any, migEnabled: false}]"));
         assert_eq!(errs.len(), 1, "{errs:?}");
