@@ -389,7 +389,10 @@ async fn custom_layout_edit_reaches_the_node() {
                 {"devices": deep, "migEnabled": true, "migDevices": {"1g.10gb": 7}}]}}
     });
     Api::<GpuSharingPolicy>::all(oc.clone())
-        .create(&PostParams::default(), &serde_json::from_value(yaml).unwrap())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(yaml).unwrap(),
+        )
         .await
         .expect("the API server keeps deep JSON in devices");
     let s = until("deep devices refused", LONG, || async {
@@ -398,7 +401,10 @@ async fn custom_layout_edit_reaches_the_node() {
     })
     .await;
     let msg = condition(&s, "Accepted").unwrap()["message"].to_string();
-    assert!(msg.contains("spec.mig.customLayout[0].devices") && msg.contains("..."), "{msg}");
+    assert!(
+        msg.contains("spec.mig.customLayout[0].devices") && msg.contains("..."),
+        "{msg}"
+    );
     edit(
         &c,
         "a100-mig-split",

@@ -682,9 +682,9 @@ impl From<RawGpuSelection> for GpuSelection {
     fn from(raw: RawGpuSelection) -> Self {
         match raw {
             // A GPU index is 0-15: a longer list cannot be valid, and is not kept whole.
-            RawGpuSelection::List(d) if d.len() > MAX_GPU_INDICES => GpuSelection::Invalid(
-                format!("a list of {} GPU indices", d.len()).into(),
-            ),
+            RawGpuSelection::List(d) if d.len() > MAX_GPU_INDICES => {
+                GpuSelection::Invalid(format!("a list of {} GPU indices", d.len()).into())
+            }
             RawGpuSelection::List(d) => GpuSelection::Indices(d),
             RawGpuSelection::Other(v) if v.as_str() == Some("all") => GpuSelection::All,
             RawGpuSelection::Other(v) => GpuSelection::Invalid(v),
