@@ -61,6 +61,18 @@ bench-flood:
 	cargo build --release --locked -p gpu-sharing-operator -p scale-bench
 	target/release/scale-bench $(FLOOD_ARGS)
 
+# Live demand benchmark (issue 40): a small seeded MIG trace replayed in real time on the local
+# control plane (kube-scheduler, the node simulator, the operator binary; a fresh control plane
+# per configuration, ~5 minutes each) beside the model's replay of it; results in
+# target/bench/demand-live.md. Not part of make test or CI (about 30 minutes).
+DEMAND_LIVE_ARGS ?= --demand-live 7
+.PHONY: bench-demand-live
+bench-demand-live:
+	bash tests/cluster/cluster.sh build
+	bash tests/nvidia/build.sh
+	cargo build --release --locked -p gpu-sharing-operator -p scale-bench
+	target/release/scale-bench $(DEMAND_LIVE_ARGS)
+
 # Fuzzing (issue 16, part 3): each cargo-fuzz target of fuzz/ for FUZZ_SECONDS, adding what it
 # finds to fuzz/corpus/<target>/ (minimize with `cargo +nightly fuzz cmin <target>` before
 # committing). Needs nightly Rust and cargo-fuzz (`cargo install cargo-fuzz`). make test

@@ -164,6 +164,33 @@ struct Args {
     /// Seconds the MIG manager takes to reshape a node in the dynamic replays (comma-separated).
     #[arg(long, value_delimiter = ',', default_values_t = vec![10i64, 60, 120])]
     demand_mig_delays: Vec<i64>,
+    /// Replay a small seeded demand trace live, in real time (minutes per configuration), on
+    /// the local control plane with kube-scheduler, the node simulator and the operator binary,
+    /// beside the model's replay of it (see demand/live.rs); `--demand-kind` picks the kinds;
+    /// writes demand-live.md.
+    #[arg(long)]
+    demand_live: Option<u64>,
+    /// Nodes of the live demand trace.
+    #[arg(long, default_value_t = 6)]
+    demand_live_nodes: usize,
+    /// Seconds over which the live trace's pods arrive.
+    #[arg(long, default_value_t = 180)]
+    demand_live_seconds: i64,
+    /// Run time of a live trace's pod: uniform between these two, in seconds.
+    #[arg(long, value_delimiter = ',', num_args = 2, default_values_t = vec![20i64, 90])]
+    demand_live_run: Vec<i64>,
+    /// Offered load the live trace's rate is chosen for (a fraction of the pool's slices).
+    #[arg(long, default_value_t = 0.65)]
+    demand_live_load: f64,
+    /// Seconds the simulator's MIG manager takes to reshape a node in the live runs.
+    #[arg(long, default_value_t = 10)]
+    demand_live_mig_delay: i64,
+    /// Configurations of the live runs (comma-separated).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![demand::LiveConfig::Oracle, demand::LiveConfig::Admin, demand::LiveConfig::Dynamic])]
+    demand_live_configs: Vec<demand::LiveConfig>,
+    /// The node simulator (default: target/nvidia/gpu-node-simulator; `bash tests/nvidia/build.sh`).
+    #[arg(long)]
+    simulator_bin: Option<PathBuf>,
 }
 
 /// A fresh control plane (no seeded nodes) from the test kit, tried twice: kube-local's seeding
@@ -250,6 +277,39 @@ fn parse_configs(args: &Args) -> anyhow::Result<Vec<(usize, usize)>> {
     Ok(v)
 }
 
+/// The live demand benchmark (`--demand-live SEED`); returns its report.
+async fn demand_live(args: &Args, seed: u64, kl: &Path, op: &Path) -> anyhow::Result<String> {
+    let simulator = match &args.simulator_bin {
+        Some(p) => p.clone(),
+        None => testkit::repo_root().join("target/nvidia/gpu-node-simulator"),
+    };
+    if !simulator.exists() {
+        bail!(
+            "{} missing: run bash tests/nvidia/build.sh",
+            simulator.display()
+        );
+    }
+    let settings = demand::LiveSettings {
+        seed,
+        nodes: args.demand_live_nodes,
+        seconds: args.demand_live_seconds,
+        run: (args.demand_live_run[0], args.demand_live_run[1]),
+        load: args.demand_live_load,
+        mig_delay: args.demand_live_mig_delay,
+        kinds: args.demand_kind.clone(),
+        configs: args.demand_live_configs.clone(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        out: args.out.clone(),
+    };
+    let bins = demand::Bins {
+        kube_local: kl,
+        operator: op,
+        simulator: &simulator,
+        logs: args.out.join("logs"),
+    };
+    demand::run_live(&settings, &bins).await
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -277,6 +337,10 @@ async fn main() -> anyhow::Result<()> {
     let kl = kube_local_bin(&args)?;
     let op = operator_bin(&args)?;
     std::fs::create_dir_all(args.out.join("logs"))?;
+    if let Some(seed) = args.demand_live {
+        println!("{}", demand_live(&args, seed, &kl, &op).await?);
+        return Ok(());
+    }
     if let Some(n) = args.rollout {
         let md = rollout::run(&args, &kl, &op, n).await?;
         println!("{md}");

@@ -63,7 +63,7 @@ fn highest<'a>(
             Some((top, _)) if s < top => {}
             Some((top, _)) if s == top => {
                 ties += 1;
-                if rng.next() % ties == 0 {
+                if rng.next().is_multiple_of(ties) {
                     best = Some((s, i));
                 }
             }
@@ -204,6 +204,7 @@ impl<'a> Cluster<'a> {
             n.changed = true;
             self.running.push(Reverse((now + a.run, node, pod)));
             self.out.waits.push(now - a.at);
+            self.out.served.push(pod);
             self.out.slice_hours += a.slice_seconds() as f64 / 3600.0;
             bound.push(pod);
         }

@@ -18,27 +18,28 @@ use gpu_sharing_operator::plan::{NodeView, PlanInput, Planner, converge};
 
 use super::Outcome;
 use super::cluster::{Cluster, Node, Scheduler};
-use super::pool::{Busy, DYNAMIC_START, configured, policy};
+use super::pool::configured;
 use super::trace::{Arrival, PROFILES};
 
 /// How many times its longest wait ([`settled_after`]) a replay may go on after the last
 /// arrival before it is cut: a guard against a model that never comes to rest.
 const GUARD: i64 = 100;
 
-/// Replays the trace under a dynamic policy starting from [`DYNAMIC_START`]. It ends when every
-/// pod has been served, or when nothing runs, no node is reconfiguring and the operator has
+/// Replays the trace under `p`, a dynamic policy of the pool (see [`super::pool::policy`] and
+/// [`super::pool::timed_policy`]): its nodes start on its layout. It ends when every pod has
+/// been served, or when nothing runs, no node is reconfiguring and the operator has
 /// written nothing for longer than its timers ([`settled_after`]): then nothing can change any
 /// more, and the pods still pending are never served.
 pub(crate) fn replay(
     arrivals: &[Arrival],
     nodes: usize,
-    (scheduler, busy): (Scheduler, Busy),
+    scheduler: Scheduler,
+    p: &GpuSharingPolicy,
     mig_delay: i64,
     seed: u64,
 ) -> Outcome {
-    let p = policy(DYNAMIC_START, Some(busy));
-    let settled = settled_after(&p) + mig_delay;
-    let mut input = configured(&p, nodes);
+    let settled = settled_after(p) + mig_delay;
+    let mut input = configured(p, nodes);
     let t0 = input.cluster.now;
     let mut planner = Planner::default();
     let mut c = Cluster::new(arrivals, vec![Node::default(); nodes], scheduler, seed);
@@ -82,7 +83,7 @@ pub(crate) fn replay(
 
 /// Seconds after which every timer of the policy's `spec.mig.dynamic` has run out: the quiet
 /// period and the longest delay of demand, a node's idle time and a layout's lifetime.
-fn settled_after(p: &GpuSharingPolicy) -> i64 {
+pub(crate) fn settled_after(p: &GpuSharingPolicy) -> i64 {
     let d = p
         .spec
         .mig

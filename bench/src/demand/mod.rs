@@ -21,9 +21,15 @@
 //! `tests/e2e_demand.rs` shows the real one placing the pods; this compares policies over a long
 //! trace. Also measured: the planner's time per pass during the dynamic replays, and a pass at
 //! 1,000 nodes with 500 pending pods.
+//!
+//! `--demand-live SEED` replays a smaller trace in real time on the local control plane instead,
+//! with kube-scheduler, the node simulator and the operator binary, beside the model's replay of
+//! the same trace (see [`live`]).
 
 mod cluster;
 mod dynamic;
+mod live;
+mod livekube;
 mod pool;
 mod statics;
 mod trace;
@@ -35,6 +41,8 @@ use gpu_sharing_operator::plan::Planner;
 use gpu_sharing_operator::plan::input::PendingPod;
 
 pub(crate) use cluster::Scheduler;
+pub(crate) use live::{LiveConfig, LiveSettings, run as run_live};
+pub(crate) use livekube::Bins;
 use pool::{Busy, DYNAMIC_START, LAYOUTS};
 use statics::{ADMIN_SAMPLE, Split};
 pub(crate) use trace::Kind;
@@ -64,6 +72,8 @@ pub(crate) struct Settings {
 pub(crate) struct Outcome {
     /// Each served pod's wait, arrival to binding, in seconds.
     pub waits: Vec<i64>,
+    /// The served pods, by index in the trace, in the order of [`Outcome::waits`].
+    pub served: Vec<usize>,
     /// Pods still pending when nothing more could change.
     pub never_served: usize,
     /// Compute slice-hours the served pods held.
@@ -234,7 +244,8 @@ fn table(
         (Busy::Reserve, "dynamic, reserveBusyNodes"),
     ] {
         for &delay in &s.mig_delays {
-            let mut o = dynamic::replay(arrivals, s.nodes, (scheduler, busy), delay, s.seed);
+            let p = pool::policy(DYNAMIC_START, Some(busy));
+            let mut o = dynamic::replay(arrivals, s.nodes, scheduler, &p, delay, s.seed);
             pass_ms.append(&mut o.pass_ms);
             rows.push((format!("{name}, MIG {delay} s"), o));
         }

@@ -40,25 +40,70 @@ pub(crate) enum Busy {
     Reserve,
 }
 
+/// The node label the pool's dynamic policy selects on, and its value.
+pub(crate) const POOL_LABEL: (&str, &str) = ("bench.gpusharing.io/pool", "a100");
+
+/// The node label a static per-layout policy selects on (its value: the layout).
+pub(crate) const LAYOUT_LABEL: &str = "bench.gpusharing.io/layout";
+
+/// The timers of `spec.mig.dynamic`, in seconds.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Timers {
+    pub quiet: i64,
+    pub max_delay: i64,
+    pub idle: i64,
+    pub min_lifetime: i64,
+}
+
 /// The policy with `layout`; with `dynamic`, the rest of the catalogue too, at the default
 /// timings of `spec.mig.dynamic`.
 pub(crate) fn policy(layout: &str, dynamic: Option<Busy>) -> GpuSharingPolicy {
+    build("a100", POOL_LABEL, layout, dynamic.map(|b| (b, None)))
+}
+
+/// The dynamic policy starting from `layout` with the rest of the catalogue, at `timers`.
+pub(crate) fn timed_policy(layout: &str, busy: Busy, timers: Timers) -> GpuSharingPolicy {
+    build("a100", POOL_LABEL, layout, Some((busy, Some(timers))))
+}
+
+/// A static policy of `layout` alone, named after it (a policy name has no dots), selecting
+/// the nodes labelled [`LAYOUT_LABEL`]`=<layout>`: one per layout of a per-node assignment.
+pub(crate) fn static_policy(layout: &str) -> GpuSharingPolicy {
+    let name = format!("static-{}", layout.replace('.', "-"));
+    build(&name, (LAYOUT_LABEL, layout), layout, None)
+}
+
+/// The policy `name` of the nodes labelled `selector`, with `layout`; with `dynamic`, the rest
+/// of the catalogue too, at the timers given (else the defaults of `spec.mig.dynamic`).
+fn build(
+    name: &str,
+    selector: (&str, &str),
+    layout: &str,
+    dynamic: Option<(Busy, Option<Timers>)>,
+) -> GpuSharingPolicy {
     let dynamic = match dynamic {
-        Some(busy) => {
+        Some((busy, timers)) => {
             let others: Vec<&str> = LAYOUTS.iter().copied().filter(|l| *l != layout).collect();
             let reserve = match busy {
                 Busy::Wait => "",
                 Busy::Reserve => ", reserveBusyNodes: {}",
             };
+            let timers = timers.map_or(String::new(), |t| {
+                format!(
+                    ", quietSeconds: {}, maxDelaySeconds: {}, idleSeconds: {}, minLayoutLifetimeSeconds: {}",
+                    t.quiet, t.max_delay, t.idle, t.min_lifetime
+                )
+            });
             format!(
-                "    dynamic: {{layouts: [{}]{reserve}}}\n",
+                "    dynamic: {{layouts: [{}]{reserve}{timers}}}\n",
                 others.join(", ")
             )
         }
         None => String::new(),
     };
+    let (key, value) = selector;
     let yaml = format!(
-        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: a100, generation: 1}}\nspec:\n  nodeSelector: {{matchLabels: {{bench.gpusharing.io/pool: a100}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: {layout}\n{dynamic}  rollout: {{maxUnavailable: 25%}}\n"
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}, generation: 1}}\nspec:\n  nodeSelector: {{matchLabels: {{{key}: {value}}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: {layout}\n{dynamic}  rollout: {{maxUnavailable: 25%}}\n"
     );
     gpu_sharing_operator::api::yaml::from_str(&yaml).expect("the benchmark's policy parses")
 }
@@ -66,7 +111,7 @@ pub(crate) fn policy(layout: &str, dynamic: Option<Busy>) -> GpuSharingPolicy {
 /// Node `i` of the pool: the shared A100 80GB fixture, with its compute capability.
 fn a100(i: usize) -> NodeFacts {
     let mut n = testkit::fixtures::a100_node(&format!("a100-{i:04}"));
-    n.labels.insert("bench.gpusharing.io/pool", "a100");
+    n.labels.insert(POOL_LABEL.0, POOL_LABEL.1);
     n.labels.insert("nvidia.com/gpu.compute.major", "8");
     n
 }

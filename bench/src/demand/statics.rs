@@ -39,7 +39,7 @@ impl Split {
     }
 
     /// The layout of each node, by index into [`LAYOUTS`].
-    fn layouts(&self) -> impl Iterator<Item = usize> + '_ {
+    pub fn layouts(&self) -> impl Iterator<Item = usize> + '_ {
         self.0
             .iter()
             .enumerate()

@@ -62,7 +62,7 @@ impl Kind {
     }
 
     /// The share (per cent) of each profile among the pods arriving in `third` of the trace.
-    fn mix(self, third: usize) -> [f64; PROFILES.len()] {
+    pub fn mix(self, third: usize) -> [f64; PROFILES.len()] {
         match self {
             Kind::Shifting => PROFILES.each_ref().map(|p| p.mix[third]),
             Kind::Stationary => PROFILES.each_ref().map(|p| p.mix.iter().sum::<f64>() / 3.0),
