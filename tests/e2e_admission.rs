@@ -9,9 +9,12 @@
 //! `config/clusterpolicy-admission-policy.yaml` it may change only the ClusterPolicy fields it
 //! manages (`allowed::CLUSTER_POLICY_FIELDS`, which is also exactly what the operator's output
 //! code writes); any other spec or metadata change, creating, deleting or a status write is
-//! refused naming what changed. Other users are unaffected, and the operator, run as that
-//! ServiceAccount under both policies, still converges the examples and releases the
-//! ClusterPolicy when the last policy goes.
+//! refused naming what changed. With `config/owned-objects-admission-policy.yaml` it may write
+//! only its own NodeOverlays (Karpenter's CRDs served), ResourceClaimTemplates and ConfigMaps,
+//! only its finalizer and the status of policies, and evict no pod in system namespaces: its own
+//! objects as its code renders them pass, each other shape is refused naming the rule. Other
+//! users are unaffected, and the operator, run as that ServiceAccount under the three policies,
+//! still converges the examples and releases the ClusterPolicy when the last policy goes.
 
 mod support;
 
@@ -31,6 +34,21 @@ const CP_POLICY_FILE: &str = "config/clusterpolicy-admission-policy.yaml";
 const CP_POLICY: &str = "gpu-sharing-operator-clusterpolicy-fields";
 const NODE: &str = "h200-node-0";
 const CP: &str = "cluster-policy";
+
+/// Karpenter's CRDs, copied from its Go module (`tests/karpenter/build.sh crds`: no build).
+fn karpenter_crds() -> std::path::PathBuf {
+    let out = std::process::Command::new("bash")
+        .arg(testkit::repo_root().join("tests/karpenter/build.sh"))
+        .arg("crds")
+        .output()
+        .expect("tests/karpenter/build.sh runs");
+    assert!(
+        out.status.success(),
+        "tests/karpenter/build.sh crds failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().into()
+}
 
 fn policy_docs(file: &str) -> Vec<Value> {
     let text = std::fs::read_to_string(testkit::repo_root().join(file)).unwrap();
@@ -167,7 +185,7 @@ async fn the_operator_account_may_change_only_what_it_manages_on_nodes() {
     let (mut g, cluster, _sim) = setup().await;
     g.unwatched("no operator runs: the test writes the operator's labels by hand, as its account");
     let admin = cluster.client.clone();
-    apply_config(&admin, &[POLICY_FILE]).await;
+    apply_config(&admin, &[POLICY_FILE, OWNED_POLICY_FILE]).await;
     let sa = service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
 
     // The policy takes effect once the API server has loaded it: dry-run until it refuses.
@@ -186,6 +204,9 @@ async fn the_operator_account_may_change_only_what_it_manages_on_nodes() {
         }
     })
     .await;
+
+    // Installed in another namespace, the operator's account is fenced all the same.
+    fenced_in_any_namespace(&cluster, &admin).await;
 
     // Its own labels and annotations: set, changed, removed.
     for key in allowed::NODE_LABELS {
@@ -390,10 +411,9 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
     // ...and drains a node: its cordon and uncordon pass the fence.
     operator_drains_under_the_policy(&admin, &log).await;
     let text = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(
-        !text.contains("gpu-sharing-operator-node-fields"),
-        "the operator hit the policy:\n{text}"
-    );
+    for policy in ["gpu-sharing-operator-node-fields", OWNED_POLICY] {
+        assert!(!text.contains(policy), "the operator hit {policy}:\n{text}");
+    }
     op.kill().await.unwrap();
 }
 
@@ -677,6 +697,32 @@ fn the_clusterpolicy_policy_allows_exactly_what_the_operator_writes() {
     let kustomization =
         std::fs::read_to_string(testkit::repo_root().join("config/kustomization.yaml")).unwrap();
     assert!(kustomization.contains("- clusterpolicy-admission-policy.yaml"));
+    // The third policy: the same account, bound to deny, installed by kustomize.
+    let owned = policy_docs(OWNED_POLICY_FILE);
+    assert_eq!(
+        owned[0]["spec"]["matchConditions"],
+        node["spec"]["matchConditions"]
+    );
+    assert_eq!(owned[0]["spec"]["failurePolicy"], "Fail");
+    assert_eq!(owned[0]["metadata"]["name"], OWNED_POLICY);
+    assert_eq!(owned[1]["spec"]["policyName"], OWNED_POLICY);
+    assert_eq!(owned[1]["spec"]["validationActions"], json!(["Deny"]));
+    assert!(kustomization.contains("- owned-objects-admission-policy.yaml"));
+    // Its lists are the operator's: its ConfigMap names, its finalizer.
+    let mut cms = cel_strings(&variable(&owned[0], "ownConfigMaps"));
+    cms.sort();
+    let config = gpu_sharing_operator::runtime::context::Config::default();
+    let mut want = vec![
+        config.device_configmap,
+        config.mig_configmap,
+        config.vgpu_configmap,
+    ];
+    want.sort();
+    assert_eq!(cms, want);
+    assert_eq!(
+        cel_strings(&variable(&owned[0], "finalizer")),
+        [gpu_sharing_operator::api::names::FINALIZER]
+    );
 }
 
 async fn cp_patch(c: &Client, p: &Value, dry_run: bool) -> Result<DynamicObject, kube::Error> {
@@ -774,9 +820,13 @@ fn as_cluster_policy(spec: Value) -> Value {
 
 #[tokio::test]
 async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
-    let (_g, cluster, _sim) = setup().await;
+    // Karpenter's CRDs (only copied from its module, not built): NodeOverlays are served.
+    let (_g, cluster, _sim) =
+        setup_with(testkit::ClusterOptions::default().manifest(karpenter_crds())).await;
     let admin = cluster.client.clone();
-    apply_config(&admin, &[POLICY_FILE, CP_POLICY_FILE]).await;
+    // The operator's fence check: not fenced until the policies are installed (then they are).
+    apply_config(&admin, &[]).await;
+    fence_check_follows_the_policies(&cluster, &admin).await;
     let sa = service_account_client(&cluster, "gpu-sharing-system", "gpu-sharing-operator").await;
     let sa_cps = testkit::cluster_policy_api(&sa);
     let original = testkit::cluster_policy_api(&admin)
@@ -806,8 +856,10 @@ async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
         },
     )
     .await;
+    // The third policy: the rest of what the operator writes.
+    owned_objects_fence(&cluster, &admin, &sa).await;
 
-    // The operator, as that ServiceAccount under both policies, converges examples that write
+    // The operator, as that ServiceAccount under the three policies, converges examples that write
     // every field it manages (time-slicing: the device-plugin config; a custom MIG layout: the
     // MIG manager's config and the mixed strategy; a custom vGPU layout on a VM host: sandbox
     // workloads and the vGPU Device Manager's config; not MPS, which the mixed strategy
@@ -890,7 +942,7 @@ async fn the_operator_account_may_change_only_its_clusterpolicy_fields() {
     );
     assert_eq!(foreign_spec(&cp.data)["driver"], original["spec"]["driver"]);
     let text = std::fs::read_to_string(&log).unwrap_or_default();
-    for policy in [CP_POLICY, "gpu-sharing-operator-node-fields"] {
+    for policy in [CP_POLICY, "gpu-sharing-operator-node-fields", OWNED_POLICY] {
         assert!(!text.contains(policy), "the operator hit {policy}:\n{text}");
     }
     op.kill().await.unwrap();
@@ -1132,4 +1184,617 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
         .delete(CP, &dry)
         .await
         .expect("the admin may delete the ClusterPolicy");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The third policy: the operator's own NodeOverlays, ResourceClaimTemplates and ConfigMaps, its
+// finalizer and status on policies, and no eviction in system namespaces.
+
+const OWNED_POLICY_FILE: &str = "config/owned-objects-admission-policy.yaml";
+const OWNED_POLICY: &str = "gpu-sharing-operator-owned-objects";
+
+/// Karpenter's NodePool and the instance-type table the time-slicing example's overlays are
+/// rendered for (as tests/golden.rs renders them).
+const KARPENTER_INPUT: &str = r#"
+apiVersion: karpenter.sh/v1
+kind: NodePool
+metadata: {name: l4}
+spec:
+  template:
+    spec:
+      nodeClassRef: {group: karpenter.kwok.sh, kind: KWOKNodeClass, name: default}
+      requirements:
+      - {key: node.kubernetes.io/instance-type, operator: In, values: [g6.xlarge, g6.12xlarge]}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: gpu-sharing-instance-types, namespace: gpu-operator}
+data:
+  instance-types.yaml: |
+    g6.xlarge: {gpus: 1, product: NVIDIA-L4, memoryMiB: 23034}
+    g6.12xlarge: {gpus: 4, product: NVIDIA-L4, memoryMiB: 23034}
+"#;
+
+/// What the operator's own code writes besides nodes and the ClusterPolicy: `render`'s
+/// NodeOverlays (time-slicing example, with Karpenter) and ConfigMaps (with a custom MIG
+/// layout too), and the ResourceClaimTemplate of the DRA example (`nvidia::dra`).
+fn operator_objects() -> Vec<Value> {
+    let mut policies = Vec::new();
+    for e in ["time-slicing-l4.yaml", "mig-custom-split.yaml"] {
+        let path = testkit::repo_root().join("examples").join(e);
+        policies.extend(gpu_sharing_operator::offline::render::load_policies(&path).unwrap());
+    }
+    let options = gpu_sharing_operator::offline::render::RenderOptions {
+        namespace: NS.into(),
+        base_mig_configs: Default::default(),
+        single_pass: false,
+        karpenter: Some(testkit::parse_yaml_documents(KARPENTER_INPUT).unwrap()),
+    };
+    let rendered = gpu_sharing_operator::offline::render::render_text(policies, None, &options)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    let mut out: Vec<Value> = testkit::parse_yaml_documents(&rendered.text)
+        .unwrap()
+        .into_iter()
+        .filter(|d| d["kind"] == "NodeOverlay" || d["kind"] == "ConfigMap")
+        .collect();
+    let path = testkit::repo_root().join("examples/dra-mps.yaml");
+    let dra = gpu_sharing_operator::offline::render::load_policies(&path).unwrap();
+    let ns = &dra[0].spec.dra.as_ref().unwrap().namespaces[0];
+    out.push(gpu_sharing_operator::nvidia::dra::claim_template(
+        &dra[0].metadata.name.clone().unwrap(),
+        ns,
+        &dra[0].spec,
+        Some(23034),
+    ));
+    out
+}
+
+fn api_of(c: &Client, obj: &Value) -> Api<DynamicObject> {
+    let ar = match obj["kind"].as_str() {
+        Some("NodeOverlay") => gpu_sharing_operator::observe::karpenter::node_overlay_resource(),
+        Some("ConfigMap") => {
+            kube::api::ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&())
+        }
+        Some("ResourceClaimTemplate") => kube::api::ApiResource::erase::<
+            k8s_openapi::api::resource::v1::ResourceClaimTemplate,
+        >(&()),
+        other => panic!("{other:?}"),
+    };
+    match obj["metadata"]["namespace"].as_str() {
+        Some(ns) => Api::namespaced_with(c.clone(), ns, &ar),
+        None => Api::all_with(c.clone(), &ar),
+    }
+}
+
+/// A server-side apply of `obj` as the operator writes (its field manager, forced).
+async fn apply_as(c: &Client, obj: &Value, dry_run: bool) -> Result<DynamicObject, kube::Error> {
+    apply_with(c, allowed::FIELD_MANAGER, obj, dry_run).await
+}
+
+/// A server-side apply of `obj` by someone else than the operator (the admin).
+async fn admin_apply(c: &Client, obj: &Value) -> Result<DynamicObject, kube::Error> {
+    apply_with(c, "test-admin", obj, false).await
+}
+
+async fn apply_with(
+    c: &Client,
+    manager: &str,
+    obj: &Value,
+    dry_run: bool,
+) -> Result<DynamicObject, kube::Error> {
+    let pp = PatchParams {
+        dry_run,
+        ..PatchParams::apply(manager).force()
+    };
+    let name = obj["metadata"]["name"].as_str().unwrap();
+    api_of(c, obj).patch(name, &pp, &Patch::Apply(obj)).await
+}
+
+async fn delete_as(c: &Client, obj: &Value) -> Result<(), kube::Error> {
+    let name = obj["metadata"]["name"].as_str().unwrap();
+    api_of(c, obj)
+        .delete(name, &DeleteParams::default())
+        .await
+        .map(|_| ())
+}
+
+/// `r` was refused by the owned-objects policy, with a message containing `says`.
+fn assert_owned_refused<T: std::fmt::Debug>(what: &str, r: Result<T, kube::Error>, says: &str) {
+    match r {
+        Err(kube::Error::Api(e)) => assert!(
+            e.message.contains(OWNED_POLICY) && e.message.contains(says),
+            "{what}: refused, but with {:?} (wanted {says:?})",
+            e.message
+        ),
+        other => panic!("{what} was not refused: {other:?}"),
+    }
+}
+
+/// `obj` without the operator's managed-by label, renamed.
+fn unlabelled(obj: &Value, name: &str) -> Value {
+    let mut o = obj.clone();
+    o["metadata"]["name"] = json!(name);
+    o["metadata"]["labels"]
+        .as_object_mut()
+        .unwrap()
+        .remove(allowed::CONFIGMAP_OWNER_LABEL.0);
+    o
+}
+
+/// Everything the third policy fences, as the operator's account: its own objects as its code
+/// writes them pass; others' objects, unlabelled ones, foreign names, policy changes beyond its
+/// finalizer and status, and evictions in system namespaces are refused naming the rule.
+async fn owned_objects_fence(cluster: &testkit::TestCluster, admin: &Client, sa: &Client) {
+    let objects = operator_objects();
+    let of = |kind: &str| -> Vec<&Value> { objects.iter().filter(|o| o["kind"] == kind).collect() };
+    let (overlays, cms, rcts) = (
+        of("NodeOverlay"),
+        of("ConfigMap"),
+        of("ResourceClaimTemplate"),
+    );
+    assert!(overlays.len() >= 2 && cms.len() >= 2 && rcts.len() == 1);
+    // Active once it refuses an overlay of a foreign name without the label (RBAC lets the account
+    // create any; two rules refuse it, so one put back to `true` still shows it active).
+    let mut foreign = overlays[0].clone();
+    foreign["metadata"]["name"] = json!("karpenter-gpu");
+    let probe = unlabelled(&foreign, "karpenter-gpu");
+    until("the owned-objects policy to be active", LONG, || async {
+        match apply_as(sa, &probe, true).await {
+            Err(kube::Error::Api(e)) if e.message.contains(OWNED_POLICY) => Some(()),
+            Err(e) => panic!("{e}"),
+            Ok(_) => None,
+        }
+    })
+    .await;
+    overlays_fence(admin, sa, &overlays, &foreign).await;
+    claim_templates_fence(admin, sa, rcts[0]).await;
+    // Writes the RBAC already refuses, made possible to show the policy refuses them too.
+    testkit::apply_yaml(admin, BROADER_RBAC).await.unwrap();
+    configmaps_fence(admin, sa, &cms).await;
+    policies_fence(admin, sa).await;
+    Api::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>::all(admin.clone())
+        .delete("test-owned-objects", &Default::default())
+        .await
+        .unwrap();
+    evictions_fence(cluster, admin, sa).await;
+}
+
+const BROADER_RBAC: &str = r#"
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: test-owned-objects}
+rules:
+  - {apiGroups: [""], resources: [configmaps], verbs: [create, patch, delete]}
+  - {apiGroups: [gpusharing.io], resources: [gpusharingpolicies], verbs: [create, delete]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: test-owned-objects}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: test-owned-objects}
+subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sharing-system}]
+"#;
+
+async fn overlays_fence(admin: &Client, sa: &Client, overlays: &[&Value], foreign: &Value) {
+    // Its own, created, applied again and deleted.
+    for o in overlays {
+        assert!(
+            o["metadata"]["name"]
+                .as_str()
+                .unwrap()
+                .starts_with("gpusharing-")
+        );
+        apply_as(sa, o, false)
+            .await
+            .expect("applying its own NodeOverlay");
+        apply_as(sa, o, false)
+            .await
+            .expect("applying its own NodeOverlay again");
+    }
+    let named = "may write only NodeOverlays named gpusharing-*; refused: karpenter-gpu";
+    assert_owned_refused(
+        "an overlay of a foreign name",
+        apply_as(sa, foreign, false).await,
+        named,
+    );
+    let labelled =
+        "may write only NodeOverlays labelled app.kubernetes.io/managed-by=gpu-sharing-operator";
+    let bare = unlabelled(overlays[0], "gpusharing-unlabelled");
+    assert_owned_refused(
+        "an unlabelled overlay",
+        apply_as(sa, &bare, false).await,
+        labelled,
+    );
+    // Someone else's, even named like ours: not taken over, changed or deleted.
+    let theirs = unlabelled(overlays[0], "gpusharing-admin");
+    admin_apply(admin, &theirs)
+        .await
+        .expect("the admin may write overlays");
+    let mut takeover = overlays[0].clone();
+    takeover["metadata"]["name"] = json!("gpusharing-admin");
+    let takeover = apply_as(sa, &takeover, false);
+    assert_owned_refused("taking an admin's overlay over", takeover.await, labelled);
+    let weight = api_of(sa, &theirs)
+        .patch(
+            "gpusharing-admin",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"weight": 10000}})),
+        )
+        .await;
+    assert_owned_refused("raising an admin's overlay's weight", weight, labelled);
+    assert_owned_refused(
+        "deleting an admin's overlay",
+        delete_as(sa, &theirs).await,
+        labelled,
+    );
+    let mut other = theirs.clone();
+    other["metadata"]["name"] = json!("admin-8x");
+    admin_apply(admin, &other).await.unwrap();
+    assert_owned_refused(
+        "deleting admin-8x",
+        delete_as(sa, &other).await,
+        "named gpusharing-*; refused: admin-8x",
+    );
+    for o in overlays {
+        delete_as(sa, o)
+            .await
+            .expect("deleting its own NodeOverlay");
+    }
+    for o in [&theirs, &other] {
+        delete_as(admin, o).await.unwrap();
+    }
+}
+
+async fn claim_templates_fence(admin: &Client, sa: &Client, rct: &Value) {
+    let ns = rct["metadata"]["namespace"].as_str().unwrap();
+    testkit::apply_yaml(
+        admin,
+        &format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {ns}}}\n"),
+    )
+    .await
+    .unwrap();
+    apply_as(sa, rct, false)
+        .await
+        .expect("applying its own ResourceClaimTemplate");
+    let labelled = "may write only ResourceClaimTemplates labelled app.kubernetes.io/managed-by=gpu-sharing-operator";
+    let bare = unlabelled(rct, "unlabelled");
+    assert_owned_refused(
+        "an unlabelled claim template",
+        apply_as(sa, &bare, false).await,
+        labelled,
+    );
+    // A user's template of the same kind: not taken over (the operator's apply of a template
+    // with the user's name) and not deleted.
+    let theirs = unlabelled(rct, "users-template");
+    admin_apply(admin, &theirs).await.unwrap();
+    let mut takeover = rct.clone();
+    takeover["metadata"]["name"] = json!("users-template");
+    assert_owned_refused(
+        "taking a user's template over",
+        apply_as(sa, &takeover, false).await,
+        labelled,
+    );
+    assert_owned_refused(
+        "deleting a user's template",
+        delete_as(sa, &theirs).await,
+        labelled,
+    );
+    delete_as(sa, rct)
+        .await
+        .expect("deleting its own ResourceClaimTemplate");
+    delete_as(admin, &theirs).await.unwrap();
+}
+
+async fn configmaps_fence(admin: &Client, sa: &Client, cms: &[&Value]) {
+    // Its own, as render writes them (dry-run: the operator owns their content later).
+    for cm in cms {
+        apply_as(sa, cm, true)
+            .await
+            .expect("applying its own ConfigMap");
+    }
+    let bare = unlabelled(cms[0], cms[0]["metadata"]["name"].as_str().unwrap());
+    assert_owned_refused(
+        "its ConfigMap without its label",
+        apply_as(sa, &bare, true).await,
+        "may write ConfigMaps only labelled app.kubernetes.io/managed-by=gpu-sharing-operator",
+    );
+    // The licence-holding ConfigMap of NVIDIA's vGPU: neither created nor deleted.
+    let licensing = unlabelled(cms[0], "licensing-config");
+    admin_apply(admin, &licensing).await.unwrap();
+    let own = "may write only its own ConfigMaps (gpu-sharing-device-plugin-config, gpu-sharing-mig-parted-config, gpu-sharing-vgpu-devices-config); refused:";
+    let denial = until("the broader RBAC to apply", LONG, || async {
+        let mut o = cms[0].clone();
+        o["metadata"]["name"] = json!("licensing-config-2");
+        match apply_as(sa, &o, true).await {
+            Err(kube::Error::Api(e)) if e.message.contains(OWNED_POLICY) => Some(e),
+            Err(kube::Error::Api(e)) if e.message.contains("cannot") => None,
+            other => panic!("creating a foreign ConfigMap was not refused: {other:?}"),
+        }
+    })
+    .await;
+    assert!(
+        denial
+            .message
+            .contains(&format!("{own} licensing-config-2")),
+        "{denial:?}"
+    );
+    assert_owned_refused(
+        "deleting licensing-config",
+        delete_as(sa, &licensing).await,
+        &format!("{own} licensing-config"),
+    );
+    delete_as(admin, &licensing).await.unwrap();
+}
+
+/// A policy that selects no node.
+const PROBE_POLICY: &str = "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: fence-test}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: none}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n";
+
+async fn policies_fence(admin: &Client, sa: &Client) {
+    use gpu_sharing_operator::api::crd::GpuSharingPolicy;
+    testkit::apply_yaml(admin, PROBE_POLICY).await.unwrap();
+    let api = Api::<GpuSharingPolicy>::all(sa.clone());
+    let only = "may change only its finalizer and the status of a GpuSharingPolicy; refused:";
+    // Its finalizer, added and removed as kube's finalizer helper does (JSON patches).
+    let fin = gpu_sharing_operator::api::names::FINALIZER;
+    let add: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": "/metadata/finalizers", "value": null},
+        {"op": "add", "path": "/metadata/finalizers", "value": [fin]}]))
+    .unwrap();
+    api.patch(
+        "fence-test",
+        &PatchParams::default(),
+        &Patch::Json::<()>(add),
+    )
+    .await
+    .expect("adding its finalizer");
+    // Its status, as finalize.rs writes it.
+    let status = json!({"apiVersion": "gpusharing.io/v1alpha1", "kind": "GpuSharingPolicy",
+        "status": {"matchedNodes": 0}});
+    api.patch_status(
+        "fence-test",
+        &PatchParams::apply(allowed::FIELD_MANAGER).force(),
+        &Patch::Apply(&status),
+    )
+    .await
+    .expect("writing its status");
+    for (p, says) in [
+        (
+            json!({"spec": {"timeSlicing": {"replicas": 8}}}),
+            format!("{only} spec"),
+        ),
+        (
+            json!({"metadata": {"labels": {"team": "a"}}}),
+            format!("{only} metadata.labels"),
+        ),
+        (
+            json!({"metadata": {"annotations": {"example.com/x": "1"}}}),
+            format!("{only} metadata.annotations"),
+        ),
+        (
+            json!({"metadata": {"finalizers": [fin, "example.com/hold"]}}),
+            format!("{only} metadata.finalizers (other than {fin})"),
+        ),
+    ] {
+        let r = api
+            .patch("fence-test", &PatchParams::default(), &Patch::Merge(&p))
+            .await;
+        assert_owned_refused(&p.to_string(), r, &says);
+    }
+    let dry = DeleteParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let denial = until("the broader RBAC to apply", LONG, || async {
+        match api.delete("fence-test", &dry).await {
+            Err(kube::Error::Api(e)) if e.message.contains(OWNED_POLICY) => Some(e),
+            Err(kube::Error::Api(e)) if e.message.contains("cannot") => None,
+            other => panic!("deleting a policy was not refused: {other:?}"),
+        }
+    })
+    .await;
+    assert!(
+        denial
+            .message
+            .contains("may not create or delete GpuSharingPolicies"),
+        "{denial:?}"
+    );
+    let remove: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": "/metadata/finalizers/0", "value": fin},
+        {"op": "remove", "path": "/metadata/finalizers/0"}]))
+    .unwrap();
+    api.patch(
+        "fence-test",
+        &PatchParams::default(),
+        &Patch::Json::<()>(remove),
+    )
+    .await
+    .expect("removing its finalizer");
+    Api::<GpuSharingPolicy>::all(admin.clone())
+        .delete("fence-test", &DeleteParams::default())
+        .await
+        .unwrap();
+}
+
+async fn evictions_fence(cluster: &testkit::TestCluster, admin: &Client, sa: &Client) {
+    use k8s_openapi::api::core::v1::Pod;
+    let gpu_operator = cluster.gpu_operator_namespace.clone();
+    let dry = kube::api::EvictParams {
+        post_options: PostParams {
+            dry_run: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    for ns in ["kube-system", gpu_operator.as_str(), "default"] {
+        let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "evictee"},
+            "spec": {"containers": [{"name": "c", "image": "pause"}]}});
+        let pods = Api::<Pod>::namespaced(admin.clone(), ns);
+        pods.create(
+            &PostParams::default(),
+            &serde_json::from_value(pod).unwrap(),
+        )
+        .await
+        .unwrap();
+        let r = Api::<Pod>::namespaced(sa.clone(), ns)
+            .evict("evictee", &dry)
+            .await;
+        if ns == "default" {
+            r.expect("evicting a user's pod");
+        } else {
+            let says = format!(
+                "may not evict pods in system namespaces (kube-system, kube-public, kube-node-lease, {gpu_operator}); refused: {ns}"
+            );
+            assert_owned_refused(&format!("evicting in {ns}"), r, &says);
+        }
+        pods.delete(
+            "evictee",
+            &DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// No silent fail-open (issue 39 item 2): the policies match the operator's account by name in
+// any namespace, and the operator checks that it is fenced.
+
+/// Installed in another namespace (what a kustomize `namespace:` overlay does to the
+/// ServiceAccount and its bindings, not to the policies' CEL): the operator's account there is
+/// fenced all the same; an account of another name (the chart's cleanup hook's) is not matched.
+async fn fenced_in_any_namespace(cluster: &testkit::TestCluster, admin: &Client) {
+    testkit::apply_yaml(
+        admin,
+        r#"
+apiVersion: v1
+kind: Namespace
+metadata: {name: ops}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: gpu-sharing-operator, namespace: ops}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: gpu-sharing-operator-cleanup, namespace: ops}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: test-ops-operator}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: gpu-sharing-operator}
+subjects:
+  - {kind: ServiceAccount, name: gpu-sharing-operator, namespace: ops}
+  - {kind: ServiceAccount, name: gpu-sharing-operator-cleanup, namespace: ops}
+"#,
+    )
+    .await
+    .unwrap();
+    let ops = service_account_client(cluster, "ops", "gpu-sharing-operator").await;
+    let team = json!({"metadata": {"labels": {"team": "a"}}});
+    let denial = until("ops/gpu-sharing-operator to be bound", LONG, || async {
+        match patch(&ops, NODE, team.clone(), true).await {
+            Err(kube::Error::Api(e)) if e.message.contains("cannot patch") => None,
+            r => Some(r),
+        }
+    })
+    .await;
+    assert_node_refused(
+        "ops/gpu-sharing-operator labelling team",
+        denial,
+        "refused: team",
+    );
+    let own = json!({"metadata": {"labels": {"gpusharing.io/policy": "p"}}});
+    patch(&ops, NODE, own, true)
+        .await
+        .expect("its own label, from another namespace");
+    let other = service_account_client(cluster, "ops", "gpu-sharing-operator-cleanup").await;
+    until("another account's dry-run label to pass", LONG, || async {
+        patch(&other, NODE, team.clone(), true).await.ok()
+    })
+    .await;
+    Api::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>::all(admin.clone())
+        .delete("test-ops-operator", &Default::default())
+        .await
+        .unwrap();
+}
+
+/// The operator binary as its ServiceAccount with `--require-fenced`, checking every second,
+/// its health and plain-HTTP metrics on free ports.
+struct FencedOperator {
+    _child: tokio::process::Child,
+    health: std::net::SocketAddr,
+    metrics: std::net::SocketAddr,
+    log: std::path::PathBuf,
+}
+
+impl FencedOperator {
+    async fn start(cluster: &testkit::TestCluster) -> FencedOperator {
+        let kubeconfig =
+            service_account_kubeconfig_file(cluster, "gpu-sharing-system", "gpu-sharing-operator")
+                .await;
+        let local = |p: u16| std::net::SocketAddr::from(([127, 0, 0, 1], p));
+        let (health, metrics) = (local(free_port()), local(free_port()));
+        let log = cluster.dir.path().join("fence-operator.log");
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-sharing-operator"))
+            .args(["run", "--namespace=gpu-operator", "--metrics-insecure"])
+            .arg(format!("--metrics-addr={metrics}"))
+            .arg(format!("--health-addr={health}"))
+            .args(["--require-fenced", "--fence-check-seconds=1"])
+            .env("KUBECONFIG", &kubeconfig)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        FencedOperator {
+            _child: child,
+            health,
+            metrics,
+            log,
+        }
+    }
+
+    /// Waits until `gpu_sharing_fenced` is `value` and `/readyz` answers `code`.
+    async fn until(&self, value: u8, code: u16) -> String {
+        let found = tokio::time::timeout(LONG, async {
+            loop {
+                let m = support::https::get_plain(self.metrics, "/metrics").await;
+                let r = support::https::get_plain(self.health, "/readyz").await;
+                if let (Ok(m), Ok(r)) = (m, r)
+                    && m.body.contains(&format!("\ngpu_sharing_fenced {value}\n"))
+                    && r.status == code
+                {
+                    return r.body;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+        })
+        .await;
+        found.unwrap_or_else(|_| {
+            panic!(
+                "never gpu_sharing_fenced {value} with /readyz {code}:\n{}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            )
+        })
+    }
+}
+
+/// Without the admission policies the operator reports itself not fenced (metric 0, a warning
+/// naming the writes that went through) and, with `--require-fenced`, is not ready; once they
+/// are installed it reports fenced (1) and becomes ready. Returns to the caller with the
+/// policies installed.
+async fn fence_check_follows_the_policies(cluster: &testkit::TestCluster, admin: &Client) {
+    let op = FencedOperator::start(cluster).await;
+    let body = op.until(0, 503).await;
+    assert!(body.contains("not fenced"), "{body}");
+    let log = std::fs::read_to_string(&op.log).unwrap_or_default();
+    assert!(
+        log.contains("NOT fenced")
+            && log.contains(gpu_sharing_operator::runtime::fence::PROBE_LABEL),
+        "{log}"
+    );
+    apply_config(admin, &[POLICY_FILE, CP_POLICY_FILE, OWNED_POLICY_FILE]).await;
+    op.until(1, 200).await;
 }

@@ -8,6 +8,7 @@ pub mod context;
 pub mod controller;
 pub mod depth;
 pub mod error;
+pub mod fence;
 pub mod finalize;
 pub mod input;
 pub mod leader;

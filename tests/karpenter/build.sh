@@ -8,6 +8,7 @@
 #
 #   build.sh          build if the sources changed (prints nothing when up to date)
 #   build.sh path     build, then print the output directory
+#   build.sh crds     copy the CRDs only (no build), then print their directory
 #   build.sh test     go test ./... (Karpenter against tests/cluster's kube-local)
 #
 # Environment: KARPENTER_TESTS_OUT (default <repo>/target/karpenter); KUBE_LOCAL
@@ -92,6 +93,7 @@ main() {
 	case ${1:-build} in
 	build) build; crds ;;
 	path) build; crds; echo "$OUT" ;;
+	crds) crds; echo "$OUT/crds" ;;
 	test)
 		build
 		crds

@@ -46,7 +46,8 @@ fn refusal(e: &kube::core::Status) -> String {
 
 /// One eviction: `None` when it went through (or the pod is gone), else why not, as the API
 /// server said it (429 while a PodDisruptionBudget forbids it or its status is not computed
-/// yet, 500 when several budgets select the pod).
+/// yet, 500 when several budgets select the pod, 403 when an admission policy or RBAC forbids
+/// it).
 async fn evict_pod(ctx: &Context, id: &str) -> Result<Option<String>, Error> {
     let Some((ns, name)) = id.split_once('/') else {
         return Ok(None);
@@ -62,7 +63,9 @@ async fn evict_pod(ctx: &Context, id: &str) -> Result<Option<String>, Error> {
     match tokio::time::timeout(EVICTION_WAIT, call).await {
         Ok(Ok(_)) => Ok(None),
         Ok(Err(kube::Error::Api(e))) if e.code == 404 => Ok(None),
-        Ok(Err(kube::Error::Api(e))) if matches!(e.code, 429 | 500) => Ok(Some(refusal(&e))),
+        // 403: the admission policy's fence (no eviction in system namespaces) or RBAC; reported
+        // on the policy like a budget's refusal rather than failing the whole pass.
+        Ok(Err(kube::Error::Api(e))) if matches!(e.code, 403 | 429 | 500) => Ok(Some(refusal(&e))),
         Ok(Err(e)) => Err(e.into()),
         Err(_) => Ok(Some(format!(
             "the Eviction API did not answer within {}s; trying again",
