@@ -4,7 +4,8 @@
 //! - `/metrics` on `--metrics-addr`: HTTPS ([`super::tls`]), and only for a caller whose bearer
 //!   token passes a TokenReview and who may `get` the non-resource URL `/metrics`
 //!   ([`super::auth`]): 401 without a token or with one the API server does not know, 403 for a
-//!   user without the permission. `--metrics-insecure` serves it over plain HTTP to anyone
+//!   user without the permission, 503 (`Retry-After: 1`) when no review turn frees up in time
+//!   ([`auth::REVIEW_WAIT`]). `--metrics-insecure` serves it over plain HTTP to anyone
 //!   (local use, `make demo`).
 //! - `/healthz` and `/readyz` on `--health-addr`: plain HTTP without authentication, for the
 //!   kubelet's probes.
@@ -19,7 +20,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::auth::{self, Authorizer, Decision};
 use super::metrics::{Metrics, exposition, readyz};
@@ -99,6 +100,15 @@ async fn scrape(State(s): State<Arc<Scrape>>, headers: HeaderMap) -> Response {
                 )
                     .into_response();
             }
+            Err(auth::CheckError::Busy) => {
+                debug!("metrics: too many token reviews in flight; answered 503");
+                return (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    [(header::RETRY_AFTER, "1")],
+                    "too many token reviews in flight\n",
+                )
+                    .into_response();
+            }
             Err(e) => {
                 warn!(error = %e, "metrics: cannot review a scraper's token");
                 return (
@@ -136,7 +146,10 @@ async fn bind(addr: &str) -> Result<TcpListener, Error> {
 }
 
 /// Binds and serves the endpoints until the returned [`Endpoints`] is dropped. `client` makes
-/// the token and access reviews of `/metrics` (unless insecure). Fails at once on an address
+/// the token and access reviews of `/metrics` (unless insecure): `run` gives it a client of its
+/// own, not the controller's, so that reviews and reconciles do not share a connection pool.
+/// At most [`tls::MAX_CONNECTIONS`] connections to `/metrics` are open (or in their TLS
+/// handshake) at once; more wait in the listen backlog. Fails at once on an address
 /// that cannot be bound or a certificate directory that does not load.
 pub async fn start(
     config: &Config,
@@ -156,6 +169,7 @@ pub async fn start(
         if config.metrics_insecure {
             info!(addr = ?local, "serving /metrics over plain HTTP without authentication (--metrics-insecure)");
             let router = metrics_router(metrics.clone(), None);
+            let listener = tls::CappedListener::new(listener, tls::MAX_CONNECTIONS);
             ep.tasks.push(tokio::spawn(async move {
                 if let Err(e) = axum::serve(listener, router).await {
                     warn!(error = %e, "metrics endpoint stopped");

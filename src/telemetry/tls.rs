@@ -11,11 +11,14 @@
 use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::crypto::CryptoProvider;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
@@ -34,6 +37,10 @@ pub const KEY_FILE: &str = "tls.key";
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(10);
 /// A client must finish its TLS handshake within this time.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// At most this many connections to `/metrics` at once, TLS handshakes under way included (a
+/// Prometheus keeps one per replica): the rest wait in the kernel's listen backlog, so a flood
+/// of connections costs neither file descriptors nor memory beyond these.
+pub const MAX_CONNECTIONS: usize = 64;
 
 /// The names the self-signed certificate is made for (scrapers skip its verification anyway:
 /// there is no CA to verify it with).
@@ -180,22 +187,117 @@ impl ResolvesServerCert for DirResolver {
     }
 }
 
+/// A connection that holds one of its listener's permits until it is closed.
+pub struct Capped<S> {
+    io: S,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Capped<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Capped<S> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, b)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// A listener that accepts a connection only while fewer than its cap are open (plain HTTP
+/// `/metrics`, `--metrics-insecure`; [`TlsListener`] caps its own).
+pub struct CappedListener<L> {
+    inner: L,
+    cap: Arc<Semaphore>,
+}
+
+impl<L> CappedListener<L> {
+    pub fn new(inner: L, max: usize) -> Self {
+        CappedListener {
+            inner,
+            cap: Arc::new(Semaphore::new(max)),
+        }
+    }
+}
+
+impl<L: axum::serve::Listener> axum::serve::Listener for CappedListener<L> {
+    type Io = Capped<L::Io>;
+    type Addr = L::Addr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let Ok(permit) = self.cap.clone().acquire_owned().await else {
+            // Never closed.
+            return std::future::pending().await;
+        };
+        let (io, addr) = self.inner.accept().await;
+        (
+            Capped {
+                io,
+                _permit: permit,
+            },
+            addr,
+        )
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
+
+type Accepted = (Capped<TlsStream<TcpStream>>, SocketAddr);
+
 /// A TCP listener whose connections come out TLS-terminated, for `axum::serve`: each handshake
-/// runs in a task of its own (at most [`HANDSHAKE_TIMEOUT`]), so a slow client blocks no other.
-/// Dropping it stops accepting and frees the port.
+/// runs in a task of its own (at most [`HANDSHAKE_TIMEOUT`]), so a slow client blocks no other,
+/// and at most a cap of connections (handshakes included) are open at once. Dropping it stops
+/// accepting and frees the port.
 pub struct TlsListener {
-    rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    rx: mpsc::Receiver<Accepted>,
     local: SocketAddr,
     accept: tokio::task::JoinHandle<()>,
 }
 
 impl TlsListener {
+    /// At most [`MAX_CONNECTIONS`] connections.
     pub fn new(tcp: TcpListener, config: Arc<ServerConfig>) -> io::Result<Self> {
+        Self::with_cap(tcp, config, MAX_CONNECTIONS)
+    }
+
+    pub fn with_cap(tcp: TcpListener, config: Arc<ServerConfig>, max: usize) -> io::Result<Self> {
         let local = tcp.local_addr()?;
         let acceptor = TlsAcceptor::from(config);
+        let cap = Arc::new(Semaphore::new(max));
         let (tx, rx) = mpsc::channel(32);
         let accept = tokio::spawn(async move {
             loop {
+                // A turn first: beyond the cap, connections wait in the backlog.
+                let Ok(permit) = cap.clone().acquire_owned().await else {
+                    return;
+                };
                 let (stream, peer) = match tcp.accept().await {
                     Ok(c) => c,
                     Err(e) => {
@@ -208,8 +310,9 @@ impl TlsListener {
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                        Ok(Ok(tls)) => {
-                            let _ = tx.send((tls, peer)).await;
+                        Ok(Ok(io)) => {
+                            let _permit = permit;
+                            let _ = tx.send((Capped { io, _permit }, peer)).await;
                         }
                         Ok(Err(e)) => debug!(%peer, error = %e, "metrics: TLS handshake failed"),
                         Err(_) => debug!(%peer, "metrics: TLS handshake timed out"),
@@ -228,7 +331,7 @@ impl Drop for TlsListener {
 }
 
 impl axum::serve::Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
+    type Io = Capped<TlsStream<TcpStream>>;
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
@@ -299,6 +402,61 @@ mod tests {
         .unwrap();
         write(dir.path(), &b);
         assert_eq!(slow.current().cert[0], der_of(&a.0));
+    }
+
+    #[tokio::test]
+    async fn connections_beyond_the_cap_wait_until_one_closes() {
+        use axum::serve::Listener;
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = tcp.local_addr().unwrap();
+        let mut l = CappedListener::new(tcp, 2);
+        let _clients: Vec<_> = futures::future::join_all((0..3).map(|_| TcpStream::connect(addr)))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let first = l.accept().await.0;
+        let _second = l.accept().await.0;
+        let wait = Duration::from_millis(200);
+        assert!(
+            tokio::time::timeout(wait, l.accept()).await.is_err(),
+            "a third connection while two are open"
+        );
+        drop(first);
+        assert!(tokio::time::timeout(wait, l.accept()).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn silent_handshakes_count_against_the_tls_cap() {
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = tcp.local_addr().unwrap();
+        let config = server_config(&CertSource::SelfSigned).unwrap();
+        let _l = TlsListener::with_cap(tcp, config, 1).unwrap();
+        // One client connects and says nothing: it holds the only turn.
+        let silent = TcpStream::connect(addr).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // A second connects (the kernel completes it) but is not accepted: its ClientHello is
+        // never answered.
+        let mut second = TcpStream::connect(addr).await.unwrap();
+        let hello = tokio_rustls::rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        let mut conn =
+            rustls::ClientConnection::new(Arc::new(hello), "localhost".try_into().unwrap())
+                .unwrap();
+        let mut out = Vec::new();
+        conn.write_tls(&mut out).unwrap();
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        second.write_all(&out).await.unwrap();
+        let mut buf = [0u8; 16];
+        let read = tokio::time::timeout(Duration::from_millis(300), second.read(&mut buf)).await;
+        assert!(read.is_err(), "no ServerHello while the cap is taken");
+        // The silent client leaves: the second is accepted and answered.
+        drop(silent);
+        let read = tokio::time::timeout(Duration::from_secs(5), second.read(&mut buf)).await;
+        assert!(matches!(read, Ok(Ok(n)) if n > 0), "{read:?}");
     }
 
     #[test]
