@@ -182,15 +182,39 @@ struct RunArgs {
     /// gpusharing.io/unconfigured.
     #[arg(long, num_args = 0..=1, default_missing_value = gpu_sharing_operator::api::names::DEFAULT_READINESS_TAINT)]
     readiness_taint: Option<String>,
+    /// Seconds between checks that the admission policies fence this operator (dry-run writes
+    /// they must refuse: a foreign node label, a ClusterPolicy driver image, a policy label;
+    /// metric gpu_sharing_fenced). Checked at start too; 0: at start only.
+    #[arg(long, default_value_t = 600)]
+    fence_check_seconds: u64,
+    /// Fail /readyz while the last fence check did not find every forbidden write refused (or
+    /// before the first check).
+    #[arg(long)]
+    require_fenced: bool,
+}
+
+/// Aborts a background task when `run` returns.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let kube_config = kube::Config::infer().await?;
     let client = gpu_sharing_operator::runtime::depth::client(kube_config.clone())?;
     // Evictions without kube's retry of 429: that answer is a PodDisruptionBudget's refusal.
-    let mut no_retry = kube_config;
+    let mut no_retry = kube_config.clone();
     no_retry.default_retry = false;
     let eviction_client = kube::Client::try_from(no_retry)?;
+    // The token and access reviews of /metrics: a client (and connection pool) of their own, so
+    // that a flood of scrapes with made-up tokens never queues behind the controller's requests
+    // or they behind it; each review answers within seconds or fails the scrape.
+    let mut review_config = kube_config.clone();
+    review_config.read_timeout = Some(std::time::Duration::from_secs(10));
+    let review_client = kube::Client::try_from(review_config)?;
     let metrics = std::sync::Arc::new(gpu_sharing_operator::telemetry::metrics::Metrics::default());
     let endpoints = gpu_sharing_operator::telemetry::server::Config {
         metrics_addr: Some(args.metrics_addr).filter(|a| !a.is_empty()),
@@ -198,9 +222,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics_cert_dir: args.metrics_cert_dir,
         health_addr: Some(args.health_addr).filter(|a| !a.is_empty()),
     };
+    // Every replica checks its fence (dry-run writes), leader or not.
+    metrics.require_fenced(args.require_fenced);
+    let fence = tokio::spawn(gpu_sharing_operator::runtime::fence::watch(
+        client.clone(),
+        metrics.clone(),
+        std::time::Duration::from_secs(args.fence_check_seconds),
+    ));
+    let _fence = AbortOnDrop(fence);
     // Served until `run` returns.
     let _endpoints =
-        gpu_sharing_operator::telemetry::server::start(&endpoints, metrics.clone(), client.clone())
+        gpu_sharing_operator::telemetry::server::start(&endpoints, metrics.clone(), review_client)
             .await?;
     let signal = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

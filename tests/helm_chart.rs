@@ -137,6 +137,7 @@ fn chart_lints_and_renders_default_and_custom_values() {
         "PrometheusRule",
         "PodDisruptionBudget",
         "ConfigMap",
+        "NetworkPolicy",
     ] {
         assert!(!k.contains(absent), "{absent} is opt-in: {k:?}");
     }
@@ -222,6 +223,7 @@ fn chart_lints_and_renders_default_and_custom_values() {
             "--namespace=nvidia-gpu-operator",
             "--log-format=pretty",
             "--metrics-addr=0.0.0.0:9090",
+            "--metrics-cert-dir=/etc/gpu-sharing-operator/metrics-certs",
             "--health-addr=0.0.0.0:8081",
             "--leader-elect",
             "--lease-duration-seconds=30",
@@ -257,6 +259,33 @@ fn chart_lints_and_renders_default_and_custom_values() {
     assert_eq!(
         sm["spec"]["selector"]["matchLabels"],
         svc["spec"]["selector"]
+    );
+    // The ServiceMonitor verifies the serving certificate with the Secret's CA.
+    let tls = &sm["spec"]["endpoints"][0]["tlsConfig"];
+    assert_eq!(tls["ca"]["secret"]["name"], "gso-metrics-tls");
+    assert_eq!(
+        tls["serverName"],
+        "gso-gpu-sharing-operator-metrics.ops.svc"
+    );
+    assert!(tls["insecureSkipVerify"].is_null(), "{tls}");
+    // The NetworkPolicy: probes from anywhere, /metrics only from the given peers.
+    let np = find(&docs, "NetworkPolicy", "gso-gpu-sharing-operator");
+    assert_eq!(
+        np["spec"]["podSelector"]["matchLabels"],
+        svc["spec"]["selector"]
+    );
+    assert_eq!(np["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+    let ingress = np["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(ingress.len(), 2, "{ingress:?}");
+    assert!(ingress[0]["from"].is_null());
+    assert_eq!(ingress[0]["ports"][0]["port"], "health");
+    assert_eq!(
+        ingress[1]["from"],
+        serde_json::json!([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}])
+    );
+    assert_eq!(
+        ingress[1]["ports"],
+        serde_json::json!([{"port": "metrics", "protocol": "TCP"}])
     );
     let rule = find(&docs, "PrometheusRule", "gso-gpu-sharing-operator");
     let alerts: Vec<&Value> = rule["spec"]["groups"][0]["rules"]
@@ -337,6 +366,108 @@ fn chart_lints_and_renders_default_and_custom_values() {
     );
 }
 
+/// What the release workflow's chart job does (`image.repository` and `image.digest` rewritten in
+/// values.yaml to the image it pushed, signed and attested): every pod of the chart pulls
+/// `repository@digest`, whatever the tag says; with no digest, the tag.
+#[test]
+fn chart_pulls_the_image_by_digest_when_set() {
+    let digest = format!("sha256:{}", "5e".repeat(32));
+    let repository = "ghcr.io/example-owner/gpu-sharing-operator";
+    let docs = render(
+        RELEASE,
+        RELEASE_NS,
+        &[
+            "--set",
+            &format!("image.repository={repository}"),
+            "--set",
+            &format!("image.digest={digest}"),
+            "--set",
+            "image.tag=ignored",
+        ],
+    );
+    let want = format!("{repository}@{digest}");
+    assert_eq!(container(find(&docs, "Deployment", RELEASE))["image"], want);
+    let job = find(&docs, "Job", "gpu-sharing-operator-cleanup");
+    assert_eq!(container(job)["image"], want);
+    // The release checks the rendered manifest with grep: the line is `image: repo@digest`.
+    let text = ok(
+        &helm(&[
+            "template",
+            RELEASE,
+            CHART,
+            "--namespace",
+            RELEASE_NS,
+            "--set",
+            &format!("image.repository={repository}"),
+            "--set",
+            &format!("image.digest={digest}"),
+        ]),
+        "helm template",
+    );
+    assert!(text.contains(&format!("image: {want}\n")), "{text}");
+    // Unset, the tag (the chart's appVersion by default).
+    let docs = render(RELEASE, RELEASE_NS, &["--set", "image.tag=1.2.3"]);
+    assert_eq!(
+        container(find(&docs, "Deployment", RELEASE))["image"],
+        "ghcr.io/gpu-sharing-operator/gpu-sharing-operator:1.2.3"
+    );
+}
+
+/// Issue 39: the ServiceMonitor skips certificate verification only when a value says so, and the
+/// opt-in NetworkPolicy admits the default Prometheus to /metrics.
+#[test]
+fn service_monitor_verifies_unless_told_and_network_policy_defaults() {
+    let sm_tls = |set: &[&str]| {
+        let mut args = vec!["--set", "metrics.serviceMonitor.enabled=true"];
+        for s in set {
+            args.extend(["--set", s]);
+        }
+        let docs = render(RELEASE, RELEASE_NS, &args);
+        find(&docs, "ServiceMonitor", RELEASE)["spec"]["endpoints"][0]["tlsConfig"].clone()
+    };
+    let tls = sm_tls(&["metrics.serviceMonitor.insecureSkipVerify=true"]);
+    assert_eq!(tls["insecureSkipVerify"], true, "{tls}");
+    assert!(tls["ca"].is_null(), "{tls}");
+    // With a CA the certificate is verified, whatever the value says.
+    let tls = sm_tls(&[
+        "metrics.certSecret=metrics-tls",
+        "metrics.serviceMonitor.insecureSkipVerify=true",
+    ]);
+    assert_eq!(tls["ca"]["secret"]["name"], "metrics-tls", "{tls}");
+    assert_eq!(tls["ca"]["secret"]["key"], "ca.crt", "{tls}");
+    assert!(tls["insecureSkipVerify"].is_null(), "{tls}");
+
+    let docs = render(
+        RELEASE,
+        RELEASE_NS,
+        &["--set", "networkPolicy.enabled=true"],
+    );
+    let np = find(&docs, "NetworkPolicy", RELEASE);
+    let from = &np["spec"]["ingress"][1]["from"][0];
+    assert_eq!(
+        from["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+        "monitoring"
+    );
+    assert_eq!(
+        from["podSelector"]["matchLabels"]["app.kubernetes.io/name"],
+        "prometheus"
+    );
+    // No peers: the metrics port admits nobody, the probes still get through.
+    let docs = render(
+        RELEASE,
+        RELEASE_NS,
+        &[
+            "--set",
+            "networkPolicy.enabled=true",
+            "--set",
+            "networkPolicy.metricsFrom=null",
+        ],
+    );
+    let ingress = &find(&docs, "NetworkPolicy", RELEASE)["spec"]["ingress"];
+    assert_eq!(ingress.as_array().unwrap().len(), 1, "{ingress}");
+    assert_eq!(ingress[0]["ports"][0]["port"], "health");
+}
+
 #[test]
 fn bad_values_fail_naming_the_value() {
     for (set, says) in [
@@ -361,6 +492,12 @@ fn bad_values_fail_naming_the_value() {
         (
             "metrics.service.enabled=false,metrics.serviceMonitor.enabled=true",
             "metrics.service.enabled",
+        ),
+        // Nothing to verify the self-signed certificate with, and no skipping it by default.
+        ("metrics.serviceMonitor.enabled=true", "metrics.certSecret"),
+        (
+            "networkPolicy.metricsFrom[0].pods=x",
+            "/networkPolicy/metricsFrom/0",
         ),
     ] {
         let out = helm(&["template", RELEASE, CHART, "--set", set]);
@@ -413,7 +550,7 @@ fn chart_rbac_grants_exactly_what_config_grants() {
     assert!(sa.contains("name: gpu-sharing-operator"), "{sa}");
 }
 
-/// Both admission policies (nodes, ClusterPolicy): the chart's copy is config's, follows another
+/// The admission policies (nodes, ClusterPolicy, owned objects): the chart's copy is config's, follows another
 /// release, namespace and ServiceAccount, and each value switches off only its own policy.
 #[test]
 fn chart_admission_policies_are_configs() {
@@ -427,6 +564,11 @@ fn chart_admission_policies_are_configs() {
             "config/clusterpolicy-admission-policy.yaml",
             "clusterpolicy-fields",
             "clusterPolicyAdmissionPolicy",
+        ),
+        (
+            "config/owned-objects-admission-policy.yaml",
+            "owned-objects",
+            "ownedObjectsAdmissionPolicy",
         ),
     ];
     let chart = render(RELEASE, RELEASE_NS, &[]);
@@ -455,23 +597,41 @@ fn chart_admission_policies_are_configs() {
         let vap = find(&custom, "ValidatingAdmissionPolicy", &name);
         assert_eq!(
             vap["spec"]["matchConditions"][0]["expression"],
-            "request.userInfo.username == 'system:serviceaccount:ops:gso'"
+            "request.userInfo.username.startsWith('system:serviceaccount:') && \
+             request.userInfo.username.endsWith(':gso')"
         );
         assert_eq!(
             find(&custom, "ValidatingAdmissionPolicyBinding", &name)["spec"]["policyName"],
             vap["metadata"]["name"]
         );
+        // No eviction in the GPU Operator's namespace, wherever that is.
+        if suffix == "owned-objects" {
+            let system = vap["spec"]["variables"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"] == "systemNamespaces")
+                .unwrap()["expression"]
+                .clone();
+            assert_eq!(
+                system,
+                "['kube-system', 'kube-public', 'kube-node-lease', 'nvidia-gpu-operator']"
+            );
+        }
         let off = render(
             RELEASE,
             RELEASE_NS,
             &["--set", &format!("{value}.enabled=false")],
         );
-        let others: Vec<String> = policies
+        let mut others: Vec<String> = policies
             .iter()
             .filter(|(_, s, _)| *s != suffix)
             .map(|(_, s, _)| format!("gpu-sharing-operator-{s}"))
             .collect();
-        assert_eq!(policy_names(&off), others, "{value}.enabled=false");
+        others.sort();
+        let mut names = policy_names(&off);
+        names.sort();
+        assert_eq!(names, others, "{value}.enabled=false");
     }
 }
 
@@ -614,6 +774,8 @@ fn metrics_the_chart_names() -> BTreeMap<String, String> {
             "metrics.prometheusRule.enabled=true",
             "--set",
             "metrics.serviceMonitor.enabled=true",
+            "--set",
+            "metrics.serviceMonitor.insecureSkipVerify=true",
             "--set",
             "grafanaDashboard.enabled=true",
         ],

@@ -171,9 +171,13 @@ pub struct Metrics {
     cached_nodes: Gauge,
     cached_label_strings: Gauge,
     leader: Gauge,
+    /// 1 when the last fence check found every dry-run write it must not make refused.
+    fenced: Gauge,
     policies: PolicyGauges,
     /// Whether the caches are synced and a first pass ran.
     ready: AtomicBool,
+    /// `run --require-fenced`: not ready while not fenced.
+    require_fenced: AtomicBool,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -193,6 +197,7 @@ impl Default for Metrics {
         let writes = Family::<KindLabel, Counter>::default();
         let nodes = Family::<StrategyLabel, Gauge>::default();
         let (conflicted_policies, cached_nodes, cached_label_strings, leader) = Default::default();
+        let fenced = Gauge::default();
         registry.register(
             "gpu_sharing_reconciles",
             "Cluster-wide reconcile passes",
@@ -218,7 +223,7 @@ impl Default for Metrics {
             "Nodes governed by a policy, by strategy",
             nodes.clone(),
         );
-        let gauges: [(&str, &str, &Gauge); 4] = [
+        let gauges: [(&str, &str, &Gauge); 5] = [
             (
                 "gpu_sharing_conflicted_policies",
                 "Policies that lose nodes to another policy",
@@ -239,6 +244,13 @@ impl Default for Metrics {
                 "Whether this replica is the leader",
                 &leader,
             ),
+            (
+                "gpu_sharing_fenced",
+                "1 when the API server refused every dry-run write the admission policies forbid \
+                 the operator (a foreign node label, a ClusterPolicy driver image, a policy label); \
+                 0 when one went through, or before the first check",
+                &fenced,
+            ),
         ];
         for (name, help, g) in gauges {
             registry.register(name, help, g.clone());
@@ -256,8 +268,10 @@ impl Default for Metrics {
             cached_nodes,
             cached_label_strings,
             leader,
+            fenced,
             policies,
             ready: AtomicBool::new(false),
+            require_fenced: AtomicBool::new(false),
         }
     }
 }
@@ -345,6 +359,20 @@ impl Metrics {
         self.leader.get() == 1
     }
 
+    /// The result of a fence check (`runtime::fence`).
+    pub fn set_fenced(&self, fenced: bool) {
+        self.fenced.set(i64::from(fenced));
+    }
+
+    pub fn is_fenced(&self) -> bool {
+        self.fenced.get() == 1
+    }
+
+    /// `run --require-fenced`: `/readyz` fails while the operator is not fenced.
+    pub fn require_fenced(&self, on: bool) {
+        self.require_fenced.store(on, Ordering::Relaxed);
+    }
+
     /// The OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut s = String::new();
@@ -364,7 +392,13 @@ pub(super) async fn exposition(State(m): State<Arc<Metrics>>) -> impl IntoRespon
 }
 
 pub(super) async fn readyz(State(m): State<Arc<Metrics>>) -> (StatusCode, &'static str) {
-    if m.is_ready() {
+    if m.require_fenced.load(Ordering::Relaxed) && !m.is_fenced() {
+        // Every replica, standbys too: none may take over unfenced.
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not fenced: the admission policies do not refuse the operator's forbidden writes (gpu_sharing_fenced)\n",
+        )
+    } else if m.is_ready() {
         (StatusCode::OK, "ok\n")
     } else if !m.is_leader() {
         // A standby never runs a pass: it is ready to take over, and a Deployment's rollout
@@ -395,6 +429,28 @@ mod tests {
         );
         m.set_ready();
         assert_eq!(code(&m).await, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn with_require_fenced_no_replica_is_ready_unfenced() {
+        let m = Arc::new(Metrics::default());
+        let code = |m: &Arc<Metrics>| {
+            let m = m.clone();
+            async move { readyz(State(m)).await.0 }
+        };
+        assert!(m.render().contains("gpu_sharing_fenced 0"));
+        m.set_ready();
+        m.set_leader(true);
+        assert_eq!(code(&m).await, StatusCode::OK, "not required");
+        m.require_fenced(true);
+        assert_eq!(code(&m).await, StatusCode::SERVICE_UNAVAILABLE);
+        m.set_leader(false);
+        assert_eq!(code(&m).await, StatusCode::SERVICE_UNAVAILABLE, "a standby");
+        m.set_fenced(true);
+        assert_eq!(code(&m).await, StatusCode::OK);
+        assert!(m.render().contains("gpu_sharing_fenced 1"));
+        m.set_fenced(false);
+        assert_eq!(code(&m).await, StatusCode::SERVICE_UNAVAILABLE);
     }
 
     #[test]
