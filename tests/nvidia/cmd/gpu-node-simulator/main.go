@@ -507,7 +507,13 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		s.mu.Lock()
 		delete(s.restarts, name)
 		s.mu.Unlock()
-	} else if !migRes.InProgress {
+	} else if migRes.InProgress {
+		// The MIG manager has paused the device plugin on the whole node.
+		sim.PlanDevicePluginPaused(n, patch)
+		s.mu.Lock()
+		delete(s.restarts, name)
+		s.mu.Unlock()
+	} else {
 		// A reload trigger restarts the plugin and GFD: they load the new
 		// config (and GFD stamps its labels) only after restartDelay.
 		now := time.Now()

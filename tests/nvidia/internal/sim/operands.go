@@ -1,6 +1,10 @@
 package sim
 
-import "strings"
+import (
+	"fmt"
+	"sort"
+	"strings"
+)
 
 // LabelDeployDevicePlugin is the GPU Operator's per-node switch of the
 // device-plugin DaemonSet, which selects only "true".
@@ -28,6 +32,21 @@ func DevicePluginDeployed(n *Node) bool {
 // gone from the node: the plugin's resources drop to 0 allocatable while
 // their capacity lingers, and the next deployment loads its config afresh.
 func PlanDevicePluginGone(n *Node, p *Patch) {
+	withdraw(n, p, fmt.Sprintf("device plugin not deployed (%s!=true)", LabelDeployDevicePlugin))
+}
+
+// PlanDevicePluginPaused simulates the node while the MIG manager reconfigures
+// its GPUs: the real one labels the device plugin, GFD and DCGM
+// paused-for-mig-change (their DaemonSets select "true", so their pods go)
+// before it touches a GPU and restores them when done. Running pods keep
+// running; the kubelet marks the plugin's devices unhealthy, so no new GPU pod
+// is admitted anywhere on the node until the plugin is back, and the plugin
+// loads its config afresh after.
+func PlanDevicePluginPaused(n *Node, p *Patch) {
+	withdraw(n, p, "device plugin paused for the MIG change")
+}
+
+func withdraw(n *Node, p *Patch, why string) {
 	alloc := map[string]string{}
 	for r, v := range n.Allocatable {
 		if IsGPUResource(r) && v != "0" {
@@ -40,7 +59,8 @@ func PlanDevicePluginGone(n *Node, p *Patch) {
 		for r := range alloc {
 			names = append(names, r)
 		}
-		p.logf("device plugin not deployed (%s!=true): allocatable %s -> 0, capacity kept", LabelDeployDevicePlugin, strings.Join(names, ","))
+		sort.Strings(names)
+		p.logf("%s: allocatable %s -> 0, capacity kept", why, strings.Join(names, ","))
 	}
 	p.delAnn(n, AnnDPLoaded)
 	p.delAnn(n, AnnDPResources)

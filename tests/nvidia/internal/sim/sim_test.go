@@ -44,6 +44,9 @@ func apply(n *Node, p *Patch) {
 	for k, v := range p.Resources {
 		n.Capacity[k], n.Allocatable[k] = v, v
 	}
+	for k, v := range p.Allocatable {
+		n.Allocatable[k] = v
+	}
 }
 
 const dpConfigs = `
@@ -118,6 +121,7 @@ func step(t *testing.T, n *Node, mig MigInput, dp DPInput) (*Patch, MigResult, D
 	}
 	mr := PlanMig(n, hw, mig, p)
 	if mr.InProgress {
+		PlanDevicePluginPaused(n, p)
 		apply(n, p)
 		return p, mr, DPResult{}
 	}
@@ -289,14 +293,19 @@ func TestMigChangeUndoneBeforeApplied(t *testing.T) {
 	if n.Labels[LabelMigState] != StatePending {
 		t.Fatalf("state %q, want pending", n.Labels[LabelMigState])
 	}
+	// The operands are paused for the change: the plugin advertises nothing.
+	if n.Annotations[AnnDPLoaded] != "" || n.Allocatable["nvidia.com/gpu"] != "0" {
+		t.Fatalf("the device plugin runs during the change: allocatable %v", n.Allocatable)
+	}
 	n.Labels[LabelMigConfig] = applied
 	due := now.Add(time.Second)
 	_, mr, _ := step(t, n, MigInput{Now: now.Add(100 * time.Millisecond), Due: &due, Delay: time.Second}, DPInput{})
 	if n.Labels[LabelMigState] != StateSuccess || !mr.ClearTimer {
 		t.Fatalf("state %q result %+v, want success", n.Labels[LabelMigState], mr)
 	}
-	if n.Annotations[AnnDPLoaded] != "" {
-		t.Fatalf("the device plugin was not restarted with the operands: %q", n.Annotations[AnnDPLoaded])
+	// ... and back with them, loading its config afresh.
+	if n.Annotations[AnnDPLoaded] == "" || n.Allocatable["nvidia.com/gpu"] != "8" {
+		t.Fatalf("the device plugin did not come back with the operands: loaded %q, allocatable %v", n.Annotations[AnnDPLoaded], n.Allocatable)
 	}
 }
 
@@ -313,6 +322,10 @@ func TestMigReconfiguration(t *testing.T) {
 	// The device plugin is paused during the change: the new label is not loaded yet.
 	if n.Annotations[AnnDPConfig] != "default" || n.Capacity["nvidia.com/gpu"] != "8" {
 		t.Fatalf("device plugin reloaded during a MIG change: %v %v", n.Annotations[AnnDPConfig], n.Capacity)
+	}
+	// ... and advertises nothing: no new GPU pod is admitted on the node until it is back.
+	if n.Allocatable["nvidia.com/gpu"] != "0" || n.Annotations[AnnDPLoaded] != "" {
+		t.Fatalf("device plugin still serving during a MIG change: allocatable %v", n.Allocatable)
 	}
 	due := now.Add(time.Second)
 	p, mr, _ := step(t, n, MigInput{Now: now.Add(500 * time.Millisecond), Due: &due, Delay: time.Second}, DPInput{})
