@@ -224,9 +224,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     // Every replica checks its fence (dry-run writes), leader or not.
     metrics.require_fenced(args.require_fenced);
+    let fence_state = std::sync::Arc::new(gpu_sharing_operator::runtime::fence::State::default());
     let fence = tokio::spawn(gpu_sharing_operator::runtime::fence::watch(
         client.clone(),
         metrics.clone(),
+        fence_state.clone(),
         std::time::Duration::from_secs(args.fence_check_seconds),
     ));
     let _fence = AbortOnDrop(fence);
@@ -250,6 +252,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         pause_rollouts: args.pause_rollouts,
         readiness_taint: args.readiness_taint,
         eviction_client: Some(controller::EvictionClient(eviction_client)),
+        fence: fence_state,
         ..Default::default()
     };
     if !args.leader_elect {

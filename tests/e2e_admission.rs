@@ -1786,6 +1786,8 @@ impl FencedOperator {
 /// are installed it reports fenced (1) and becomes ready. Returns to the caller with the
 /// policies installed.
 async fn fence_check_follows_the_policies(cluster: &testkit::TestCluster, admin: &Client) {
+    // A policy governing no node carries the verdict as its `Fenced` condition.
+    testkit::apply_yaml(admin, FENCED_POLICY).await.unwrap();
     let op = FencedOperator::start(cluster).await;
     let body = op.until(0, 503).await;
     assert!(body.contains("not fenced"), "{body}");
@@ -1795,6 +1797,31 @@ async fn fence_check_follows_the_policies(cluster: &testkit::TestCluster, admin:
             && log.contains(gpu_sharing_operator::runtime::fence::PROBE_LABEL),
         "{log}"
     );
+    let message = fenced_condition(admin, "False", "NotFenced").await;
+    assert!(
+        message.contains(gpu_sharing_operator::runtime::fence::PROBE_LABEL),
+        "{message}"
+    );
     apply_config(admin, &[POLICY_FILE, CP_POLICY_FILE, OWNED_POLICY_FILE]).await;
     op.until(1, 200).await;
+    fenced_condition(admin, "True", "AdmissionPoliciesEnforced").await;
+    drop(op);
+    Api::<gpu_sharing_operator::api::crd::GpuSharingPolicy>::all(admin.clone())
+        .delete("fenced-condition", &DeleteParams::default())
+        .await
+        .unwrap();
+}
+
+const FENCED_POLICY: &str = "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: fenced-condition}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: none}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n";
+
+/// Waits until the policy `fenced-condition` has its `Fenced` condition at `status` with
+/// `reason`; returns the message.
+async fn fenced_condition(admin: &Client, status: &str, reason: &str) -> String {
+    until(&format!("condition Fenced {status} {reason}"), LONG, || async {
+        let s = policy_status(admin, "fenced-condition").await?;
+        let c = condition(&s, "Fenced")?;
+        (c["status"] == status && c["reason"] == reason)
+            .then(|| c["message"].as_str().unwrap_or_default().to_string())
+    })
+    .await
 }

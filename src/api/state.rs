@@ -133,6 +133,9 @@ string_enum!(
         // Only on policies with a custom MIG layout: True when some of their nodes have a GPU
         // model whose MIG geometry the operator does not know (the layout is not checked).
         MigGeometryUnverified,
+        // Whether the admission policies keep the operator's account to its own writes, as its
+        // last fence check found (dry-run writes they must refuse); absent before one.
+        Fenced,
     }
 );
 
@@ -177,6 +180,9 @@ string_enum!(
         // MigGeometryUnverified
         UnknownGpuModel,
         GeometryChecked,
+        // Fenced
+        AdmissionPoliciesEnforced,
+        NotFenced,
     }
 );
 

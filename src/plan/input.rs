@@ -308,6 +308,17 @@ pub struct Memory {
     pub cluster_policy_contested: Option<String>,
     /// The GPU Operator's namespace, when our last ConfigMap write found it missing.
     pub gpu_operator_namespace_missing: Option<String>,
+    /// The last conclusive fence check (`run --fence-check-seconds`): whether the admission
+    /// policies refused every forbidden dry-run write; `None` before one (or offline).
+    pub fence: Option<Fence>,
+}
+
+/// What the fence check found: every policy's `Fenced` condition says it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    pub fenced: bool,
+    /// What was probed, or the writes that went through.
+    pub message: String,
 }
 
 impl PlanInput {

@@ -54,7 +54,7 @@ pub mod taint;
 pub(crate) mod testing;
 pub mod vm;
 
-pub use input::{ClusterFacts, Memory, NodeView, PlanInput, Settings};
+pub use input::{ClusterFacts, Fence, Memory, NodeView, PlanInput, Settings};
 pub use labels::{
     LabelFilter, LabelLookup, Labels, OwnedKeys, SelectionLabels, SmallMap, dynamic_selectors,
     selection_labels, selector_keys, selector_matches,
@@ -479,6 +479,7 @@ fn cluster_of(input: &PlanInput) -> Cluster<'_> {
             .map(|t| t.key.as_str()),
         gpu_cluster: c.gpu_cluster.as_deref(),
         gpu_operator_namespace_missing: input.memory.gpu_operator_namespace_missing.as_deref(),
+        fence: input.memory.fence.as_ref(),
     }
 }
 

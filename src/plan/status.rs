@@ -75,6 +75,8 @@ pub struct Cluster<'a> {
     pub gpu_cluster: Option<&'a str>,
     /// The GPU Operator's namespace, when it does not exist (nothing can be written there).
     pub gpu_operator_namespace_missing: Option<&'a str>,
+    /// The last fence check's result, when one was conclusive.
+    pub fence: Option<&'a super::input::Fence>,
 }
 
 /// What the status needs of the policy's place among the others.
@@ -439,6 +441,17 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         cond(ConditionType::Overridden, overridden(&place.overridden)),
         cond(ConditionType::Degraded, degraded(p, &t, c)),
     ];
+    if let Some(f) = c.fence {
+        let reason = if f.fenced {
+            Reason::AdmissionPoliciesEnforced
+        } else {
+            Reason::NotFenced
+        };
+        conditions.push(cond(
+            ConditionType::Fenced,
+            (f.fenced, reason, f.message.clone()),
+        ));
+    }
     if super::geometry::checks(p.spec) {
         conditions.push(cond(
             ConditionType::MigGeometryUnverified,

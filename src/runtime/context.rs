@@ -42,6 +42,9 @@ pub struct Config {
     /// Without one, evictions go through the main client and an eviction still unanswered
     /// after [`EVICTION_WAIT`](crate::runtime::apply::EVICTION_WAIT) is reported as unanswered.
     pub eviction_client: Option<EvictionClient>,
+    /// The fence check's last verdict (`runtime::fence::watch` writes it), reported on every
+    /// policy's status.
+    pub fence: Arc<crate::runtime::fence::State>,
 }
 
 impl Config {
@@ -84,6 +87,7 @@ impl Default for Config {
             pause_rollouts: false,
             readiness_taint: None,
             eviction_client: None,
+            fence: Arc::default(),
         }
     }
 }

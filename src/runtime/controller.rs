@@ -117,6 +117,7 @@ async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
                 let wait = recheck.map_or(ctx.config.resync, |r| r.min(ctx.config.resync));
                 tokio::select! {
                     _ = notify.notified() => {},
+                    _ = ctx.config.fence.changed() => {},
                     _ = tokio::time::sleep(wait) => {},
                 }
             }

@@ -4,8 +4,8 @@
 //! account (another namespace or ServiceAccount name). So the operator checks from where it
 //! runs, as the account it runs as: dry-run writes (`dryRun=All`: admitted or refused exactly
 //! like real writes, never stored) that the policies must refuse. It reports the verdict as the
-//! metric `gpu_sharing_fenced` and a log line, and `run --require-fenced` fails readiness while
-//! it is not fenced.
+//! metric `gpu_sharing_fenced`, a log line and every policy's `Fenced` condition, and
+//! `run --require-fenced` fails readiness while it is not fenced.
 //!
 //! The probes, each made when its object exists: a foreign label on a node (node policy), a
 //! driver image on the ClusterPolicy (ClusterPolicy policy), a label on a GpuSharingPolicy
@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::api::crd::GpuSharingPolicy;
+use crate::plan::Fence;
 use crate::runtime::resources::cluster_policy_resource;
 use crate::telemetry::metrics::Metrics;
 
@@ -45,6 +46,33 @@ pub enum Outcome {
 pub struct Probe {
     pub what: String,
     pub outcome: Outcome,
+}
+
+/// The last conclusive verdict, shared with the control loop, which reports it on every
+/// policy's status; it wakes the loop when the verdict changes.
+#[derive(Debug, Default)]
+pub struct State {
+    last: std::sync::Mutex<Option<Fence>>,
+    changed: tokio::sync::Notify,
+}
+
+impl State {
+    pub fn get(&self) -> Option<Fence> {
+        self.last.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set(&self, f: Fence) {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.as_ref() != Some(&f) {
+            *last = Some(f);
+            self.changed.notify_one();
+        }
+    }
+
+    /// Resolves once the verdict changed since the last call.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
 }
 
 /// The verdict: `Some(false)` when any probe went through, `Some(true)` when every probe was
@@ -109,8 +137,8 @@ pub async fn probes(client: &Client) -> Vec<Probe> {
     [n, cp, p].into_iter().flatten().collect()
 }
 
-/// One check: probes, then the metric and a log line. Returns the verdict.
-pub async fn check(client: &Client, metrics: &Metrics) -> Option<bool> {
+/// One check: probes, then the metric, the shared state and a log line. Returns the verdict.
+pub async fn check(client: &Client, metrics: &Metrics, state: &State) -> Option<bool> {
     let probes = probes(client).await;
     let v = verdict(&probes);
     let allowed: Vec<&str> = probes
@@ -121,6 +149,14 @@ pub async fn check(client: &Client, metrics: &Metrics) -> Option<bool> {
     match v {
         Some(true) => {
             metrics.set_fenced(true);
+            let what: Vec<&str> = probes.iter().map(|p| p.what.as_str()).collect();
+            state.set(Fence {
+                fenced: true,
+                message: cut(&format!(
+                    "the API server refused every forbidden dry-run write of the operator's account: {}",
+                    what.join("; ")
+                )),
+            });
             info!(
                 probes = probes.len(),
                 "fenced: the API server refused every forbidden dry-run write"
@@ -128,6 +164,13 @@ pub async fn check(client: &Client, metrics: &Metrics) -> Option<bool> {
         }
         Some(false) => {
             metrics.set_fenced(false);
+            state.set(Fence {
+                fenced: false,
+                message: cut(&format!(
+                    "the API server let forbidden dry-run writes of the operator's account through ({}): install and bind the admission policies for its ServiceAccount (docs/install.md)",
+                    allowed.join("; ")
+                )),
+            });
             warn!(
                 allowed = %allowed.join("; "),
                 "NOT fenced: the API server let forbidden dry-run writes through; install and bind the admission policies for this ServiceAccount (docs/install.md)"
@@ -147,10 +190,19 @@ pub async fn check(client: &Client, metrics: &Metrics) -> Option<bool> {
     v
 }
 
+/// A condition message of at most 1,024 characters (the probes name objects).
+fn cut(s: &str) -> String {
+    const MAX: usize = 1024;
+    match s.char_indices().nth(MAX) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
 /// Checks at start and then every `every` (never again when zero), for as long as it runs.
-pub async fn watch(client: Client, metrics: Arc<Metrics>, every: Duration) {
+pub async fn watch(client: Client, metrics: Arc<Metrics>, state: Arc<State>, every: Duration) {
     loop {
-        check(&client, &metrics)
+        check(&client, &metrics, &state)
             .instrument(info_span!("fence_check"))
             .await;
         if every.is_zero() {

@@ -87,7 +87,8 @@ impl Context {
             .filter(|p| observe::pods::uses_gpu(p))
             .filter_map(|p| p.spec.as_ref()?.node_name.as_deref());
         memory.note_busy(busy, &nodes, now);
-        let memory = memory.recall(&self.caches.nodes.pending(), Instant::now());
+        let mut memory = memory.recall(&self.caches.nodes.pending(), Instant::now());
+        memory.carried.fence = self.config.fence.get();
         let karpenter = self
             .caches
             .karpenter

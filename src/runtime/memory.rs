@@ -100,6 +100,7 @@ impl ControllerMemory {
                 eviction_blocked: self.eviction_blocked.clone(),
                 cluster_policy_contested: self.contested(now),
                 gpu_operator_namespace_missing: self.namespace_missing.clone(),
+                fence: None,
             },
             foreign_cordons: self.foreign_cordons.clone(),
             mig_stuck: self.stuck(nodes, LABEL_MIG_CONFIG, LABEL_MIG_STATE, now),
