@@ -1817,11 +1817,15 @@ const FENCED_POLICY: &str = "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharin
 /// Waits until the policy `fenced-condition` has its `Fenced` condition at `status` with
 /// `reason`; returns the message.
 async fn fenced_condition(admin: &Client, status: &str, reason: &str) -> String {
-    until(&format!("condition Fenced {status} {reason}"), LONG, || async {
-        let s = policy_status(admin, "fenced-condition").await?;
-        let c = condition(&s, "Fenced")?;
-        (c["status"] == status && c["reason"] == reason)
-            .then(|| c["message"].as_str().unwrap_or_default().to_string())
-    })
+    until(
+        &format!("condition Fenced {status} {reason}"),
+        LONG,
+        || async {
+            let s = policy_status(admin, "fenced-condition").await?;
+            let c = condition(&s, "Fenced")?;
+            (c["status"] == status && c["reason"] == reason)
+                .then(|| c["message"].as_str().unwrap_or_default().to_string())
+        },
+    )
     .await
 }
