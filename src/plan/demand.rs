@@ -398,6 +398,46 @@ fn wants(p: &PendingPod) -> impl Iterator<Item = (String, i64)> + '_ {
         .map(|(prof, c)| (format!("nvidia.com/mig-{prof}"), *c))
 }
 
+/// The seconds a pod's value counts besides its wait: a pod that just became pending is worth
+/// as much as its slices times this, one that waited ten minutes eleven times that.
+const VALUE_BASE_SECONDS: i64 = 60;
+
+/// What serving pending pod `p` is worth: the compute slices it asks for, times
+/// [`VALUE_BASE_SECONDS`] plus the seconds it has waited (saturating).
+fn value(p: &PendingPod, now: i64) -> i64 {
+    let waited = now.saturating_sub(p.since).clamp(0, i64::from(i32::MAX));
+    slices(p).saturating_mul(VALUE_BASE_SECONDS + waited)
+}
+
+/// The compute slices of a pod's MIG request: the `Ng` of each profile (`3g` of `3g.40gb`
+/// and of `1c.3g.40gb`, the GPU instance it takes) times the count; 1 for a name without one.
+fn slices(p: &PendingPod) -> i64 {
+    p.profiles
+        .iter()
+        .map(|(prof, c)| profile_slices(prof).saturating_mul(*c))
+        .fold(0i64, i64::saturating_add)
+}
+
+fn profile_slices(profile: &str) -> i64 {
+    profile
+        .split('.')
+        .find_map(|t| t.strip_suffix('g')?.parse::<i64>().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// What each GPU pod a drain of `v` would evict is worth: the compute slices its GPU pods
+/// request on average, as if it had just become pending.
+fn evicted_value(v: &NodeView) -> i64 {
+    let slices: i64 = v
+        .gpu_requests
+        .iter()
+        .filter_map(|(r, c)| Some(profile_slices(r.strip_prefix("nvidia.com/mig-")?) * c))
+        .fold(0i64, i64::saturating_add);
+    let each = slices / (v.gpu_pods.len() as i64).max(1);
+    each.max(1) * VALUE_BASE_SECONDS
+}
+
 /// Whether `supply` holds a pod's whole request (see [`wants`]).
 fn holds(supply: &BTreeMap<String, i64>, req: &[(String, i64)]) -> bool {
     req.iter()
@@ -459,6 +499,7 @@ impl Policy<'_, '_> {
             .flat_map(|n| n.evicts.iter().flatten().copied());
         let levels = priority_levels(pods.iter().map(|p| p.priority).chain(evicted));
         let reqs: Vec<Vec<(String, i64)>> = pods.iter().map(|p| wants(p).collect()).collect();
+        let values: Vec<i64> = pods.iter().map(|p| value(p, self.now)).collect();
         let (placed, mut residual) = self.baseline(&pods, &reqs);
         let mut st = Tally::default();
         for (i, ks) in placed.iter().enumerate() {
@@ -485,7 +526,7 @@ impl Policy<'_, '_> {
         let mut taken: BTreeSet<usize> = BTreeSet::new();
         while act && !residual.is_empty() {
             let best = self.best(
-                (&pods, &reqs),
+                (&pods, &reqs, &values),
                 &residual,
                 &placed,
                 &levels,
@@ -696,11 +737,12 @@ impl Policy<'_, '_> {
         }
     }
 
-    /// The (node, layout) that serves most residual pods, with the residual pods it serves and
+    /// The (node, layout) of most value among those that serve more residual pods than they
+    /// displace (see [`value`]), with the residual pods it serves and
     /// the placed pods it displaces; `None` when no reshape serves more than it displaces.
     fn best(
         &self,
-        (pods, reqs): (&[&PendingPod], &[Request]),
+        (pods, reqs, values): (&[&PendingPod], &[Request], &[i64]),
         residual: &[usize],
         placed: &[Vec<usize>],
         levels: &[i32],
@@ -713,6 +755,23 @@ impl Policy<'_, '_> {
                 .map(|l| {
                     let pending = ks.iter().filter(|&&k| pods[k].priority == *l).count();
                     (pending + evicts.iter().filter(|p| *p == l).count()) as i64
+                })
+                .collect()
+        };
+        // Among the reshapes that serve more pods than they displace, at each priority level,
+        // the one of most value wins: a pod's value is its compute slices times its wait
+        // (see [`value`]), so the pods that waited longest are served first and a large
+        // profile is not passed over for many small ones.
+        let worth = |ks: &[usize], evicts: &[i32], each: i64| -> Score {
+            levels
+                .iter()
+                .map(|l| {
+                    let pending: i64 = ks
+                        .iter()
+                        .filter(|&&k| pods[k].priority == *l)
+                        .map(|&k| values[k])
+                        .sum();
+                    pending + each * evicts.iter().filter(|p| *p == l).count() as i64
                 })
                 .collect()
         };
@@ -755,6 +814,9 @@ impl Policy<'_, '_> {
                 if net.iter().find(|x| **x != 0).is_none_or(|x| *x < 0) {
                     continue;
                 }
+                let each = evicted_value(n.view);
+                let (g, l) = (worth(&gained, &[], each), worth(&lost, evicts, each));
+                let net: Score = g.iter().zip(&l).map(|(a, b)| a - b).collect();
                 // Ties go to the choice that evicts fewer pods, then waits for fewer (an idle
                 // node first).
                 let cost = (evicts.len(), running);
@@ -1098,6 +1160,41 @@ mod tests {
 
     fn profile<'a>(st: &'a DemandStatus, p: &str) -> &'a ProfileDemand {
         st.profiles.iter().find(|d| d.profile == p).unwrap()
+    }
+
+    /// Of two reshapes that each serve more than they displace, the one serving more compute
+    /// slices times wait wins: a 3g pod that waited ten minutes before five 1g pods that
+    /// just came (3 x 660 against 5 x 65), the five 1g pods when all came alike.
+    #[test]
+    fn the_longest_waiting_slices_are_served_first() {
+        let chosen = |since_3g: i64| {
+            let mut demand: Vec<PendingPod> = (0..5)
+                .map(|k| pod(&format!("ml/small-{k}"), "1g.10gb", 1, NOW - 5))
+                .collect();
+            demand.push(pod("ml/large", "3g.40gb", 1, since_3g));
+            let i = input("", vec![node("b", "all-7g.80gb", SEVEN)], demand);
+            plan_all(&i).demand.annotations
+        };
+        assert_eq!(
+            chosen(NOW - 600),
+            [("b".to_string(), Some(format!("all-3g.40gb@{NOW}")))].into()
+        );
+        assert_eq!(
+            chosen(NOW - 5),
+            [("b".to_string(), Some(format!("all-1g.10gb@{NOW}")))].into()
+        );
+    }
+
+    #[test]
+    fn a_pods_slices_are_its_gpu_instances() {
+        let p = |profiles: &[(&str, i64)]| PendingPod {
+            profiles: profiles.iter().map(|(p, c)| (p.to_string(), *c)).collect(),
+            ..Default::default()
+        };
+        assert_eq!(slices(&p(&[("1g.10gb", 1)])), 1);
+        assert_eq!(slices(&p(&[("3g.40gb", 2), ("1c.4g.40gb", 1)])), 10);
+        assert_eq!(slices(&p(&[("1g.10gb+me", 1), ("odd", 3)])), 4);
+        assert_eq!(slices(&p(&[("7g.80gb", i64::MAX)])), i64::MAX);
     }
 
     /// A pod asking for a profile no node offers: the first idle node gets the catalogue's
