@@ -159,11 +159,15 @@ struct Args {
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![demand::Kind::Shifting, demand::Kind::Stationary])]
     demand_kind: Vec<demand::Kind>,
     /// Scheduler models of the demand replay (comma-separated).
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![demand::Scheduler::FirstFit, demand::Scheduler::Spread, demand::Scheduler::Pack])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = vec![demand::Scheduler::FirstFit, demand::Scheduler::KubeDefault, demand::Scheduler::Pack])]
     demand_scheduler: Vec<demand::Scheduler>,
     /// Seconds the MIG manager takes to reshape a node in the dynamic replays (comma-separated).
     #[arg(long, value_delimiter = ',', default_values_t = vec![10i64, 60, 120])]
     demand_mig_delays: Vec<i64>,
+    /// The dynamic policy's quietSeconds, maxDelaySeconds, idleSeconds and
+    /// minLayoutLifetimeSeconds in the replays (comma-separated; default: the CRD's defaults).
+    #[arg(long, value_delimiter = ',')]
+    demand_timers: Option<Vec<i64>>,
     /// Replay a small seeded demand trace live, in real time (minutes per configuration), on
     /// the local control plane with kube-scheduler, the node simulator and the operator binary,
     /// beside the model's replay of it (see demand/live.rs); `--demand-kind` picks the kinds;
@@ -323,6 +327,18 @@ async fn main() -> anyhow::Result<()> {
             kinds: args.demand_kind.clone(),
             schedulers: args.demand_scheduler.clone(),
             mig_delays: args.demand_mig_delays.clone(),
+            timers: match args.demand_timers.as_deref() {
+                None => None,
+                Some(&[quiet, max_delay, idle, min_lifetime]) => Some(demand::Timers {
+                    quiet,
+                    max_delay,
+                    idle,
+                    min_lifetime,
+                }),
+                Some(_) => anyhow::bail!(
+                    "--demand-timers takes four values: quietSeconds,maxDelaySeconds,idleSeconds,minLayoutLifetimeSeconds"
+                ),
+            },
             command: std::env::args().collect::<Vec<_>>().join(" "),
         });
         std::fs::create_dir_all(&args.out)?;

@@ -12,12 +12,12 @@ use super::trace::{Arrival, PROFILES, PerProfile, Rng};
 pub(crate) enum Scheduler {
     /// The first node by name: packs pods and leaves the last nodes idle.
     FirstFit,
-    /// kube-scheduler's default profile: `NodeResourcesFit` `LeastAllocated` and
-    /// `NodeResourcesBalancedAllocation`, over CPU and memory only (extended resources are not
-    /// scored). The trace's pods request neither, so each counts the default 100m / 200Mi, and
-    /// on identical nodes the node with the fewest pods scores highest. (The real scores are
-    /// integers, so nodes a few pods apart may tie; either way pods spread.)
-    Spread,
+    /// kube-scheduler's default profile, scored as v1.35 scores it (see [`kube_default_score`]):
+    /// the trace's pods request no CPU or memory, so only `NodeResourcesFit`'s
+    /// `LeastAllocated` score tells nodes apart, counting each pod as 100m and 200Mi, in
+    /// whole points. On the 96-CPU nodes of the test fixtures that moves one point per
+    /// about ten pods: nodes a few pods apart tie, and ties go at random.
+    KubeDefault,
     /// A `MostAllocated` profile that scores the `nvidia.com/mig-*` resources: the node with
     /// the most compute slices allocated.
     Pack,
@@ -28,7 +28,7 @@ impl Scheduler {
     pub fn name(self) -> &'static str {
         match self {
             Scheduler::FirstFit => "first-fit",
-            Scheduler::Spread => "spread",
+            Scheduler::KubeDefault => "kube-default",
             Scheduler::Pack => "pack",
         }
     }
@@ -42,10 +42,33 @@ impl Scheduler {
             .filter(|(_, n)| n.free(profile) > 0);
         match self {
             Scheduler::FirstFit => feasible.next().map(|(i, _)| i),
-            Scheduler::Spread => highest(feasible, |n| -(n.pods.len() as i64), rng),
+            Scheduler::KubeDefault => highest(feasible, |n| kube_default_score(n.pods.len()), rng),
             Scheduler::Pack => highest(feasible, Node::slices_used, rng),
         }
     }
+}
+
+/// Allocatable CPU (millicores) and memory (MiB) of the fixture A100 nodes the live runs use
+/// (`tests/cluster/fixtures/nodes.yaml`).
+const NODE_MILLI_CPU: i64 = 96_000;
+const NODE_MEMORY_MIB: i64 = 1_179_648;
+/// What kube-scheduler counts for a container that requests no CPU or memory
+/// (`DefaultMilliCPURequest`, `DefaultMemoryRequest`).
+const DEFAULT_MILLI_CPU: i64 = 100;
+const DEFAULT_MEMORY_MIB: i64 = 200;
+
+/// kube-scheduler's default-profile score of a node running `pods` pods without requests, for
+/// one more such pod: `NodeResourcesFit` with `LeastAllocated` over cpu and memory (weight 1
+/// each), on the non-zero requests of the node's pods and the pod's own, in integer points as
+/// `leastRequestedScore` computes them. `NodeResourcesBalancedAllocation` gives a best-effort
+/// pod 0 everywhere; the other scoring plugins (taints, affinity, topology spread, image
+/// locality) score these nodes and pods alike.
+pub(crate) fn kube_default_score(pods: usize) -> i64 {
+    let n = pods as i64 + 1;
+    let least = |requested: i64, allocatable: i64| (allocatable - requested) * 100 / allocatable;
+    let cpu = least(n * DEFAULT_MILLI_CPU, NODE_MILLI_CPU);
+    let memory = least(n * DEFAULT_MEMORY_MIB, NODE_MEMORY_MIB);
+    (cpu + memory) / 2
 }
 
 /// The index of the highest-scoring node, a tie going to each of the tied nodes with equal
@@ -231,5 +254,21 @@ impl<'a> Cluster<'a> {
         let mut out = self.out;
         out.never_served = self.queue.iter().map(VecDeque::len).sum();
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kube_default_score;
+
+    #[test]
+    fn kube_default_scores_tie_for_nodes_a_few_pods_apart() {
+        // 1 to 9 pods with the new one: cpu 99, memory 99.
+        assert_eq!(kube_default_score(0), 99);
+        assert_eq!(kube_default_score(8), 99);
+        // The tenth: cpu (96,000 - 1,000) * 100 / 96,000 = 98.
+        assert_eq!(kube_default_score(9), 98);
+        assert_eq!(kube_default_score(27), 98);
+        assert!(kube_default_score(56) < kube_default_score(27));
     }
 }

@@ -1,10 +1,10 @@
 //! Live mode (`--demand-live SEED`): a small trace of the same generator replayed in real time
 //! on the local control plane (see [`livekube`]) with the real kube-scheduler, the node simulator
-//! and the operator binary, and replayed in the model (the spread scheduler model, the same
+//! and the operator binary, and replayed in the model (the kube-default scheduler model, the same
 //! policies, the same MIG delay) beside it, to show how far the model's figures hold.
 //!
 //! Per kind of trace, the configurations are the oracle's per-node static assignment (computed
-//! by [`statics::oracle`] on the same small trace under the spread model), the admin's split
+//! by [`statics::oracle`] on the same small trace under the kube-default model), the admin's split
 //! ([`statics::admin`]), and `spec.mig.dynamic` from all-balanced with short timers (and with
 //! `reserveBusyNodes` if asked). Static assignments are applied live as one policy per layout,
 //! each selecting its nodes by a label ([`pool::static_policy`]); dynamic is the very policy
@@ -180,7 +180,7 @@ fn setups(s: &LiveSettings, arrivals: &[Arrival]) -> Vec<Setup> {
         .iter()
         .map(|c| match c {
             LiveConfig::Oracle => {
-                let o = statics::oracle(arrivals, &caps, s.nodes, Scheduler::Spread, s.seed);
+                let o = statics::oracle(arrivals, &caps, s.nodes, Scheduler::KubeDefault, s.seed);
                 static_setup(
                     format!("oracle: {}", o.split.describe()),
                     o.split,
@@ -189,7 +189,7 @@ fn setups(s: &LiveSettings, arrivals: &[Arrival]) -> Vec<Setup> {
             }
             LiveConfig::Admin => {
                 let split = statics::admin(arrivals, &caps, s.nodes, pool_slices(s.nodes));
-                let model = statics::replay(arrivals, split, &caps, Scheduler::Spread, s.seed);
+                let model = statics::replay(arrivals, split, &caps, Scheduler::KubeDefault, s.seed);
                 static_setup(format!("admin's split: {}", split.describe()), split, model)
             }
             LiveConfig::Dynamic => dynamic_setup(s, arrivals, Busy::Wait),
@@ -227,7 +227,7 @@ fn dynamic_setup(s: &LiveSettings, arrivals: &[Arrival], busy: Busy) -> Setup {
     };
     let p = pool::timed_policy(DYNAMIC_START, busy, timers);
     let replay = |sc| dynamic::replay(arrivals, s.nodes, sc, &p, s.mig_delay, s.seed);
-    let model = replay(Scheduler::Spread);
+    let model = replay(Scheduler::KubeDefault);
     let others = [Scheduler::Pack, Scheduler::FirstFit]
         .map(|sc| (sc, replay(sc)))
         .into();
@@ -441,7 +441,7 @@ fn header(s: &LiveSettings) -> String {
          - **Pool**: {nodes} A100 80GB nodes ({gpus} GPUs, {slices} compute slices).\n\
          - **Pods**: the demand benchmark's trace generator, arrivals over {secs} s, each pod running {r0}-{r1} s, the rate chosen for an offered load of {load:.0}%.\n\
          - **Live**: a fresh `kube-local --scheduler` control plane per configuration (kube-scheduler's default profile), the node simulator (`--mig-delay {delay}s`: MIG manager, device plugin, GFD, kubelet; a bound pod runs for its `simulator.gpusharing.io/run-seconds`), the operator binary. Pods are created at their arrival second once the starting layouts are in place; wait = the creation request to `spec.nodeName` first seen on a watch. Ends when every pod is bound, or when every pod was created, none runs and nothing changed for longer than the policy's timers plus the MIG delay ({static_settle} s for static assignments): the pods pending then are never served. Reshapes: changes of a node's `nvidia.com/mig.config` after the first arrival.\n\
-         - **Model**: the same arrivals, the spread scheduler model, the same policy objects and MIG delay ({delay} s), waits in whole seconds (binding happens on the model's ticks).\n\
+         - **Model**: the same arrivals, the kube-default scheduler model (kube-scheduler's integer scores, ties at random), the same policy objects and MIG delay ({delay} s), waits in whole seconds (binding happens on the model's ticks).\n\
          - **Static**: the oracle's per-node assignment (the best of every assignment on this trace in the model) and the admin's split, one policy per layout selecting its nodes by `{layout_label}`.\n\
          - **Dynamic**: from {start}, the rest of the catalogue; quietSeconds {q}, maxDelaySeconds {md}, idleSeconds {i}, minLayoutLifetimeSeconds {l} ({rl} with reserveBusyNodes, the least the CRD allows), maxUnavailable 25%.\n",
         seed = s.seed,

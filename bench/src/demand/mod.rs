@@ -37,12 +37,14 @@ mod trace;
 use std::fmt::Write as _;
 use std::time::Instant;
 
+use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use gpu_sharing_operator::plan::Planner;
 use gpu_sharing_operator::plan::input::PendingPod;
 
 pub(crate) use cluster::Scheduler;
 pub(crate) use live::{LiveConfig, LiveSettings, run as run_live};
 pub(crate) use livekube::Bins;
+pub(crate) use pool::Timers;
 use pool::{Busy, DYNAMIC_START, LAYOUTS};
 use statics::{ADMIN_SAMPLE, Split};
 pub(crate) use trace::Kind;
@@ -63,6 +65,8 @@ pub(crate) struct Settings {
     pub schedulers: Vec<Scheduler>,
     /// Seconds the MIG manager takes to reshape a node (dynamic rows only).
     pub mig_delays: Vec<i64>,
+    /// The dynamic policy's timers; `None`: the defaults of `spec.mig.dynamic`.
+    pub timers: Option<pool::Timers>,
     /// The command line that reruns this, for the report.
     pub command: String,
 }
@@ -171,9 +175,17 @@ fn section(
     md
 }
 
+/// The dynamic policy of the replays: from [`DYNAMIC_START`], at the timers asked for.
+fn dynamic_policy(s: &Settings, busy: Busy) -> GpuSharingPolicy {
+    match s.timers {
+        Some(t) => pool::timed_policy(DYNAMIC_START, busy, t),
+        None => pool::policy(DYNAMIC_START, Some(busy)),
+    }
+}
+
 /// What every table shares: the pool, the pods, the rules of the replays, how to rerun.
 fn header(s: &Settings) -> String {
-    let d = pool::policy(DYNAMIC_START, Some(Busy::Wait))
+    let d = dynamic_policy(s, Busy::Wait)
         .spec
         .mig
         .and_then(|m| m.dynamic)
@@ -184,7 +196,7 @@ fn header(s: &Settings) -> String {
          - **Pool**: {nodes} A100 80GB nodes, {gpus} GPUs, {slices} compute slices.\n\
          - **Pods**: single-instance MIG pods arriving over {secs} s (Poisson), each running {r0}-{r1} s (uniform). The shifting mix changes each third (mostly 1g, then 3g/4g, then 7g); the stationary one is their average throughout. Offered load: the pods' slice-seconds over the pool's during the arrivals.\n\
          - **Replay**: until nothing more can change (static: every pod arrived and none runs; dynamic: besides, no node reconfiguring and no operator write for longer than its timers). Waits are arrival to binding, of served pods only; never served counts the pods still pending then.\n\
-         - **Schedulers**: first-fit binds to the first node by name that fits; spread is kube-scheduler's default profile (LeastAllocated and BalancedAllocation over CPU and memory: the feasible node with the fewest pods, ties at random, seeded); pack is a MostAllocated profile over the `nvidia.com/mig-*` resources (the feasible node with the most compute slices allocated, ties at random). None binds to a node whose MIG manager is at work or whose taints the pods do not tolerate. Static rows are the same under every scheduler: each pod asks for one instance, so which node takes it changes nothing for the next.\n\
+         - **Schedulers**: first-fit binds to the first node by name that fits; kube-default is kube-scheduler's default profile as v1.35 scores it: the pods request no CPU or memory, so only NodeResourcesFit's LeastAllocated score (each pod counted as 100m and 200Mi, on the 96-CPU, 1,152 GiB fixture nodes) tells nodes apart, in whole points that move one per about ten pods; ties, which are most choices, at random (seeded), as its selectHost breaks them; pack is a MostAllocated profile over the `nvidia.com/mig-*` resources (the feasible node with the most compute slices allocated, ties at random). None binds to a node whose MIG manager is at work or whose taints the pods do not tolerate. Static rows are the same under every scheduler: each pod asks for one instance, so which node takes it changes nothing for the next.\n\
          - **Uniform**: one layout on every node. **Oracle** (knows the whole trace): the best of all {tried} per-node assignments of the catalogue's {layouts} layouts, by fewest never served, then served p95, then served mean. **Admin's split**: from the first {sample:.0}% of arrivals, the assignment whose compute slices per profile are closest (least total absolute difference) to each profile's share of the slice-seconds observed times the pool's slices.\n\
          - **Dynamic**: starts {start} on every node; quietSeconds {quiet}, maxDelaySeconds {delay}, idleSeconds {idle}, minLayoutLifetimeSeconds {life}, maxUnavailable 25%; no drains. Rows with reserveBusyNodes may also choose a busy node: it is cordoned (no new pod lands there, none is evicted) and reshaped once its pods finish. While the MIG manager reshapes a node (the MIG cost), the whole node offers nothing.\n",
         seed = s.seed,
@@ -244,7 +256,7 @@ fn table(
         (Busy::Reserve, "dynamic, reserveBusyNodes"),
     ] {
         for &delay in &s.mig_delays {
-            let p = pool::policy(DYNAMIC_START, Some(busy));
+            let p = dynamic_policy(s, busy);
             let mut o = dynamic::replay(arrivals, s.nodes, scheduler, &p, delay, s.seed);
             pass_ms.append(&mut o.pass_ms);
             rows.push((format!("{name}, MIG {delay} s"), o));
