@@ -1805,11 +1805,23 @@ async fn fence_check_follows_the_policies(cluster: &testkit::TestCluster, admin:
     apply_config(admin, &[POLICY_FILE, CP_POLICY_FILE, OWNED_POLICY_FILE]).await;
     op.until(1, 200).await;
     fenced_condition(admin, "True", "AdmissionPoliciesEnforced").await;
-    drop(op);
-    Api::<gpu_sharing_operator::api::crd::GpuSharingPolicy>::all(admin.clone())
+    // Deleted while the operator runs: it takes its finalizer off (the owned-objects policy
+    // lets it), so the policy is gone, not left terminating.
+    let policies = Api::<gpu_sharing_operator::api::crd::GpuSharingPolicy>::all(admin.clone());
+    policies
         .delete("fenced-condition", &DeleteParams::default())
         .await
         .unwrap();
+    until("the policy fenced-condition to be gone", LONG, || async {
+        policies
+            .get_opt("fenced-condition")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    drop(op);
 }
 
 const FENCED_POLICY: &str = "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: fenced-condition}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: none}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n";
