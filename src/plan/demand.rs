@@ -410,7 +410,7 @@ fn value(p: &PendingPod, now: i64) -> i64 {
 }
 
 /// The compute slices of a pod's MIG request: the `Ng` of each profile (`3g` of `3g.40gb`
-/// and of `1c.3g.40gb`, the GPU instance it takes) times the count; 1 for a name without one.
+/// and of `1c.3g.40gb`, the GPU instance it takes; [`parse_mig_profile`](crate::nvidia::mig::parse_mig_profile)) times the count; 1 for a name that is no MIG profile.
 fn slices(p: &PendingPod) -> i64 {
     p.profiles
         .iter()
@@ -419,11 +419,8 @@ fn slices(p: &PendingPod) -> i64 {
 }
 
 fn profile_slices(profile: &str) -> i64 {
-    profile
-        .split('.')
-        .find_map(|t| t.strip_suffix('g')?.parse::<i64>().ok())
-        .unwrap_or(1)
-        .max(1)
+    crate::nvidia::mig::parse_mig_profile(profile.trim_end_matches(".shared"))
+        .map_or(1, |p| i64::from(p.slices))
 }
 
 /// What each GPU pod a drain of `v` would evict is worth: the compute slices its GPU pods
@@ -749,32 +746,29 @@ impl Policy<'_, '_> {
         catalogue: &[String],
         taken: &BTreeSet<usize>,
     ) -> Option<Choice> {
-        let score = |ks: &[usize], evicts: &[i32]| -> Score {
-            levels
-                .iter()
-                .map(|l| {
-                    let pending = ks.iter().filter(|&&k| pods[k].priority == *l).count();
-                    (pending + evicts.iter().filter(|p| *p == l).count()) as i64
-                })
-                .collect()
-        };
-        // Among the reshapes that serve more pods than they displace, at each priority level,
-        // the one of most value wins: a pod's value is its compute slices times its wait
-        // (see [`value`]), so the pods that waited longest are served first and a large
-        // profile is not passed over for many small ones.
-        let worth = |ks: &[usize], evicts: &[i32], each: i64| -> Score {
+        // Per priority level, the pending pods `ks` weighed by `weight`, plus `each` for every
+        // evicted pod.
+        let tally = |ks: &[usize], weight: &dyn Fn(usize) -> i64, evicts: &[i32], each: i64| {
             levels
                 .iter()
                 .map(|l| {
                     let pending: i64 = ks
                         .iter()
                         .filter(|&&k| pods[k].priority == *l)
-                        .map(|&k| values[k])
+                        .map(|&k| weight(k))
                         .sum();
                     pending + each * evicts.iter().filter(|p| *p == l).count() as i64
                 })
-                .collect()
+                .collect::<Score>()
         };
+        // Pods served, one each.
+        let score = |ks: &[usize], evicts: &[i32]| tally(ks, &|_| 1, evicts, 1);
+        // Among the reshapes that serve more pods than they displace, at each priority level,
+        // the one of most value wins: a pod's value is its compute slices times its wait
+        // (see [`value`]), so the pods that waited longest are served first and a large
+        // profile is not passed over for many small ones.
+        let worth =
+            |ks: &[usize], evicts: &[i32], each: i64| tally(ks, &|k| values[k], evicts, each);
         let mut best: Option<(Score, Choice)> = None;
         // Nodes of one class, with the same layout, no pods placed on them and none to evict,
         // answer alike: the first stands for the others. Asked in order of running GPU pods
