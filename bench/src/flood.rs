@@ -25,7 +25,12 @@
 //!   rest is reported ignored; an operator whose node cache grows with those keys lists every
 //!   node again for each);
 //! - pending: `--flood-pending` non-GPU pods selecting no node, created (and marked
-//!   unschedulable by kube-scheduler) before sampling.
+//!   unschedulable by kube-scheduler) before sampling;
+//! - token flood: while sampling, `--flood-token-rate` requests a second to the operator's
+//!   `/metrics`, each on a new TLS connection with a made-up bearer token of its own (so each
+//!   may cost a TokenReview), and once a second a scrape with a ServiceAccount token that may
+//!   `get /metrics`, as Prometheus makes it. /metrics is served as `run` serves it by default:
+//!   HTTPS, a self-signed certificate, TokenReview and SubjectAccessReview.
 //!
 //! Per scenario: the node LIST requests kube-apiserver served (its `apiserver_request_total`;
 //! the benchmark lists no node while measuring, kube-scheduler only at its start, so they are
@@ -36,7 +41,10 @@
 
 use std::path::{Path, PathBuf};
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::{DeleteParams, WatchEvent, WatchParams};
 
 use super::*;
@@ -64,6 +72,8 @@ enum Load {
     },
     /// Pending non-GPU pods created before sampling.
     Pending(usize),
+    /// Requests a second to /metrics with made-up tokens, while sampling.
+    Tokens(u32),
 }
 
 /// One scenario's figures.
@@ -88,6 +98,8 @@ struct Bench<'a> {
     op_pid: u32,
     op_log: PathBuf,
     metrics_port: u16,
+    /// A token allowed to `get /metrics` (the benchmark's scraper).
+    scrape_token: String,
     /// Group (0 or 1) of each probe node now.
     groups: Vec<usize>,
     next: usize,
@@ -110,7 +122,9 @@ pub async fn run(args: &Args, kl: &Path, op: &Path, n: usize) -> anyhow::Result<
         let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
-        let c = start_operator(op, &cluster.kubeconfig, &op_log, metrics_port).await?;
+        let scrape_token = create_scraper(&client).await?;
+        // /metrics as `run` serves it by default: HTTPS, TokenReview, SubjectAccessReview.
+        let c = start_operator_with(op, &cluster.kubeconfig, &op_log, metrics_port, &[]).await?;
         let op_pid = c.id();
         child = Some(c);
         wait_quiet(&client, Duration::from_secs(3), Duration::from_secs(60)).await?;
@@ -136,6 +150,7 @@ pub async fn run(args: &Args, kl: &Path, op: &Path, n: usize) -> anyhow::Result<
             op_pid,
             op_log: op_log.clone(),
             metrics_port,
+            scrape_token,
             groups: (0..PROBES).map(|i| group_of(i, 2)).collect(),
             next: 0,
             keys: policy_keys(&client).await?,
@@ -183,6 +198,15 @@ fn scenarios(args: &Args) -> Vec<(String, Load)> {
             },
         ),
     ];
+    if args.flood_token_rate > 0 {
+        v.push((
+            format!(
+                "token flood: {} requests/s to /metrics, a made-up bearer token each",
+                args.flood_token_rate
+            ),
+            Load::Tokens(args.flood_token_rate),
+        ));
+    }
     if args.flood_pending > 0 {
         v.push((
             format!("{} pending non-GPU pods", args.flood_pending),
@@ -227,6 +251,11 @@ async fn policy_keys(client: &Client) -> anyhow::Result<[String; 2]> {
 }
 
 impl Bench<'_> {
+    /// The operator's passes so far, scraped as its scraper.
+    async fn passes(&self) -> Option<u64> {
+        operator_passes_tls(self.metrics_port, &self.scrape_token).await
+    }
+
     /// Measures one scenario, then removes what it created (errors become notes).
     async fn scenario(&mut self, name: &str, load: Load) -> Scenario {
         let mut s = Scenario {
@@ -272,13 +301,28 @@ impl Bench<'_> {
         let cpu0 = proc_stats(self.op_pid).cpu_s;
         let kl_cpu0 = proc_stats(self.kl_pid).cpu_s;
         let logged0 = relists_logged(&self.op_log);
-        let passes0 = operator_passes(self.metrics_port).await;
+        let passes0 = self.passes().await;
+        let reviews0 = apiserver_requests(&self.client, "POST", "tokenreviews").await?;
         let t0 = Instant::now();
         let flood = match load {
             Load::Flood { profile, .. } => Some(tokio::spawn(flood(self.client.clone(), profile))),
             _ => None,
         };
+        let stop = Arc::new(AtomicBool::new(false));
+        let tokens = match load {
+            Load::Tokens(rate) => Some(tokio::spawn(token_flood(
+                self.metrics_port,
+                rate,
+                self.scrape_token.clone(),
+                stop.clone(),
+            ))),
+            _ => None,
+        };
         let sampled = self.samples(s).await;
+        stop.store(true, Ordering::Relaxed);
+        if let Some(t) = tokens {
+            s.notes.push(t.await?.note());
+        }
         let flooded = match flood {
             Some(f) if sampled.is_ok() => Some(f.await?),
             Some(f) => {
@@ -303,7 +347,13 @@ impl Bench<'_> {
         s.cpu_s = proc_stats(self.op_pid).cpu_s - cpu0;
         s.kl_cpu_s = proc_stats(self.kl_pid).cpu_s - kl_cpu0;
         s.relists_logged = relists_logged(&self.op_log).saturating_sub(logged0);
-        s.passes = match (passes0, operator_passes(self.metrics_port).await) {
+        let reviews = apiserver_requests(&self.client, "POST", "tokenreviews").await? - reviews0;
+        if matches!(load, Load::Tokens(_)) {
+            s.notes.push(format!(
+                "TokenReviews the API server answered: {reviews:.0}"
+            ));
+        }
+        s.passes = match (passes0, self.passes().await) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
             _ => None,
         };
@@ -607,6 +657,11 @@ async fn demand_note(client: &Client) -> anyhow::Result<String> {
 
 /// Node LIST requests kube-apiserver has served (each page counts).
 async fn node_lists(client: &Client) -> anyhow::Result<f64> {
+    apiserver_requests(client, "LIST", "nodes").await
+}
+
+/// kube-apiserver's `apiserver_request_total` for this verb and resource (no subresource).
+async fn apiserver_requests(client: &Client, verb: &str, resource: &str) -> anyhow::Result<f64> {
     let req = kube::core::Request::new("").get("metrics", &GetParams::default())?;
     let text = client.request_text(req).await?;
     let mut total = 0.0;
@@ -618,7 +673,10 @@ async fn node_lists(client: &Client) -> anyhow::Result<f64> {
             continue;
         };
         let has = |kv: &str| labels.split(',').any(|l| l == kv);
-        if has(r#"verb="LIST""#) && has(r#"resource="nodes""#) && has(r#"subresource="""#) {
+        if has(&format!("verb=\"{verb}\""))
+            && has(&format!("resource=\"{resource}\""))
+            && has(r#"subresource="""#)
+        {
             total += value.trim().parse::<f64>().unwrap_or(0.0);
         }
     }
@@ -721,4 +779,131 @@ fn render(args: &Args, n: usize, rows: &[Scenario]) -> String {
         std::env::args().collect::<Vec<_>>().join(" ")
     ));
     md
+}
+
+/// The benchmark's scraper: ServiceAccount `default/metrics-scraper`, allowed to `get /metrics`
+/// (as the chart's metrics-reader ClusterRole allows Prometheus); returns a token of it.
+async fn create_scraper(client: &Client) -> anyhow::Result<String> {
+    const NAME: &str = "metrics-scraper";
+    let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": NAME}}))?;
+    Api::<ServiceAccount>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &sa)
+        .await?;
+    let role: ClusterRole = serde_json::from_value(json!({
+        "metadata": {"name": NAME},
+        "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
+    }))?;
+    Api::<ClusterRole>::all(client.clone())
+        .create(&PostParams::default(), &role)
+        .await?;
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": NAME},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
+        "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": "default"}],
+    }))?;
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .create(&PostParams::default(), &binding)
+        .await?;
+    testkit::service_account_token(client, "default", NAME).await
+}
+
+/// What a token flood got.
+#[derive(Default)]
+struct TokenFlood {
+    sent: usize,
+    /// Ticks skipped because [`MAX_OUTSTANDING`] requests were still open.
+    skipped: usize,
+    by_status: BTreeMap<u16, usize>,
+    failed: usize,
+    seconds: f64,
+    /// The scraper's scrapes meanwhile: status and latency.
+    scrapes: Vec<(Option<u16>, Duration)>,
+}
+
+/// At most this many flood requests open at once.
+const MAX_OUTSTANDING: usize = 256;
+
+impl TokenFlood {
+    fn note(&self) -> String {
+        let statuses: Vec<String> = self
+            .by_status
+            .iter()
+            .map(|(s, n)| format!("{n} x {s}"))
+            .collect();
+        let ok = self.scrapes.iter().filter(|(s, _)| *s == Some(200)).count();
+        let mut ms: Vec<f64> = self
+            .scrapes
+            .iter()
+            .map(|(_, d)| d.as_secs_f64() * 1000.0)
+            .collect();
+        ms.sort_by(f64::total_cmp);
+        let median = ms.get(ms.len() / 2).copied().unwrap_or(f64::NAN);
+        let max = ms.last().copied().unwrap_or(f64::NAN);
+        format!(
+            "{} flood requests in {:.1} s ({:.0}/s; {} ticks skipped at {MAX_OUTSTANDING} open): {}, {} failed; the scraper's {} scrapes meanwhile: {ok} answered 200, median {median:.0} ms, max {max:.0} ms",
+            self.sent,
+            self.seconds,
+            self.sent as f64 / self.seconds.max(1e-9),
+            self.skipped,
+            statuses.join(", "),
+            self.failed,
+            self.scrapes.len(),
+        )
+    }
+}
+
+/// Sends `rate` requests a second to /metrics until `stop`, each on a new TLS connection with a
+/// bearer token never seen before, and scrapes with `token` once a second.
+async fn token_flood(port: u16, rate: u32, token: String, stop: Arc<AtomicBool>) -> TokenFlood {
+    use testkit::https::{Trust, get};
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate.max(1))));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut flood = tokio::task::JoinSet::new();
+    let mut scrapes = tokio::task::JoinSet::new();
+    let mut r = TokenFlood::default();
+    let t = Instant::now();
+    let mut next_scrape = Duration::ZERO;
+    while !stop.load(Ordering::Relaxed) {
+        tick.tick().await;
+        if t.elapsed() >= next_scrape {
+            next_scrape += Duration::from_secs(1);
+            let token = token.clone();
+            scrapes.spawn(async move {
+                let s = Instant::now();
+                let got = get(addr, "localhost", "/metrics", Some(&token), &Trust::Any).await;
+                (got.ok().map(|g| g.status), s.elapsed())
+            });
+        }
+        while let Some(done) = flood.try_join_next() {
+            r.count(done.ok().flatten());
+        }
+        if flood.len() >= MAX_OUTSTANDING {
+            r.skipped += 1;
+            continue;
+        }
+        let bogus = format!("made-up-{}-{:x}", r.sent, t.elapsed().as_nanos());
+        r.sent += 1;
+        flood.spawn(async move {
+            get(addr, "localhost", "/metrics", Some(&bogus), &Trust::Any)
+                .await
+                .ok()
+                .map(|g| g.status)
+        });
+    }
+    while let Some(done) = flood.join_next().await {
+        r.count(done.ok().flatten());
+    }
+    r.seconds = t.elapsed().as_secs_f64();
+    r.scrapes = scrapes.join_all().await;
+    r
+}
+
+impl TokenFlood {
+    fn count(&mut self, status: Option<u16>) {
+        match status {
+            Some(s) => *self.by_status.entry(s).or_default() += 1,
+            None => self.failed += 1,
+        }
+    }
 }

@@ -135,6 +135,10 @@ struct Args {
     /// Label changes timed per scenario of the flood benchmark.
     #[arg(long, default_value_t = 15)]
     flood_samples: usize,
+    /// Requests a second of the flood benchmark's token flood (made-up bearer tokens on
+    /// /metrics; 0: no such scenario).
+    #[arg(long, default_value_t = 200)]
+    flood_token_rate: u32,
     /// Pending non-GPU pods of the flood benchmark's last scenario.
     #[arg(long, default_value_t = 3000)]
     flood_pending: usize,

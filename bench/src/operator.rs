@@ -30,7 +30,8 @@ pub(crate) struct OperatorResult {
     pub(crate) notes: Vec<String>,
 }
 
-/// The operator's passes so far, from its metrics endpoint (`gpu_sharing_reconciles_total`).
+/// The operator's passes so far, from its metrics endpoint (`gpu_sharing_reconciles_total`)
+/// served over plain HTTP (`--metrics-insecure`).
 pub(crate) async fn operator_passes(port: u16) -> Option<u64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // One request to a local endpoint; HTTP/1.0 so the server closes when done.
@@ -42,6 +43,26 @@ pub(crate) async fn operator_passes(port: u16) -> Option<u64> {
         .ok()?;
     let mut body = String::new();
     conn.read_to_string(&mut body).await.ok()?;
+    passes_in(&body)
+}
+
+/// The same over HTTPS with a bearer token allowed to `get /metrics` (the operator's
+/// self-signed certificate is accepted, as a ServiceMonitor with `insecureSkipVerify` would).
+pub(crate) async fn operator_passes_tls(port: u16, token: &str) -> Option<u64> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let r = testkit::https::get(
+        addr,
+        "localhost",
+        "/metrics",
+        Some(token),
+        &testkit::https::Trust::Any,
+    )
+    .await
+    .ok()?;
+    (r.status == 200).then(|| passes_in(&r.body)).flatten()
+}
+
+fn passes_in(body: &str) -> Option<u64> {
     body.lines()
         .find_map(|l| l.strip_prefix("gpu_sharing_reconciles_total "))
         .and_then(|v| v.trim().parse::<f64>().ok())
@@ -89,11 +110,26 @@ pub(crate) async fn start_operator(
     log: &Path,
     metrics_port: u16,
 ) -> anyhow::Result<Child> {
+    // Scraped over plain HTTP (operator_passes).
+    start_operator_with(op, kubeconfig, log, metrics_port, &["--metrics-insecure"]).await
+}
+
+/// [`start_operator`] with these arguments of `run` besides the namespace and the addresses
+/// (without `--metrics-insecure`, /metrics is HTTPS with a self-signed certificate and needs
+/// a token: [`operator_passes_tls`]).
+pub(crate) async fn start_operator_with(
+    op: &Path,
+    kubeconfig: &Path,
+    log: &Path,
+    metrics_port: u16,
+    extra: &[&str],
+) -> anyhow::Result<Child> {
     let mut c = Command::new(op)
         .args(["run", "--namespace", NAMESPACE])
         .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
-        // Scraped over plain HTTP (operator_passes); no health endpoint.
-        .args(["--metrics-insecure", "--health-addr="])
+        // No health endpoint.
+        .arg("--health-addr=")
+        .args(extra)
         .env("KUBECONFIG", kubeconfig)
         .stdin(Stdio::null())
         .stdout(Stdio::null())

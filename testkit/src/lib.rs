@@ -6,6 +6,7 @@
 //! - [`objects`]: server-side apply of YAML, CRDs waited for, the node-label setter.
 //! - [`poll`]: the polling helper.
 //! - [`fixtures`]: policies and nodes as the planner takes them.
+//! - [`https`]: one HTTPS `GET` with a bearer token, as a scraper makes it.
 //!
 //! ```ignore
 //! use testkit::*;
@@ -20,6 +21,7 @@
 
 pub mod cluster;
 pub mod fixtures;
+pub mod https;
 pub mod objects;
 pub mod poll;
 

@@ -209,3 +209,29 @@ pub fn cluster_policy_api(client: &Client) -> Api<DynamicObject> {
     );
     Api::all_with(client.clone(), &ar)
 }
+
+/// A bound token of ServiceAccount `namespace/name` from the TokenRequest API (one hour).
+pub async fn service_account_token(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<String> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let tr = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: vec![],
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let made = sas
+        .create_token_request(name, &kube::api::PostParams::default(), &tr)
+        .await?;
+    Ok(made
+        .status
+        .ok_or_else(|| anyhow::anyhow!("TokenRequest for {namespace}/{name}: no status"))?
+        .token)
+}

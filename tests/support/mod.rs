@@ -3,7 +3,8 @@
 #![allow(dead_code)]
 
 pub mod allowed;
-pub mod https;
+#[allow(unused_imports)] // not every test binary scrapes
+pub use testkit::https;
 pub mod image;
 pub mod invariants;
 pub mod ownership;
@@ -524,23 +525,9 @@ pub async fn service_account_kubeconfig_file(
 
 /// A bound token of ServiceAccount `namespace/name` from the TokenRequest API (one hour).
 pub async fn service_account_token(cluster: &TestCluster, namespace: &str, name: &str) -> String {
-    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-    use k8s_openapi::api::core::v1::ServiceAccount;
-    let sas: Api<ServiceAccount> = Api::namespaced(cluster.client.clone(), namespace);
-    let tr = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: vec![],
-            expiration_seconds: Some(3600),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    sas.create_token_request(name, &kube::api::PostParams::default(), &tr)
+    testkit::service_account_token(&cluster.client, namespace, name)
         .await
         .expect("token request")
-        .status
-        .expect("token")
-        .token
 }
 
 /// A client for the test cluster built as `run` builds the operator's
