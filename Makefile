@@ -1,7 +1,7 @@
 # The two quick-start commands (see README.md):
 #   make demo   run the operator against a local control plane with example GPU nodes
 #   make test   run the whole test suite
-.PHONY: demo test generate crd image
+.PHONY: demo test deny generate crd image
 
 demo:
 	bash tests/cluster/demo.sh
@@ -14,12 +14,19 @@ test:
 	bash tests/karpenter/build.sh
 	bash tests/image/build.sh >/dev/null
 	bash tests/tools/build.sh
+	target/tools/cargo-deny check licenses bans sources
 	cargo build --locked -p scale-bench
 	cargo test --locked
 	bash tests/nvidia/build.sh test
 	bash tests/cluster/cluster.sh test
 	bash tests/karpenter/build.sh test
 	bash tests/nvidia/conformance.sh
+
+# The dependency graph against deny.toml: licenses, duplicate versions, wildcards, sources
+# (advisories need the RustSec database from GitHub: the release workflow checks them).
+deny:
+	bash tests/tools/build.sh
+	target/tools/cargo-deny check licenses bans sources
 
 # Regenerate crds/ (and the chart's copy) and the CRD reference (docs/crd-reference.md) from the
 # Rust types, the chart values table (docs/install.md) from charts/gpu-sharing-operator/values.yaml,

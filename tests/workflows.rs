@@ -61,6 +61,9 @@ fn workflows_pass_actionlint() {
         "digest: ${{ steps.index.outputs.digest }}",
         "DIGEST: ${{ needs.publish.outputs.digest }}",
         "grep -qF \"image: ${IMAGE}@${DIGEST}\" rendered.yaml",
+        // cargo-deny (advisories included) before any image is built.
+        "cargo deny --locked check\n",
+        "needs: [build-image, dependencies]",
     ] {
         assert!(release.contains(needle), "release.yml lacks {needle}");
     }
@@ -86,6 +89,14 @@ fn workflows_pass_actionlint() {
             "values.yaml: the release's sed needs exactly one {key:?} line, under image:"
         );
     }
+    // make test checks the dependency graph with the same deny.toml, at the version the
+    // workflow installs.
+    let makefile = std::fs::read_to_string(repo.join("Makefile")).unwrap();
+    let tools = std::fs::read_to_string(repo.join("tests/tools/build.sh")).unwrap();
+    assert!(makefile.contains("target/tools/cargo-deny check licenses bans sources"));
+    assert!(tools.contains("deny=cargo-deny@0.20.2"));
+    assert!(release.contains("cargo install cargo-deny --version 0.20.2 --locked"));
+    assert!(repo.join("deny.toml").exists());
     // The Containerfile's build image is the ARG the workflow resolves and passes.
     let containerfile = std::fs::read_to_string(repo.join("Containerfile")).unwrap();
     for needle in [
