@@ -3043,6 +3043,68 @@ fn incremental_planning_follows_a_named_layout_changed_under_a_node_at_rest() {
     assert_eq!(state(&changed), NodeState::Stale);
 }
 
+/// NVIDIA's vGPU Device Manager config is a cluster-wide input too: a VM node at rest is planned
+/// again when the named vGPU type's entry changes (fewer devices per GPU: its capacity; more
+/// than the GPU holds: refused), as planning from scratch does. The node's own facts do not
+/// change, so only the memo key can tell.
+#[test]
+fn incremental_planning_follows_the_vgpu_device_managers_config() {
+    let mut w = World::new(
+        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
+        vec![policy("vdi", 6, 2, false, Some("a"), 0, 0)],
+    );
+    w.boot();
+    let mut planner = plan::Planner::default();
+    let detail = |p: &Plan| p.statuses["vdi"].node_details[0].clone();
+    for _ in 0..10 {
+        let p = planner.plan(&w.input());
+        assert_eq!(p, plan::plan(&w.input()));
+        if detail(&p).state == NodeState::Applied {
+            break;
+        }
+        w.apply_within_budget(&p);
+        w.mig_manager();
+        w.gfd();
+    }
+    let rest = planner.plan(&w.input());
+    assert_eq!(detail(&rest).state, NodeState::Applied);
+    assert_eq!(planner.last_replanned(), 0);
+    let with_entry = |count: i64| {
+        let mut i = w.input();
+        let mut base = (*i.cluster.base_vgpu_configs).clone();
+        base.insert(
+            "A100D-1-10C".into(),
+            serde_json::json!([{"devices": "all", "vgpu-devices": {"A100D-1-10C": count}}]),
+        );
+        i.cluster.base_vgpu_configs = std::sync::Arc::new(base);
+        i
+    };
+    // Four devices per GPU instead of seven: what the node offers changes.
+    let fewer = with_entry(4);
+    let changed = planner.plan(&fewer);
+    assert_eq!(changed, plan::plan(&fewer));
+    let replicas = |p: &Plan| {
+        p.statuses["vdi"]
+            .capacity
+            .as_ref()
+            .unwrap()
+            .schedulable_replicas
+    };
+    assert_eq!((replicas(&rest), replicas(&changed)), (56, 32));
+    // Eight: more than an A100 80GB holds of the type.
+    let over = with_entry(8);
+    let refused = planner.plan(&over);
+    assert_eq!(refused, plan::plan(&over));
+    assert_eq!(detail(&refused).state, NodeState::Rejected);
+    assert!(
+        detail(&refused)
+            .message
+            .contains("8 MIG compute slices per GPU"),
+        "{:?}",
+        detail(&refused)
+    );
+}
+
 // Found by the histories about demand (issue 40, item 4): each is the shrunk input of a failure
 // of `invariants_hold_over_random_histories`, kept as a regression test of its fix.
 

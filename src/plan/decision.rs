@@ -10,7 +10,7 @@ use crate::nvidia::state::MigState;
 
 use super::NodeFacts;
 pub use super::input::Sandbox;
-use super::input::{ClusterFacts, NodeView};
+use super::nodeinputs::NodeInputs;
 
 /// What the transition knows besides the node and its policy.
 pub struct Env<'a> {
@@ -40,24 +40,20 @@ pub struct Env<'a> {
 }
 
 impl<'a> Env<'a> {
-    /// What the transition knows of the node `v` in the cluster `c`.
-    pub fn of(
-        v: &'a NodeView,
-        c: &'a ClusterFacts,
-        layout_hash: &'a dyn Fn(&str) -> Option<String>,
-    ) -> Env<'a> {
+    /// What the transition knows of the node of these inputs.
+    pub fn of(i: &'a NodeInputs, layout_hash: &'a dyn Fn(&str) -> Option<String>) -> Env<'a> {
         Env {
-            gpu_pods: &v.gpu_pods,
-            mig_stuck: v.mig_stuck,
-            now: c.now,
+            gpu_pods: i.gpu_pods,
+            mig_stuck: i.mig_stuck,
+            now: i.now,
             now_read: Default::default(),
             layout_hash,
-            dra_claims: &v.dra_claims,
-            gpu_cluster: c.gpu_cluster.as_deref(),
-            vm_pods: &v.vm_pods,
-            vgpu_stuck: v.vgpu_stuck,
-            sandbox: &c.sandbox,
-            mig_layouts: c.base_mig_configs.as_ref(),
+            dra_claims: i.dra_claims,
+            gpu_cluster: i.cluster.gpu_cluster,
+            vm_pods: i.vm_pods,
+            vgpu_stuck: i.vgpu_stuck,
+            sandbox: i.cluster.sandbox,
+            mig_layouts: i.cluster.mig_layouts,
         }
     }
 }

@@ -4,15 +4,22 @@
 //!
 //! Two things are remembered per node. Which policies select it: a function of its labels and
 //! of every policy's selector and precedence. Its plan before the rollout gate (decision,
-//! labels, annotations, state, target, capacity): a function of its [`NodeView`], the policy
-//! that governs it (its spec, key, errors, the cluster-wide blocks), a few cluster-wide inputs
-//! (MIG layouts, custom layouts, the DRA-only `GPUCluster`, the ClusterPolicy's sandbox
-//! settings), and of the clock when it reads it (a config label it changes is stamped with the
-//! time). A memo is reused only when all of these are equal: policies and cluster-wide inputs
-//! are compared through versions that change whenever their canonical text does (exact, no
-//! hashing), the view field by field, and a plan that read the clock is never reused. What the
-//! whole cluster decides together (which policy wins a node, rollout budgets, drains, capacity
-//! sums, statuses, outputs) is computed every pass from the memos.
+//! labels, annotations, state, target, capacity): a function of its [`NodeInputs`], the only
+//! argument of the per-node planner, built in one place ([`NodeInputs::of`]):
+//! - the node's own part (its facts, what runs on it, its flags), compared field by field;
+//! - the governing policy, versioned by the whole [`Prepared`] policy, compared field by field
+//!   with a copy of the last one: object, spec, key, errors, blocks, and what it rendered from
+//!   NVIDIA's configs (e.g. a vGPU type's entries);
+//! - the cluster-wide part, a [`NodeCluster`], versioned whole by its `Debug` text;
+//! - the clock, read through `Env::now`: a plan that read it is never reused.
+//!
+//! A field added to [`NodeInputs`] or [`Prepared`] does not compile until the memo compares it
+//! (it destructures both whole), one added to [`ClusterFacts`](super::input::ClusterFacts) not until [`NodeCluster::of`]
+//! places it or says who reads it, and one added to [`NodeCluster`] enters its version by
+//! itself: a new read of the per-node planner cannot miss the key. Versions change
+//! whenever the text does (exact, no hashing). What the whole cluster decides together (which
+//! policy wins a node, rollout budgets, drains, capacity sums, statuses, outputs) is computed
+//! every pass from the memos.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -21,8 +28,9 @@ use crate::api::names::{LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_VGPU
 
 use super::NodeFacts;
 use super::capacity::NodeCapacity;
-use super::input::{ClusterFacts, NodeView};
+use super::input::NodeView;
 use super::node::Outcome;
+pub use super::nodeinputs::{NodeCluster, NodeInputs};
 use super::policies::Prepared;
 
 /// A node's plan before the rollout gate.
@@ -122,13 +130,46 @@ impl NodeMemo {
         &self.name
     }
 
-    /// The same pods, claims and flags as when planned.
-    fn same_rest(&self, v: &NodeView) -> bool {
-        self.gpu_pods == v.gpu_pods
-            && self.vm_pods == v.vm_pods
-            && self.dra_claims == v.dra_claims
-            && self.mig_stuck == v.mig_stuck
-            && self.vgpu_stuck == v.vgpu_stuck
+    /// Planned from the same inputs as `i` (its facts are: [`Memo::recall`] kept the memo), under
+    /// the same versions of its policy and cluster-wide part, without reading the clock.
+    fn reusable(&self, i: &NodeInputs, under: Under) -> bool {
+        let NodeInputs {
+            facts: _, // recall() keeps a memo only for the same facts
+            gpu_pods,
+            vm_pods,
+            dra_claims,
+            mig_stuck,
+            vgpu_stuck,
+            policy: _,  // versioned: under.policy
+            cluster: _, // versioned: under.cluster
+            now: _,     // a plan that read it is not reused
+        } = i;
+        matches!(&self.pre, Some((u, _, false)) if *u == under)
+            && self.gpu_pods == *gpu_pods
+            && self.vm_pods == *vm_pods
+            && self.dra_claims == *dra_claims
+            && self.mig_stuck == *mig_stuck
+            && self.vgpu_stuck == *vgpu_stuck
+    }
+
+    /// Remembers the node's own inputs its plan was made from.
+    fn remember(&mut self, i: &NodeInputs) {
+        let NodeInputs {
+            facts: _, // kept from recall()
+            gpu_pods,
+            vm_pods,
+            dra_claims,
+            mig_stuck,
+            vgpu_stuck,
+            policy: _,
+            cluster: _,
+            now: _,
+        } = i;
+        self.gpu_pods = gpu_pods.to_vec();
+        self.vm_pods = vm_pods.to_vec();
+        self.dra_claims = dra_claims.to_vec();
+        self.mig_stuck = *mig_stuck;
+        self.vgpu_stuck = *vgpu_stuck;
     }
 
     /// The config labels the node carries.
@@ -146,12 +187,6 @@ impl NodeMemo {
 
     pub fn set_selected(&mut self, selection: u64, s: Vec<usize>) {
         self.selected = Some((selection, s));
-    }
-
-    /// The plan before the gate, when it was made under `under` from the node's view as it is
-    /// and did not read the clock.
-    fn reusable(&self, v: &NodeView, under: Under) -> bool {
-        matches!(&self.pre, Some((u, _, false)) if *u == under) && self.same_rest(v)
     }
 
     /// The plan before the gate (after [`Memo::plan_node`]).
@@ -191,7 +226,7 @@ pub struct Pass {
 #[derive(Debug, Default, Clone)]
 pub struct Memo {
     nodes: Vec<Option<NodeMemo>>,
-    policies: Versions,
+    policies: PolicyVersions,
     cluster: Versions,
     /// Nodes planned (not reused) in the last pass.
     pub replanned: usize,
@@ -210,20 +245,15 @@ impl Memo {
 
     /// Starts planning the nodes: the versions of every policy (in precedence order) and of the
     /// cluster-wide inputs, as the node transitions read them.
-    pub fn begin(&mut self, prepared: &[Prepared], cluster: &ClusterFacts) -> Pass {
+    pub fn begin(&mut self, prepared: &[Prepared], cluster: &NodeCluster) -> Pass {
         self.replanned = 0;
         let names: std::collections::HashSet<&str> =
             prepared.iter().map(|p| p.name.as_str()).collect();
         self.policies
             .by_name
             .retain(|name, _| names.contains(name.as_str()));
-        let policies = prepared
-            .iter()
-            .map(|p| self.policies.version(&p.name, policy_text(p)))
-            .collect();
-        let cluster = self
-            .cluster
-            .version("cluster", cluster_text(prepared, cluster));
+        let policies = prepared.iter().map(|p| self.policies.version(p)).collect();
+        let cluster = self.cluster.version("cluster", format!("{cluster:?}"));
         Pass { policies, cluster }
     }
 
@@ -280,21 +310,17 @@ impl Memo {
     pub fn plan_node(
         &mut self,
         m: &mut NodeMemo,
-        v: &NodeView,
+        i: &NodeInputs,
         under: Under,
         plan: impl FnOnce() -> (PreGate, bool),
     ) {
-        if m.reusable(v, under) {
+        if m.reusable(i, under) {
             return;
         }
         self.replanned += 1;
         let (pre, read_clock) = plan();
         m.pre = Some((under, pre, read_clock));
-        m.gpu_pods.clone_from(&v.gpu_pods);
-        m.vm_pods.clone_from(&v.vm_pods);
-        m.dra_claims.clone_from(&v.dra_claims);
-        m.mig_stuck = v.mig_stuck;
-        m.vgpu_stuck = v.vgpu_stuck;
+        m.remember(i);
     }
 
     /// Ends a pass: these memos (in the pass's node order) are what the next pass recalls.
@@ -303,35 +329,99 @@ impl Memo {
     }
 }
 
-/// What of a policy its nodes' transitions read, as text.
-fn policy_text(p: &Prepared) -> String {
-    format!(
-        "{}\n{}\n{:?}\n{:?}\n{:?}\n{}\n{}",
-        p.name,
-        serde_json::to_string(p.spec).unwrap_or_default(),
-        p.key,
-        p.errors,
-        p.blocked,
-        p.release_when_blocked,
-        p.reapply_requested(),
-    )
+/// Versions of prepared policies by name: the same number while the whole prepared policy
+/// stays equal (compared with an owned copy of the last one, field by field: cheaper than
+/// formatting 200 policies a pass).
+#[derive(Debug, Default, Clone)]
+struct PolicyVersions {
+    by_name: HashMap<String, (Box<PolicyCopy>, u64)>,
+    next: u64,
 }
 
-/// The cluster-wide inputs the node transitions read, as text: custom layouts (what a layout
-/// name means), NVIDIA's and our MIG configs, the DRA-only `GPUCluster`, the sandbox settings.
-fn cluster_text(prepared: &[Prepared], c: &ClusterFacts) -> String {
-    let custom: Vec<(&str, &str)> = prepared
-        .iter()
-        .filter_map(|p| {
-            let m = p.mig()?;
-            Some((m.layout.as_str(), m.custom.as_ref()?.1.as_str()))
-        })
-        .collect();
-    format!(
-        "{custom:?}\n{}\n{}\n{:?}\n{:?}",
-        serde_json::to_string(&c.base_mig_configs).unwrap_or_default(),
-        serde_json::to_string(&c.current_mig_configs).unwrap_or_default(),
-        c.gpu_cluster,
-        c.sandbox,
-    )
+/// A [`Prepared`] policy, owned.
+#[derive(Debug, Clone, PartialEq)]
+struct PolicyCopy {
+    policy: crate::api::crd::GpuSharingPolicy,
+    spec: crate::api::crd::GpuSharingPolicySpec,
+    errors: Vec<crate::validate::FieldError>,
+    warnings: Vec<String>,
+    key: Option<String>,
+    config_text: Option<String>,
+    backing: Option<super::backend::Backing>,
+    blocked: Option<String>,
+    release_when_blocked: bool,
+    latent: Option<String>,
+}
+
+impl PolicyCopy {
+    /// Every field of `p` but its name (the key it is kept under): a field added to [`Prepared`]
+    /// does not compile here until it is part of the version.
+    fn of(p: &Prepared) -> Self {
+        let Prepared {
+            name: _,
+            policy,
+            spec,
+            errors,
+            warnings,
+            key,
+            config_text,
+            backing,
+            blocked,
+            release_when_blocked,
+            latent,
+        } = p;
+        PolicyCopy {
+            policy: (*policy).clone(),
+            spec: (*spec).clone(),
+            errors: errors.clone(),
+            warnings: warnings.clone(),
+            key: key.clone(),
+            config_text: config_text.clone(),
+            backing: backing.clone(),
+            blocked: blocked.clone(),
+            release_when_blocked: *release_when_blocked,
+            latent: latent.clone(),
+        }
+    }
+
+    /// Equal to `p` (every field but its name), without copying it.
+    fn same(&self, p: &Prepared) -> bool {
+        let Prepared {
+            name: _,
+            policy,
+            spec,
+            errors,
+            warnings,
+            key,
+            config_text,
+            backing,
+            blocked,
+            release_when_blocked,
+            latent,
+        } = p;
+        self.policy == **policy
+            && self.spec == **spec
+            && self.errors == *errors
+            && self.warnings == *warnings
+            && self.key == *key
+            && self.config_text == *config_text
+            && self.backing == *backing
+            && self.blocked == *blocked
+            && self.release_when_blocked == *release_when_blocked
+            && self.latent == *latent
+    }
+}
+
+impl PolicyVersions {
+    fn version(&mut self, p: &Prepared) -> u64 {
+        if let Some((copy, v)) = self.by_name.get(&p.name)
+            && copy.same(p)
+        {
+            return *v;
+        }
+        self.next += 1;
+        self.by_name
+            .insert(p.name.clone(), (Box::new(PolicyCopy::of(p)), self.next));
+        self.next
+    }
 }

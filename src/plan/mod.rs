@@ -6,10 +6,11 @@
 //!
 //! The files of `plan/` depend one way (`tests/architecture.rs` checks it), each on files
 //! listed before it only: the leaves [`labels`], [`taint`], [`input`] (what the planner reads:
-//! per-node views, cluster facts, settings, memory), [`facts`] (node readings), [`decision`]
-//! (the transition's vocabulary) and [`backend`] (a policy's backend, a node's target); then
-//! [`policies`] (validation, precedence, the per-node target), [`capacity`], [`outputs`],
-//! [`compat`]; one file per backend's transition: [`sharing`], [`mig`], [`vm`], [`dra`];
+//! per-node views, cluster facts, settings, memory), [`facts`] (node readings) and [`backend`]
+//! (a policy's backend, a node's target); then [`policies`] (validation, precedence, the
+//! per-node target), [`nodeinputs`] (what one node's plan reads: its memo's key), [`decision`]
+//! (the transition's vocabulary), [`capacity`], [`outputs`], [`compat`]; one file per
+//! backend's transition: [`sharing`], [`mig`], [`vm`], [`dra`];
 //! [`node`] (the per-node transition, dispatching to them), [`drain`], [`rollout`],
 //! [`status`]; and [`converge`], a consumer of [`plan`], on top.
 //! What this file declares ([`NodeFacts`], [`Plan`], ...) all of them share.
@@ -23,7 +24,6 @@ use crate::api::crd::{Capacity, GpuSharingPolicyStatus, NodeDetail};
 use crate::api::names::*;
 use crate::api::state::NodeState;
 use crate::nvidia::state::Workload;
-use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
 use crate::validate::FieldError;
 
 pub mod admit;
@@ -43,6 +43,7 @@ pub mod labels;
 pub mod memo;
 pub mod mig;
 pub mod node;
+pub mod nodeinputs;
 pub mod nodemap;
 pub mod outputs;
 pub mod policies;
@@ -189,35 +190,6 @@ struct NodePlans<'n> {
     /// Tainted nodes ready to lose the readiness taint.
     untaint: Vec<String>,
     drains: BTreeMap<String, drain::Drain>,
-}
-
-/// What each layout name means now, as a content hash: custom layouts from the policies, named
-/// ones from the GPU Operator's config, and what is left in our ConfigMap.
-fn layout_hashes<'a>(
-    prepared: &'a [Prepared],
-    input: &'a PlanInput,
-) -> impl Fn(&str) -> Option<String> + 'a {
-    let custom: BTreeMap<&str, &str> = prepared
-        .iter()
-        .filter_map(|p| {
-            let m = p.mig()?;
-            Some((m.layout.as_str(), m.custom.as_ref()?.1.as_str()))
-        })
-        .collect();
-    move |name: &str| {
-        if name == MIG_DISABLED_LAYOUT {
-            return None;
-        }
-        if let Some(h) = custom.get(name) {
-            return Some(h.to_string());
-        }
-        let c = &input.cluster;
-        c.base_mig_configs
-            .as_ref()
-            .and_then(|b| b.get(name))
-            .or_else(|| c.current_mig_configs.get(name))
-            .map(nvidia::content_hash)
-    }
 }
 
 /// Runs the per-node transition on every node, gates the changes through each policy's rollout
@@ -399,15 +371,13 @@ fn per_policy(
     out
 }
 
-/// One node's plan before the rollout gate, and whether it read the clock.
-fn plan_node(
-    input: &PlanInput,
-    v: &NodeView,
-    policy: Option<&Prepared>,
-    hashes: &dyn Fn(&str) -> Option<String>,
-) -> (memo::PreGate, bool) {
-    let n: &NodeFacts = &v.facts;
-    let env = Env::of(v, &input.cluster, hashes);
+/// One node's plan before the rollout gate, and whether it read the clock. Its inputs are
+/// its memo's key (see `memo`).
+fn plan_node(i: &memo::NodeInputs) -> (memo::PreGate, bool) {
+    let n: &NodeFacts = i.facts;
+    let policy = i.policy;
+    let hash = |name: &str| i.cluster.layout_hash(name);
+    let env = Env::of(i, &hash);
     let decision = node::decide(n, policy, &env);
     let hold = matches!(decision, Decision::Hold { .. });
     let mut outcome = node::outcome(n, policy, &env, decision);
@@ -426,7 +396,7 @@ fn plan_node(
                 capacity::vm_capacity(p, n)
             } else {
                 let spec = policies::node_spec(p, n);
-                capacity::node_capacity(&spec, n, input.cluster.base_mig_configs.as_ref())
+                capacity::node_capacity(&spec, n, i.cluster.mig_layouts)
             }
         });
     let pre = memo::PreGate {
@@ -513,16 +483,17 @@ impl Planner {
         winner: &[Option<usize>],
         memos: &mut [memo::NodeMemo],
     ) {
-        let pass = self.memo.begin(prepared, &input.cluster);
-        let hashes = layout_hashes(prepared, input);
+        let cluster = memo::NodeCluster::of(prepared, &input.cluster);
+        let pass = self.memo.begin(prepared, &cluster);
         for ((m, &v), &wi) in memos.iter_mut().zip(views).zip(winner) {
             let policy = wi.map(|i| &prepared[i]);
+            let inputs = memo::NodeInputs::of(v, policy, &cluster, input.cluster.now);
             let under = memo::Under {
                 policy: wi.map(|i| pass.policies[i]),
                 cluster: pass.cluster,
             };
             self.memo
-                .plan_node(m, v, under, || plan_node(input, v, policy, &hashes));
+                .plan_node(m, &inputs, under, || plan_node(&inputs));
         }
     }
 

@@ -15,7 +15,9 @@ use super::backend::{Backing, MigBacking, NodeTarget, VmBacking};
 use super::labels::{LabelLookup, Labels, selection_labels, selector_matches};
 use super::{NodeFacts, NodeView};
 
-/// A policy after validation, with what it renders to.
+/// A policy after validation, with what it renders to. The whole of it is the version its
+/// nodes' memos are keyed on (see `memo`).
+#[derive(Debug)]
 pub struct Prepared<'a> {
     pub name: String,
     pub policy: &'a GpuSharingPolicy,
