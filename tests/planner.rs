@@ -527,6 +527,11 @@ enum Step {
     Finish(usize),
     /// Time passes (seconds).
     Tick(i64),
+    /// NVIDIA's vGPU Device Manager config (the GPU Operator's `default-vgpu-devices-config`)
+    /// gives the VM policies' type `A100D-1-10C` this many devices per GPU (`None`: NVIDIA's
+    /// default, 7), or the ClusterPolicy's vGPU manager is turned on or off: cluster-wide
+    /// inputs that change under nodes at rest.
+    NvidiaConfig(Option<i64>, bool),
 }
 
 fn step_gen() -> impl Strategy<Value = Step> {
@@ -539,6 +544,8 @@ fn step_gen() -> impl Strategy<Value = Step> {
         1 => proptest::collection::vec(policy_gen(), 0..4).prop_map(Step::Policies),
         2 => pod_step_gen(),
         2 => tick_gen(),
+        1 => (proptest::option::of(prop::sample::select(vec![4i64, 7, 8])), proptest::bool::weighted(0.8))
+            .prop_map(|(n, on)| Step::NvidiaConfig(n, on)),
     ]
 }
 
@@ -695,6 +702,10 @@ struct World {
     shared: std::cell::RefCell<BTreeMap<String, std::sync::Arc<NodeFacts>>>,
     /// The pods (pending and running) and what the demand checks remember.
     pods: Pods,
+    /// `A100D-1-10C` devices per GPU in NVIDIA's vGPU config (`None`: its default).
+    vgpu_per_gpu: Option<i64>,
+    /// The ClusterPolicy's vGPU manager is on.
+    vgpu_manager: bool,
 }
 
 /// A pod bound to a node, using its GPUs.
@@ -744,6 +755,8 @@ impl World {
             unconfirmed: BTreeMap::new(),
             shared: Default::default(),
             pods: Pods::default(),
+            vgpu_per_gpu: None,
+            vgpu_manager: true,
         }
     }
 
@@ -770,7 +783,20 @@ impl World {
         i.cluster.base_mig_configs = Some(self.base.clone());
         i.cluster.current_mig_configs = self.mig_config.clone();
         i.cluster.now = self.now;
-        i.cluster.sandbox.vgpu_manager_enabled = true;
+        i.cluster.sandbox.vgpu_manager_enabled = self.vgpu_manager;
+        i.cluster.cluster_mig_strategy = self
+            .cluster_policy
+            .pointer("/mig/strategy")
+            .and_then(|v| v.as_str())
+            .map(str::to_string);
+        if let Some(count) = self.vgpu_per_gpu {
+            let mut base = (*i.cluster.base_vgpu_configs).clone();
+            base.insert(
+                "A100D-1-10C".into(),
+                serde_json::json!([{"devices": "all", "vgpu-devices": {"A100D-1-10C": count}}]),
+            );
+            i.cluster.base_vgpu_configs = std::sync::Arc::new(base);
+        }
         i
     }
 
@@ -1935,6 +1961,10 @@ impl World {
                 self.note_busy();
             }
             Step::Tick(s) => self.now += s,
+            Step::NvidiaConfig(count, on) => {
+                self.vgpu_per_gpu = count;
+                self.vgpu_manager = on;
+            }
         }
     }
 
@@ -2003,7 +2033,22 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
     // the plan from scratch.
     let mut planner = plan::Planner::default();
     for s in steps {
+        if std::env::var("HIST_DEBUG").is_ok() {
+            eprintln!("STEP {s:?}");
+        }
         w.step(s, &mut planner);
+        if std::env::var("HIST_DEBUG").is_ok() {
+            eprintln!(
+                "  cp mig {:?} cfg {:?}",
+                w.cluster_policy.pointer("/mig"),
+                w.config.keys().collect::<Vec<_>>()
+            );
+            eprintln!(
+                "  a100-0 {:?} alloc {:?}",
+                w.nodes[0].labels.get("nvidia.com/device-plugin.config"),
+                w.nodes[0].allocatable
+            );
+        }
         w.check_invariants();
     }
     converge_and_check(w, pristine);
@@ -3162,6 +3207,39 @@ fn settled(then: Vec<Step>) -> Vec<Step> {
     round.iter().chain(&round).cloned().chain(then).collect()
 }
 
+/// A node reserved for demand (cordoned, waiting for its pod) whose policy is then edited to
+/// a layout its GPUs cannot take (an H200 layout on an A100) is refused by it: nothing of the
+/// policy goes on there, so the reservation's cordon goes. It stayed for good.
+#[test]
+fn a_reservation_on_a_node_its_policy_now_refuses_is_uncordoned() {
+    let reserve = |own, layouts: &[usize], busy| DynGen {
+        busy,
+        lifetime: 60,
+        ..catalogue_of(own, layouts)
+    };
+    let policies = vec![
+        dynamic_first(Some(0), catalogue_of(4, &[3])),
+        PolicyGen {
+            age: 1,
+            ..dynamic_first(Some(1), reserve(0, &[0], BusyGen::Reserve(60)))
+        },
+    ];
+    let h200_layout = dynamic_first(Some(1), catalogue_of(2, &[5]));
+    run_history(
+        policies,
+        settled(vec![
+            Step::Start(0, 0),
+            Step::Start(1, 0),
+            Step::Apply,
+            pod_of(0),
+            Step::Apply,
+            Step::Apply,
+            Step::Policies(vec![h200_layout]),
+            Step::Apply,
+        ]),
+    );
+}
+
 /// Demand never switches MIG mode ("the catalogue takes MIG-enabled layouts only"): but a
 /// policy's own layout is in its catalogue, and a custom one may leave MIG off on some GPUs
 /// (GPUs 4-7 here). Demand reshapes the node to `all-3g.40gb`, MIG on everywhere.
@@ -3375,4 +3453,42 @@ fn a_node_is_not_applied_before_the_cluster_wide_mig_strategy_it_needs() {
         Step::Apply,
     ]);
     run_history(vec![mixed(Some(1)), other(0, 0), other(3, 1)], steps);
+}
+
+/// Found with 2,000 histories: a `mixed` policy on busy nodes; after an edit (the mixed policy
+/// time-sliced with another catalogue, beside a `single` policy of lower priority) the
+/// ClusterPolicy's mig.strategy turns `single` (the busy nodes wait, their labels unchanged);
+/// the edit is undone. The nodes' labels are the mixed
+/// policy's all along and GFD last reported `mixed`, but the device plugin serves what the
+/// ClusterPolicy says: they were reported `Applied` while it still said `single`.
+#[test]
+fn a_node_is_not_applied_while_the_cluster_policy_says_another_mig_strategy() {
+    let first = dynamic_first(None, catalogue_of(0, &[1]));
+    let sliced = dynamic_first(
+        None,
+        DynGen {
+            time_slicing: true,
+            ..catalogue_of(4, &[5])
+        },
+    );
+    let single = PolicyGen {
+        kind: 3,
+        replicas: 2,
+        mixed: false,
+        profile: None,
+        priority: 0,
+        age: 0,
+        dynamic: None,
+    };
+    let back = dynamic_first(None, catalogue_of(0, &[6]));
+    let mut steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(0, 0),
+        Step::Apply,
+        Step::Policies(vec![sliced, single]),
+        Step::Apply,
+        Step::Policies(vec![back]),
+    ]);
+    steps.extend(std::iter::repeat_n(Step::Apply, 7));
+    run_history(vec![first], steps);
 }

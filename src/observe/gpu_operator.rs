@@ -48,6 +48,12 @@ pub fn sandbox_of(cp: Option<&DynamicObject>) -> Sandbox {
     }
 }
 
+/// The ClusterPolicy's `spec.mig.strategy`, when set.
+pub fn mig_strategy_of(cp: Option<&DynamicObject>) -> Option<String> {
+    cp.and_then(|c| c.data.get("spec")?.pointer("/mig/strategy")?.as_str())
+        .map(str::to_string)
+}
+
 /// The tolerations of the GPU Operator's DaemonSets (`spec.daemonsets.tolerations`).
 pub fn daemonset_tolerations(cp: Option<&DynamicObject>) -> Vec<Toleration> {
     let tolerations = cp.and_then(|c| c.data.get("spec")?.get("daemonsets")?.get("tolerations"));

@@ -112,6 +112,7 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
             let active = gpu_operator::active_cluster_policy(all.iter().copied());
             c.cluster_policy_found = active.is_some();
             c.sandbox = gpu_operator::sandbox_of(active);
+            c.cluster_mig_strategy = gpu_operator::mig_strategy_of(active);
             c.readiness_taint = view.tainted.map(|(key, tainted)| ReadinessTaint {
                 key,
                 tolerations: gpu_operator::daemonset_tolerations(active),

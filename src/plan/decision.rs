@@ -37,6 +37,8 @@ pub struct Env<'a> {
     pub sandbox: &'a Sandbox,
     /// Named mig-parted layouts (what the device plugin will advertise under a named layout).
     pub mig_layouts: Option<&'a std::collections::BTreeMap<String, serde_json::Value>>,
+    /// The ClusterPolicy's MIG strategy as read (`None`: not set, or unknown).
+    pub cluster_mig_strategy: Option<&'a str>,
 }
 
 impl<'a> Env<'a> {
@@ -54,6 +56,7 @@ impl<'a> Env<'a> {
             vgpu_stuck: i.vgpu_stuck,
             sandbox: i.cluster.sandbox,
             mig_layouts: i.cluster.mig_layouts,
+            cluster_mig_strategy: i.cluster.cluster_mig_strategy,
         }
     }
 }
@@ -84,6 +87,7 @@ impl Env<'_> {
             vgpu_stuck: false,
             sandbox: &NO_SANDBOX,
             mig_layouts: None,
+            cluster_mig_strategy: None,
         }
     }
 }

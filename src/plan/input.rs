@@ -231,6 +231,9 @@ pub struct ClusterFacts {
     pub cluster_policy_found: bool,
     /// The ClusterPolicy's sandbox settings.
     pub sandbox: Sandbox,
+    /// The ClusterPolicy's `spec.mig.strategy` as read (`None`: not set, or no ClusterPolicy):
+    /// what the device plugin and GFD run with now, cluster-wide.
+    pub cluster_mig_strategy: Option<String>,
     /// The readiness taint, when the operator runs with `--readiness-taint`.
     pub readiness_taint: Option<ReadinessTaint>,
     /// The GPU Operator's DRA-only `GPUCluster`, by name, when one exists.
@@ -256,6 +259,7 @@ impl Default for ClusterFacts {
             namespaces: None,
             cluster_policy_found: true,
             sandbox: Sandbox::default(),
+            cluster_mig_strategy: None,
             readiness_taint: None,
             gpu_cluster: None,
             autoscaling: None,

@@ -383,9 +383,10 @@ fn plan_node(i: &memo::NodeInputs) -> (memo::PreGate, bool) {
     let mut outcome = node::outcome(n, policy, &env, decision);
     if let Some(w) = policy {
         rollout::keep_mark(n, &mut outcome, &w.name);
-        // A refused policy changes nothing on its nodes: no drain or reservation of it goes
-        // on, so its cordon goes (the node is left as it was otherwise).
-        if !w.accepted() {
+        // A refused policy changes nothing on its nodes, nor a policy on a node it refuses
+        // (one whose GPUs cannot take it): no drain or reservation of it goes on there, so its
+        // cordon goes (the node is left as it was otherwise).
+        if !w.accepted() || outcome.state == Some(NodeState::Rejected) {
             outcome.annotations.remove(ANNOTATION_CORDONED);
         }
     }

@@ -301,7 +301,9 @@ fn written(
 ) -> Outcome {
     let annotations = annotations(n, env, &dp, mig.as_deref());
     let (state, message) = if state == NodeState::Applied {
-        match unconfirmed(n, w, &dp, &annotations).or_else(|| not_advertised(n, w, env.mig_layouts))
+        match unconfirmed(n, w, &dp, &annotations)
+            .or_else(|| strategy_switching(w, env.cluster_mig_strategy))
+            .or_else(|| not_advertised(n, w, env.mig_layouts))
         {
             Some(why) => (NodeState::Pending, why),
             None => (state, message),
@@ -355,6 +357,21 @@ fn annotations(n: &NodeFacts, env: &Env, dp: &str, mig: Option<&str>) -> super::
         }
     }
     a
+}
+
+/// The device plugin and GFD take their MIG strategy from the ClusterPolicy, cluster-wide:
+/// while it says another strategy than a MIG policy's (it is switching back, after a policy of
+/// the other strategy governed nodes), the node serves the other resources, whatever GFD last
+/// reported before the switch.
+fn strategy_switching(w: &Prepared, cluster: Option<&str>) -> Option<String> {
+    let want = w.spec.mig.as_ref()?.mig_strategy.as_str();
+    let now = cluster?;
+    (w.spec.strategy == Strategy::Mig && w.spec.backend == Backend::DevicePlugin && now != want)
+        .then(|| {
+            format!(
+                "waiting for the ClusterPolicy's mig.strategy to become {want} (it is {now}; it applies cluster-wide)"
+            )
+        })
 }
 
 /// Why a node whose labels say `Applied` is not confirmed yet, if it is not: the labels must

@@ -25,6 +25,8 @@ pub struct NodeCluster<'a> {
     pub gpu_cluster: Option<&'a str>,
     /// The ClusterPolicy's sandbox settings.
     pub sandbox: &'a Sandbox,
+    /// The ClusterPolicy's MIG strategy as read.
+    pub cluster_mig_strategy: Option<&'a str>,
 }
 
 impl<'a> NodeCluster<'a> {
@@ -42,6 +44,7 @@ impl<'a> NodeCluster<'a> {
             namespaces: _,        // DRA claim templates and statuses
             cluster_policy_found: _, // statuses
             sandbox,
+            cluster_mig_strategy,
             readiness_taint: _, // after the gate (the taint's removal)
             gpu_cluster,
             autoscaling: _,    // Karpenter's overlays, from the capacities
@@ -60,6 +63,7 @@ impl<'a> NodeCluster<'a> {
             current_mig_configs,
             gpu_cluster: gpu_cluster.as_deref(),
             sandbox,
+            cluster_mig_strategy: cluster_mig_strategy.as_deref(),
         }
     }
 

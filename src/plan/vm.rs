@@ -79,10 +79,12 @@ pub fn rejection(w: &Prepared, n: &NodeFacts, sandbox: &Sandbox) -> Option<Strin
 /// GB, from NVIDIA's named configs; without them, GPU Feature Discovery's memory with 10% for
 /// what the driver reserves) and the GPU's MIG compute slices.
 fn vgpu_mismatch(w: &Prepared, n: &NodeFacts) -> Option<String> {
-    let product = n
-        .labels
-        .get(LABEL_GPU_PRODUCT)
-        .map(|p| p.trim_end_matches(SHARED_SUFFIX));
+    // GFD appends `-SHARED` under sharing and `-MIG-<profile>` under the `single` MIG
+    // strategy: the board is what comes before.
+    let product = n.labels.get(LABEL_GPU_PRODUCT).map(|p| {
+        let p = p.trim_end_matches(SHARED_SUFFIX);
+        p.find("-MIG-").map_or(p, |i| &p[..i])
+    });
     let memory_gb = label_i64(n, LABEL_GPU_MEMORY).map(|m| (m * 11 / 10 / 1024) as u32);
     let gpus = label_i64(n, LABEL_GPU_COUNT);
     let vm = w.vm()?;
