@@ -3051,17 +3051,12 @@ fn incremental_planning_stamps_a_node_queued_while_time_passed_with_the_new_time
     );
 }
 
-/// Cluster-wide inputs count too: when the GPU Operator's named layout changes content, the
-/// incremental planner re-plans the nodes under it (`Stale`), as planning from scratch does.
-#[test]
-fn incremental_planning_follows_a_named_layout_changed_under_a_node_at_rest() {
-    let mut w = World::new(
-        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
-        vec![policy("mig", 3, 2, true, Some("a"), 0, 0)],
-    );
+/// Boots NVIDIA's components and runs passes of the incremental planner (each checked against
+/// planning from scratch), applying them and letting NVIDIA's components answer, until the
+/// first node of `policy` is `Applied`; then one more pass, which plans no node again.
+fn at_rest(w: &mut World, planner: &mut plan::Planner, policy: &str) -> Plan {
     w.boot();
-    let mut planner = plan::Planner::default();
-    let state = |p: &Plan| p.statuses["mig"].node_details[0].state;
+    let state = |p: &Plan| p.statuses[policy].node_details[0].state;
     for _ in 0..10 {
         let p = planner.plan(&w.input());
         assert_eq!(p, plan::plan(&w.input()));
@@ -3075,6 +3070,20 @@ fn incremental_planning_follows_a_named_layout_changed_under_a_node_at_rest() {
     let rest = planner.plan(&w.input());
     assert_eq!(state(&rest), NodeState::Applied);
     assert_eq!(planner.last_replanned(), 0);
+    rest
+}
+
+/// Cluster-wide inputs count too: when the GPU Operator's named layout changes content, the
+/// incremental planner re-plans the nodes under it (`Stale`), as planning from scratch does.
+#[test]
+fn incremental_planning_follows_a_named_layout_changed_under_a_node_at_rest() {
+    let mut w = World::new(
+        vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
+        vec![policy("mig", 3, 2, true, Some("a"), 0, 0)],
+    );
+    let mut planner = plan::Planner::default();
+    let state = |p: &Plan| p.statuses["mig"].node_details[0].state;
+    at_rest(&mut w, &mut planner, "mig");
     // The GPU Operator's default config now says 6 instances per GPU for the same name.
     w.base.insert(
         "all-1g.10gb".into(),
@@ -3098,22 +3107,9 @@ fn incremental_planning_follows_the_vgpu_device_managers_config() {
         vec![node("a100-0", "NVIDIA-A100-SXM4-80GB", true, Some("a"))],
         vec![policy("vdi", 6, 2, false, Some("a"), 0, 0)],
     );
-    w.boot();
     let mut planner = plan::Planner::default();
     let detail = |p: &Plan| p.statuses["vdi"].node_details[0].clone();
-    for _ in 0..10 {
-        let p = planner.plan(&w.input());
-        assert_eq!(p, plan::plan(&w.input()));
-        if detail(&p).state == NodeState::Applied {
-            break;
-        }
-        w.apply_within_budget(&p);
-        w.mig_manager();
-        w.gfd();
-    }
-    let rest = planner.plan(&w.input());
-    assert_eq!(detail(&rest).state, NodeState::Applied);
-    assert_eq!(planner.last_replanned(), 0);
+    let rest = at_rest(&mut w, &mut planner, "vdi");
     let with_entry = |count: i64| {
         let mut i = w.input();
         let mut base = (*i.cluster.base_vgpu_configs).clone();
