@@ -301,12 +301,24 @@ fn pool_yaml(name: &str, profile: &str, key: &str, value: &str) -> String {
 
 /// Karpenter v1.8.0 itself (its kwok provider, `tests/karpenter`) as a child process: dies with
 /// the test (its stdin is our pipe).
-struct Karpenter(std::process::Child);
+struct Karpenter {
+    child: std::process::Child,
+    log: std::path::PathBuf,
+}
+
+impl Karpenter {
+    /// The last lines of Karpenter's log, for a failure message.
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
 
 impl Drop for Karpenter {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -335,10 +347,14 @@ fn kwok_instance_types() -> Value {
 /// and the node simulator's hardware for the nodes Karpenter creates.
 const GPU_TABLE: &str = "gpu-1x: {gpus: 1, product: NVIDIA-L4, memoryMiB: 23034}\ngpu-8x: {gpus: 8, product: NVIDIA-L4, memoryMiB: 23034}\na100-8x: {gpus: 8, product: NVIDIA-A100-SXM4-80GB, memoryMiB: 81920, migCapable: true}\n";
 
-fn start_karpenter(dir: &std::path::Path, cluster: &testkit::TestCluster) -> Karpenter {
+/// Starts Karpenter and waits (up to [`LONG`]) until its readiness probe answers 200, so a
+/// slow start on a busy machine is not mistaken for Karpenter ignoring a pod.
+async fn start_karpenter(dir: &std::path::Path, cluster: &testkit::TestCluster) -> Karpenter {
     let types = cluster.dir.path().join("kwok-instance-types.json");
     std::fs::write(&types, kwok_instance_types().to_string()).unwrap();
-    let log = std::fs::File::create(cluster.dir.path().join("karpenter.log")).unwrap();
+    let log_path = cluster.dir.path().join("karpenter.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let health = free_port();
     let child = std::process::Command::new(dir.join("karpenter-kwok"))
         .env_clear()
         .env("KUBECONFIG", &cluster.kubeconfig)
@@ -346,7 +362,7 @@ fn start_karpenter(dir: &std::path::Path, cluster: &testkit::TestCluster) -> Kar
         .env("FEATURE_GATES", "NodeOverlay=true")
         .env("DISABLE_LEADER_ELECTION", "true")
         .env("METRICS_PORT", free_port().to_string())
-        .env("HEALTH_PROBE_PORT", free_port().to_string())
+        .env("HEALTH_PROBE_PORT", health.to_string())
         .env("EXIT_ON_STDIN_EOF", "true")
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .stdin(std::process::Stdio::piped())
@@ -354,7 +370,34 @@ fn start_karpenter(dir: &std::path::Path, cluster: &testkit::TestCluster) -> Kar
         .stderr(log)
         .spawn()
         .expect("karpenter-kwok starts");
-    Karpenter(child)
+    let karpenter = Karpenter {
+        child,
+        log: log_path,
+    };
+    let ready = testkit::wait_for(LONG, || async { probe_ok(health, "/readyz") }).await;
+    assert!(
+        ready,
+        "Karpenter never became ready:\n{}",
+        karpenter.log_tail()
+    );
+    karpenter
+}
+
+/// Whether `GET path` on 127.0.0.1:`port` answers 200 (a bare HTTP/1.0 request: the probe
+/// is plain HTTP and the test needs nothing more).
+fn probe_ok(port: u16, path: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .is_err()
+    {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).is_ok() && head.ends_with(b"200")
 }
 
 fn karpenter_api(c: &Client, version: &str, kind: &str, plural: &str) -> Api<DynamicObject> {
@@ -489,7 +532,7 @@ async fn karpenter_launches_the_shared_instance_type_for_a_pod_it_could_not_plac
     )
     .await;
     let c = cluster.client.clone();
-    let _karpenter = start_karpenter(&dir, &cluster);
+    let karpenter = start_karpenter(&dir, &cluster).await;
     testkit::apply_yaml(
         &c,
         "apiVersion: karpenter.kwok.sh/v1alpha1\nkind: KWOKNodeClass\nmetadata: {name: default}\n",
@@ -511,13 +554,19 @@ async fn karpenter_launches_the_shared_instance_type_for_a_pod_it_could_not_plac
     .unwrap();
 
     // Without the operator: Karpenter's own reason, and no NodeClaim.
-    let events = until("Karpenter's FailedScheduling", LONG, || async {
+    let events = testkit::poll(LONG, || async {
         let e = karpenter_events(&c, "gpu16").await;
         e.iter()
             .any(|m| m.starts_with("FailedScheduling"))
             .then_some(e)
     })
-    .await;
+    .await
+    .unwrap_or_else(|| {
+        panic!(
+            "no FailedScheduling from Karpenter in {LONG:?}; its log:\n{}",
+            karpenter.log_tail()
+        )
+    });
     assert!(
         events
             .iter()
