@@ -696,6 +696,9 @@ struct World {
     /// confirmed yet, with the policy they were changed for and whether GFD still has to
     /// relabel them (the rollout budget's "unavailable" nodes).
     unconfirmed: BTreeMap<String, (String, bool)>,
+    /// The rollout mark (`gpusharing.io/rollout`) each unconfirmed node carried after its last
+    /// write: the change it is in.
+    unconfirmed_marks: BTreeMap<String, Option<String>>,
     /// The facts given to the last input, by node: a node keeps them while they do not change,
     /// as the controller's node cache does (so the incremental planner sees unchanged nodes as
     /// the same shared facts).
@@ -753,6 +756,7 @@ impl World {
             now: 1_800_000_000,
             base: base_layouts(),
             unconfirmed: BTreeMap::new(),
+            unconfirmed_marks: BTreeMap::new(),
             shared: Default::default(),
             pods: Pods::default(),
             vgpu_per_gpu: None,
@@ -865,8 +869,17 @@ impl World {
     /// Applies a plan, and checks, independently of the planner's own counting, that no policy
     /// ever has more unconfirmed nodes than its default budget (25% of its nodes, at least 1).
     /// A node is unconfirmed from a write that changes its labels until GFD has relabelled it
-    /// (when the device-plugin config changed) and the MIG manager is not pending.
+    /// (when the device-plugin config or the workload changed; on a VM host, the sandbox
+    /// device plugin), the MIG manager is not pending, and the planner no longer holds it in
+    /// flight for the policy it was written for.
     fn apply_within_budget(&mut self, plan: &Plan) {
+        if std::env::var("HIST_DEBUG").is_ok() {
+            for (policy, status) in &plan.statuses {
+                for d in &status.node_details {
+                    eprintln!("  plan {policy} {} {} {}", d.name, d.state, d.message);
+                }
+            }
+        }
         let before: BTreeMap<String, Labels> = self
             .nodes
             .iter()
@@ -887,12 +900,21 @@ impl World {
             if managed(old) == managed(&n.labels) {
                 continue;
             }
-            let dp_changed = loaded_config(old) != loaded_config(&n.labels);
+            // A node handed between VMs and containers changes its node daemons: it is
+            // confirmed by what then runs there (GFD, or the sandbox device plugin), like a
+            // device-plugin config change.
+            let dp_changed = loaded_config(old) != loaded_config(&n.labels)
+                || old.get(names::LABEL_WORKLOAD) != n.labels.get(names::LABEL_WORKLOAD);
             match n.labels.get(names::LABEL_POLICY) {
                 Some(p) => {
                     let gfd = dp_changed || self.unconfirmed.get(&n.name).is_some_and(|(_, g)| *g);
                     self.unconfirmed
                         .insert(n.name.clone(), (p.to_string(), gfd));
+                    let mark = n
+                        .annotations
+                        .get(names::ANNOTATION_ROLLOUT)
+                        .map(str::to_string);
+                    self.unconfirmed_marks.insert(n.name.clone(), mark);
                 }
                 // A node released while its MIG manager still works is not available yet:
                 // a policy that takes it over does not make it unavailable.
@@ -905,12 +927,31 @@ impl World {
                 }
             }
         }
-        let nodes = &self.nodes;
-        self.unconfirmed.retain(|name, (_, gfd)| {
+        // A node between the steps of one change (its sharing config removed, its MIG layout
+        // waiting for idle GPUs) is still in flight: the planner holds it `Pending`,
+        // `Waiting` or `Draining` for the policy it was written for, in the same change (the
+        // same rollout mark; a busy node waiting for a new change is not in flight).
+        let in_flight: BTreeSet<(&str, &str)> = (plan.statuses.iter())
+            .flat_map(|(p, s)| s.node_details.iter().map(move |d| (p, d)))
+            .filter(|(_, d)| ["Pending", "Waiting", "Draining"].contains(&d.state.as_str()))
+            .map(|(p, d)| (p.as_str(), d.name.as_str()))
+            .collect();
+        let (nodes, marks) = (&self.nodes, &self.unconfirmed_marks);
+        self.unconfirmed.retain(|name, (policy, gfd)| {
             let n = nodes.iter().find(|n| &n.name == name).unwrap();
+            // A mark is `generation/since/target`; an edit renews the first two of a change
+            // in flight.
+            let target =
+                |m: Option<&str>| m.and_then(|m| m.splitn(3, '/').nth(2).map(str::to_string));
+            let mark = target(n.annotations.get(names::ANNOTATION_ROLLOUT));
+            let same_change =
+                mark.is_some() && target(marks.get(name).and_then(|m| m.as_deref())) == mark;
             *gfd || n.labels.get(LABEL_MIG_STATE) == Some("pending")
                 || n.labels.get(names::LABEL_VGPU_STATE) == Some("pending")
+                || same_change && in_flight.contains(&(policy.as_str(), name.as_str()))
         });
+        self.unconfirmed_marks
+            .retain(|n, _| self.unconfirmed.contains_key(n));
         // Which policy governs each node now, and which policies this apply changed nodes for.
         let mut governs: BTreeMap<&str, &str> = BTreeMap::new();
         for (policy, status) in &plan.statuses {
@@ -1368,7 +1409,11 @@ impl World {
             if demand.is_none() {
                 self.pods.drains.remove(&name);
             }
-            policy.status.get_or_insert_default().demand = demand;
+            let rollout = p.statuses.get(&name).and_then(|s| s.rollout.clone());
+            let status = policy.status.get_or_insert_default();
+            status.demand = demand;
+            // A halt stays recorded until an edit (a new generation) resumes the rollout.
+            status.rollout = rollout;
         }
     }
 }
@@ -1939,6 +1984,11 @@ impl World {
                 for p in &mut self.policies {
                     let before = old.iter().find(|o| o.metadata.name == p.metadata.name);
                     p.status = before.and_then(|o| o.status.clone());
+                    // The API server counts spec changes.
+                    p.metadata.generation = before.map(|o| {
+                        let g = o.metadata.generation.unwrap_or(1);
+                        if o.spec == p.spec { g } else { g + 1 }
+                    });
                 }
             }
             Step::Arrive(g) => self.arrive(&g),
@@ -2043,11 +2093,24 @@ fn run_history(policies: Vec<PolicyGen>, steps: Vec<Step>) {
                 w.cluster_policy.pointer("/mig"),
                 w.config.keys().collect::<Vec<_>>()
             );
-            eprintln!(
-                "  a100-0 {:?} alloc {:?}",
-                w.nodes[0].labels.get("nvidia.com/device-plugin.config"),
-                w.nodes[0].allocatable
-            );
+            for n in &w.nodes {
+                let l = |k| n.labels.get(k).unwrap_or("-").to_string();
+                eprintln!(
+                    "  {} policy {} mig {} {} dp {} vgpu {} {} wl {} cordon {} alloc {:?} owned {:?}",
+                    n.name,
+                    l(names::LABEL_POLICY),
+                    l(LABEL_MIG_CONFIG),
+                    l(LABEL_MIG_STATE),
+                    l(LABEL_DEVICE_PLUGIN_CONFIG),
+                    l(names::LABEL_VGPU_CONFIG),
+                    l(names::LABEL_VGPU_STATE),
+                    l(names::LABEL_WORKLOAD),
+                    n.annotations.get(ANNOTATION_CORDONED).is_some(),
+                    n.allocatable,
+                    n.owned
+                );
+            }
+            eprintln!("  unconfirmed {:?}", w.unconfirmed);
         }
         w.check_invariants();
     }
@@ -2069,6 +2132,7 @@ fn converge_and_check(mut w: World, pristine: Vec<NodeFacts>) {
     // point: the rounds left would change nothing.
     let mut last: Option<Plan> = None;
     for _ in 0..16 {
+        w.resume_halted();
         let input = w.pass_input();
         let p = plan::plan(&input);
         if last.as_ref() == Some(&p) {
@@ -2084,6 +2148,21 @@ fn converge_and_check(mut w: World, pristine: Vec<NodeFacts>) {
         last = Some(p);
     }
     check_converged(&w, &pristine);
+}
+
+impl World {
+    /// The admin edits every policy whose rollout is halted (a new generation resumes it).
+    fn resume_halted(&mut self) {
+        for p in &mut self.policies {
+            let halted = p
+                .status
+                .as_ref()
+                .and_then(|s| s.rollout.as_ref()?.halted_generation);
+            if halted.is_some() && halted == p.metadata.generation {
+                p.metadata.generation = halted.map(|g| g + 1);
+            }
+        }
+    }
 }
 
 /// Once converged: the nodes carry the labels planned, planning again changes nothing, nothing
@@ -2891,15 +2970,7 @@ fn drain_mode_cordons_evicts_but_never_protected_pods_and_lifts_only_its_cordon(
 /// label on an unlabelled node as a reload waiting for GFD.
 #[test]
 fn mig_to_exclusive_keeps_the_budget() {
-    let g = |kind| PolicyGen {
-        kind,
-        replicas: 2,
-        mixed: false,
-        profile: None,
-        priority: 0,
-        age: 0,
-        dynamic: None,
-    };
+    let g = |kind| plain(kind, 0);
     run_history(
         vec![g(3)],
         vec![
@@ -3162,6 +3233,20 @@ fn dynamic_first(profile: Option<usize>, d: DynGen) -> PolicyGen {
     }
 }
 
+/// A policy of kind `kind` (see [`spec_of`]) on every node, `single` where it is MIG, of
+/// priority `priority`, not dynamic.
+fn plain(kind: u8, priority: i32) -> PolicyGen {
+    PolicyGen {
+        kind,
+        replicas: 2,
+        mixed: false,
+        profile: None,
+        priority,
+        age: 0,
+        dynamic: None,
+    }
+}
+
 /// Own layout `own` of [`OWN_LAYOUTS`], catalogue `layouts` of [`CATALOGUE`]; no delays, idle
 /// time, lifetime, fence or busy nodes.
 fn catalogue_of(own: usize, layouts: &[usize]) -> DynGen {
@@ -3337,15 +3422,7 @@ fn a_reservation_cordon_does_not_outlive_the_reservation() {
         reserve.max_delay,
         reserve.lifetime,
     ) = (BusyGen::Reserve(60), 2, 10, 60);
-    let single = PolicyGen {
-        kind: 3,
-        replicas: 2,
-        mixed: false,
-        profile: None,
-        priority: 0,
-        age: 0,
-        dynamic: None,
-    };
+    let single = plain(3, 0);
     let steps = settled(vec![
         Step::Start(0, 0),
         Step::Start(1, 0),
@@ -3431,15 +3508,7 @@ fn a_node_is_not_applied_before_the_cluster_wide_mig_strategy_it_needs() {
         age: 0,
         dynamic: None,
     };
-    let other = |kind, priority| PolicyGen {
-        kind,
-        replicas: 2,
-        mixed: false,
-        profile: None,
-        priority,
-        age: 0,
-        dynamic: None,
-    };
+    let other = plain;
     let steps = settled(vec![
         Step::Relabel(1, None),
         Step::Apply,
@@ -3467,15 +3536,7 @@ fn a_node_is_not_applied_while_the_cluster_policy_says_another_mig_strategy() {
             ..catalogue_of(4, &[5])
         },
     );
-    let single = PolicyGen {
-        kind: 3,
-        replicas: 2,
-        mixed: false,
-        profile: None,
-        priority: 0,
-        age: 0,
-        dynamic: None,
-    };
+    let single = plain(3, 0);
     let back = dynamic_first(None, catalogue_of(0, &[6]));
     let mut steps = settled(vec![
         Step::Start(0, 0),
@@ -3487,4 +3548,272 @@ fn a_node_is_not_applied_while_the_cluster_policy_says_another_mig_strategy() {
     ]);
     steps.extend(std::iter::repeat_n(Step::Apply, 7));
     run_history(vec![first], steps);
+}
+
+/// Found with 3,000 histories: a dynamic policy on the first A100, a passthrough policy on the
+/// second; the dynamic policy is edited to take the second (it starts handing its GPUs back to
+/// containers, then its layout) and then both, the first arriving still releasing. Two nodes of
+/// a budget of one are out, neither started beyond it: the checker forgot a node between the
+/// two steps of a VM-to-container move (its workload label changed, GFD had not run yet).
+#[test]
+fn edits_of_a_dynamic_policy_never_move_more_nodes_than_its_budget() {
+    let passthrough = PolicyGen {
+        kind: 5,
+        profile: None,
+        priority: 0,
+        dynamic: None,
+        ..dynamic_first(None, catalogue_of(0, &[3]))
+    };
+    let steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(1, 0),
+        Step::Apply,
+        Step::Finish(0),
+        Step::Policies(vec![dynamic_first(Some(1), catalogue_of(0, &[6]))]),
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(Some(4), catalogue_of(0, &[5]))]),
+        Step::Gfd,
+    ]);
+    let steps = steps.into_iter().chain(std::iter::repeat_n(Step::Apply, 5));
+    run_history(
+        vec![dynamic_first(Some(0), catalogue_of(0, &[3])), passthrough],
+        steps.collect(),
+    );
+}
+
+/// Found with 3,000 histories: a time-sliced dynamic policy on both A100s is edited to one
+/// that reserves busy nodes; the first A100's change times out (GFD never reports), halting
+/// the rollout, while demand chooses the busy second A100. A halted rollout cordons nothing,
+/// so the choice sat there uncordoned. Demand now chooses nothing while its policy's rollout
+/// is paused or halted (`RolloutStopped`), and gives up choices not yet begun.
+#[test]
+fn a_halted_rollout_gives_up_demands_choice_of_a_busy_node() {
+    let sliced = DynGen {
+        time_slicing: true,
+        ..catalogue_of(0, &[6])
+    };
+    let reserve = DynGen {
+        lifetime: 60,
+        busy: BusyGen::Reserve(60),
+        ..catalogue_of(0, &[4])
+    };
+    let steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(0, 0),
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(None, reserve)]),
+        Step::Apply,
+        pod_of(0),
+        Step::Tick(601),
+        Step::Start(1, 0),
+        pod_of(0),
+    ]);
+    let steps = steps.into_iter().chain(std::iter::repeat_n(Step::Apply, 4));
+    run_history(vec![dynamic_first(Some(A100S), sliced)], steps.collect());
+}
+
+/// Found with 3,000 histories once halts were recorded: a node in the middle of a change
+/// (sharing config removed, MIG layout applied, its device-plugin label not yet) is queued when
+/// its policy is edited to another target, and the edit is then undone. Its rollout mark of
+/// the first change counted it as started, so it went on past the budget while another node
+/// was still in flight. A queued node's mark of another target is dropped.
+#[test]
+fn a_node_queued_for_another_target_is_not_started_when_its_policy_comes_back() {
+    let steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(0, 0),
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(Some(1), catalogue_of(0, &[6]))]),
+        Step::Apply,
+        Step::Finish(0),
+        Step::Gfd,
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(Some(A100S), catalogue_of(1, &[6]))]),
+        Step::Finish(0),
+        Step::MigManager,
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(None, catalogue_of(0, &[3]))]),
+    ]);
+    run_history(
+        vec![dynamic_first(Some(0), catalogue_of(0, &[1])), plain(0, 0)],
+        steps,
+    );
+}
+
+/// Found with 3,000 histories: a VM host moved from vGPU to passthrough counted as confirmed
+/// while the sandbox device plugin still advertised the vGPU type, so the next node started
+/// at once, past the budget. Confirmation now needs this mode's devices.
+#[test]
+fn a_vm_host_moving_from_vgpu_to_passthrough_waits_for_passthrough_devices() {
+    let steps = vec![
+        Step::Apply,
+        Step::Policies(vec![plain(6, 0)]),
+        Step::MigManager,
+        Step::Apply,
+        Step::MigManager,
+        Step::MigManager,
+        Step::Policies(vec![plain(5, 0)]),
+        Step::Apply,
+    ];
+    run_history(vec![plain(0, 0)], steps);
+}
+
+/// Found with 3,000 histories: a node drained for demand, whose policy is then edited to a
+/// layout its GPUs cannot take, stayed cordoned for good: the drain's in-flight check kept the
+/// cordon of a node the policy refuses.
+#[test]
+fn a_drained_node_its_policy_now_refuses_is_uncordoned() {
+    let drain = DynGen {
+        lifetime: 60,
+        namespaces: Some(false),
+        busy: BusyGen::Drain(0, 1),
+        ..catalogue_of(0, &[0])
+    };
+    let mut steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(0, 0),
+        Step::Apply,
+        Step::Start(1, 0),
+        Step::Arrive(PodGen {
+            profile: 0,
+            count: 1,
+            namespace: 0,
+            priority: 0,
+            selector: 0,
+            burst: 2,
+        }),
+    ]);
+    steps.extend(std::iter::repeat_n(Step::Apply, 7));
+    steps.push(Step::Policies(vec![dynamic_first(
+        None,
+        catalogue_of(2, &[0]),
+    )]));
+    run_history(vec![dynamic_first(None, drain)], steps);
+}
+
+/// Found with 3,000 histories: a node in flight is refused by an edit (an A100 layout on an
+/// H200) and accepted again by the next; its old rollout mark counted it as started, past the
+/// budget. A refused node keeps no mark.
+#[test]
+fn a_node_refused_between_two_edits_is_not_started_past_the_budget() {
+    let steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(0, 0),
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(None, catalogue_of(0, &[5]))]),
+        pod_of(0),
+        pod_of(0),
+        pod_of(0),
+        Step::MigManager,
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(None, catalogue_of(4, &[3]))]),
+        Step::Apply,
+        Step::Apply,
+        Step::Apply,
+    ]);
+    run_history(vec![dynamic_first(None, catalogue_of(4, &[4]))], steps);
+}
+
+/// Found with 3,000 histories: a VM host handed back to containers counted as available as
+/// soon as its label was written (the device-plugin config did not change, so nothing waited
+/// for GPU Feature Discovery); an edit then started a second node. The hand-back is stamped
+/// like a config write and waits for GFD's next report.
+#[test]
+fn a_node_handed_back_to_containers_counts_until_gfd_reports() {
+    let steps = vec![
+        Step::Apply,
+        Step::MigManager,
+        Step::Policies(vec![plain(0, 0)]),
+        Step::Apply,
+        Step::Gfd,
+        Step::Apply,
+        Step::Policies(vec![plain(1, 0)]),
+    ];
+    let p1 = PolicyGen {
+        profile: Some(0),
+        ..plain(5, 1)
+    };
+    run_history(vec![plain(5, 0), p1], steps);
+}
+
+/// Found with 3,000 histories: a reservation policy chose the busy second A100; the policy is
+/// then edited to wait for idle nodes and to a layout the A100 cannot take. Demand skipped the
+/// refused node and kept its recorded choice for good.
+#[test]
+fn a_layout_chosen_for_a_node_its_policy_now_refuses_is_given_up() {
+    let reserve = DynGen {
+        lifetime: 60,
+        busy: BusyGen::Reserve(60),
+        ..catalogue_of(0, &[4])
+    };
+    let mut steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(0, 0),
+        Step::Apply,
+        pod_of(0),
+        Step::Start(1, 0),
+        pod_of(0),
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(Some(1), catalogue_of(2, &[4]))]),
+    ]);
+    steps.extend(std::iter::repeat_n(Step::Apply, 5));
+    run_history(vec![dynamic_first(None, reserve)], steps);
+}
+
+/// Found with 3,000 histories: a node in the middle of a two-step change (its sharing config
+/// removed, its MIG layout waiting for idle GPUs) takes its second step while its policy took
+/// over a node still releasing. The planner counted both (the change was started within the
+/// budget); the checker had forgotten the first between the steps.
+#[test]
+fn a_node_between_the_steps_of_its_change_stays_in_flight() {
+    let drain = DynGen {
+        lifetime: 60,
+        namespaces: Some(false),
+        busy: BusyGen::Drain(0, 1),
+        ..catalogue_of(0, &[0])
+    };
+    let second = PolicyGen {
+        age: 1,
+        ..dynamic_first(Some(1), catalogue_of(0, &[3]))
+    };
+    let steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(0, 0),
+        Step::Apply,
+        Step::Arrive(PodGen {
+            profile: 0,
+            count: 1,
+            namespace: 0,
+            priority: 0,
+            selector: 0,
+            burst: 3,
+        }),
+        Step::Apply,
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(Some(1), catalogue_of(1, &[5]))]),
+        Step::Apply,
+        Step::Start(1, 0),
+        Step::Policies(vec![dynamic_first(None, catalogue_of(1, &[6]))]),
+        Step::Gfd,
+        Step::Apply,
+        pod_of(0),
+    ]);
+    run_history(vec![dynamic_first(Some(0), drain), second], steps);
+}
+
+/// A busy node whose policy is edited waits for idle GPUs without any write: it serves the
+/// last change, takes no rollout budget, and the other node starts.
+#[test]
+fn a_busy_node_waiting_for_a_new_change_takes_no_budget() {
+    let mut steps = settled(vec![
+        Step::Start(0, 0),
+        Step::Start(0, 0),
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(Some(A100S), catalogue_of(1, &[2]))]),
+        Step::Apply,
+        Step::Policies(vec![dynamic_first(Some(A100S), catalogue_of(0, &[3]))]),
+        Step::Gfd,
+    ]);
+    steps.extend(std::iter::repeat_n(Step::Apply, 6));
+    run_history(vec![dynamic_first(None, catalogue_of(0, &[4, 7]))], steps);
 }

@@ -90,7 +90,7 @@ fn passthrough_resource(n: &NodeFacts) -> Option<(String, i64)> {
     }
     let mut named = sandbox_resources(n)
         .into_iter()
-        .filter(|(r, _)| !r.starts_with("nvidia.com/NVIDIA_"));
+        .filter(|(r, _)| !super::facts::is_vgpu_resource(r));
     let (r, c) = named.next()?;
     named
         .next()

@@ -12,9 +12,9 @@ use super::{Labels, NodeFacts, Plan, PlanInput, SmallMap};
 use crate::api::names::{
     ANNOTATION_MIG_DEMAND, LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG,
     LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT, LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY,
-    LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_VGPU_STATE,
+    LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE, LABEL_WORKLOAD,
 };
-use crate::nvidia::state::{ConfigState, deployed};
+use crate::nvidia::state::{ConfigState, Workload, deployed};
 use crate::nvidia::{self, DevicePluginConfig};
 
 /// Moved to [`super::facts`] (a leaf the per-node transition shares); kept here for callers.
@@ -104,6 +104,16 @@ pub fn gfd_report(config: Option<&DevicePluginConfig>) -> (i32, &'static str) {
 /// the render does not know).
 pub const SANDBOX_RESOURCE: &str = "nvidia.com/sandbox-gpu";
 
+/// A resource the converged view lets the sandbox device plugin advertise.
+fn is_sandbox(r: &str) -> bool {
+    r == SANDBOX_RESOURCE || super::facts::is_vgpu_resource(r)
+}
+
+/// A `vm-vgpu` host (by its workload label).
+fn vgpu_host(n: &NodeFacts) -> bool {
+    Workload::parse(n.labels.get(LABEL_WORKLOAD)) == Some(Workload::VmVgpu)
+}
+
 /// The sandbox device plugin (on VM hosts) and the container device plugin (where it is
 /// deployed) advertise what they serve: the allocatable the converged view needs. `serves` is
 /// what the device plugin advertises under the node's policy, when known.
@@ -114,7 +124,7 @@ fn plugins_advertise(n: &NodeFacts, serves: Option<super::capacity::Advertised>)
     let mut alloc: Labels = n
         .allocatable
         .iter()
-        .filter(|(k, _)| *k != SANDBOX_RESOURCE && !(dp_off && super::is_device_plugin_resource(k)))
+        .filter(|(k, _)| !(is_sandbox(k) || dp_off && super::is_device_plugin_resource(k)))
         .filter(|(k, _)| serves.is_none() || !super::is_device_plugin_resource(k))
         .collect();
     // The largest count a range allows: the entry capacity counts with.
@@ -123,7 +133,12 @@ fn plugins_advertise(n: &NodeFacts, serves: Option<super::capacity::Advertised>)
     }
     if vm {
         let gpus = n.labels.get(LABEL_GPU_COUNT).unwrap_or("1");
-        alloc.insert(SANDBOX_RESOURCE, gpus);
+        // vGPUs go by their type's name (`NVIDIA_<type>`), passthrough GPUs by a name that
+        // is not one (see `facts::is_vgpu_resource`).
+        match n.labels.get(LABEL_VGPU_CONFIG).filter(|_| vgpu_host(n)) {
+            Some(config) => alloc.insert(format!("nvidia.com/NVIDIA_{config}").as_str(), gpus),
+            None => alloc.insert(SANDBOX_RESOURCE, gpus),
+        }
     }
     alloc
 }

@@ -40,8 +40,8 @@ use super::compat::{mig_profile_refusal, node_rejection};
 use super::decision::mig_of;
 use super::facts::is_vm_host;
 use super::geometry::{NodeModel, node_model, node_refusal};
-use super::input::ClusterFacts;
 use super::input::PendingPod;
+use super::input::PlanInput;
 use super::policies::{MIN_LIFETIME_WITH_BUSY_NODES, Prepared, catalogue, node_layout, recorded};
 
 /// Why demand waits.
@@ -50,6 +50,8 @@ pub const NO_MATCHING_NODE: &str = "NoMatchingNode";
 pub const NO_IDLE_NODE: &str = "NoIdleNode";
 pub const COOLDOWN: &str = "Cooldown";
 pub const BUDGET_EXHAUSTED: &str = "BudgetExhausted";
+/// The policy's rollout is paused or halted: demand starts no reshape until it resumes.
+pub const ROLLOUT_STOPPED: &str = "RolloutStopped";
 pub const INFEASIBLE: &str = "Infeasible";
 /// Demand younger than the quiet period (and the maximum delay) is left to batch.
 pub const BATCHING: &str = "Batching";
@@ -131,6 +133,24 @@ struct Policy<'a, 'p> {
     recent: Vec<RecentDrain>,
     /// Drains chosen in this pass.
     drained_now: std::cell::Cell<usize>,
+    /// Why the policy's rollout starts no node change (paused, or halted as its status
+    /// records): demand then chooses no node, and gives up choices of busy nodes whose wait
+    /// has not begun (their reservation or drain could not start).
+    stopped: Option<String>,
+}
+
+/// Why `w`'s rollout starts no node change, as the gate will see it: paused (`--pause-rollouts`
+/// or `spec.paused`), or halted for this generation (its status).
+fn rollout_stopped(w: &Prepared, pause_all: bool) -> Option<String> {
+    if pause_all || w.spec.paused {
+        return Some("the policy's rollout is paused".into());
+    }
+    super::rollout::recorded_halt(w).map(|nodes| {
+        format!(
+            "the policy's rollout is halted ({}); edit the policy to resume",
+            nodes.join("; ")
+        )
+    })
 }
 
 /// Seconds a drain counts against `maxDrainsPerHour`.
@@ -243,13 +263,15 @@ fn classes(nodes: &[Node], demand: &[PendingPod]) -> Vec<String> {
 }
 
 /// Demand planning for every dynamic policy. `views` in name order; `winner[i]` the governing
-/// policy of `views[i]`; the demand, the MIG configs and the time from `cluster`.
+/// policy of `views[i]`; the demand, the MIG configs and the time from the input's cluster
+/// facts, `--pause-rollouts` from its settings.
 pub fn plan(
     prepared: &[Prepared],
     views: &[&NodeView],
     winner: &[Option<usize>],
-    cluster: &ClusterFacts,
+    input: &PlanInput,
 ) -> DemandPlan {
+    let (cluster, pause_all) = (&input.cluster, input.settings.pause_rollouts);
     let (demand, base, now) = (
         &cluster.demand,
         cluster.base_mig_configs.as_ref(),
@@ -287,7 +309,17 @@ pub fn plan(
             mig_on: Default::default(),
         };
         // Nodes the policy refuses (`Rejected`, `Invalid`) are left as they are: they are not
-        // reshaping, take no rollout budget and are offered nothing.
+        // reshaping, take no rollout budget and are offered nothing; a layout chosen for one
+        // before (a reservation waiting there) is given up.
+        for (v, _) in views
+            .iter()
+            .zip(winner)
+            .filter(|(v, wi)| **wi == Some(i) && refuses(w, v))
+        {
+            if v.annotations.get(ANNOTATION_MIG_DEMAND).is_some() {
+                out.annotations.insert(v.name().to_string(), None);
+            }
+        }
         let nodes: Vec<Node> = views
             .iter()
             .zip(winner)
@@ -312,6 +344,7 @@ pub fn plan(
             ignored: &cluster.demand_ignored,
             recent: recent_drains(w, now),
             drained_now: Default::default(),
+            stopped: rollout_stopped(w, pause_all),
         };
         handled.extend(p.plan(&demand, &mut out));
     }
@@ -517,7 +550,11 @@ impl Policy<'_, '_> {
             .filter(|n| !n.configured && !n.failed)
             .count();
         let budget = super::rollout::budget(self.w.spec, self.nodes.len());
-        let mut room = budget.saturating_sub(reshaping_now);
+        let mut room = if self.stopped.is_some() {
+            0
+        } else {
+            budget.saturating_sub(reshaping_now)
+        };
         let act = self.settled(&pods, &residual, out);
         let catalogue = catalogue(self.w);
         let mut taken: BTreeSet<usize> = BTreeSet::new();
@@ -725,7 +762,8 @@ impl Policy<'_, '_> {
             if busy && unneeded && n.evicts.as_ref().is_some_and(|e| !e.is_empty()) {
                 out.given_up.insert(name.clone());
             }
-            if busy && (n.evicts.is_none() || overran || unneeded) {
+            let stopped = self.stopped.is_some() && !begun;
+            if busy && (n.evicts.is_none() || overran || unneeded || stopped) {
                 let keep = label
                     .filter(|l| catalogue.iter().any(|c| c == l))
                     .map(|l| format!("{l}@{}", self.now));
@@ -964,24 +1002,28 @@ impl Policy<'_, '_> {
             {
                 recheck(out, wait);
             }
-            let msg = if room == 0 {
-                format!(
-                    "{} node(s) are already being reshaped, as many as the rollout budget allows",
-                    super::rollout::budget(self.w.spec, self.nodes.len())
-                )
-            } else {
-                "the nodes that may be reshaped serve more of the pending demand as they are (or a drain would evict as many pods as it serves)".into()
-            };
-            return (
-                if room == 0 {
-                    BUDGET_EXHAUSTED
-                } else {
-                    INFEASIBLE
-                },
-                msg,
-            );
+            return self.no_room_why(room);
         }
         self.blocked_why(p, &fitting, out)
+    }
+
+    /// Why a pod some free node could serve waits: the rollout is stopped, its budget is
+    /// used up (`room` 0), or no reshape serves more than it displaces.
+    fn no_room_why(&self, room: usize) -> (&'static str, String) {
+        if let Some(why) = &self.stopped {
+            return (ROLLOUT_STOPPED, why.clone());
+        }
+        if room == 0 {
+            let budget = super::rollout::budget(self.w.spec, self.nodes.len());
+            let msg = format!(
+                "{budget} node(s) are already being reshaped, as many as the rollout budget allows"
+            );
+            return (BUDGET_EXHAUSTED, msg);
+        }
+        (
+            INFEASIBLE,
+            "the nodes that may be reshaped serve more of the pending demand as they are (or a drain would evict as many pods as it serves)".into(),
+        )
     }
 
     /// Why `p` waits when every node it could use is blocked: the cooldown, or no idle node.

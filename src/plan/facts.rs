@@ -29,6 +29,12 @@ pub fn sandbox_resources(n: &NodeFacts) -> Vec<(&str, i64)> {
         .collect()
 }
 
+/// Whether a sandbox resource is a vGPU type's (`nvidia.com/NVIDIA_<type>`, the mdev type's
+/// name); passthrough GPUs go by their PCI device name (`nvidia.com/GA100_A100_SXM4_80GB`).
+pub fn is_vgpu_resource(r: &str) -> bool {
+    r.starts_with("nvidia.com/NVIDIA_")
+}
+
 /// When GPU Feature Discovery stamps the node and has not relabelled it since our device-plugin
 /// config write at `written` (unix seconds): that write. A node GFD does not stamp is never
 /// behind.

@@ -550,7 +550,7 @@ impl Planner {
         );
         let cluster = cluster_of(input);
         let mut per_policy = per_policy(&prepared, &assignment, &mut np, input, &cluster);
-        let demand = demand::plan(&prepared, &views, &assignment.winner, c);
+        let demand = demand::plan(&prepared, &views, &assignment.winner, input);
         // A drain demand gave up before its first eviction evicts nothing.
         for node in &demand.given_up {
             np.drains.remove(node);

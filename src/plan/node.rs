@@ -18,7 +18,7 @@
 use crate::api::crd::{Backend, MigStrategy, Strategy};
 use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
-use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, deployed};
+use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, Workload, deployed};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::NodeFacts;
@@ -171,6 +171,13 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
             let mut o = written(n, w, env, state, message, device_config, mig_layout);
             if let Some(wl) = workload {
                 o.labels.insert(LABEL_WORKLOAD.to_string(), wl.to_string());
+                // Handing a VM host back to containers brings the container stack back up:
+                // GPU Feature Discovery's next report after this write confirms it, as after
+                // a device-plugin config change.
+                if is_vm_host(n) && !Workload::parse(Some(wl)).is_some_and(Workload::is_vm) {
+                    o.annotations
+                        .insert(ANNOTATION_CONFIG_WRITTEN.to_string(), env.now().to_string());
+                }
             }
             if let Some(v) = vgpu_config {
                 o.labels.insert(LABEL_VGPU_CONFIG.to_string(), v);

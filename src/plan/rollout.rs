@@ -207,7 +207,7 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
 }
 
 /// Whether the policy's status records a halt of its current generation.
-fn recorded_halt(w: &Prepared) -> Option<Vec<String>> {
+pub(super) fn recorded_halt(w: &Prepared) -> Option<Vec<String>> {
     let r = w.policy.status.as_ref()?.rollout.as_ref()?;
     let generation = w.policy.metadata.generation?;
     (r.halted_generation == Some(generation)).then(|| r.halted_nodes.clone())
@@ -237,7 +237,7 @@ fn sort(
     let generation = w.policy.metadata.generation.unwrap_or(0);
     for &i in idx {
         match phase(&entries[i], w, now) {
-            Phase::Settled => {}
+            Phase::Settled => drop_stale_mark(&mut entries[i]),
             Phase::Candidate => sorted.candidates.push(i),
             Phase::CandidateUnavailable => {
                 progress.unavailable += 1;
@@ -264,6 +264,20 @@ fn sort(
         progress.halted = Some(failures);
     }
     sorted
+}
+
+/// Drops the node's mark when it is of no change the node is making: a change to another
+/// target (queued since, or its policy edited), or any change on a node the policy now
+/// refuses. Kept, it would count the node as started, past the budget, should the policy
+/// come back to that target.
+fn drop_stale_mark(e: &mut Entry) {
+    let refused = e.outcome.state.is_some_and(NodeState::refused);
+    let stale = (e.outcome.annotations.get(ANNOTATION_ROLLOUT))
+        .and_then(|m| Mark::parse(m))
+        .is_some_and(|m| refused || Some(m.target.as_str()) != e.target);
+    if stale {
+        e.outcome.to_mut().annotations.remove(ANNOTATION_ROLLOUT);
+    }
 }
 
 fn set_mark(e: &mut Entry, generation: i64, since: i64) {
@@ -330,6 +344,7 @@ fn start_or_queue(
             (HoldReason::WaitingForRolloutWave, why)
         };
         e.outcome = std::borrow::Cow::Owned(queue(e.node, why, reason));
+        drop_stale_mark(e);
         e.hold = true;
         progress.queued.push(e.node.name.clone());
     }
@@ -423,8 +438,10 @@ pub fn gate(
         start_or_queue(entries, sorted, generation, now, &mut progress, &queue);
         cordon_queued_demand(entries, &idx, w);
         let started = |e: &Entry| {
-            // An applied node's labels are the transition's (the gate queues only others).
-            let settled = e.outcome.state == Some(NodeState::Applied) && e.in_sync;
+            // An applied node's labels are the transition's (the gate queues only others); a
+            // node the policy refuses is left as it is (no drain or cordon of it goes on).
+            let settled = e.outcome.state == Some(NodeState::Applied) && e.in_sync
+                || e.outcome.state.is_some_and(NodeState::refused);
             let mark = || {
                 e.outcome
                     .annotations

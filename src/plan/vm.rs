@@ -30,6 +30,7 @@ use super::{NodeFacts, SmallMap};
 // this file); kept here for callers.
 pub use super::capacity::vgpus_per_gpu;
 pub use super::decision::Sandbox;
+use super::facts::is_vgpu_resource;
 pub use super::facts::{is_vm_host, sandbox_resources};
 
 fn vm_users_msg(pods: &[String]) -> String {
@@ -258,7 +259,23 @@ pub fn unconfirmed(n: &NodeFacts, w: &Prepared, want: &SmallMap) -> Option<Strin
             return Some(format!("labelling node {key}={v}"));
         }
     }
-    sandbox_resources(n).is_empty().then(|| {
-        "waiting for the sandbox device plugin to advertise the GPUs to virtual machines (no nvidia.com/<device> allocatable yet)".to_string()
+    let advertised = sandbox_resources(n);
+    if advertised.is_empty() {
+        return Some("waiting for the sandbox device plugin to advertise the GPUs to virtual machines (no nvidia.com/<device> allocatable yet)".to_string());
+    }
+    // What it advertises must be this mode's: a node moving between vGPU and passthrough
+    // still shows the other mode's devices until the plugin re-registers. (A change of vGPU
+    // type is confirmed by the vGPU Device Manager's state label.)
+    let passthrough = w.spec.strategy == Strategy::Passthrough;
+    let other = (advertised.iter()).find(|(r, _)| is_vgpu_resource(r) == passthrough);
+    other.map(|(r, c)| {
+        let want = if passthrough {
+            "passthrough GPUs"
+        } else {
+            "vGPU devices"
+        };
+        format!(
+            "waiting for the sandbox device plugin to advertise {want} (it still advertises {r}={c})"
+        )
     })
 }
