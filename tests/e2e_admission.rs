@@ -410,11 +410,109 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
     ready_on_or_log(&admin, "h200-mps", 1, &log).await;
     // ...and drains a node: its cordon and uncordon pass the fence.
     operator_drains_under_the_policy(&admin, &log).await;
+    // ...and goes on past a node write the API server refuses.
+    operator_goes_on_past_a_refused_node(&admin, &sa, &log).await;
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     for policy in ["gpu-sharing-operator-node-fields", OWNED_POLICY] {
         assert!(!text.contains(policy), "the operator hit {policy}:\n{text}");
     }
     op.kill().await.unwrap();
+}
+
+/// An admission policy of the admin's refuses the operator's writes to `l4-node-1`: a policy
+/// on both L4 nodes converges on `l4-node-0`, names the refused node and the API's answer in
+/// `status.refusedWrites`, a `Degraded` condition and a `WriteRefused` event, and the other
+/// policy's status is still written. Once the admin lifts the refusal the node converges.
+async fn operator_goes_on_past_a_refused_node(admin: &Client, sa: &Client, log: &std::path::Path) {
+    let vap = r#"
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicy
+metadata: {name: test-refuse-l4-node-1}
+spec:
+  failurePolicy: Fail
+  matchConstraints:
+    resourceRules: [{apiGroups: [""], apiVersions: [v1], operations: [UPDATE], resources: [nodes]}]
+  validations:
+  - expression: "!(request.userInfo.username == 'system:serviceaccount:gpu-sharing-system:gpu-sharing-operator' && object.metadata.name == 'l4-node-1')"
+    message: the admin refuses l4-node-1 for now
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingAdmissionPolicyBinding
+metadata: {name: test-refuse-l4-node-1}
+spec: {policyName: test-refuse-l4-node-1, validationActions: [Deny]}
+"#;
+    testkit::apply_yaml(admin, vap).await.unwrap();
+    until("the refusal to be active", LONG, || async {
+        let label = json!({"metadata": {"labels": {"gpusharing.io/probe": "x"}}});
+        patch(sa, "l4-node-1", label, true)
+            .await
+            .is_err()
+            .then_some(())
+    })
+    .await;
+    testkit::apply_yaml(
+        admin,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: l4-ts}\nspec:\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-L4}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n",
+    )
+    .await
+    .unwrap();
+    let status = until("l4-ts to name the refused node", LONG, || async {
+        let s = policy_status(admin, "l4-ts").await?;
+        (s["appliedNodes"] == 1 && s["refusedWrites"][0]["name"] == "l4-node-1").then_some(s)
+    })
+    .await;
+    assert_eq!(status["refusedWrites"][0]["kind"], "Node", "{status}");
+    let message = status["refusedWrites"][0]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(message.contains("the admin refuses l4-node-1"), "{status}");
+    let degraded = (status["conditions"].as_array().into_iter().flatten())
+        .find(|c| c["type"] == "Degraded")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(degraded["status"], "True", "{status}");
+    assert_eq!(degraded["reason"], "WriteRefused", "{status}");
+    // The other policy's status is written all the same (its generation observed).
+    ready_on_or_log(admin, "h200-mps", 1, log).await;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(admin.clone());
+    let event = until("a WriteRefused event", LONG, || async {
+        let list = events.list(&Default::default()).await.ok()?;
+        list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("WriteRefused")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("l4-ts")
+        })
+    })
+    .await;
+    assert!(event.note.unwrap_or_default().contains("l4-node-1"));
+    // Lifted: the node is retried (at most a minute later) and converges.
+    let bindings: Api<DynamicObject> = Api::all_with(
+        admin.clone(),
+        &kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
+            "admissionregistration.k8s.io",
+            "v1",
+            "ValidatingAdmissionPolicyBinding",
+        )),
+    );
+    bindings
+        .delete("test-refuse-l4-node-1", &Default::default())
+        .await
+        .unwrap();
+    let s = tokio::time::timeout(std::time::Duration::from_secs(150), async {
+        loop {
+            if let Some(s) = ready_on(admin, "l4-ts", 2).await {
+                return s;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "l4-ts not Ready on 2 nodes:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        )
+    });
+    assert!(s.get("refusedWrites").is_none(), "{s}");
 }
 
 fn unschedulable(n: &Node) -> bool {

@@ -810,6 +810,23 @@ pub struct GpuSharingPolicyStatus {
     /// serves it, and why the rest waits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub demand: Option<DemandStatus>,
+    /// Writes for this policy the API server refused (an admission webhook or policy, a
+    /// conflicting object it cannot change): the object and the API's answer, at most 10. The
+    /// rest of the pass went on; each is retried with a growing delay (up to a minute).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused_writes: Vec<RefusedWrite>,
+}
+
+/// One write the API server refused.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RefusedWrite {
+    /// `Node`, `ResourceClaimTemplate`, `ConfigMap`, `ClusterPolicy`, `NodeOverlay`.
+    pub kind: String,
+    /// The object (`namespace/name` when namespaced).
+    pub name: String,
+    /// The API server's answer.
+    pub message: String,
 }
 
 /// Pending MIG demand of a dynamic policy.
@@ -861,7 +878,7 @@ pub struct ProfileDemand {
     /// Of those, instances nodes being reshaped will bring.
     pub coming: i64,
     /// Why demand left over waits (`ProfileNotInCatalogue`, `NoMatchingNode`, `NoIdleNode`,
-    /// `Cooldown`, `BudgetExhausted`, `Infeasible`).
+    /// `Cooldown`, `BudgetExhausted`, `RolloutStopped`, `Infeasible`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -176,6 +176,7 @@ string_enum!(
         ClusterPolicyContested,
         ReadinessTaintNotTolerated,
         GpuClusterPresent,
+        WriteRefused,
         Healthy,
         // MigGeometryUnverified
         UnknownGpuModel,

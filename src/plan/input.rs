@@ -315,6 +315,8 @@ pub struct Memory {
     /// The last conclusive fence check (`run --fence-check-seconds`): whether the admission
     /// policies refused every forbidden dry-run write; `None` before one (or offline).
     pub fence: Option<Fence>,
+    /// Writes the API server refused in the last passes (still planned), in order.
+    pub refused_writes: Vec<crate::api::crd::RefusedWrite>,
 }
 
 /// What the fence check found: every policy's `Fenced` condition says it.

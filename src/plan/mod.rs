@@ -451,6 +451,7 @@ fn cluster_of(input: &PlanInput) -> Cluster<'_> {
         gpu_cluster: c.gpu_cluster.as_deref(),
         gpu_operator_namespace_missing: input.memory.gpu_operator_namespace_missing.as_deref(),
         fence: input.memory.fence.as_ref(),
+        refused: &input.memory.refused_writes,
     }
 }
 

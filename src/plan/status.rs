@@ -2,7 +2,8 @@
 //! node counts, capacity and bounded per-node details.
 
 use crate::api::crd::{
-    Backend, Capacity, Condition, GpuSharingPolicyStatus, NodeDetail, RolloutStatus, Strategy,
+    Backend, Capacity, Condition, GpuSharingPolicyStatus, NodeDetail, RefusedWrite, RolloutStatus,
+    Strategy,
 };
 use crate::api::names::ANNOTATION_REAPPLY_MIG;
 use crate::api::state::{ConditionType, NodeState, Reason};
@@ -77,6 +78,27 @@ pub struct Cluster<'a> {
     pub gpu_operator_namespace_missing: Option<&'a str>,
     /// The last fence check's result, when one was conclusive.
     pub fence: Option<&'a super::input::Fence>,
+    /// Writes the API server refused (see [`refused_for`]).
+    pub refused: &'a [RefusedWrite],
+}
+
+/// At most this many refused writes on a status.
+pub const MAX_REFUSED_WRITES: usize = 10;
+
+/// The refused writes that concern a policy: its matched nodes, its claim templates, and
+/// the cluster-wide objects every policy needs (ConfigMaps, the ClusterPolicy, overlays).
+fn refused_for(refused: &[RefusedWrite], place: &Placement) -> Vec<RefusedWrite> {
+    let mine = |w: &&RefusedWrite| match w.kind.as_str() {
+        "Node" => place.matched.binary_search(&w.name.as_str()).is_ok(),
+        "ResourceClaimTemplate" => place.templates.contains(&w.name),
+        _ => true,
+    };
+    refused
+        .iter()
+        .filter(mine)
+        .take(MAX_REFUSED_WRITES)
+        .cloned()
+        .collect()
 }
 
 /// What the status needs of the policy's place among the others.
@@ -321,7 +343,12 @@ fn overridden(overridden: &[String]) -> (bool, Reason, String) {
     }
 }
 
-fn degraded(p: &Prepared, t: &Tally, c: &Cluster) -> (bool, Reason, String) {
+fn degraded(
+    p: &Prepared,
+    t: &Tally,
+    c: &Cluster,
+    refused: &[RefusedWrite],
+) -> (bool, Reason, String) {
     let names = |s: NodeState, n: usize| -> String {
         let v: Vec<&str> = t
             .in_state(s)
@@ -395,6 +422,18 @@ fn degraded(p: &Prepared, t: &Tally, c: &Cluster) -> (bool, Reason, String) {
                 names(NodeState::Failed, usize::MAX)
             ),
         )
+    } else if let Some(first) = refused.first() {
+        (
+            true,
+            Reason::WriteRefused,
+            format!(
+                "the API server refused {} write(s) (status.refusedWrites), the first: {} {}: {}",
+                refused.len(),
+                first.kind,
+                first.name,
+                first.message
+            ),
+        )
     } else {
         (false, Reason::Healthy, "no failures".into())
     }
@@ -424,9 +463,35 @@ fn warnings(p: &Prepared, t: &Tally) -> Vec<String> {
     w
 }
 
+/// The tally's node details with the conflicted and overridden nodes, non-ready first, then by
+/// name; at most [`MAX_NODE_DETAILS`].
+fn node_details(mut details: Vec<NodeDetail>, place: &Placement) -> Vec<NodeDetail> {
+    let others = [
+        (&place.conflicting, NodeState::Conflicted),
+        (&place.overridden, NodeState::Overridden),
+    ];
+    for (list, state) in others {
+        for c in list {
+            let node = c.split(' ').next().unwrap_or_default();
+            details.push(NodeDetail {
+                name: node.into(),
+                state,
+                message: c.clone(),
+                reason: None,
+            });
+        }
+    }
+    details.sort_by(|a, b| {
+        ((a.state == NodeState::Applied), &a.name).cmp(&((b.state == NodeState::Applied), &b.name))
+    });
+    details.truncate(MAX_NODE_DETAILS);
+    details
+}
+
 /// The status of one policy.
 pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuSharingPolicyStatus {
     let generation = p.policy.metadata.generation;
+    let refused_writes = refused_for(c.refused, &place);
     let cond = |type_, (ok, reason, msg): (bool, Reason, String)| {
         condition(type_, ok, reason, msg, generation)
     };
@@ -439,7 +504,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         cond(ConditionType::Progressing, progressing(p, &t)),
         cond(ConditionType::Conflicted, conflicted(p, &place.conflicting)),
         cond(ConditionType::Overridden, overridden(&place.overridden)),
-        cond(ConditionType::Degraded, degraded(p, &t, c)),
+        cond(ConditionType::Degraded, degraded(p, &t, c, &refused_writes)),
     ];
     if let Some(f) = c.fence {
         let reason = if f.fenced {
@@ -466,27 +531,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         })
     });
     let held_nodes = t.held;
-    let mut details = t.details;
-    let others = [
-        (&place.conflicting, NodeState::Conflicted),
-        (&place.overridden, NodeState::Overridden),
-    ];
-    for (list, state) in others {
-        for c in list {
-            let node = c.split(' ').next().unwrap_or_default();
-            details.push(NodeDetail {
-                name: node.into(),
-                state,
-                message: c.clone(),
-                reason: None,
-            });
-        }
-    }
-    // Non-ready first, then by name; bounded.
-    details.sort_by(|a, b| {
-        ((a.state == NodeState::Applied), &a.name).cmp(&((b.state == NodeState::Applied), &b.name))
-    });
-    details.truncate(MAX_NODE_DETAILS);
+    let details = node_details(t.details, &place);
     GpuSharingPolicyStatus {
         observed_generation: generation,
         conditions,
@@ -522,6 +567,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         mig_geometry: super::geometry::report(p.spec, &place.gpu_models),
         autoscaling: None,
         demand: None,
+        refused_writes,
     }
 }
 

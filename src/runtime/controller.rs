@@ -11,7 +11,7 @@
 //! goes from the same report into the control loop's [`ControllerMemory`], the only state kept
 //! from one pass to the next (the planner's memos included).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -214,13 +214,22 @@ pub async fn reconcile_all(
         // The node cache is listing nodes again (a new selector key); its last event wakes us.
         return Ok(Some(IN_PROGRESS_RECHECK));
     };
-    let plan = memory.planner().plan(&input);
+    let (plan, input) = plan_off_thread(memory, input).await;
     record_plan_metrics(ctx, &input, &plan);
     // What the writes below need of the input, taken now: the pass then holds no node facts
     // while it writes, so the cache can let each node's old facts go as the watch reports our
     // label changes (otherwise a first pass over every node holds two copies of all of them).
     let has_policies = !input.policies.is_empty();
-    let changes = plan.nodes_to_write.clone();
+    // A node write the API server refused waits its turn; one no longer planned is forgotten.
+    let now = std::time::Instant::now();
+    let planned: BTreeSet<&str> = plan.nodes_to_write.iter().map(String::as_str).collect();
+    memory.keep_refused("Node", |n| planned.contains(n));
+    let templates = &plan.claim_templates;
+    memory.keep_refused("ResourceClaimTemplate", |t| templates.contains_key(t));
+    let changes: Vec<String> = (plan.nodes_to_write.iter())
+        .filter(|n| !memory.refused_waits("Node", n, now))
+        .cloned()
+        .collect();
     let cleanup_pending = finalize::cleanup_pending(&input, &plan);
     let planned_namespace_missing = input.memory.gpu_operator_namespace_missing.is_some();
     drop(input);
@@ -269,6 +278,25 @@ pub async fn reconcile_all(
         .demand
         .recheck_in
         .map(|s| Duration::from_secs(s.max(1) as u64)))
+}
+
+/// Plans on the blocking pool, not on the runtime's only thread: a pass from scratch over
+/// 20,000 nodes takes hundreds of milliseconds, which lease renewal, the watches and the
+/// health probes must not wait for. The planner (with its memos) moves there and back.
+async fn plan_off_thread(memory: &mut ControllerMemory, input: PlanInput) -> (Plan, PlanInput) {
+    let mut planner = std::mem::take(memory.planner());
+    let done = tokio::task::spawn_blocking(move || {
+        let plan = planner.plan(&input);
+        (planner, plan, input)
+    })
+    .await;
+    let (planner, plan, input) = match done {
+        Ok(done) => done,
+        // The planner's panic is the pass's, as if it had run here.
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    };
+    *memory.planner() = planner;
+    (plan, input)
 }
 
 /// How soon a pass looks again while a change is in progress (the MIG manager, the device

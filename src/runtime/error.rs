@@ -18,6 +18,19 @@ pub enum Error {
 }
 
 impl Error {
+    /// The API server's answer when it refused this one write for what the object is (an
+    /// admission webhook or policy, RBAC by name, an invalid or conflicting object): the pass
+    /// records it and goes on. `None` for errors that concern every write (no connection,
+    /// unauthenticated, throttled, the server failing): the pass fails as a whole.
+    pub fn refused_write(&self) -> Option<String> {
+        match self {
+            Error::Kube(kube::Error::Api(s)) if matches!(s.code, 400 | 403 | 404 | 409 | 422) => {
+                Some(format!("{} ({}): {}", s.code, s.reason, s.message))
+            }
+            _ => None,
+        }
+    }
+
     /// Every value of [`Error::metric_label`].
     pub const METRIC_LABELS: &[&str] = &[
         "kube",

@@ -47,7 +47,20 @@ pub struct ControllerMemory {
     busy: BTreeSet<String>,
     /// Unix seconds of the first pass (a node not seen busy since counts as idle from then).
     started: Option<i64>,
+    /// Writes the API server refused, by (kind, object), oldest first.
+    refused: BTreeMap<(&'static str, String), Refusal>,
 }
+
+/// A write the API server refused: why, how often in a row, and when to try it again.
+#[derive(Debug, Clone)]
+struct Refusal {
+    why: String,
+    attempts: u32,
+    retry_at: Instant,
+}
+
+/// The longest wait before a refused write is tried again.
+const REFUSED_RETRY_MAX: Duration = Duration::from_secs(60);
 
 impl ControllerMemory {
     /// Nothing remembered yet; a `pending` state lasting longer than `pending_timeout` makes the
@@ -65,6 +78,7 @@ impl ControllerMemory {
             last_busy: BTreeMap::new(),
             busy: BTreeSet::new(),
             started: None,
+            refused: BTreeMap::new(),
         }
     }
 
@@ -101,6 +115,13 @@ impl ControllerMemory {
                 cluster_policy_contested: self.contested(now),
                 gpu_operator_namespace_missing: self.namespace_missing.clone(),
                 fence: None,
+                refused_writes: (self.refused.iter())
+                    .map(|((kind, name), r)| crate::api::crd::RefusedWrite {
+                        kind: kind.to_string(),
+                        name: name.clone(),
+                        message: r.why.clone(),
+                    })
+                    .collect(),
             },
             foreign_cordons: self.foreign_cordons.clone(),
             mig_stuck: self.stuck(nodes, LABEL_MIG_CONFIG, LABEL_MIG_STATE, now),
@@ -134,8 +155,36 @@ impl ControllerMemory {
                     self.cluster_policy_applied.extend(fields.iter().cloned());
                 }
                 Learnt::ClusterPolicyRepaired { what } => self.repairs.push((now, what.clone())),
+                Learnt::WriteRefused { kind, object, why } => {
+                    let r = (self.refused)
+                        .entry((kind, object.clone()))
+                        .or_insert(Refusal {
+                            why: String::new(),
+                            attempts: 0,
+                            retry_at: now,
+                        });
+                    r.attempts += 1;
+                    r.why = why.clone();
+                    // 2, 4, 8... seconds, at most a minute.
+                    let wait = Duration::from_secs(1u64 << r.attempts.min(6));
+                    r.retry_at = now + wait.min(REFUSED_RETRY_MAX);
+                }
             }
         }
+        // A write that went through is no longer refused.
+        for w in &report.writes {
+            self.refused.remove(&(w.kind, w.object.clone()));
+        }
+    }
+
+    /// Whether the write of `kind` `object` was refused and waits before it is tried again.
+    pub fn refused_waits(&self, kind: &'static str, object: &str, now: Instant) -> bool {
+        (self.refused.get(&(kind, object.to_string()))).is_some_and(|r| now < r.retry_at)
+    }
+
+    /// Forgets refused writes of `kind` that are no longer planned.
+    pub fn keep_refused(&mut self, kind: &'static str, planned: impl Fn(&str) -> bool) {
+        self.refused.retain(|(k, o), _| *k != kind || planned(o));
     }
 
     /// The planner kept from pass to pass.
@@ -209,6 +258,58 @@ mod tests {
 
     fn memory() -> ControllerMemory {
         ControllerMemory::new(10 * MINUTE)
+    }
+
+    fn refused(object: &str) -> WriteReport {
+        let mut r = WriteReport::default();
+        r.learn(Learnt::WriteRefused {
+            kind: "Node",
+            object: object.into(),
+            why: "422 (Invalid): denied".into(),
+        });
+        r
+    }
+
+    #[test]
+    fn a_refused_write_waits_longer_each_time_and_is_forgotten_once_through_or_unplanned() {
+        let mut m = memory();
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        m.record(&refused("a"), t0);
+        assert!(m.refused_waits("Node", "a", t0 + s));
+        assert!(!m.refused_waits("Node", "a", t0 + 2 * s));
+        assert!(
+            !m.refused_waits("Node", "b", t0),
+            "only the refused object waits"
+        );
+        m.record(&refused("a"), t0 + 2 * s);
+        assert!(
+            m.refused_waits("Node", "a", t0 + 5 * s),
+            "4 s the second time"
+        );
+        for _ in 0..10 {
+            m.record(&refused("a"), t0);
+        }
+        assert!(
+            !m.refused_waits("Node", "a", t0 + MINUTE),
+            "at most a minute"
+        );
+        let listed = m.recall(&[], t0).carried.refused_writes;
+        assert_eq!(listed.len(), 1);
+        assert_eq!(
+            (listed[0].kind.as_str(), listed[0].name.as_str()),
+            ("Node", "a")
+        );
+        assert_eq!(listed[0].message, "422 (Invalid): denied");
+        // Through at last: forgotten.
+        let mut ok = WriteReport::default();
+        ok.record("Node", "a", "policy \"p\"");
+        m.record(&ok, t0);
+        assert!(m.recall(&[], t0).carried.refused_writes.is_empty());
+        // No longer planned: forgotten.
+        m.record(&refused("b"), t0);
+        m.keep_refused("Node", |n| n != "b");
+        assert!(!m.refused_waits("Node", "b", t0));
     }
 
     fn node(name: &str, labels: &[(&str, &str)]) -> Arc<NodeFacts> {

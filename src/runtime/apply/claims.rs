@@ -28,6 +28,36 @@ pub(super) fn json_contains(have: &serde_json::Value, want: &serde_json::Value) 
     }
 }
 
+const KIND: &str = "ResourceClaimTemplate";
+
+/// Applies one template (`namespace/name`), replacing ours when its spec changed (`ours`).
+async fn apply_one(
+    ctx: &Context,
+    id: &str,
+    want: &serde_json::Value,
+    ours: bool,
+    report: &mut WriteReport,
+) -> Result<(), Error> {
+    let (ns, name) = id.split_once('/').expect("namespace/name");
+    let api: Api<ResourceClaimTemplate> = Api::namespaced(ctx.client.clone(), ns);
+    if ours {
+        api.delete(name, &Default::default()).await?;
+        report.record(KIND, id.to_string(), "spec changed: replaced");
+    }
+    match api.patch(name, &apply_params(), &Patch::Apply(want)).await {
+        Ok(_) => {
+            let why = "DRA policy changed";
+            info!(template = %id, reason = why, "applied ResourceClaimTemplate");
+            report.record(KIND, id.to_string(), why);
+        }
+        Err(kube::Error::Api(e)) if e.code == 404 => {
+            warn!(template = %id, "namespace does not exist; the ResourceClaimTemplate waits for it");
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(())
+}
+
 /// Creates, updates and deletes our ResourceClaimTemplates to match the plan. Their spec is
 /// immutable, so a changed template is deleted and created again (claims are only made from it
 /// when pods are created, so existing pods keep theirs).
@@ -50,7 +80,6 @@ pub async fn apply_claim_templates(
         })
         .collect();
     for (id, want) in &plan.claim_templates {
-        let (ns, name) = id.split_once('/').expect("namespace/name");
         let same = current.get(id).is_some_and(|cur| {
             let cur_spec = serde_json::to_value(&cur.spec).unwrap_or_default();
             json_contains(&cur_spec, &want["spec"])
@@ -60,25 +89,10 @@ pub async fn apply_claim_templates(
         if same {
             continue;
         }
-        let api: Api<ResourceClaimTemplate> = Api::namespaced(ctx.client.clone(), ns);
-        if current.contains_key(id) {
-            api.delete(name, &Default::default()).await?;
-            report.record(
-                "ResourceClaimTemplate",
-                id.clone(),
-                "spec changed: replaced",
-            );
-        }
-        match api.patch(name, &apply_params(), &Patch::Apply(want)).await {
-            Ok(_) => {
-                let why = "DRA policy changed";
-                info!(template = %id, reason = why, "applied ResourceClaimTemplate");
-                report.record("ResourceClaimTemplate", id.clone(), why);
-            }
-            Err(kube::Error::Api(e)) if e.code == 404 => {
-                warn!(template = %id, "namespace does not exist; the ResourceClaimTemplate waits for it");
-            }
-            Err(e) => return Err(e.into()),
+        // One template the API server refuses (a tenant's object of the same name, an
+        // admission policy) is recorded; the others and the rest of the pass go on.
+        if let Err(e) = apply_one(ctx, id, want, current.contains_key(id), report).await {
+            report.refused(KIND, id, e)?;
         }
     }
     for (id, cur) in current
@@ -87,10 +101,14 @@ pub async fn apply_claim_templates(
     {
         let api: Api<ResourceClaimTemplate> =
             Api::namespaced(ctx.client.clone(), &cur.namespace().unwrap_or_default());
-        api.delete(&cur.name_any(), &Default::default()).await?;
-        let why = "no policy renders it any more";
-        info!(template = %id, reason = why, "deleted ResourceClaimTemplate");
-        report.record("ResourceClaimTemplate", id.clone(), why);
+        match api.delete(&cur.name_any(), &Default::default()).await {
+            Ok(_) => {
+                let why = "no policy renders it any more";
+                info!(template = %id, reason = why, "deleted ResourceClaimTemplate");
+                report.record(KIND, id.clone(), why);
+            }
+            Err(e) => report.refused(KIND, id, e.into())?,
+        }
     }
     Ok(())
 }

@@ -39,7 +39,10 @@ pub async fn apply_demand(
                     "kind": "Node",
                     "metadata": {"name": node, "annotations": {ANNOTATION_MIG_DEMAND: v}},
                 });
-                api.patch(node, &params, &Patch::Apply(&patch)).await?;
+                if let Err(e) = api.patch(node, &params, &Patch::Apply(&patch)).await {
+                    report.refused("Node", node, e.into())?;
+                    continue;
+                }
             }
             // Whoever set it: an apply removes only what its manager owns.
             None => {
@@ -48,7 +51,10 @@ pub async fn apply_demand(
                     field_manager: Some(DEMAND_MANAGER.into()),
                     ..Default::default()
                 };
-                api.patch(node, &merge, &Patch::Merge(&patch)).await?;
+                if let Err(e) = api.patch(node, &merge, &Patch::Merge(&patch)).await {
+                    report.refused("Node", node, e.into())?;
+                    continue;
+                }
             }
         }
         let why = match want {

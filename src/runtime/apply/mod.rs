@@ -59,6 +59,13 @@ pub enum Learnt {
     ClusterPolicyApplied { fields: BTreeSet<String> },
     /// Someone else had changed our ClusterPolicy fields; we put them back.
     ClusterPolicyRepaired { what: String },
+    /// The API server refused this write for what the object is (see
+    /// [`crate::runtime::error::Error::refused_write`]); the pass went on.
+    WriteRefused {
+        kind: &'static str,
+        object: String,
+        why: String,
+    },
 }
 
 /// Every write of a pass, and what the writes taught.
@@ -81,6 +88,34 @@ impl WriteReport {
             object: object.into(),
             reason: reason.into(),
         });
+    }
+
+    /// A write of `kind` `object` that failed: the API server's refusal of this one object is
+    /// learnt and the pass goes on (`Ok`); any other error is the pass's (`Err`).
+    pub fn refused(
+        &mut self,
+        kind: &'static str,
+        object: &str,
+        e: crate::runtime::error::Error,
+    ) -> Result<(), crate::runtime::error::Error> {
+        let why = e.refused_write().ok_or(e)?;
+        tracing::warn!(kind, object, why = %why, "the API server refused a write; going on");
+        self.learn(Learnt::WriteRefused {
+            kind,
+            object: object.to_string(),
+            why,
+        });
+        Ok(())
+    }
+
+    /// The refusals learnt this pass.
+    pub fn refusals(&self) -> impl Iterator<Item = (&'static str, &str, &str)> {
+        self.learnt.iter().filter_map(|l| match l {
+            Learnt::WriteRefused { kind, object, why } => {
+                Some((*kind, object.as_str(), why.as_str()))
+            }
+            _ => None,
+        })
     }
 
     /// Something learnt, for the control loop's memory.

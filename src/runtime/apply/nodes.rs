@@ -122,21 +122,46 @@ pub async fn apply_nodes(
         .buffer_unordered(16)
         .collect()
         .await;
+    // Forbidden on every node: our account lost its rights, which is the pass's failure.
+    let forbidden =
+        |r: &Result<(), Error>| matches!(r, Err(Error::Kube(kube::Error::Api(s))) if s.code == 403);
+    let everywhere = results.len() > 1 && results.iter().all(|(_, _, r)| forbidden(r));
     let mut first_err = None;
     let mut labelled: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    let mut refused: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     for (name, foreign, r) in results {
         if foreign {
             report.learn(Learnt::ForeignCordon(name.clone()));
         }
+        let policy = (plan.node_labels[&name].get(LABEL_POLICY)).map_or("", String::as_str);
         match r {
             Ok(()) => {
                 let labels = &plan.node_labels[&name];
-                let policy = labels.get(LABEL_POLICY).map_or("", String::as_str);
                 info!(node = %name, labels = ?labels, policy = %policy, "applied node labels");
                 report.record("Node", name.clone(), format!("policy {policy:?}"));
                 labelled.entry(policy).or_default().push(name);
             }
-            Err(e) => first_err = first_err.or(Some(e)),
+            Err(e) if everywhere => first_err = first_err.or(Some(e)),
+            Err(e) => match e.refused_write() {
+                Some(why) => {
+                    refused
+                        .entry(policy)
+                        .or_default()
+                        .push(format!("{name}: {why}"));
+                    report.refused("Node", &name, e)?;
+                }
+                None => first_err = first_err.or(Some(e)),
+            },
+        }
+    }
+    for (policy, nodes) in &refused {
+        if let Some(p) = ctx.policy(policy) {
+            let note = format!(
+                "the API server refused the write to node {}",
+                nodes.join("; ")
+            );
+            ctx.event(&p, EventType::Warning, "WriteRefused", note)
+                .await;
         }
     }
     for (policy, nodes) in &labelled {

@@ -46,8 +46,10 @@ pub async fn apply_node_overlays(
         if same {
             continue;
         }
-        api.patch(name, &apply_params(), &Patch::Apply(want))
-            .await?;
+        if let Err(e) = api.patch(name, &apply_params(), &Patch::Apply(want)).await {
+            report.refused("NodeOverlay", name, e.into())?;
+            continue;
+        }
         let why = if ours.contains_key(name) {
             "capacity or instance types changed"
         } else {
@@ -60,7 +62,10 @@ pub async fn apply_node_overlays(
         match api.delete(name, &Default::default()).await {
             Ok(_) => {}
             Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                report.refused("NodeOverlay", name, e.into())?;
+                continue;
+            }
         }
         let why = "no policy renders it any more";
         info!(overlay = %name, reason = why, "deleted NodeOverlay");
