@@ -753,11 +753,27 @@ fn file_graph(files: &[(String, String)]) -> BTreeMap<String, BTreeMap<String, F
     let modules: std::collections::BTreeSet<Vec<String>> =
         files.iter().map(|(rel, _)| module_of(rel)).collect();
     let mut graph: BTreeMap<String, BTreeMap<String, FileEdge>> = BTreeMap::new();
+    // A folder's mod.rs is a file among its siblings too (`plan/mod`): a sibling that takes a
+    // name from it and a mod.rs that re-exports or calls the sibling make a cycle.
+    let node = |m: &[String], is_mod: bool| {
+        if is_mod {
+            format!("{}/mod", m.join("/"))
+        } else {
+            m.join("/")
+        }
+    };
     for (rel, text) in files {
         let module = module_of(rel);
-        if module.len() < 2 || rel.ends_with("/mod.rs") {
-            continue; // a top-level file or a folder's mod.rs: not a file among siblings
+        let is_mod = rel.ends_with("/mod.rs");
+        if module.len() < 2 && !is_mod {
+            continue; // a top-level file: not a file among siblings
         }
+        // The folder whose files are this file's siblings.
+        let folder: &[String] = if is_mod {
+            &module
+        } else {
+            &module[..module.len() - 1]
+        };
         for r in references(&module, text) {
             let Ok(target) = &r.target else { continue };
             let Some(to) = (1..=target.len())
@@ -767,13 +783,23 @@ fn file_graph(files: &[(String, String)]) -> BTreeMap<String, BTreeMap<String, F
             else {
                 continue;
             };
-            if to == module || to[..to.len() - 1] != module[..module.len() - 1] {
+            // A name of the folder's own mod.rs, or a sibling file. A path through a module
+            // that is no file (`plan::gone::X`) names nothing here.
+            let to_mod = to == folder;
+            let through_unknown = target.len() > to.len() + 1
+                && target[to.len()].starts_with(|c: char| c.is_ascii_lowercase());
+            if to_mod && through_unknown {
+                continue;
+            }
+            let sibling = to.len() == folder.len() + 1 && to[..folder.len()] == *folder;
+            let itself = if to_mod { is_mod } else { to == module };
+            if itself || !to_mod && !sibling {
                 continue;
             }
             graph
-                .entry(module.join("/"))
+                .entry(node(&module, is_mod))
                 .or_default()
-                .entry(to.join("/"))
+                .entry(node(&to, to_mod))
                 .or_insert(FileEdge {
                     at: format!(
                         "src/{rel}:{}: {}",
@@ -871,12 +897,24 @@ fn the_file_checker_finds_cycles_through_any_path() {
     let graph = file_graph(&files);
     assert_eq!(
         file_cycles(&graph),
-        ["cycle: plan/node <-> plan/rollout <-> plan/vm\n    \
+        [
+            "cycle: plan/mod <-> plan/node <-> plan/rollout <-> plan/vm\n    \
+          plan/mod -> plan/vm  (src/plan/mod.rs:1: self::vm::X)\n    \
+          plan/node -> plan/mod  (src/plan/node.rs:1: super::Facts)\n    \
           plan/node -> plan/vm  (src/plan/node.rs:1: super::vm)\n    \
           plan/rollout -> plan/node  (src/plan/rollout.rs:1: super::super::node::decide)\n    \
-          plan/vm -> plan/rollout  (src/plan/vm.rs:1: crate::plan::rollout::Entry::new)"]
+          plan/vm -> plan/rollout  (src/plan/vm.rs:1: crate::plan::rollout::Entry::new)"
+        ]
     );
-    // One way (mod.rs and other folders are not files among plan's siblings): no cycle.
+    // mod.rs counts: it re-exports vm, which takes a name from it.
+    let hub = [files[0].clone(), f("plan/vm.rs", "use super::Facts;")];
+    assert_eq!(
+        file_cycles(&file_graph(&hub)),
+        ["cycle: plan/mod <-> plan/vm\n    \
+          plan/mod -> plan/vm  (src/plan/mod.rs:1: self::vm::X)\n    \
+          plan/vm -> plan/mod  (src/plan/vm.rs:1: super::Facts)"]
+    );
+    // One way (other folders are not files among plan's siblings): no cycle.
     let one_way = [
         files[0].clone(),
         files[1].clone(),

@@ -11,7 +11,7 @@ use crate::nvidia::mig::{self, MigProfile};
 use crate::nvidia::vgpu::VgpuConfigEntry;
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
 
-use super::NodeFacts;
+use super::facts::NodeFacts;
 use super::facts::sandbox_resources;
 use super::policies::Prepared;
 
@@ -739,7 +739,7 @@ mod tests {
 #[cfg(test)]
 mod relabelled {
     use super::*;
-    use crate::plan::Labels;
+    use crate::plan::labels::Labels;
 
     fn node(product: &str, count: &str) -> NodeFacts {
         let mut labels = Labels::default();

@@ -6,8 +6,8 @@ use crate::api::crd::{GpuSharingPolicySpec, Mig, Strategy};
 use crate::api::names::*;
 use crate::nvidia::{self, mig};
 
-use super::NodeFacts;
 use super::capacity::profile_fits_memory;
+use super::facts::NodeFacts;
 use super::facts::label_i64;
 use super::geometry::{NodeModel, node_model};
 

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use super::facts::{gfd_behind, is_vm_host};
-use super::{Labels, NodeFacts, Plan, PlanInput, SmallMap};
+use super::{desired::Plan, facts::NodeFacts, input::PlanInput, labels::Labels, labels::SmallMap};
 use crate::api::names::{
     ANNOTATION_MIG_DEMAND, LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG,
     LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT, LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY,
@@ -124,8 +124,8 @@ fn plugins_advertise(n: &NodeFacts, serves: Option<super::capacity::Advertised>)
     let mut alloc: Labels = n
         .allocatable
         .iter()
-        .filter(|(k, _)| !(is_sandbox(k) || dp_off && super::is_device_plugin_resource(k)))
-        .filter(|(k, _)| serves.is_none() || !super::is_device_plugin_resource(k))
+        .filter(|(k, _)| !(is_sandbox(k) || dp_off && super::facts::is_device_plugin_resource(k)))
+        .filter(|(k, _)| serves.is_none() || !super::facts::is_device_plugin_resource(k))
         .collect();
     // The largest count a range allows: the entry capacity counts with.
     for (r, (_, max)) in serves.iter().flat_map(|s| &s.resources) {
@@ -241,7 +241,7 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
     let mut waves = Vec::new();
     let max = max_passes(input.nodes.len());
     for passes in 1..=max {
-        let plan = super::plan(&input);
+        let plan = super::pipeline::plan(&input);
         let mut changed = apply(&mut input, &plan);
         if !changed.is_empty() {
             waves.push(changed.clone());

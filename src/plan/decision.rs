@@ -8,7 +8,7 @@ use crate::api::names::{LABEL_MIG_CONFIG, LABEL_MIG_STATE};
 use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::MigState;
 
-use super::NodeFacts;
+use super::facts::NodeFacts;
 pub use super::input::Sandbox;
 use super::nodeinputs::NodeInputs;
 

@@ -8,8 +8,8 @@ use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::deployed;
 
-use super::NodeFacts;
 use super::decision::{Decision, Env, busy_msg, wait};
+use super::facts::NodeFacts;
 use super::policies::Prepared;
 
 /// We switched the node's device plugin off (and it still is).

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use crate::api::names::ANNOTATION_CORDONED;
 use crate::api::state::NodeState;
 
-use super::PlanInput;
+use super::input::PlanInput;
 use super::node::Entry;
 use super::policies::Prepared;
 

@@ -1,12 +1,59 @@
-//! Readings of one node's facts that several parts of the planner share, and how our writes
-//! change those facts. This file is a leaf of `plan/`: it uses nothing of its siblings, so the
+//! What the planner knows of a node ([`NodeFacts`]), the readings of those facts that several
+//! parts of the planner share, and how our writes change them. This file is a leaf of `plan/`: it uses nothing of its siblings, so the
 //! per-node transition, the VM transition, capacity, the rollout and the converged view can
 //! all read node facts the same way without importing each other.
 
 use crate::api::names::{LABEL_GFD_TIMESTAMP, LABEL_WORKLOAD};
+use crate::api::state::NodeState;
 use crate::nvidia::state::Workload;
 
-use super::{Labels, NodeFacts, OwnedKeys, SmallMap, is_device_plugin_resource};
+use super::labels::{Labels, OwnedKeys, SmallMap};
+use super::taint;
+
+/// What the planner knows of a node.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NodeFacts {
+    pub name: String,
+    pub labels: Labels,
+    /// Managed labels whose value this operator's field manager owns (from managedFields).
+    pub owned: OwnedKeys,
+    /// The node's annotations under our keys ([`MANAGED_ANNOTATIONS`](crate::api::names::MANAGED_ANNOTATIONS)) only.
+    pub annotations: Labels,
+    /// Which of [`MANAGED_ANNOTATIONS`](crate::api::names::MANAGED_ANNOTATIONS) this operator's field manager owns.
+    pub owned_annotations: OwnedKeys,
+    /// `status.allocatable` of NVIDIA's extended resources (`nvidia.com/*`) only: what the
+    /// device plugin (or the sandbox device plugin) advertises now. Capacity lingers after a
+    /// plugin stops; allocatable drops to 0.
+    pub allocatable: Labels,
+    /// `NoSchedule` and `NoExecute` taints, with a cordon as `node.kubernetes.io/unschedulable`
+    /// unless it is one of our drains': which pending pods the node may take (demand planning).
+    pub taints: Vec<taint::Taint>,
+}
+
+impl NodeFacts {
+    /// Allocatable units of an extended resource (0 when absent or unparsable).
+    pub fn allocatable(&self, resource: &str) -> i64 {
+        self.allocatable
+            .get(resource)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// NVIDIA device-plugin resources (`nvidia.com/gpu*`, `nvidia.com/mig-*`) still
+    /// allocatable on the node, with their counts.
+    pub fn device_plugin_resources(&self) -> Vec<(&str, i64)> {
+        self.allocatable
+            .iter()
+            .filter(|(k, _)| is_device_plugin_resource(k))
+            .filter_map(|(k, v)| Some((k, v.parse::<i64>().ok().filter(|c| *c > 0)?)))
+            .collect()
+    }
+}
+
+/// A resource NVIDIA's (container) device plugin advertises.
+pub fn is_device_plugin_resource(name: &str) -> bool {
+    name.starts_with("nvidia.com/gpu") || name.starts_with("nvidia.com/mig-")
+}
 
 /// A node label read as an integer (`None` when absent or not a number).
 pub fn label_i64(n: &NodeFacts, key: &str) -> Option<i64> {
@@ -67,4 +114,31 @@ fn own(have: &mut Labels, owned: &mut OwnedKeys, want: &SmallMap) -> bool {
     }
     *owned = want.keys().collect();
     before != *have
+}
+
+/// Whether a tainted node may lose the taint: its policy's config is confirmed (`Applied`), or
+/// no policy governs it and GFD has labelled it (selectors match on GFD labels that do not exist
+/// before). A node a policy governs but cannot configure keeps it.
+pub fn ready_to_untaint(n: &NodeFacts, governed: bool, state: Option<NodeState>) -> bool {
+    if governed {
+        state == Some(NodeState::Applied)
+    } else {
+        n.labels.get(LABEL_GFD_TIMESTAMP).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn untainted_only_when_confirmed_or_labelled_by_gfd() {
+        let mut n = NodeFacts::default();
+        assert!(!ready_to_untaint(&n, true, Some(NodeState::Pending)));
+        assert!(!ready_to_untaint(&n, true, Some(NodeState::Rejected)));
+        assert!(ready_to_untaint(&n, true, Some(NodeState::Applied)));
+        assert!(!ready_to_untaint(&n, false, None));
+        n.labels.insert(LABEL_GFD_TIMESTAMP, "1800000000");
+        assert!(ready_to_untaint(&n, false, None));
+    }
 }

@@ -18,7 +18,7 @@ use crate::api::names::{LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT, SHARED_SUFFIX};
 use crate::nvidia::geometry::{self as hw, Model};
 use crate::validate::FieldError;
 
-use super::NodeFacts;
+use super::facts::NodeFacts;
 
 /// The custom layout a policy spec checks, when it has one.
 fn custom_layout(spec: &GpuSharingPolicySpec) -> Option<&[MigDeviceGroup]> {

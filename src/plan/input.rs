@@ -17,7 +17,7 @@ use crate::api::names::{DEVICE_PLUGIN_CONFIGMAP, MIG_PARTED_CONFIGMAP, VGPU_DEVI
 use crate::nvidia;
 
 use super::taint::ReadinessTaint;
-use super::{Labels, NodeFacts};
+use super::{facts::NodeFacts, labels::Labels};
 
 /// Everything the planner reads.
 #[derive(Debug, Clone, Default)]
@@ -118,7 +118,7 @@ pub struct PendingPod {
 impl PendingPod {
     /// Whether the pod may be placed on node `n`: its labels (see [`Self::fits_labels`]) and
     /// its taints, each tolerated (but the one with key `ignore`).
-    pub fn fits(&self, n: &super::NodeFacts, ignore: Option<&str>) -> bool {
+    pub fn fits(&self, n: &super::facts::NodeFacts, ignore: Option<&str>) -> bool {
         self.fits_labels(&n.labels)
             && n.taints
                 .iter()
@@ -128,7 +128,7 @@ impl PendingPod {
 
     /// Whether the pod may be placed on a node with these labels (its node selector and
     /// required node affinity).
-    pub fn fits_labels(&self, labels: &super::Labels) -> bool {
+    pub fn fits_labels(&self, labels: &super::labels::Labels) -> bool {
         self.node_selector
             .iter()
             .all(|(k, v)| labels.get(k).is_some_and(|have| have == v))

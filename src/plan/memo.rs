@@ -1,6 +1,6 @@
 //! Incremental planning: what planning each node found in the last pass, and what it found it
 //! from, so that a pass re-plans only the nodes whose view, governing policy or cluster-wide
-//! inputs changed (see [`super::Planner`]).
+//! inputs changed (see [`super::pipeline::Planner`]).
 //!
 //! Two things are remembered per node. Which policies select it: a function of its labels and
 //! of every policy's selector and precedence. Its plan before the rollout gate (decision,
@@ -26,8 +26,8 @@ use std::sync::{Arc, Weak};
 
 use crate::api::names::{LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_VGPU_CONFIG};
 
-use super::NodeFacts;
 use super::capacity::NodeCapacity;
+use super::facts::NodeFacts;
 use super::input::NodeView;
 use super::node::Outcome;
 pub use super::nodeinputs::{NodeCluster, NodeInputs};

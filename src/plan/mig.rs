@@ -7,9 +7,9 @@ use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::ConfigState;
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::NodeFacts;
 use super::backend::NodeTarget;
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
+use super::facts::NodeFacts;
 use super::policies::Prepared;
 
 /// The layout this node should run: the policy's, or the pre-upgrade `custom-<policy>` name the

@@ -21,11 +21,11 @@ use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, Workload, deployed};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::NodeFacts;
 use super::backend::Backing;
 use super::capacity::{replicas_of, ts_replicas};
 use super::compat::node_rejection;
 use super::decision::hold;
+use super::facts::NodeFacts;
 use super::facts::is_vm_host;
 use super::policies::{Prepared, node_target};
 use super::{dra, mig, sharing, vm};
@@ -116,13 +116,13 @@ pub struct Outcome {
     pub message: String,
     /// Why the node is held as it is, when it waits.
     pub reason: Option<HoldReason>,
-    pub labels: super::SmallMap,
-    pub annotations: super::SmallMap,
+    pub labels: super::labels::SmallMap,
+    pub annotations: super::labels::SmallMap,
 }
 
 /// One governed node's plan, as the per-node transition made it, before the rollout gate.
 pub struct Entry<'n, 'm> {
-    pub node: &'n super::NodeView,
+    pub node: &'n super::input::NodeView,
     /// Index of the governing policy (precedence order).
     pub policy: Option<usize>,
     /// What the node should end up running, as its rollout mark records it (see
@@ -219,7 +219,7 @@ pub fn queued(n: &NodeFacts, message: String, reason: HoldReason) -> Outcome {
 }
 
 fn released(n: &NodeFacts, env: &Env) -> Outcome {
-    let mut labels = super::SmallMap::default();
+    let mut labels = super::labels::SmallMap::default();
     if n.owned.contains(LABEL_MIG_CONFIG) {
         // MIG changes need idle GPUs: a node whose GPU pods still run keeps its layout until
         // they are gone, then goes back to all-disabled.
@@ -249,7 +249,10 @@ fn released(n: &NodeFacts, env: &Env) -> Outcome {
 }
 
 /// The values of the keys we own among `have` (a node's labels or annotations).
-fn keep<T: FromIterator<(String, String)>>(owned: &super::OwnedKeys, have: &super::Labels) -> T {
+fn keep<T: FromIterator<(String, String)>>(
+    owned: &super::labels::OwnedKeys,
+    have: &super::labels::Labels,
+) -> T {
     owned
         .iter()
         .filter_map(|k| have.get(k).map(|v| (k.clone(), v.to_string())))
@@ -261,8 +264,8 @@ fn keep<T: FromIterator<(String, String)>>(owned: &super::OwnedKeys, have: &supe
 /// a pass plans again: no allocation.
 pub fn metadata_in_sync(
     n: &NodeFacts,
-    labels: &super::SmallMap,
-    annotations: &super::SmallMap,
+    labels: &super::labels::SmallMap,
+    annotations: &super::labels::SmallMap,
 ) -> bool {
     same_keys(n.owned, |k| MANAGED_LABELS.contains(&k), labels)
         && labels.iter().all(|(k, v)| n.labels.get(k) == Some(v))
@@ -274,16 +277,16 @@ pub fn metadata_in_sync(
 
 /// The keys we own (those `counted` counts) are exactly the keys we want.
 fn same_keys(
-    owned: super::OwnedKeys,
+    owned: super::labels::OwnedKeys,
     counted: impl Fn(&str) -> bool,
-    want: &super::SmallMap,
+    want: &super::labels::SmallMap,
 ) -> bool {
     let mine = owned.iter().filter(|k| counted(k)).count();
     mine == want.len() && want.keys().all(|k| counted(k) && owned.contains(k))
 }
 
 /// The labels we own on a node now.
-pub fn owned_labels(n: &NodeFacts) -> super::SmallMap {
+pub fn owned_labels(n: &NodeFacts) -> super::labels::SmallMap {
     keep(&n.owned, &n.labels)
 }
 
@@ -318,7 +321,7 @@ fn written(
     } else {
         (state, message)
     };
-    let mut labels = super::SmallMap::default();
+    let mut labels = super::labels::SmallMap::default();
     labels.insert(LABEL_POLICY.to_string(), w.name.clone());
     labels.insert(LABEL_DEVICE_PLUGIN_CONFIG.to_string(), dp);
     if let Some(m) = mig {
@@ -338,8 +341,8 @@ fn written(
 /// the default config (the ClusterPolicy's `devicePlugin.config.default`, which is ours, and
 /// NVIDIA's own default otherwise, both whole GPUs): labelling it `default` changes nothing the
 /// device plugin or GPU Feature Discovery would report, so it is no config change to wait for.
-fn annotations(n: &NodeFacts, env: &Env, dp: &str, mig: Option<&str>) -> super::SmallMap {
-    let mut a = super::SmallMap::default();
+fn annotations(n: &NodeFacts, env: &Env, dp: &str, mig: Option<&str>) -> super::labels::SmallMap {
+    let mut a = super::labels::SmallMap::default();
     let current = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG);
     let unchanged = current == Some(dp) || current.is_none() && dp == DEFAULT_KEY;
     if !unchanged {
@@ -388,7 +391,7 @@ fn unconfirmed(
     n: &NodeFacts,
     w: &Prepared,
     dp: &str,
-    annotations: &super::SmallMap,
+    annotations: &super::labels::SmallMap,
 ) -> Option<String> {
     if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(dp) {
         return Some(format!("labelling node with config {dp}"));
@@ -527,7 +530,7 @@ fn not_advertised(
 /// keep owning `pending` only until the MIG manager overwrites it (its update takes the field
 /// over), so we never remove or overwrite its report. A vGPU config change does the same with
 /// `nvidia.com/vgpu.config.state` for the vGPU Device Manager.
-fn mark_pending(n: &NodeFacts, labels: &mut super::SmallMap) {
+fn mark_pending(n: &NodeFacts, labels: &mut super::labels::SmallMap) {
     for (config, state) in [
         (LABEL_MIG_CONFIG, LABEL_MIG_STATE),
         (LABEL_VGPU_CONFIG, LABEL_VGPU_STATE),
@@ -711,7 +714,7 @@ mod tests {
                 (LABEL_MIG_STATE.to_string(), "pending".to_string())
             ]
             .into_iter()
-            .collect::<super::super::SmallMap>()
+            .collect::<super::super::labels::SmallMap>()
         );
         assert!(released.annotations.is_empty());
         // While GPU pods run there, the layout stays (MIG changes need idle GPUs).
@@ -1095,7 +1098,7 @@ mod vm_tests {
         );
     }
 
-    use crate::plan::Labels;
+    use crate::plan::labels::Labels;
 
     #[test]
     fn what_cannot_work_is_rejected_with_the_field_named() {

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use super::NodeFacts;
+use super::facts::NodeFacts;
 use super::input::{ClusterFacts, NodeView, Sandbox};
 use super::policies::Prepared;
 

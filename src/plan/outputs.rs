@@ -12,7 +12,7 @@ use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use super::facts::label_i64;
 use super::memo::Named;
 use super::policies::Prepared;
-use super::{NodeFacts, PlanInput};
+use super::{facts::NodeFacts, input::PlanInput};
 
 /// Data of the device-plugin ConfigMap: `default` (no sharing), every valid policy's key, and
 /// the keys nodes still name (their label, or a label we hold), kept from the current data.
@@ -57,7 +57,7 @@ pub fn mig_config(
     prepared: &[Prepared],
     input: &PlanInput,
     named: &[&Named],
-    wanted: &[super::SmallMap],
+    wanted: &[super::labels::SmallMap],
 ) -> Option<String> {
     let mut custom = BTreeMap::new();
     for p in prepared.iter().filter(|p| p.errors.is_empty()) {
@@ -92,7 +92,7 @@ pub fn mig_config(
 /// (`ours`): carried over so no node points at a name that is gone.
 fn carried<'a>(
     current: impl Iterator<Item = Option<&'a str>>,
-    wanted: &'a [super::SmallMap],
+    wanted: &'a [super::labels::SmallMap],
     label: &str,
     ours: &BTreeMap<String, serde_json::Value>,
     known: impl Fn(&str) -> bool,
@@ -166,7 +166,7 @@ pub fn vgpu_config(
     prepared: &[Prepared],
     input: &PlanInput,
     named: &[&Named],
-    wanted: &[super::SmallMap],
+    wanted: &[super::labels::SmallMap],
 ) -> Option<String> {
     let mut custom = BTreeMap::new();
     for p in prepared.iter().filter(|p| p.errors.is_empty()) {

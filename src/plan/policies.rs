@@ -13,7 +13,7 @@ use crate::validate::{self, FieldError};
 
 use super::backend::{Backing, MigBacking, NodeTarget, VmBacking};
 use super::labels::{LabelLookup, Labels, selection_labels, selector_matches};
-use super::{NodeFacts, NodeView};
+use super::{facts::NodeFacts, input::NodeView};
 
 /// A policy after validation, with what it renders to. The whole of it is the version its
 /// nodes' memos are keyed on (see `memo`).

@@ -27,7 +27,7 @@ use super::drain::{Drain, drain_nodes};
 use super::facts::{gfd_behind, is_vm_host, sandbox_resources};
 use super::node::Outcome;
 use super::policies::Prepared;
-use super::{NodeFacts, PlanInput};
+use super::{facts::NodeFacts, input::PlanInput};
 
 /// Defined with the per-node transition that makes it (drains read it too); kept here for
 /// callers.

@@ -5,9 +5,9 @@ use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::NodeFacts;
 use super::backend::NodeTarget;
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
+use super::facts::NodeFacts;
 use super::policies::Prepared;
 
 /// Sharing (or exclusive) on a node: MIG must be off, and confirmed, before the new

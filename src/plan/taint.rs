@@ -5,11 +5,6 @@
 
 use std::collections::BTreeMap;
 
-use crate::api::names::LABEL_GFD_TIMESTAMP;
-use crate::api::state::NodeState;
-
-use super::NodeFacts;
-
 /// The readiness taint as the planner sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ReadinessTaint {
@@ -98,17 +93,6 @@ pub fn tolerations(value: Option<&serde_json::Value>) -> Vec<Toleration> {
         .unwrap_or_default()
 }
 
-/// Whether a tainted node may lose the taint: its policy's config is confirmed (`Applied`), or
-/// no policy governs it and GFD has labelled it (selectors match on GFD labels that do not exist
-/// before). A node a policy governs but cannot configure keeps it.
-pub fn ready_to_untaint(n: &NodeFacts, governed: bool, state: Option<NodeState>) -> bool {
-    if governed {
-        state == Some(NodeState::Applied)
-    } else {
-        n.labels.get(LABEL_GFD_TIMESTAMP).is_some()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,16 +169,5 @@ mod tests {
         assert!(readiness(any_effect, &[("a", "v", "NoExecute")]).tolerated_on("a"));
         let lt = json!([{"key": KEY, "operator": "Lt", "value": "5"}]);
         assert!(!readiness(lt, &[("a", "1", "NoSchedule")]).tolerated_on("a"));
-    }
-
-    #[test]
-    fn untainted_only_when_confirmed_or_labelled_by_gfd() {
-        let mut n = NodeFacts::default();
-        assert!(!ready_to_untaint(&n, true, Some(NodeState::Pending)));
-        assert!(!ready_to_untaint(&n, true, Some(NodeState::Rejected)));
-        assert!(ready_to_untaint(&n, true, Some(NodeState::Applied)));
-        assert!(!ready_to_untaint(&n, false, None));
-        n.labels.insert(LABEL_GFD_TIMESTAMP, "1800000000");
-        assert!(ready_to_untaint(&n, false, None));
     }
 }

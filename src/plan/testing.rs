@@ -3,7 +3,8 @@
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::MANAGED_LABELS;
-use crate::plan::{Labels, NodeFacts};
+use crate::plan::facts::NodeFacts;
+use crate::plan::labels::Labels;
 
 /// A policy named `name` selecting every node, with the `spec` lines given (indented by two
 /// spaces), e.g. `"  strategy: mps\n  mps: {replicas: 4}\n"`.

@@ -24,7 +24,7 @@ use super::backend::NodeTarget;
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
 use super::facts::label_i64;
 use super::policies::Prepared;
-use super::{NodeFacts, SmallMap};
+use super::{facts::NodeFacts, labels::SmallMap};
 
 // Moved to leaf files of `plan/` (so that the per-node transition and capacity need not import
 // this file); kept here for callers.
