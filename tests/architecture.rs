@@ -28,6 +28,8 @@ fn allowed() -> BTreeMap<&'static str, &'static [&'static str]> {
         ("nvidia", &["api"][..]),
         ("validate", &["api", "nvidia"][..]),
         ("plan", &["api", "nvidia", "validate"][..]),
+        // A model of NVIDIA's components answering a plan: for `plan`, `render` and the bench.
+        ("converge", &["api", "nvidia", "validate", "plan"][..]),
         ("observe", &["api", "nvidia", "validate", "plan"][..]),
         ("telemetry", &["api"][..]),
         (
@@ -36,11 +38,13 @@ fn allowed() -> BTreeMap<&'static str, &'static [&'static str]> {
         ),
         (
             "offline",
-            &["api", "nvidia", "validate", "plan", "observe"][..],
+            &["api", "nvidia", "validate", "plan", "observe", "converge"][..],
         ),
         (
             "preview",
-            &["api", "nvidia", "validate", "plan", "observe", "runtime"][..],
+            &[
+                "api", "nvidia", "validate", "plan", "observe", "runtime", "converge",
+            ][..],
         ),
     ]
     .into()

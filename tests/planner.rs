@@ -1,7 +1,7 @@
 //! Planner properties over random policy sets, node label sets and histories (no cluster).
 //!
 //! A small model of the cluster plays the other side (`planner_model`, NVIDIA's components
-//! written from NVIDIA's behaviour, not from the operator's own `plan::converge`): applying a
+//! written from NVIDIA's behaviour, not from the operator's own `converge`): applying a
 //! plan is a server-side apply of its labels, ConfigMaps and ClusterPolicy part; the MIG manager
 //! reconfigures the GPUs on a layout change and reports `nvidia.com/mig.config.state`; the
 //! device plugin and GPU Feature Discovery load the labelled config and relabel the node; on VM
@@ -3109,7 +3109,7 @@ fn incremental_planning_stamps_a_node_queued_while_time_passed_with_the_new_time
     assert_eq!(planner.last_replanned(), 1);
     // At rest (the write applied, GFD relabelled), nothing is planned again.
     let mut done = input.clone();
-    plan::converge::apply(&mut done, &resumed);
+    gpu_sharing_operator::converge::apply(&mut done, &resumed);
     let first = planner.plan(&done);
     assert_eq!(first, plan::plan(&done));
     done.cluster.now += 10;

@@ -6,7 +6,8 @@
 
 use std::time::Instant;
 
-use gpu_sharing_operator::plan::{LabelFilter, Planner, converge, selector_keys};
+use gpu_sharing_operator::converge;
+use gpu_sharing_operator::plan::{LabelFilter, Planner, selector_keys};
 
 use super::*;
 

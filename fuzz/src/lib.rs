@@ -677,7 +677,7 @@ pub fn plan_labels(case: &Labelled) -> Verdict {
     check_plan(&first, &input);
     let again = plan::plan(&input);
     assert_eq!(first, again, "planning is not deterministic");
-    match plan::converge::converge(input) {
+    match gpu_sharing_operator::converge::converge(input) {
         Ok(c) => {
             check_plan(&c.plan, &c.input);
             Verdict::Rendered

@@ -8,8 +8,8 @@ use kube::ResourceExt;
 use kube::api::DynamicObject;
 
 use crate::nvidia::{self, MIG_PARTED_KEY};
+use crate::plan::decision::Sandbox;
 use crate::plan::taint::{self, Toleration};
-use crate::plan::vm::Sandbox;
 
 /// Where the GPU Operator runs when neither `--namespace` nor a ClusterPolicy's
 /// `status.namespace` says: its Helm chart's default.

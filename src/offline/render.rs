@@ -467,7 +467,7 @@ fn karpenter_objects(docs: Option<&[serde_json::Value]>) -> KarpenterDocs {
 
 /// Renders to multi-document YAML text; policies the planner finds invalid (for example a named
 /// layout the mig-parted config lacks) are errors, as in [`load_policies`]. With nodes the
-/// result is the converged state (see [`converge`](crate::plan::converge)) unless `single_pass`.
+/// result is the converged state (see [`converge`](crate::converge)) unless `single_pass`.
 pub fn render_text(
     policies: Vec<GpuSharingPolicy>,
     nodes: Option<Vec<NodeFacts>>,
@@ -503,7 +503,7 @@ pub fn render_text(
         return Err(invalid);
     }
     let (plan, input, passes) = if with_nodes && !options.single_pass {
-        let c = crate::plan::converge::converge(input).map_err(|e| {
+        let c = crate::converge::converge(input).map_err(|e| {
             vec![RenderError::Input {
                 path: PathBuf::from("--nodes"),
                 message: e.to_string(),

@@ -15,8 +15,7 @@ use super::facts::NodeFacts;
 use super::facts::sandbox_resources;
 use super::policies::Prepared;
 
-/// Moved to [`super::facts`] (node readings shared by the planner); kept here for callers.
-pub use super::facts::label_i64;
+use super::facts::label_i64;
 
 /// GPUs a custom layout's groups list by index (a group without indices covers the rest).
 fn listed_gpus(groups: &[MigDeviceGroup]) -> i64 {

@@ -14,7 +14,7 @@
 //! backend's transition: [`sharing`], [`mig`], [`vm`], [`dra`];
 //! [`node`] (the per-node transition, dispatching to them), [`drain`], [`rollout`],
 //! [`status`], [`desired`] (the [`Plan`]), [`pipeline`] (the passes: [`plan`], [`Planner`]);
-//! and [`converge`], a consumer of [`plan`], on top.
+//! a model of NVIDIA's components answering a plan lives outside, in [`crate::converge`].
 //! This file only declares the modules and re-exports what the crate uses; the files of
 //! `plan/` import from each other, never from here.
 
@@ -25,7 +25,6 @@ mod autoscaling_tests;
 pub mod backend;
 pub mod capacity;
 pub mod compat;
-pub mod converge;
 pub mod decision;
 pub mod demand;
 #[cfg(test)]

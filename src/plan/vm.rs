@@ -26,12 +26,8 @@ use super::facts::label_i64;
 use super::policies::Prepared;
 use super::{facts::NodeFacts, labels::SmallMap};
 
-// Moved to leaf files of `plan/` (so that the per-node transition and capacity need not import
-// this file); kept here for callers.
-pub use super::capacity::vgpus_per_gpu;
-pub use super::decision::Sandbox;
-use super::facts::is_vgpu_resource;
-pub use super::facts::{is_vm_host, sandbox_resources};
+use super::decision::Sandbox;
+use super::facts::{is_vgpu_resource, is_vm_host, sandbox_resources};
 
 fn vm_users_msg(pods: &[String]) -> String {
     let shown: Vec<&str> = pods.iter().take(5).map(String::as_str).collect();

@@ -10,8 +10,8 @@ use crate::api::names::{
     LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_POLICY,
     LABEL_VGPU_CONFIG, LABEL_WORKLOAD,
 };
+use crate::converge::{NotConverged, converge};
 use crate::nvidia;
-use crate::plan::converge::{NotConverged, converge};
 use crate::plan::{self, NodeFacts, PlanInput};
 use crate::runtime::cluster_policy_diff;
 use crate::validate::FieldError;

@@ -1,6 +1,6 @@
 //! NVIDIA's side of the cluster for the planner tests, written from what NVIDIA's components do
 //! (`../shared/REFERENCE.md`, the device plugin / GPU Feature Discovery / mig-parted sources) and
-//! independent of the operator's own model (`plan::converge`): it reads only what the plan wrote
+//! independent of the operator's own model (`converge`): it reads only what the plan wrote
 //! (node labels, the ConfigMaps' text, our part of the ClusterPolicy) and parses NVIDIA's formats
 //! itself. Simpler than the real components, never borrowed from the code under test.
 //!

@@ -12,9 +12,10 @@ use std::time::Instant;
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use gpu_sharing_operator::api::names::{ANNOTATION_CORDONED, LABEL_MIG_CONFIG, LABEL_MIG_STATE};
+use gpu_sharing_operator::converge;
 use gpu_sharing_operator::nvidia::state::ConfigState;
 use gpu_sharing_operator::plan::input::PendingPod;
-use gpu_sharing_operator::plan::{NodeView, PlanInput, Planner, converge};
+use gpu_sharing_operator::plan::{NodeView, PlanInput, Planner};
 
 use super::Outcome;
 use super::cluster::{Cluster, Node, Scheduler};

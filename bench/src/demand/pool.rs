@@ -1,8 +1,9 @@
 //! The pool: simulated A100 80GB nodes under one MIG policy, configured by the operator's own
-//! planner and NVIDIA's simulated answers (`plan::converge`).
+//! planner and NVIDIA's simulated answers (`converge`).
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
-use gpu_sharing_operator::plan::{self, NodeFacts, PlanInput, converge};
+use gpu_sharing_operator::converge;
+use gpu_sharing_operator::plan::{self, NodeFacts, PlanInput};
 
 use super::trace::{PROFILES, PerProfile};
 

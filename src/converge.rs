@@ -7,8 +7,6 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use super::facts::{gfd_behind, is_vm_host};
-use super::{desired::Plan, facts::NodeFacts, input::PlanInput, labels::Labels, labels::SmallMap};
 use crate::api::names::{
     ANNOTATION_MIG_DEMAND, LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG,
     LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT, LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY,
@@ -16,9 +14,8 @@ use crate::api::names::{
 };
 use crate::nvidia::state::{ConfigState, Workload, deployed};
 use crate::nvidia::{self, DevicePluginConfig};
-
-/// Moved to [`super::facts`] (a leaf the per-node transition shares); kept here for callers.
-pub use super::facts::apply_to_node;
+use crate::plan::facts::{apply_to_node, gfd_behind, is_vm_host};
+use crate::plan::{Labels, NodeFacts, Plan, PlanInput, SmallMap};
 
 /// More passes than any valid history needs: a MIG -> MPS change takes four per node, and a
 /// rollout with a budget of one node goes node by node.
@@ -106,7 +103,7 @@ pub const SANDBOX_RESOURCE: &str = "nvidia.com/sandbox-gpu";
 
 /// A resource the converged view lets the sandbox device plugin advertise.
 fn is_sandbox(r: &str) -> bool {
-    r == SANDBOX_RESOURCE || super::facts::is_vgpu_resource(r)
+    r == SANDBOX_RESOURCE || crate::plan::facts::is_vgpu_resource(r)
 }
 
 /// A `vm-vgpu` host (by its workload label).
@@ -117,15 +114,17 @@ fn vgpu_host(n: &NodeFacts) -> bool {
 /// The sandbox device plugin (on VM hosts) and the container device plugin (where it is
 /// deployed) advertise what they serve: the allocatable the converged view needs. `serves` is
 /// what the device plugin advertises under the node's policy, when known.
-fn plugins_advertise(n: &NodeFacts, serves: Option<super::capacity::Advertised>) -> Labels {
+fn plugins_advertise(n: &NodeFacts, serves: Option<crate::plan::capacity::Advertised>) -> Labels {
     let vm = is_vm_host(n);
     let dp_off = vm || !deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN));
     let serves = serves.filter(|_| !dp_off);
     let mut alloc: Labels = n
         .allocatable
         .iter()
-        .filter(|(k, _)| !(is_sandbox(k) || dp_off && super::facts::is_device_plugin_resource(k)))
-        .filter(|(k, _)| serves.is_none() || !super::facts::is_device_plugin_resource(k))
+        .filter(|(k, _)| {
+            !(is_sandbox(k) || dp_off && crate::plan::facts::is_device_plugin_resource(k))
+        })
+        .filter(|(k, _)| serves.is_none() || !crate::plan::facts::is_device_plugin_resource(k))
         .collect();
     // The largest count a range allows: the entry capacity counts with.
     for (r, (_, max)) in serves.iter().flat_map(|s| &s.resources) {
@@ -144,7 +143,7 @@ fn plugins_advertise(n: &NodeFacts, serves: Option<super::capacity::Advertised>)
 }
 
 /// What the device plugin advertises on `n` under the policy it is labelled for, when known.
-fn serves(input: &PlanInput, n: &NodeFacts) -> Option<super::capacity::Advertised> {
+fn serves(input: &PlanInput, n: &NodeFacts) -> Option<crate::plan::capacity::Advertised> {
     let name = n.labels.get(crate::api::names::LABEL_POLICY)?;
     let p = input
         .policies
@@ -160,7 +159,11 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<super::capacity::Advertise
     {
         spec = std::borrow::Cow::Owned(p.spec.with_mig_layout(l));
     }
-    super::capacity::device_plugin_advertises(&spec, n, input.cluster.base_mig_configs.as_ref())
+    crate::plan::capacity::device_plugin_advertises(
+        &spec,
+        n,
+        input.cluster.base_mig_configs.as_ref(),
+    )
 }
 
 /// NVIDIA's components answer, all successfully: the MIG manager confirms a pending layout, the
@@ -241,7 +244,7 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
     let mut waves = Vec::new();
     let max = max_passes(input.nodes.len());
     for passes in 1..=max {
-        let plan = super::pipeline::plan(&input);
+        let plan = crate::plan::plan(&input);
         let mut changed = apply(&mut input, &plan);
         if !changed.is_empty() {
             waves.push(changed.clone());
