@@ -380,8 +380,9 @@ fn main() -> ExitCode {
         }
         Command::Run(args) => {
             init_tracing(args.log_format);
-            // One thread: the work is I/O-bound, and one allocator arena keeps memory small at
-            // thousands of nodes.
+            // One runtime thread: the work is I/O-bound, and few allocator arenas keep memory
+            // small at thousands of nodes. Planning runs on the blocking pool (one thread at a
+            // time), so lease renewal, watches and probes never wait for it.
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()

@@ -3288,6 +3288,12 @@ fn settled(then: Vec<Step>) -> Vec<Step> {
     round.iter().chain(&round).cloned().chain(then).collect()
 }
 
+/// [`settled`], then two GPU pods start on the first A100 and the controller sees them.
+fn settled_busy(then: Vec<Step>) -> Vec<Step> {
+    let busy = [Step::Start(0, 0), Step::Start(0, 0), Step::Apply];
+    settled(busy.into_iter().chain(then).collect())
+}
+
 /// A node reserved for demand (cordoned, waiting for its pod) whose policy is then edited to
 /// a layout its GPUs cannot take (an H200 layout on an A100) is refused by it: nothing of the
 /// policy goes on there, so the reservation's cordon goes. It stayed for good.
@@ -3538,10 +3544,7 @@ fn a_node_is_not_applied_while_the_cluster_policy_says_another_mig_strategy() {
     );
     let single = plain(3, 0);
     let back = dynamic_first(None, catalogue_of(0, &[6]));
-    let mut steps = settled(vec![
-        Step::Start(0, 0),
-        Step::Start(0, 0),
-        Step::Apply,
+    let mut steps = settled_busy(vec![
         Step::Policies(vec![sliced, single]),
         Step::Apply,
         Step::Policies(vec![back]),
@@ -3597,10 +3600,7 @@ fn a_halted_rollout_gives_up_demands_choice_of_a_busy_node() {
         busy: BusyGen::Reserve(60),
         ..catalogue_of(0, &[4])
     };
-    let steps = settled(vec![
-        Step::Start(0, 0),
-        Step::Start(0, 0),
-        Step::Apply,
+    let steps = settled_busy(vec![
         Step::Policies(vec![dynamic_first(None, reserve)]),
         Step::Apply,
         pod_of(0),
@@ -3619,10 +3619,7 @@ fn a_halted_rollout_gives_up_demands_choice_of_a_busy_node() {
 /// was still in flight. A queued node's mark of another target is dropped.
 #[test]
 fn a_node_queued_for_another_target_is_not_started_when_its_policy_comes_back() {
-    let steps = settled(vec![
-        Step::Start(0, 0),
-        Step::Start(0, 0),
-        Step::Apply,
+    let steps = settled_busy(vec![
         Step::Policies(vec![dynamic_first(Some(1), catalogue_of(0, &[6]))]),
         Step::Apply,
         Step::Finish(0),
@@ -3669,10 +3666,7 @@ fn a_drained_node_its_policy_now_refuses_is_uncordoned() {
         busy: BusyGen::Drain(0, 1),
         ..catalogue_of(0, &[0])
     };
-    let mut steps = settled(vec![
-        Step::Start(0, 0),
-        Step::Start(0, 0),
-        Step::Apply,
+    let mut steps = settled_busy(vec![
         Step::Start(1, 0),
         Step::Arrive(PodGen {
             profile: 0,
@@ -3696,10 +3690,7 @@ fn a_drained_node_its_policy_now_refuses_is_uncordoned() {
 /// budget. A refused node keeps no mark.
 #[test]
 fn a_node_refused_between_two_edits_is_not_started_past_the_budget() {
-    let steps = settled(vec![
-        Step::Start(0, 0),
-        Step::Start(0, 0),
-        Step::Apply,
+    let steps = settled_busy(vec![
         Step::Policies(vec![dynamic_first(None, catalogue_of(0, &[5]))]),
         pod_of(0),
         pod_of(0),
@@ -3746,10 +3737,7 @@ fn a_layout_chosen_for_a_node_its_policy_now_refuses_is_given_up() {
         busy: BusyGen::Reserve(60),
         ..catalogue_of(0, &[4])
     };
-    let mut steps = settled(vec![
-        Step::Start(0, 0),
-        Step::Start(0, 0),
-        Step::Apply,
+    let mut steps = settled_busy(vec![
         pod_of(0),
         Step::Start(1, 0),
         pod_of(0),
@@ -3776,10 +3764,7 @@ fn a_node_between_the_steps_of_its_change_stays_in_flight() {
         age: 1,
         ..dynamic_first(Some(1), catalogue_of(0, &[3]))
     };
-    let steps = settled(vec![
-        Step::Start(0, 0),
-        Step::Start(0, 0),
-        Step::Apply,
+    let steps = settled_busy(vec![
         Step::Arrive(PodGen {
             profile: 0,
             count: 1,
@@ -3805,10 +3790,7 @@ fn a_node_between_the_steps_of_its_change_stays_in_flight() {
 /// last change, takes no rollout budget, and the other node starts.
 #[test]
 fn a_busy_node_waiting_for_a_new_change_takes_no_budget() {
-    let mut steps = settled(vec![
-        Step::Start(0, 0),
-        Step::Start(0, 0),
-        Step::Apply,
+    let mut steps = settled_busy(vec![
         Step::Policies(vec![dynamic_first(Some(A100S), catalogue_of(1, &[2]))]),
         Step::Apply,
         Step::Policies(vec![dynamic_first(Some(A100S), catalogue_of(0, &[3]))]),

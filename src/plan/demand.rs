@@ -759,10 +759,10 @@ impl Policy<'_, '_> {
             if busy && n.evicts.is_some() && !overran {
                 recheck(out, deadline - self.now);
             }
-            if busy && unneeded && n.evicts.as_ref().is_some_and(|e| !e.is_empty()) {
+            let stopped = self.stopped.is_some() && !begun;
+            if busy && (unneeded || stopped) && n.evicts.as_ref().is_some_and(|e| !e.is_empty()) {
                 out.given_up.insert(name.clone());
             }
-            let stopped = self.stopped.is_some() && !begun;
             if busy && (n.evicts.is_none() || overran || unneeded || stopped) {
                 let keep = label
                     .filter(|l| catalogue.iter().any(|c| c == l))

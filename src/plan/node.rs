@@ -1029,10 +1029,14 @@ mod vm_tests {
                     n.owned.remove(state);
                 }
             }
+            // The sandbox device plugin advertises the vGPUs; another NVIDIA resource (the
+            // Network Operator's) does not keep the node from confirming.
             if is_vm_host(&n) {
-                n.allocatable = [("nvidia.com/NVIDIA_A100D-1-10C", "56")]
-                    .into_iter()
-                    .collect();
+                let alloc = [
+                    ("nvidia.com/NVIDIA_A100D-1-10C", "56"),
+                    ("nvidia.com/hostdev", "4"),
+                ];
+                n.allocatable = alloc.into_iter().collect();
             }
             history.push(n.labels.clone());
         }

@@ -240,7 +240,7 @@ fn plan_node(i: &memo::NodeInputs) -> (memo::PreGate, bool) {
         // A refused policy changes nothing on its nodes, nor a policy on a node it refuses
         // (one whose GPUs cannot take it): no drain or reservation of it goes on there, so its
         // cordon goes (the node is left as it was otherwise).
-        if !w.accepted() || outcome.state == Some(NodeState::Rejected) {
+        if !w.accepted() || outcome.state.is_some_and(NodeState::refused) {
             outcome.annotations.remove(ANNOTATION_CORDONED);
         }
     }
@@ -450,5 +450,42 @@ impl Planner {
             node_overlays,
             demand,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::crd::RefusedWrite;
+    use crate::plan::testing::{a100_node, policy};
+
+    /// Two idle nodes, a policy with a budget of one: the first in name order starts, unless
+    /// the API server refused its last write, which would hold the slot and stall the rollout.
+    #[test]
+    fn a_node_whose_write_was_refused_starts_after_the_others() {
+        let node = |name: &str| NodeFacts {
+            name: name.into(),
+            ..a100_node(&[])
+        };
+        let ts = policy(
+            "ts",
+            "  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n",
+        );
+        let mut input = PlanInput::new(vec![ts], vec![node("a"), node("b")]);
+        let started = |p: &Plan| p.nodes_to_write.clone();
+        assert_eq!(started(&plan(&input)), ["a"]);
+        input.memory.refused_writes = vec![RefusedWrite {
+            kind: "Node".into(),
+            name: "a".into(),
+            message: "422 (Invalid): denied".into(),
+        }];
+        let p = plan(&input);
+        assert_eq!(started(&p), ["b"]);
+        let status = &p.statuses["ts"];
+        assert_eq!(status.refused_writes, input.memory.refused_writes);
+        let degraded = (status.conditions.iter())
+            .find(|c| c.type_ == crate::api::state::ConditionType::Degraded)
+            .map(|c| c.reason);
+        assert_eq!(degraded, Some(crate::api::state::Reason::WriteRefused));
     }
 }

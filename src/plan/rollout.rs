@@ -410,6 +410,10 @@ pub fn gate(
     queue: impl Fn(&NodeFacts, String, HoldReason) -> Outcome,
 ) -> (BTreeMap<usize, Progress>, BTreeMap<String, Drain>) {
     let (now, pause_all) = (input.cluster.now, input.settings.pause_rollouts);
+    let refused: BTreeSet<&str> = (input.memory.refused_writes.iter())
+        .filter(|w| w.kind == "Node")
+        .map(|w| w.name.as_str())
+        .collect();
     let mut drains = BTreeMap::new();
     let mut by_policy: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (i, e) in entries.iter_mut().enumerate() {
@@ -433,7 +437,12 @@ pub fn gate(
             halted: recorded_halt(w),
             ..Default::default()
         };
-        let sorted = sort(entries, &idx, w, now, &mut progress);
+        let mut sorted = sort(entries, &idx, w, now, &mut progress);
+        // A node whose last write the API server refused starts only when no other candidate
+        // needs the room: started first, it would hold a slot its write cannot use.
+        sorted
+            .candidates
+            .sort_by_key(|i| refused.contains(entries[*i].node.name.as_str()));
         let generation = w.policy.metadata.generation.unwrap_or(0);
         start_or_queue(entries, sorted, generation, now, &mut progress, &queue);
         cordon_queued_demand(entries, &idx, w);

@@ -262,14 +262,17 @@ pub fn unconfirmed(n: &NodeFacts, w: &Prepared, want: &SmallMap) -> Option<Strin
     // What it advertises must be this mode's: a node moving between vGPU and passthrough
     // still shows the other mode's devices until the plugin re-registers. (A change of vGPU
     // type is confirmed by the vGPU Device Manager's state label.)
+    // Other `nvidia.com/*` resources (the Network Operator's, say) are no GPU's: a vGPU host
+    // needs a vGPU device, a passthrough host none left.
     let passthrough = w.spec.strategy == Strategy::Passthrough;
-    let other = (advertised.iter()).find(|(r, _)| is_vgpu_resource(r) == passthrough);
-    other.map(|(r, c)| {
-        let want = if passthrough {
-            "passthrough GPUs"
-        } else {
-            "vGPU devices"
-        };
+    let vgpu = advertised.iter().find(|(r, _)| is_vgpu_resource(r));
+    if !passthrough {
+        return vgpu.is_none().then(|| {
+            "waiting for the sandbox device plugin to advertise vGPU devices (nvidia.com/NVIDIA_<type>)".to_string()
+        });
+    }
+    vgpu.map(|(r, c)| {
+        let want = "passthrough GPUs";
         format!(
             "waiting for the sandbox device plugin to advertise {want} (it still advertises {r}={c})"
         )

@@ -214,7 +214,7 @@ pub async fn reconcile_all(
         // The node cache is listing nodes again (a new selector key); its last event wakes us.
         return Ok(Some(IN_PROGRESS_RECHECK));
     };
-    let (plan, input) = plan_off_thread(memory, input).await;
+    let (mut plan, input) = plan_off_thread(memory, input).await;
     record_plan_metrics(ctx, &input, &plan);
     // What the writes below need of the input, taken now: the pass then holds no node facts
     // while it writes, so the cache can let each node's old facts go as the watch reports our
@@ -226,10 +226,10 @@ pub async fn reconcile_all(
     memory.keep_refused("Node", |n| planned.contains(n));
     let templates = &plan.claim_templates;
     memory.keep_refused("ResourceClaimTemplate", |t| templates.contains_key(t));
-    let changes: Vec<String> = (plan.nodes_to_write.iter())
-        .filter(|n| !memory.refused_waits("Node", n, now))
-        .cloned()
-        .collect();
+    let overlays = &plan.node_overlays;
+    memory.keep_refused("NodeOverlay", |o| overlays.contains_key(o));
+    let (changes, waiting): (Vec<String>, Vec<String>) =
+        (plan.nodes_to_write.iter().cloned()).partition(|n| !memory.refused_waits("Node", n, now));
     let cleanup_pending = finalize::cleanup_pending(&input, &plan);
     let planned_namespace_missing = input.memory.gpu_operator_namespace_missing.is_some();
     drop(input);
@@ -248,6 +248,14 @@ pub async fn reconcile_all(
     apply::apply_cluster_policy(ctx, &plan, applied, report).await?;
     // 3. Node labels and annotations.
     apply::apply_nodes(ctx, &plan, changes, report).await?;
+    // A drain's cordon rides in its node's write: no eviction on a node whose write was
+    // refused or waits its retry (it is still schedulable, and its pods could land back).
+    let refused: BTreeSet<String> = (report.refusals())
+        .filter(|(kind, _, _)| *kind == "Node")
+        .map(|(_, node, _)| node.to_string())
+        .chain(waiting)
+        .collect();
+    plan.drains.retain(|node, _| !refused.contains(node));
     // 3b. The layouts demand chose (the next pass brings the nodes there).
     apply::apply_demand(ctx, &plan, report).await?;
     // 4. Drains: evict the GPU pods of cordoned nodes (PodDisruptionBudgets apply).

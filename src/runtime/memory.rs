@@ -155,6 +155,9 @@ impl ControllerMemory {
                     self.cluster_policy_applied.extend(fields.iter().cloned());
                 }
                 Learnt::ClusterPolicyRepaired { what } => self.repairs.push((now, what.clone())),
+                Learnt::InSync { kind, object } => {
+                    self.refused.remove(&(kind, object.clone()));
+                }
                 Learnt::WriteRefused { kind, object, why } => {
                     let r = (self.refused)
                         .entry((kind, object.clone()))
@@ -171,9 +174,14 @@ impl ControllerMemory {
                 }
             }
         }
-        // A write that went through is no longer refused.
+        // A write that went through is no longer refused (unless another write of the same
+        // object was refused in this pass, e.g. a node's labels through, its demand layout not).
+        let refused_now: BTreeSet<(&str, &str)> =
+            report.refusals().map(|(k, o, _)| (k, o)).collect();
         for w in &report.writes {
-            self.refused.remove(&(w.kind, w.object.clone()));
+            if !refused_now.contains(&(w.kind, w.object.as_str())) {
+                self.refused.remove(&(w.kind, w.object.clone()));
+            }
         }
     }
 

@@ -87,6 +87,10 @@ pub async fn apply_claim_templates(
                     == want["metadata"]["labels"][LABEL_POLICY].as_str()
         });
         if same {
+            report.learn(super::Learnt::InSync {
+                kind: KIND,
+                object: id.clone(),
+            });
             continue;
         }
         // One template the API server refuses (a tenant's object of the same name, an

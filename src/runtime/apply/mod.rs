@@ -59,6 +59,9 @@ pub enum Learnt {
     ClusterPolicyApplied { fields: BTreeSet<String> },
     /// Someone else had changed our ClusterPolicy fields; we put them back.
     ClusterPolicyRepaired { what: String },
+    /// This object of ours is as planned (someone else may have fixed it): a refusal of its
+    /// write is over.
+    InSync { kind: &'static str, object: String },
     /// The API server refused this write for what the object is (see
     /// [`crate::runtime::error::Error::refused_write`]); the pass went on.
     WriteRefused {

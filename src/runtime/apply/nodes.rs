@@ -39,11 +39,10 @@ async fn keep_server_write_time(
         return Ok(annotations);
     }
     let n = api.get(name).await?;
-    let same = n
-        .labels()
-        .get(LABEL_DEVICE_PLUGIN_CONFIG)
-        .map(String::as_str)
-        == Some(planned);
+    // The same device-plugin label (and, for a node handed back from VMs, the same workload).
+    let server = |key: &str| n.labels().get(key).map(String::as_str);
+    let same = server(LABEL_DEVICE_PLUGIN_CONFIG) == Some(planned)
+        && (labels.get(LABEL_WORKLOAD)).is_none_or(|w| server(LABEL_WORKLOAD) == Some(w.as_str()));
     // Only a time our own manager wrote: a forged one in the future would hold the node back.
     let managed = n.metadata.managed_fields.as_deref().unwrap_or_default();
     let ours = crate::observe::node::believed_annotations(managed, MANAGER)
@@ -122,9 +121,12 @@ pub async fn apply_nodes(
         .buffer_unordered(16)
         .collect()
         .await;
-    // Forbidden on every node: our account lost its rights, which is the pass's failure.
-    let forbidden =
-        |r: &Result<(), Error>| matches!(r, Err(Error::Kube(kube::Error::Api(s))) if s.code == 403);
+    // RBAC refusing every node: our account lost its rights, which is the pass's failure (an
+    // admission webhook's denial, 403 too, is one object's).
+    let forbidden = |r: &Result<(), Error>| {
+        matches!(r, Err(Error::Kube(kube::Error::Api(s)))
+            if s.code == 403 && s.message.contains("cannot patch resource"))
+    };
     let everywhere = results.len() > 1 && results.iter().all(|(_, _, r)| forbidden(r));
     let mut first_err = None;
     let mut labelled: BTreeMap<&str, Vec<String>> = BTreeMap::new();

@@ -44,6 +44,10 @@ pub async fn apply_node_overlays(
                     .all(|(k, v)| cur.labels().get(k).map(String::as_str) == v.as_str())
         });
         if same {
+            report.learn(super::Learnt::InSync {
+                kind: "NodeOverlay",
+                object: name.clone(),
+            });
             continue;
         }
         if let Err(e) = api.patch(name, &apply_params(), &Patch::Apply(want)).await {
