@@ -14,7 +14,8 @@
 //! backend's transition: [`sharing`], [`mig`], [`vm`], [`dra`];
 //! [`node`] (the per-node transition, dispatching to them), [`drain`], [`rollout`],
 //! [`status`], [`desired`] (the [`Plan`]), [`pipeline`] (the passes: [`plan`], [`Planner`]);
-//! a model of NVIDIA's components answering a plan lives outside, in [`crate::converge`].
+//! a model of NVIDIA's components answering a plan lives outside the planner, in the
+//! top-level module `converge`, which uses it (never the other way).
 //! This file only declares the modules and re-exports what the crate uses; the files of
 //! `plan/` import from each other, never from here.
 

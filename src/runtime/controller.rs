@@ -3,7 +3,7 @@
 //! the pure planner and applies only the difference, with server-side apply under one field
 //! manager. A steady cluster gets no writes.
 //!
-//! A pass: [`Context::plan_input`] (caches and memory -> input) -> [`plan::Planner::plan`]
+//! A pass: [`Context::plan_input`] (caches and memory -> input) -> [`Planner::plan`](crate::plan::Planner::plan)
 //! (incremental: only what changed is planned again) -> appliers in
 //! a safe order (ConfigMaps, ClusterPolicy, node metadata, ResourceClaimTemplates, unused
 //! mig-parted ConfigMap) -> finalizers and statuses. Every write lands in the pass's
