@@ -15,8 +15,11 @@ test:
 	bash tests/image/build.sh >/dev/null
 	bash tests/tools/build.sh
 	target/tools/cargo-deny check licenses bans sources
-	cargo build --locked -p scale-bench
-	cargo test --locked
+	# The benchmark is built only so that it keeps compiling; with the operator's `e2e` feature
+	# (which gates the end-to-end tests, see Cargo.toml) it shares the operator's library
+	# build with the test run below instead of compiling it a second time.
+	cargo build --locked -p scale-bench --features gpu-sharing-operator/e2e
+	cargo test --locked --features e2e
 	bash tests/nvidia/build.sh test
 	bash tests/cluster/cluster.sh test
 	bash tests/karpenter/build.sh test
@@ -37,7 +40,7 @@ generate:
 	cp crds/gpusharingpolicies.gpusharing.io.yaml charts/gpu-sharing-operator/crds/
 	cargo run --quiet -- crd --markdown > target/crd-reference.md
 	python3 -c 'r=open("docs/crd-reference.md").read(); t=open("target/crd-reference.md").read(); s="<!-- crd-reference:start -->\n"; e="<!-- crd-reference:end -->"; a=r.index(s)+len(s); b=r.index(e); open("docs/crd-reference.md","w").write(r[:a]+t+r[b:])'
-	GENERATE=1 cargo test --quiet --test helm_chart docs_values_table_is_current
+	GENERATE=1 cargo test --quiet --features e2e --test helm_chart docs_values_table_is_current
 	GENERATE=1 cargo test --quiet --test docs counted_figures_are_current
 
 crd: generate
@@ -97,7 +100,7 @@ fuzz:
 chaos:
 	bash tests/cluster/cluster.sh build
 	bash tests/nvidia/build.sh
-	CHAOS_FULL=1 cargo test --locked --test e2e_chaos -- --nocapture
+	CHAOS_FULL=1 cargo test --locked --features e2e --test e2e_chaos -- --nocapture
 
 # The container image (Containerfile): with docker or podman when one can build, else the same
 # image as an OCI layout in target/image/ without a container engine (tests/image/build.sh).

@@ -502,3 +502,76 @@ fn the_link_and_number_parsers() {
         "| `examples` | 8 | example files | `tests/docs.rs` |"
     );
 }
+
+/// The test files that need the local control plane or a tool built from Go (they start a
+/// `TestCluster`, go through `tests/support`'s `setup`, or run `tests/tools/build.sh`).
+fn needs_cluster_or_tools(text: &str) -> bool {
+    [
+        "TestCluster",
+        "setup(",
+        "setup_with",
+        "tests/tools/build.sh",
+    ]
+    .iter()
+    .any(|m| text.contains(m))
+}
+
+/// The `[[test]]` targets of Cargo.toml that run only with `--features e2e`.
+fn gated_tests(manifest: &str) -> Vec<String> {
+    manifest
+        .split("[[test]]")
+        .skip(1)
+        .filter(|t| {
+            let t = t.split("\n[").next().unwrap_or(t);
+            t.contains("required-features = [\"e2e\"]")
+        })
+        .filter_map(|t| {
+            let line = t.lines().find(|l| l.starts_with("name = "))?;
+            Some(
+                line.trim_start_matches("name = ")
+                    .trim_matches('"')
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Plain `cargo test` stays Rust-only and fast: every test file that needs the control plane
+/// or a Go tool is a `[[test]]` target behind the `e2e` feature (`make test` passes it).
+#[test]
+fn tests_needing_a_cluster_or_go_tools_are_behind_the_e2e_feature() {
+    let gated = gated_tests(&read(&repo().join("Cargo.toml")));
+    let mut missing = vec![];
+    let mut files = std::fs::read_dir(repo().join("tests"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+        .collect::<Vec<_>>();
+    files.sort();
+    for f in files {
+        let name = f.file_stem().unwrap().to_string_lossy().to_string();
+        if name == "docs" {
+            continue; // this file names the markers it looks for
+        }
+        let needs = name.starts_with("e2e_") || needs_cluster_or_tools(&read(&f));
+        if needs && !gated.contains(&name) {
+            missing.push(name);
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "these tests start a control plane or build Go tools but run in plain `cargo test`; \
+         give each a [[test]] entry with required-features = [\"e2e\"] in Cargo.toml: {missing:?}"
+    );
+    // The check itself: a file that starts a cluster and has no entry is caught.
+    assert!(needs_cluster_or_tools(
+        "let c = TestCluster::shared().await;"
+    ));
+    assert!(gated_tests("[[test]]\nname = \"x\"\npath = \"tests/x.rs\"\n").is_empty());
+    assert_eq!(
+        gated_tests(
+            "[[test]]\nname = \"x\"\npath = \"tests/x.rs\"\nrequired-features = [\"e2e\"]\n"
+        ),
+        ["x"]
+    );
+}
