@@ -191,3 +191,22 @@ fn workflow_actions_are_pinned_by_commit_sha() {
         bad.join("\n")
     );
 }
+
+/// Nothing is signed before the SBOM is shown to list the crates (a static, stripped binary
+/// without cargo-auditable's section would give an SBOM with none).
+#[test]
+fn the_release_checks_the_sboms_crates_before_signing() {
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(repo.join(".github/workflows/release.yml")).unwrap();
+    let at = |needle: &str| {
+        text.find(needle)
+            .unwrap_or_else(|| panic!("release.yml has no {needle:?}"))
+    };
+    let check = at("name: The SBOM lists the crates the binary holds");
+    assert!(check > at("output-file: sbom.spdx.json"));
+    assert!(
+        check < at("cosign sign --yes"),
+        "the SBOM is checked after signing"
+    );
+    assert!(text[check..].contains("startswith(\"pkg:cargo/\")"));
+}

@@ -47,6 +47,12 @@ pub struct GpuPods {
     pub requests: BTreeMap<String, BTreeMap<String, i64>>,
 }
 
+/// The most of one device-plugin resource a pod's container is believed to ask for: more than
+/// any node advertises (64 GPUs x 7 MIG instances x 1,024 replicas is 458,752), so a request
+/// above it is unschedulable either way, and sums and products over pods stay far from
+/// overflow. A pod author writes the quantity; it is clamped here before any arithmetic.
+pub const MAX_DEVICE_REQUEST: i64 = 1 << 20;
+
 /// What a pod's containers request of each NVIDIA device-plugin resource (limits where no
 /// request is given: extended resources are requested as their limit), summed; init
 /// containers count by their largest, as the scheduler counts them.
@@ -66,7 +72,7 @@ pub fn gpu_requests(p: &Pod) -> BTreeMap<String, i64> {
         {
             for (k, q) in m.iter().filter(|(k, _)| is_device_plugin_resource(k)) {
                 if let Ok(v) = q.0.parse::<i64>() {
-                    out.insert(k.clone(), v);
+                    out.insert(k.clone(), v.clamp(0, MAX_DEVICE_REQUEST));
                 }
             }
         }
@@ -84,6 +90,9 @@ pub fn gpu_requests(p: &Pod) -> BTreeMap<String, i64> {
             let e = total.entry(k).or_default();
             *e = (*e).max(v);
         }
+    }
+    for v in total.values_mut() {
+        *v = (*v).min(MAX_DEVICE_REQUEST);
     }
     total
 }
@@ -109,7 +118,8 @@ pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
         if gpu {
             let sum = out.requests.entry(node.clone()).or_default();
             for (k, v) in gpu_requests(p) {
-                *sum.entry(k).or_default() += v;
+                let e = sum.entry(k).or_default();
+                *e = e.saturating_add(v);
             }
             let details = GpuPod {
                 labels: p.labels().clone().into(),
@@ -232,4 +242,52 @@ pub fn pending_pod(p: &Pod) -> Option<PendingPod> {
             .collect(),
         namespace_labels: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(node: Option<&str>, gpus: &[&str], init: Option<&str>) -> Pod {
+        let container = |q: &str| serde_json::json!({"name": "c", "resources": {"limits": {"nvidia.com/gpu": q}}});
+        let mut spec = serde_json::json!({
+            "containers": gpus.iter().map(|q| container(q)).collect::<Vec<_>>(),
+        });
+        if let Some(n) = node {
+            spec["nodeName"] = n.into();
+        }
+        if let Some(q) = init {
+            spec["initContainers"] = serde_json::json!([container(q)]);
+        }
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("p{}", gpus.len()), "namespace": "t"},
+            "spec": spec,
+        }))
+        .unwrap()
+    }
+
+    /// A pod author writes the quantities: a request no node can hold is clamped, so the sums
+    /// over a node's pods (and the demand's products of them) cannot overflow.
+    #[test]
+    fn requests_are_clamped_and_summed_without_overflow() {
+        let max = "9223372036854775807";
+        let huge = pod(Some("n"), &[max, max], None);
+        assert_eq!(gpu_requests(&huge)["nvidia.com/gpu"], MAX_DEVICE_REQUEST);
+        assert_eq!(gpu_requests(&pod(None, &["-5"], None))["nvidia.com/gpu"], 0);
+        // Init containers count by their largest, as the scheduler counts them.
+        assert_eq!(
+            gpu_requests(&pod(None, &["1", "2"], Some("5")))["nvidia.com/gpu"],
+            5
+        );
+        let many: Vec<Pod> = (0..3)
+            .map(|i| {
+                let mut p = huge.clone();
+                p.metadata.name = Some(format!("p{i}"));
+                p
+            })
+            .collect();
+        let read = gpu_pods(&many);
+        assert_eq!(read.requests["n"]["nvidia.com/gpu"], 3 * MAX_DEVICE_REQUEST);
+        assert_eq!(read.gpu_pods["n"].len(), 3);
+    }
 }

@@ -29,7 +29,7 @@ use crate::api::names::{
 use crate::nvidia;
 
 use super::capacity;
-use super::facts::sandbox_resources;
+use super::facts::{gpu_count, sandbox_resources};
 use super::input::{AutoscalingFacts, NodePool, Requirement, Sandbox};
 use super::labels::{Labels, selector_matches};
 use super::policies::Prepared;
@@ -92,10 +92,12 @@ fn passthrough_resource(n: &NodeFacts) -> Option<(String, i64)> {
         .into_iter()
         .filter(|(r, _)| !super::facts::is_vgpu_resource(r));
     let (r, c) = named.next()?;
-    named
-        .next()
-        .is_none()
-        .then(|| (r.trim_start_matches("nvidia.com/").to_string(), c))
+    // Bounded like GPU Feature Discovery's count: capacity promised to Karpenter is this
+    // number times each GPU's share.
+    if named.next().is_some() || !(1..=super::facts::MAX_GPUS_PER_NODE).contains(&c) {
+        return None;
+    }
+    Some((r.trim_start_matches("nvidia.com/").to_string(), c))
 }
 
 /// The instance types we know the GPUs of: from the nodes the cluster runs (GPU Feature
@@ -107,20 +109,31 @@ pub fn catalogue(
     table: Option<&str>,
 ) -> (BTreeMap<String, InstanceType>, Vec<String>) {
     let mut out = BTreeMap::new();
-    let mut passthrough = BTreeMap::new();
-    // Per type, the nodes' (GPU count, product, memory) with their votes and first node.
-    type Votes<'a> = BTreeMap<(i64, &'a str, &'a str), (usize, &'a NodeFacts)>;
-    let mut seen: BTreeMap<&str, Votes> = BTreeMap::new();
+    // What nodes say, with how many say it and the first to.
+    type Votes<'a, K> = BTreeMap<K, (usize, &'a NodeFacts)>;
+    // Per type, the passthrough hosts' (PCI name, GPU count).
+    let mut passthrough: BTreeMap<&str, Votes<(String, i64)>> = BTreeMap::new();
+    // Per type, the nodes' (GPU count, product, memory).
+    let mut seen: BTreeMap<&str, Votes<(i64, &str, &str)>> = BTreeMap::new();
     for v in nodes {
         let n: &NodeFacts = &v.facts;
         let Some(t) = n.labels.get(LABEL_INSTANCE_TYPE) else {
             continue;
         };
-        if let Some((name, count)) = passthrough_resource(n) {
-            passthrough.entry(t.to_string()).or_insert((name, count, n));
+        if n.labels.get(LABEL_WORKLOAD) == Some("vm-passthrough") {
+            // A passthrough host teaches its PCI name and count, or nothing (GFD's labels
+            // on it are left from before it was a VM host).
+            if let Some(kind) = passthrough_resource(n) {
+                passthrough
+                    .entry(t)
+                    .or_default()
+                    .entry(kind)
+                    .or_insert((0, n))
+                    .0 += 1;
+            }
             continue;
         }
-        let Some(gpus) = n.labels.get(LABEL_GPU_COUNT).and_then(|c| c.parse().ok()) else {
+        let Some(gpus) = gpu_count(n) else {
             continue;
         };
         let product = n.labels.get(LABEL_GPU_PRODUCT).unwrap_or_default();
@@ -137,8 +150,14 @@ pub fn catalogue(
     for (t, kinds) in seen {
         out.insert(t.to_string(), most_nodes_say(&kinds));
     }
-    for (t, (name, gpus, n)) in passthrough {
-        out.entry(t)
+    for (t, kinds) in passthrough {
+        // As for GPU Feature Discovery's labels: most hosts decide, a tie goes to fewer GPUs.
+        let (&(ref name, gpus), &(_, n)) = kinds
+            .iter()
+            .max_by_key(|((_, gpus), (votes, _))| (*votes, std::cmp::Reverse(*gpus)))
+            .expect("one node at least");
+        let name = name.clone();
+        out.entry(t.to_string())
             .or_insert_with(|| InstanceType {
                 labels: gpu_labels(n),
                 gpus,

@@ -105,6 +105,26 @@ fn an_instance_types_gpus_are_what_most_of_its_nodes_say() {
         node("e", "tie", "8"),
         node("f", "tie", "4"),
     ];
+    let mut nodes = nodes;
+    // A count no node can have is read as unknown: it neither votes nor loops 4e9 times.
+    nodes.push(node("g-forged", "huge", "4000000000"));
+    // Passthrough hosts vote the same way (their count from the sandbox device plugin).
+    let host = |name: &str, count: &str| {
+        let mut n = a100_node(&[
+            (LABEL_INSTANCE_TYPE, "pass"),
+            (LABEL_WORKLOAD, "vm-passthrough"),
+        ]);
+        n.name = name.into();
+        n.allocatable = [(
+            "nvidia.com/GA100_A100_SXM4_80GB".to_string(),
+            count.to_string(),
+        )]
+        .into_iter()
+        .collect();
+        crate::plan::input::NodeView::idle(n)
+    };
+    nodes.extend([host("h-forged", "64"), host("i", "8"), host("j", "8")]);
+    nodes.push(host("k-huge", "9223372036854775807"));
     let (types, errors) = catalogue(&nodes, None);
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(types["p4de"].gpus, 8);
@@ -113,6 +133,9 @@ fn an_instance_types_gpus_are_what_most_of_its_nodes_say() {
         "node b (3 of the type's 4 nodes agree)"
     );
     assert_eq!(types["tie"].gpus, 4);
+    assert!(!types.contains_key("huge"), "{:?}", types.get("huge"));
+    assert_eq!(types["pass"].gpus, 8);
+    assert_eq!(types["pass"].source, "node i");
 }
 
 /// MIG: per-profile counts from the layout and the GPU model, `nvidia.com/gpu` set to 0 (the
@@ -344,4 +367,34 @@ fn table_errors_are_reported() {
     let (types, errors) = catalogue(&[], Some("{x: {gpus: 0}}"));
     assert!(types.is_empty());
     assert_eq!(errors, ["instance-types.yaml: x: gpus must be at least 1"]);
+}
+
+/// Precedence over the whole int32 range: `priority: -2147483648` is the lowest, not (negated,
+/// wrapping in release builds and panicking in debug) the highest.
+#[test]
+fn the_lowest_int32_priority_loses() {
+    let mut low = policy(
+        "low",
+        "  nodeSelector: {}\n  priority: -2147483648\n  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n",
+    );
+    let high = policy(
+        "high",
+        "  nodeSelector: {}\n  priority: 2147483647\n  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n",
+    );
+    let zero = policy(
+        "zero",
+        "  nodeSelector: {}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 8}\n",
+    );
+    low.metadata.generation = Some(1);
+    let mut n = a100_node(&[]);
+    n.name = "n".into();
+    let mut i = PlanInput::new(vec![low.clone(), zero.clone()], vec![n.clone()]);
+    let owner = |i: &PlanInput| {
+        plan_all(i).node_labels["n"]
+            .get(crate::api::names::LABEL_POLICY)
+            .map(|v| v.to_string())
+    };
+    assert_eq!(owner(&i).as_deref(), Some("zero"));
+    i = PlanInput::new(vec![low, high, zero], vec![n]);
+    assert_eq!(owner(&i).as_deref(), Some("high"));
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use crate::api::crd::{
     Capacity, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Strategy, TimeSlicing,
 };
-use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT};
+use crate::api::names::LABEL_GPU_PRODUCT;
 use crate::nvidia::mig::{self, MigProfile};
 use crate::nvidia::vgpu::VgpuConfigEntry;
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
@@ -15,7 +15,7 @@ use super::facts::NodeFacts;
 use super::facts::sandbox_resources;
 use super::policies::Prepared;
 
-use super::facts::label_i64;
+use super::facts::{gpu_count, gpu_memory_mib};
 
 /// GPUs a custom layout's groups list by index (a group without indices covers the rest).
 fn listed_gpus(groups: &[MigDeviceGroup]) -> i64 {
@@ -73,7 +73,7 @@ impl<'a> Gpu<'a> {
     fn of(node: &'a NodeFacts) -> Self {
         Gpu {
             product: node.labels.get(LABEL_GPU_PRODUCT),
-            memory_mib: label_i64(node, LABEL_GPU_MEMORY),
+            memory_mib: gpu_memory_mib(node),
         }
     }
 
@@ -288,13 +288,12 @@ pub fn replicas_of(spec: &GpuSharingPolicySpec) -> i32 {
 /// sandbox device plugin's allocatable.
 pub fn vm_capacity(p: &Prepared, node: &NodeFacts) -> NodeCapacity {
     let sandbox: i64 = sandbox_resources(node).iter().map(|(_, c)| c).sum();
-    let gpus =
-        label_i64(node, LABEL_GPU_COUNT).unwrap_or(if p.spec.strategy == Strategy::Passthrough {
-            sandbox
-        } else {
-            0
-        });
-    let mem = label_i64(node, LABEL_GPU_MEMORY);
+    let gpus = gpu_count(node).unwrap_or(if p.spec.strategy == Strategy::Passthrough {
+        sandbox
+    } else {
+        0
+    });
+    let mem = gpu_memory_mib(node);
     if p.spec.strategy == Strategy::Passthrough {
         return cap(gpus, Some(gpus), mem, Some(100), true);
     }
@@ -407,7 +406,7 @@ pub fn device_plugin_advertises(
     if spec.backend == crate::api::crd::Backend::Dra || spec.strategy.is_vm() {
         return None;
     }
-    let count = label_i64(node, LABEL_GPU_COUNT)?;
+    let count = gpu_count(node)?;
     let gpu = nvidia::GPU_RESOURCE;
     let one = |name: String, units: i64| Advertised {
         resources: [(name, (units, units))].into_iter().collect(),
@@ -429,7 +428,7 @@ pub fn device_plugin_advertises(
         }
         Strategy::Mig => {
             let mig = spec.mig.as_ref()?;
-            let mem = label_i64(node, LABEL_GPU_MEMORY);
+            let mem = gpu_memory_mib(node);
             let gpus = physical_gpus(mig, base, node, count, mem);
             let candidates = mig_candidates(mig, base, gpus, Gpu::of(node))?;
             // GPUs with MIG off are served whole, as `nvidia.com/gpu`, under either strategy.
@@ -515,8 +514,8 @@ pub fn node_capacity(
     node: &NodeFacts,
     base: Option<&BTreeMap<String, serde_json::Value>>,
 ) -> NodeCapacity {
-    let gpus = label_i64(node, LABEL_GPU_COUNT).unwrap_or(0);
-    let mem = label_i64(node, LABEL_GPU_MEMORY);
+    let gpus = gpu_count(node).unwrap_or(0);
+    let mem = gpu_memory_mib(node);
     match spec.strategy {
         Strategy::Exclusive => cap(gpus, Some(gpus), mem, Some(100), true),
         Strategy::TimeSlicing => {
@@ -601,7 +600,7 @@ pub fn layout_resources(
     node: &NodeFacts,
     base: Option<&BTreeMap<String, serde_json::Value>>,
 ) -> Option<BTreeMap<String, i64>> {
-    let count = label_i64(node, LABEL_GPU_COUNT)?;
+    let count = gpu_count(node)?;
     let owned;
     let mig = match layout {
         Some(l) => {
@@ -610,7 +609,7 @@ pub fn layout_resources(
         }
         None => mig,
     };
-    let gpus = physical_gpus(mig, base, node, count, label_i64(node, LABEL_GPU_MEMORY));
+    let gpus = physical_gpus(mig, base, node, count, gpu_memory_mib(node));
     let c = mig_candidates(mig, base, gpus, Gpu::of(node))?;
     (c.len() == 1).then(|| mig_resources(mig, &c[0]))
 }
@@ -653,6 +652,7 @@ fn profile_name(p: &MigProfile) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY};
 
     fn named(layout: &str) -> Mig {
         Mig {
@@ -738,6 +738,7 @@ mod tests {
 #[cfg(test)]
 mod relabelled {
     use super::*;
+    use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY};
     use crate::plan::labels::Labels;
 
     fn node(product: &str, count: &str) -> NodeFacts {

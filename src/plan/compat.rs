@@ -8,7 +8,7 @@ use crate::nvidia::{self, mig};
 
 use super::capacity::profile_fits_memory;
 use super::facts::NodeFacts;
-use super::facts::label_i64;
+use super::facts::{gpu_count, gpu_memory_mib, label_i64};
 use super::geometry::{NodeModel, node_model};
 
 /// Node-specific reasons a policy cannot be applied to a node.
@@ -55,7 +55,7 @@ pub fn node_rejection(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<S
             // (product `<GPU>-MIG-<profile>`, or `-MIG-INVALID` with count and memory 0 while
             // the GPUs are not all split alike): count and memory are not the GPUs' then.
             let physical = !product.contains("-MIG-");
-            let gpus = label_i64(node, LABEL_GPU_COUNT).filter(|_| physical);
+            let gpus = gpu_count(node).filter(|_| physical);
             if let (Some(groups), Some(gpus)) = (&mig.custom_layout, gpus) {
                 let mut covered = BTreeSet::new();
                 for g in groups {
@@ -109,7 +109,7 @@ pub fn mig_profile_refusal(mig: &Mig, node: &NodeFacts) -> Option<String> {
     {
         return Some(format!("MIG profile {p} does not exist on {}", model.name));
     }
-    let mem = label_i64(node, LABEL_GPU_MEMORY).filter(|_| physical)?;
+    let mem = gpu_memory_mib(node).filter(|_| physical)?;
     profiles.iter().find_map(|p| {
         let prof = mig::parse_mig_profile(p)?;
         (!profile_fits_memory(&prof, mem)).then(|| {

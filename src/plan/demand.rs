@@ -462,10 +462,12 @@ fn evicted_value(v: &NodeView) -> i64 {
     let slices: i64 = v
         .gpu_requests
         .iter()
-        .filter_map(|(r, c)| Some(profile_slices(r.strip_prefix("nvidia.com/mig-")?) * c))
+        .filter_map(|(r, c)| {
+            Some(profile_slices(r.strip_prefix("nvidia.com/mig-")?).saturating_mul(*c))
+        })
         .fold(0i64, i64::saturating_add);
     let each = slices / (v.gpu_pods.len() as i64).max(1);
-    each.max(1) * VALUE_BASE_SECONDS
+    each.max(1).saturating_mul(VALUE_BASE_SECONDS)
 }
 
 /// Whether `supply` holds a pod's whole request (see [`wants`]).
@@ -794,8 +796,9 @@ impl Policy<'_, '_> {
                         .iter()
                         .filter(|&&k| pods[k].priority == *l)
                         .map(|&k| weight(k))
-                        .sum();
-                    pending + each * evicts.iter().filter(|p| *p == l).count() as i64
+                        .fold(0i64, i64::saturating_add);
+                    let evicted = evicts.iter().filter(|p| *p == l).count() as i64;
+                    pending.saturating_add(each.saturating_mul(evicted))
                 })
                 .collect::<Score>()
         };

@@ -3,7 +3,7 @@
 //! per-node transition, the VM transition, capacity, the rollout and the converged view can
 //! all read node facts the same way without importing each other.
 
-use crate::api::names::{LABEL_GFD_TIMESTAMP, LABEL_WORKLOAD};
+use crate::api::names::{LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_WORKLOAD};
 use crate::api::state::NodeState;
 use crate::nvidia::state::Workload;
 
@@ -58,6 +58,25 @@ pub fn is_device_plugin_resource(name: &str) -> bool {
 /// A node label read as an integer (`None` when absent or not a number).
 pub fn label_i64(n: &NodeFacts, key: &str) -> Option<i64> {
     n.labels.get(key).and_then(|v| v.parse().ok())
+}
+
+/// The most GPUs a node is believed to have. A node agent writes `nvidia.com/gpu.count`; a
+/// value above this (or below 0) is read as unknown, so no loop or product over GPUs can be
+/// made arbitrarily long or overflow by a label.
+pub const MAX_GPUS_PER_NODE: i64 = 64;
+
+/// The most memory per GPU believed, in MiB (4 TiB); `nvidia.com/gpu.memory` above it (or
+/// below 1) is read as unknown.
+pub const MAX_GPU_MEMORY_MIB: i64 = 1 << 22;
+
+/// The node's GPU count as GPU Feature Discovery labels it, within [`MAX_GPUS_PER_NODE`].
+pub fn gpu_count(n: &NodeFacts) -> Option<i64> {
+    label_i64(n, LABEL_GPU_COUNT).filter(|c| (0..=MAX_GPUS_PER_NODE).contains(c))
+}
+
+/// The memory of each of the node's GPUs in MiB, within [`MAX_GPU_MEMORY_MIB`].
+pub fn gpu_memory_mib(n: &NodeFacts) -> Option<i64> {
+    label_i64(n, LABEL_GPU_MEMORY).filter(|m| (1..=MAX_GPU_MEMORY_MIB).contains(m))
 }
 
 /// The node is a VM host (by its workload label).

@@ -9,7 +9,7 @@ use crate::api::crd::MigStrategy;
 use crate::api::names::*;
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::facts::label_i64;
+use super::facts::gpu_memory_mib;
 use super::memo::Named;
 use super::policies::Prepared;
 use super::{facts::NodeFacts, input::PlanInput};
@@ -208,7 +208,7 @@ pub fn claim_templates(
     };
     let min_mem = accepted_nodes
         .iter()
-        .filter_map(|n| label_i64(n, LABEL_GPU_MEMORY))
+        .filter_map(|n| gpu_memory_mib(n))
         .min();
     let name = nvidia::dra::template_name(&p.name, p.spec);
     for ns in &dra.namespaces {

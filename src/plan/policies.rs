@@ -257,14 +257,15 @@ pub fn check_layout(
 }
 
 /// Deterministic precedence: priority (high first), then oldest, then name.
-fn precedence(p: &GpuSharingPolicy) -> (i32, bool, String, String) {
+fn precedence(p: &GpuSharingPolicy) -> (std::cmp::Reverse<i32>, bool, String, String) {
     let ts = p
         .metadata
         .creation_timestamp
         .as_ref()
         .map(|t| t.0.to_string());
     (
-        -p.spec.priority,
+        // Reversed, not negated: `-i32::MIN` overflows.
+        std::cmp::Reverse(p.spec.priority),
         ts.is_none(),
         ts.unwrap_or_default(),
         p.metadata.name.clone().unwrap_or_default(),

@@ -22,7 +22,7 @@ use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::backend::NodeTarget;
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
-use super::facts::label_i64;
+use super::facts::{gpu_count, gpu_memory_mib};
 use super::policies::Prepared;
 use super::{facts::NodeFacts, labels::SmallMap};
 
@@ -82,8 +82,8 @@ fn vgpu_mismatch(w: &Prepared, n: &NodeFacts) -> Option<String> {
         let p = p.trim_end_matches(SHARED_SUFFIX);
         p.find("-MIG-").map_or(p, |i| &p[..i])
     });
-    let memory_gb = label_i64(n, LABEL_GPU_MEMORY).map(|m| (m * 11 / 10 / 1024) as u32);
-    let gpus = label_i64(n, LABEL_GPU_COUNT);
+    let memory_gb = gpu_memory_mib(n).map(|m| (m * 11 / 10 / 1024) as u32);
+    let gpus = gpu_count(n);
     let vm = w.vm()?;
     for (i, e) in vm.vgpu_entries.iter().enumerate() {
         if let (crate::nvidia::MigDevices::Indices(d), Some(gpus)) = (&e.devices, gpus)

@@ -218,6 +218,50 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// One policy with any `devices` value (any shape, nested up to 300 deep) in a list
+        /// between two valid ones: after the pass the list reads as typed policies, kube's
+        /// way (one `ObjectList` at once), and the valid ones are intact.
+        #[test]
+        fn one_hostile_policy_never_stops_the_others_reading(
+            v in json(),
+            wrap in 0usize..300,
+            chunk in 1usize..512,
+        ) {
+            use crate::api::crd::GpuSharingPolicy;
+            let devices = (0..wrap).fold(v, |v, _| serde_json::Value::Array(vec![v]));
+            let item = |name: &str, devices: serde_json::Value| serde_json::json!({
+                "apiVersion": "gpusharing.io/v1alpha1",
+                "kind": "GpuSharingPolicy",
+                "metadata": {"name": name},
+                "spec": {
+                    "nodeSelector": {},
+                    "strategy": "mig",
+                    "mig": {"migStrategy": "single", "customLayout": [{"migEnabled": true, "devices": devices,
+                                              "migDevices": {"1g.10gb": 7}}]},
+                },
+            });
+            let list = serde_json::json!({
+                "apiVersion": "gpusharing.io/v1alpha1",
+                "kind": "GpuSharingPolicyList",
+                "metadata": {},
+                "items": [item("a", "all".into()), item("hostile", devices), item("b", "all".into())],
+            });
+            let text = serde_json::to_string(&list).unwrap();
+            // Written through serde_json, which nests without limit; the API server would
+            // serve it the same (it accepts 10,000 levels).
+            let out = capped(&text, chunk);
+            let read: kube::core::ObjectList<GpuSharingPolicy> = serde_json::from_str(&out)
+                .map_err(|e| TestCaseError::fail(format!("{e}")))?;
+            let names: Vec<_> = read.items.iter().map(|p| p.metadata.name.clone().unwrap()).collect();
+            prop_assert_eq!(names, ["a", "hostile", "b"]);
+            for p in [&read.items[0], &read.items[2]] {
+                let (errors, _) = crate::validate::validate("a", &p.spec);
+                prop_assert!(errors.is_empty(), "{:?}", errors);
+            }
+        }
+    }
+
     fn capped(input: &str, chunk: usize) -> String {
         let mut cap = Cap::default();
         let mut out = Vec::new();
