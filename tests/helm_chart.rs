@@ -229,6 +229,7 @@ fn chart_lints_and_renders_default_and_custom_values() {
             "--lease-duration-seconds=30",
             "--lease-renew-seconds=10",
             "--readiness-taint=gpusharing.io/unconfigured",
+            "--require-fenced",
             "--mig-timeout-seconds=900",
         ]
     );
@@ -304,7 +305,8 @@ fn chart_lints_and_renders_default_and_custom_values() {
             "GpuSharingPolicyNotReady",
             "GpuSharingRolloutHalted",
             "GpuSharingReconcileErrors",
-            "GpuSharingNoLeader"
+            "GpuSharingNoLeader",
+            "GpuSharingNotFenced"
         ]
     );
     assert_eq!(alerts[1]["for"], "45m");
