@@ -102,6 +102,9 @@ struct PlanArgs {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "table")]
     output: PlanOutput,
+    /// The controller's own flags, as it runs with them.
+    #[command(flatten)]
+    flags: RunFlags,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -127,6 +130,22 @@ fn init_tracing(format: LogFormat) {
         LogFormat::Pretty => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
+}
+
+/// The flags of `run` that change what the controller plans; `plan` takes them too, so that it
+/// previews the controller as it runs.
+#[derive(clap::Args)]
+struct RunFlags {
+    /// Start no node change for any policy (as `spec.paused` does for one); status stays
+    /// current and nodes already changing finish their transition.
+    #[arg(long, env = "GPU_SHARING_PAUSE_ROLLOUTS")]
+    pause_rollouts: bool,
+    /// Remove this NoSchedule taint from GPU nodes once their sharing config is confirmed (or,
+    /// for nodes no policy selects, once GPU Feature Discovery labelled them). Register GPU
+    /// nodes with it; the GPU Operator's DaemonSets must tolerate it. Without a value:
+    /// gpusharing.io/unconfigured.
+    #[arg(long, num_args = 0..=1, default_missing_value = gpu_sharing_operator::api::names::DEFAULT_READINESS_TAINT)]
+    readiness_taint: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -172,16 +191,8 @@ struct RunArgs {
     /// Degraded and left alone.
     #[arg(long, default_value_t = 600)]
     mig_timeout_seconds: u64,
-    /// Start no node change for any policy (as `spec.paused` does for one); status stays
-    /// current and nodes already changing finish their transition.
-    #[arg(long, env = "GPU_SHARING_PAUSE_ROLLOUTS")]
-    pause_rollouts: bool,
-    /// Remove this NoSchedule taint from GPU nodes once their sharing config is confirmed (or,
-    /// for nodes no policy selects, once GPU Feature Discovery labelled them). Register GPU
-    /// nodes with it; the GPU Operator's DaemonSets must tolerate it. Without a value:
-    /// gpusharing.io/unconfigured.
-    #[arg(long, num_args = 0..=1, default_missing_value = gpu_sharing_operator::api::names::DEFAULT_READINESS_TAINT)]
-    readiness_taint: Option<String>,
+    #[command(flatten)]
+    flags: RunFlags,
     /// Seconds between checks that the admission policies fence this operator (dry-run writes
     /// they must refuse: a foreign node label, a ClusterPolicy driver image, a policy label;
     /// metric gpu_sharing_fenced). Checked at start too; 0: at start only.
@@ -249,8 +260,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         resync: std::time::Duration::from_secs(args.resync_seconds),
         metrics: metrics.clone(),
         mig_timeout: std::time::Duration::from_secs(args.mig_timeout_seconds),
-        pause_rollouts: args.pause_rollouts,
-        readiness_taint: args.readiness_taint,
+        pause_rollouts: args.flags.pause_rollouts,
+        readiness_taint: args.flags.readiness_taint,
         eviction_client: Some(controller::EvictionClient(eviction_client)),
         fence: fence_state,
         ..Default::default()
@@ -333,7 +344,11 @@ async fn plan(args: PlanArgs) -> u8 {
             return 1;
         }
     };
-    let snap = match preview::snapshot(&client, args.namespace).await {
+    let flags = preview::RunFlags {
+        readiness_taint: args.flags.readiness_taint,
+        pause_rollouts: args.flags.pause_rollouts,
+    };
+    let snap = match preview::snapshot(&client, args.namespace, &flags).await {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");

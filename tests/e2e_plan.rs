@@ -106,6 +106,8 @@ async fn plan_previews_changes_read_only_with_ci_exit_codes() {
 
     let kubeconfig =
         service_account_kubeconfig_file(&cluster, "gpu-sharing-system", "gpu-sharing-plan").await;
+    // After the token request above (a write of the test's).
+    let writes_before = testkit::apiserver::write_counts(&c).await.unwrap();
 
     // No change: the files are what the cluster runs.
     let same = plan(&kubeconfig, &["-f", "examples/mps-h200.yaml"]);
@@ -114,6 +116,41 @@ async fn plan_previews_changes_read_only_with_ci_exit_codes() {
         String::from_utf8_lossy(&same.stdout).contains("No changes"),
         "{}",
         show(&same)
+    );
+
+    // What only the controller knows, plan says it assumes; the controller's flags are its
+    // flags too.
+    let out = String::from_utf8_lossy(&same.stdout).to_string();
+    for note in [
+        "note: nodes running no GPU pod now are taken as idle",
+        "note: no MIG or vGPU change is taken as stuck",
+        "note: no readiness taint: pass --readiness-taint",
+        "note: rollouts are not paused: pass --pause-rollouts",
+    ] {
+        assert!(out.contains(note), "{note}:\n{out}");
+    }
+    let flagged = plan(
+        &kubeconfig,
+        &[
+            "-f",
+            "examples/mps-h200.yaml",
+            "--readiness-taint",
+            "--pause-rollouts",
+        ],
+    );
+    assert_eq!(flagged.status.code(), Some(0), "{}", show(&flagged));
+    let out = String::from_utf8_lossy(&flagged.stdout).to_string();
+    assert!(
+        out.contains("note: nodes running no GPU pod")
+            && !out.contains("note: no readiness taint")
+            && !out.contains("note: rollouts are not paused"),
+        "{out}"
+    );
+    // The flag is read as the controller reads it: this cluster's ClusterPolicy does not
+    // tolerate the taint, which a controller run with it reports on every policy.
+    assert!(
+        out.contains("does not tolerate gpusharing.io/unconfigured"),
+        "{out}"
     );
 
     // An edit: MPS x4 -> x8 on the H200 node.
@@ -245,8 +282,19 @@ async fn plan_previews_changes_read_only_with_ci_exit_codes() {
         "{five}"
     );
 
-    // Read-only: nothing changed, and the ServiceAccount never attempted anything but reads.
+    // Read-only: nothing changed, kube-apiserver served no write (leases aside), and the
+    // ServiceAccount never attempted anything but reads.
     assert_eq!(resource_versions(&c).await, before);
+    let mut writes = testkit::apiserver::diff(
+        &testkit::apiserver::write_counts(&c).await.unwrap(),
+        &writes_before,
+    );
+    writes.retain(|(group, ..), _| group != "coordination.k8s.io");
+    assert!(
+        writes.is_empty(),
+        "written while plan ran: {:?}",
+        testkit::apiserver::describe(&writes)
+    );
     let events = audited(&log);
     assert!(
         events.iter().any(|(v, r)| v == "list" && r == "nodes"),

@@ -71,14 +71,6 @@ const NAMESPACE: &str = "gpu-operator";
 const GROUP_LABEL: &str = "bench.gpusharing.io/group";
 /// Field manager of the benchmark's own setup writes (never the operator's).
 const BENCH_MANAGER: &str = "scale-bench";
-const WRITE_VERBS: [&str; 6] = [
-    "POST",
-    "PUT",
-    "PATCH",
-    "APPLY",
-    "DELETE",
-    "DELETECOLLECTION",
-];
 
 #[derive(Parser, Debug)]
 #[command(

@@ -2,51 +2,10 @@
 
 use super::*;
 
-/// (group, resource, subresource, verb, code) -> count, write verbs only.
-pub(crate) type Counts = BTreeMap<(String, String, String, String, String), f64>;
+pub(crate) use testkit::apiserver::{Counts, diff};
 
 pub(crate) async fn scrape(client: &Client) -> anyhow::Result<Counts> {
-    let req = kube::core::Request::new("").get("metrics", &GetParams::default())?;
-    let text = client.request_text(req).await?;
-    let mut out = Counts::new();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
-            continue;
-        };
-        let Some((labels, value)) = rest.rsplit_once("} ") else {
-            continue;
-        };
-        let mut m: BTreeMap<&str, &str> = BTreeMap::new();
-        for kv in labels.split("\",") {
-            if let Some((k, v)) = kv.split_once("=\"") {
-                m.insert(k, v.trim_end_matches('"'));
-            }
-        }
-        let verb = m.get("verb").copied().unwrap_or("");
-        if !WRITE_VERBS.contains(&verb) {
-            continue;
-        }
-        let key = (
-            m.get("group").copied().unwrap_or("").to_string(),
-            m.get("resource").copied().unwrap_or("").to_string(),
-            m.get("subresource").copied().unwrap_or("").to_string(),
-            verb.to_string(),
-            m.get("code").copied().unwrap_or("").to_string(),
-        );
-        *out.entry(key).or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
-    }
-    Ok(out)
-}
-
-pub(crate) fn diff(after: &Counts, before: &Counts) -> Counts {
-    let mut d = Counts::new();
-    for (k, v) in after {
-        let x = v - before.get(k).copied().unwrap_or(0.0);
-        if x > 0.5 {
-            d.insert(k.clone(), x);
-        }
-    }
-    d
+    testkit::apiserver::write_counts(client).await
 }
 
 /// Writes of one phase, by what the operator writes.

@@ -21,10 +21,11 @@ use crate::api::names::{
 use crate::observe::gpu_operator::{DEFAULT_NAMESPACE, active_cluster_policy};
 use crate::observe::karpenter::{KarpenterView, node_overlay_resource, node_pool_resource};
 use crate::observe::node::{Interner, facts};
+use crate::observe::pods::{RUNNING_BOUND_PODS, UNSCHEDULED_PODS};
 use crate::observe::{self, ClusterView, Memory, Settings};
 use crate::plan::{LabelFilter, PlanInput};
 use crate::runtime::controller::{cluster_policy_resource, detect_namespace};
-use crate::runtime::watches::{GPU_CLUSTER_KIND, RUNNING_BOUND_PODS, UNSCHEDULED_PODS};
+use crate::runtime::watches::GPU_CLUSTER_KIND;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -44,8 +45,43 @@ pub struct Snapshot {
     pub cluster_policy_spec: Option<serde_json::Value>,
     /// The GPU Operator namespace used.
     pub namespace: String,
-    /// What could not be read (forbidden) and is therefore assumed: shown to the user.
+    /// What could not be read (forbidden) or is not stored in the cluster, and is therefore
+    /// assumed: shown to the user.
     pub assumptions: Vec<String>,
+}
+
+/// How the controller being previewed runs: the flags of `run` that change what it plans
+/// (`plan` takes the same ones).
+#[derive(Debug, Clone, Default)]
+pub struct RunFlags {
+    /// `--readiness-taint`.
+    pub readiness_taint: Option<String>,
+    /// `--pause-rollouts`.
+    pub pause_rollouts: bool,
+}
+
+/// What the running controller knows that no object in the cluster records: `plan` cannot
+/// read it and says what it assumes instead.
+fn memory_assumptions(flags: &RunFlags, assumptions: &mut Vec<String>) {
+    assumptions.push(
+        "nodes running no GPU pod now are taken as idle for longer than any idle timer (the controller remembers when each last ran one; the cluster does not)".into(),
+    );
+    assumptions.push(
+        "no MIG or vGPU change is taken as stuck (the controller times a pending change from when it saw it start)".into(),
+    );
+    assumptions.push(
+        "no eviction is taken as blocked and no write as refused (the controller's last attempts are not stored in the cluster)".into(),
+    );
+    if flags.readiness_taint.is_none() {
+        assumptions.push(
+            "no readiness taint: pass --readiness-taint as the controller runs with it".into(),
+        );
+    }
+    if !flags.pause_rollouts {
+        assumptions.push(
+            "rollouts are not paused: pass --pause-rollouts if the controller runs with it".into(),
+        );
+    }
 }
 
 fn read(what: &'static str) -> impl FnOnce(kube::Error) -> Error {
@@ -134,7 +170,11 @@ fn admitted_demand(
 /// are assumed (no GPU pods, no allocated claims, no DRA-only mode, every namespace exists)
 /// and said so. The controller's own flags and memory are not in the cluster: defaults, and
 /// nothing remembered.
-pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snapshot, Error> {
+pub async fn snapshot(
+    client: &Client,
+    namespace: Option<String>,
+    flags: &RunFlags,
+) -> Result<Snapshot, Error> {
     let namespace = match namespace {
         Some(n) => n,
         None => detect_namespace(client)
@@ -143,7 +183,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
     };
     let lp = ListParams::default();
     let mut strings = Interner::default();
-    let nodes = Api::<Node>::all(client.clone())
+    let nodes: Vec<std::sync::Arc<crate::plan::NodeFacts>> = Api::<Node>::all(client.clone())
         .list(&lp)
         .await
         .map_err(read("nodes"))?
@@ -163,6 +203,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         Err(e) => return Err(read("ClusterPolicies")(e)),
     };
     let mut assumptions = Vec::new();
+    memory_assumptions(flags, &mut assumptions);
     let configmaps = configmaps(client, &namespace, &mut assumptions).await?;
     let running = ListParams::default().fields(RUNNING_BOUND_PODS);
     let pods = optional(
@@ -206,6 +247,17 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
     let admitted = admitted_demand(&policies, &configmaps, &namespaces, &pending);
     let cluster_policy_spec =
         active_cluster_policy(&cluster_policies).and_then(|c| c.data.get("spec").cloned());
+    // The readiness taint's nodes, as the controller's taint cache keeps them.
+    let tainted = flags.readiness_taint.as_ref().map(|key| {
+        let tainted = nodes
+            .iter()
+            .filter_map(|n| {
+                let t = n.taints.iter().find(|t| t.key == *key)?;
+                Some((n.name.clone(), t.clone()))
+            })
+            .collect();
+        (key.clone(), tainted)
+    });
     let view = ClusterView {
         policies,
         nodes,
@@ -217,7 +269,7 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
         gpu_clusters,
         configmaps,
         namespaces: namespaces.map(|n| n.into_keys().collect()),
-        tainted: None,
+        tainted,
         karpenter: karpenter.as_ref().map(|(pools, overlays)| KarpenterView {
             node_pools: pools.iter().collect(),
             overlays: overlays.iter().collect(),
@@ -226,7 +278,11 @@ pub async fn snapshot(client: &Client, namespace: Option<String>) -> Result<Snap
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64),
     };
-    let input = observe::plan_input(view, &Settings::default(), Memory::default());
+    let settings = Settings {
+        pause_rollouts: flags.pause_rollouts,
+        ..Settings::default()
+    };
+    let input = observe::plan_input(view, &settings, Memory::default());
     Ok(Snapshot {
         input,
         cluster_policy_spec,

@@ -7,6 +7,7 @@
 //! - [`poll`]: the polling helper.
 //! - [`fixtures`]: policies and nodes as the planner takes them.
 //! - [`https`]: one HTTPS `GET` with a bearer token, as a scraper makes it.
+//! - [`apiserver`]: kube-apiserver's own counters of the writes it served.
 //!
 //! ```ignore
 //! use testkit::*;
@@ -19,6 +20,7 @@
 //! }
 //! ```
 
+pub mod apiserver;
 pub mod cluster;
 pub mod fixtures;
 pub mod https;

@@ -32,6 +32,7 @@ pub const DP_CM: &str = "gpu-sharing-device-plugin-config";
 pub struct Operator {
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
+    metrics: Arc<gpu_sharing_operator::telemetry::metrics::Metrics>,
 }
 
 impl Operator {
@@ -47,6 +48,7 @@ impl Operator {
     }
 
     pub fn start_with(client: Client, config: controller::Config) -> Operator {
+        let metrics = config.metrics.clone();
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             controller::run(client, config, async {
@@ -58,7 +60,13 @@ impl Operator {
         Operator {
             stop: Some(tx),
             task,
+            metrics,
         }
+    }
+
+    /// Its passes so far (`gpu_sharing_reconciles_total`).
+    pub fn passes(&self) -> u64 {
+        passes_in(&self.metrics.render()).unwrap_or(0)
     }
 
     pub async fn stop(mut self) {
@@ -275,6 +283,70 @@ pub fn l4_fleet(dir: &std::path::Path, n: usize) -> std::path::PathBuf {
 }
 
 /// resourceVersions of everything the operator may write.
+/// `gpu_sharing_reconciles_total` in a metrics text.
+pub fn passes_in(metrics: &str) -> Option<u64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("gpu_sharing_reconciles_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+/// Nothing written at rest, as kube-apiserver itself counts writes (a server-side apply that
+/// changes nothing keeps the resourceVersion, so comparing resourceVersions cannot see a
+/// redundant write). Twice: annotate policy `policy` (a write of the test's, which wakes the
+/// operator for a whole pass) and wait until `passes` (the operator's pass counter) moved; the
+/// second poke comes after the first pass ended, so at least one pass ran from start to end
+/// after the first poke. Then every write kube-apiserver counted meanwhile must be the two
+/// pokes; leases (`coordination.k8s.io`: the API server's identity, leader election) aside.
+pub async fn assert_nothing_written_at_rest<F, Fut>(c: &Client, policy: &str, passes: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = u64>,
+{
+    use kube::api::{Patch, PatchParams};
+    use testkit::apiserver::{describe, diff, write_counts};
+    let api = Api::<GpuSharingPolicy>::all(c.clone());
+    let before = write_counts(c).await.expect("kube-apiserver's /metrics");
+    for i in 0..2 {
+        let p0 = passes().await;
+        api.patch(
+            policy,
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"metadata": {"annotations": {"test.gpusharing.io/poke": i.to_string()}}}),
+            ),
+        )
+        .await
+        .expect("poke the policy");
+        testkit::until("a pass after the poke", Duration::from_secs(30), || async {
+            (passes().await > p0).then_some(())
+        })
+        .await;
+    }
+    let after = write_counts(c).await.expect("kube-apiserver's /metrics");
+    let mut moved = diff(&after, &before);
+    moved.retain(|(group, ..), _| group != "coordination.k8s.io");
+    let pokes = (
+        "gpusharing.io".to_string(),
+        "gpusharingpolicies".to_string(),
+        String::new(),
+        "PATCH".to_string(),
+        "200".to_string(),
+    );
+    assert_eq!(
+        moved.remove(&pokes),
+        Some(2.0),
+        "the test's two pokes: {:?}",
+        describe(&diff(&after, &before))
+    );
+    assert!(
+        moved.is_empty(),
+        "written at rest (kube-apiserver's counters, besides the test's two pokes): {:?}",
+        describe(&moved)
+    );
+}
+
 pub async fn resource_versions(c: &Client) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for n in Api::<Node>::all(c.clone())
@@ -812,7 +884,7 @@ impl FaultProxy {
 /// Empty when they agree.
 pub async fn plan_disagrees(client: &Client) -> Vec<String> {
     use gpu_sharing_operator::{plan, preview};
-    let snap = preview::snapshot(client, Some(NS.into()))
+    let snap = preview::snapshot(client, Some(NS.into()), &preview::RunFlags::default())
         .await
         .expect("snapshot");
     let p = plan::plan(&snap.input);
