@@ -1,15 +1,103 @@
 //! Pods -> the planner's facts about them: which pods use GPUs on which node (the idle-GPU wait
 //! before MIG changes, and drains), with their labels (`disruption.neverEvict`), and which run
 //! VMs on a node (pods asking for the sandbox device plugin's resources).
+//!
+//! This file owns the whole reading of pods: the field selectors the controller's caches and
+//! `plan` list them with ([`RUNNING_BOUND_PODS`], [`UNSCHEDULED_PODS`]), what the caches drop
+//! of each pod ([`strip_bound`], [`strip_pending`]) and the readers ([`gpu_pods`],
+//! [`pending_pod`]). A property test keeps `reader(strip(pod)) == reader(pod)`, so the
+//! controller (stripped caches) and `plan` (whole pods) cannot read the same pods differently.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{NodeSelectorTerm, Pod};
+use k8s_openapi::api::core::v1::{Container, NodeSelectorTerm, Pod};
 use kube::ResourceExt;
 
 use crate::plan::input::{GpuPod, PendingPod, Requirement};
 use crate::plan::is_device_plugin_resource;
 use crate::plan::taint::Toleration;
+
+/// Field selector of the pods that may hold GPUs: bound to a node and not finished.
+pub const RUNNING_BOUND_PODS: &str = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed";
+/// Field selector of pods no node has been chosen for yet (demand for `spec.mig.dynamic`).
+pub const UNSCHEDULED_PODS: &str = "spec.nodeName=,status.phase=Pending";
+
+/// A container as the readers see it: its name and resources, nothing else.
+fn strip_container(c: &mut Container) {
+    *c = Container {
+        name: std::mem::take(&mut c.name),
+        resources: c.resources.take(),
+        ..Default::default()
+    };
+}
+
+/// What every pod cache drops: managed fields, annotations, owners, volumes and tolerations,
+/// and of each container (init containers too: their requests count) all but its resources.
+fn strip_common(p: &mut Pod) {
+    p.metadata.managed_fields = None;
+    p.metadata.annotations = None;
+    p.metadata.owner_references = None;
+    if let Some(spec) = p.spec.as_mut() {
+        spec.volumes = None;
+        spec.tolerations = None;
+        spec.ephemeral_containers = None;
+        spec.containers.iter_mut().for_each(strip_container);
+        spec.init_containers
+            .iter_mut()
+            .flatten()
+            .for_each(strip_container);
+    }
+}
+
+/// A bound pod as the GPU-pod cache keeps it: what [`gpu_pods`] reads (node, resources,
+/// labels for `disruption.neverEvict`, priority).
+pub fn strip_bound(p: &mut Pod) {
+    strip_common(p);
+    p.status = None;
+    if let Some(spec) = p.spec.as_mut() {
+        spec.affinity = None;
+    }
+}
+
+/// An unscheduled pod as the pending-pod cache keeps it: what [`pending_pod`] reads (requests,
+/// node selector, required node affinity, tolerations, priority, the scheduler's condition).
+/// Most pending pods are not demand (no MIG request, or selectors past the bounds): of those
+/// only the name is kept, whatever their size.
+pub fn strip_pending(p: &mut Pod) {
+    if !may_be_demand(p) {
+        p.metadata = kube::api::ObjectMeta {
+            name: p.metadata.name.take(),
+            namespace: p.metadata.namespace.take(),
+            resource_version: p.metadata.resource_version.take(),
+            uid: p.metadata.uid.take(),
+            ..Default::default()
+        };
+        p.spec = None;
+        p.status = None;
+        return;
+    }
+    let tolerations = p.spec.as_mut().and_then(|s| s.tolerations.take());
+    strip_common(p);
+    if let Some(s) = p.spec.as_mut() {
+        s.tolerations = tolerations;
+    }
+    p.metadata.labels = None;
+    if let Some(s) = p.status.as_mut() {
+        s.container_statuses = None;
+        s.init_container_statuses = None;
+        s.message = None;
+        for c in s.conditions.iter_mut().flatten() {
+            c.message = None;
+        }
+    }
+    if let Some(a) = p.spec.as_mut().and_then(|s| s.affinity.as_mut()) {
+        a.pod_affinity = None;
+        a.pod_anti_affinity = None;
+        if let Some(n) = a.node_affinity.as_mut() {
+            n.preferred_during_scheduling_ignored_during_execution = None;
+        }
+    }
+}
 
 /// The extended resources a pod's containers ask for (limits and requests).
 fn resources(p: &Pod) -> impl Iterator<Item = &String> {
@@ -264,6 +352,136 @@ mod tests {
             "spec": spec,
         }))
         .unwrap()
+    }
+
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
+
+    /// A container asking for some of NVIDIA's resources (limits, requests or both), with the
+    /// fields a cache drops filled in.
+    fn container_gen() -> impl Strategy<Value = Value> {
+        let resource = prop::sample::select(vec![
+            "nvidia.com/gpu",
+            "nvidia.com/mig-1g.10gb",
+            "nvidia.com/mig-3g.40gb",
+            "nvidia.com/GA100_A100_SXM4_80GB",
+            "cpu",
+        ]);
+        let quantities = prop::collection::btree_map(resource, 0u8..4, 0..3);
+        (quantities.clone(), quantities, "[a-z]{1,6}").prop_map(|(limits, requests, name)| {
+            let q = |m: std::collections::BTreeMap<&str, u8>| {
+                m.into_iter()
+                    .map(|(k, v)| (k.to_string(), json!(v.to_string())))
+                    .collect::<serde_json::Map<_, _>>()
+            };
+            json!({
+                "name": name,
+                "image": "registry.example/app:1",
+                "command": ["run"],
+                "env": [{"name": "A", "value": "b"}],
+                "resources": {"limits": q(limits), "requests": q(requests)},
+            })
+        })
+    }
+
+    /// Pods of every shape the two caches see: bound or not, with init containers, selectors
+    /// (sometimes past the demand bounds), affinity, tolerations, the scheduler's condition,
+    /// and what the caches drop (annotations, managed fields, owners, volumes).
+    fn pod_gen() -> impl Strategy<Value = Pod> {
+        let containers = prop::collection::vec(container_gen(), 1..3);
+        let inits = prop::collection::vec(container_gen(), 0..3);
+        let node = prop::option::of(prop::sample::select(vec!["n0", "n1"]));
+        let selector = prop::collection::btree_map("[a-z]{1,3}", "[a-z]{1,2}", 0..18);
+        let terms = prop::collection::vec(
+            prop::collection::vec(("[a-z]{1,3}", prop::collection::vec("[a-z]", 0..3)), 0..3),
+            0..3,
+        );
+        let tolerations = prop::collection::vec("[a-z]{1,4}", 0..3);
+        let scheduled = prop::option::of(any::<bool>());
+        (
+            (containers, inits, node),
+            (selector, terms, tolerations),
+            (scheduled, prop::option::of(-5i32..5), any::<bool>()),
+        )
+            .prop_map(
+                |((containers, inits, node), (selector, terms, tolerations), (cond, prio, labelled))| {
+                    let terms: Vec<Value> = terms
+                        .into_iter()
+                        .map(|exprs| {
+                            json!({"matchExpressions": exprs.into_iter().map(|(k, v)| json!({
+                                "key": k, "operator": "In", "values": v,
+                            })).collect::<Vec<_>>()})
+                        })
+                        .collect();
+                    let mut spec = json!({
+                        "containers": containers,
+                        "initContainers": inits,
+                        "nodeSelector": selector,
+                        "tolerations": tolerations.iter().map(|k| json!({"key": k, "operator": "Exists", "effect": "NoSchedule"})).collect::<Vec<_>>(),
+                        "volumes": [{"name": "v", "emptyDir": {}}],
+                        "affinity": {
+                            "nodeAffinity": {
+                                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms},
+                                "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {"matchExpressions": [{"key": "z", "operator": "Exists"}]}}],
+                            },
+                            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "k"}]},
+                        },
+                    });
+                    if let Some(n) = node {
+                        spec["nodeName"] = json!(n);
+                    }
+                    if let Some(p) = prio {
+                        spec["priority"] = json!(p);
+                    }
+                    let mut status = json!({"phase": "Pending", "message": "m", "containerStatuses": []});
+                    if let Some(unschedulable) = cond {
+                        status["conditions"] = json!([{
+                            "type": "PodScheduled",
+                            "status": if unschedulable { "False" } else { "True" },
+                            "reason": "Unschedulable",
+                            "message": "0/3 nodes are available",
+                            "lastTransitionTime": "2026-12-06T10:00:00Z",
+                        }]);
+                    }
+                    let mut metadata = json!({
+                        "name": "p",
+                        "namespace": "t",
+                        "annotations": {"a": "b"},
+                        "ownerReferences": [{"apiVersion": "v1", "kind": "ReplicaSet", "name": "r", "uid": "u"}],
+                        "managedFields": [{"manager": "kubectl", "operation": "Apply"}],
+                    });
+                    if labelled {
+                        metadata["labels"] = json!({"app": "x"});
+                    }
+                    serde_json::from_value(json!({"metadata": metadata, "spec": spec, "status": status}))
+                        .unwrap()
+                },
+            )
+    }
+
+    proptest! {
+        /// What the controller reads from its stripped caches is what `plan` reads from whole
+        /// pods: the same GPU pods, VM pods, requests (init containers included) and demand.
+        #[test]
+        fn readers_read_the_same_from_stripped_pods(p in pod_gen()) {
+            let mut bound = p.clone();
+            strip_bound(&mut bound);
+            prop_assert_eq!(gpu_pods([&bound]), gpu_pods([&p]));
+            let mut pending = p.clone();
+            strip_pending(&mut pending);
+            prop_assert_eq!(pending_pod(&pending), pending_pod(&p));
+        }
+    }
+
+    /// The caches keep init containers' requests (the scheduler counts an init container's
+    /// request when it is the largest), and nothing else of a container.
+    #[test]
+    fn stripping_keeps_init_requests_and_drops_the_rest() {
+        let mut p = pod(Some("n"), &["1"], Some("4"));
+        p.spec.as_mut().unwrap().containers[0].image = Some("app".into());
+        strip_bound(&mut p);
+        assert_eq!(gpu_requests(&p)["nvidia.com/gpu"], 4);
+        assert_eq!(p.spec.as_ref().unwrap().containers[0].image, None);
     }
 
     /// A pod author writes the quantities: a request no node can hold is clamped, so the sums

@@ -18,15 +18,11 @@ use tracing::warn;
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{MANAGED_BY, MANAGER};
+use crate::observe::pods::{RUNNING_BOUND_PODS, UNSCHEDULED_PODS, strip_bound, strip_pending};
 use crate::plan::{LabelFilter, selector_keys};
 use crate::runtime::nodecache::NodeCache;
 use crate::runtime::resources::cluster_policy_resource;
 use crate::runtime::taints::Tainted;
-
-/// Pods that may hold GPUs: bound to a node and not finished.
-pub const RUNNING_BOUND_PODS: &str = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed";
-/// Field selector of pods no node has been chosen for yet (demand for `spec.mig.dynamic`).
-pub const UNSCHEDULED_PODS: &str = "spec.nodeName=,status.phase=Pending";
 
 /// Nodes per list page when the node watch (re)lists.
 const NODE_LIST_PAGE: u32 = 100;
@@ -150,79 +146,6 @@ impl NamedConfigMaps {
     }
 }
 
-/// What every pod cache drops: managed fields, annotations, owners, volumes, init containers
-/// and tolerations, and of each container everything but its resources.
-fn strip_common(p: &mut Pod) {
-    p.metadata.managed_fields = None;
-    p.metadata.annotations = None;
-    p.metadata.owner_references = None;
-    if let Some(spec) = p.spec.as_mut() {
-        spec.volumes = None;
-        spec.init_containers = None;
-        spec.tolerations = None;
-        for c in &mut spec.containers {
-            c.env = None;
-            c.command = None;
-            c.args = None;
-            c.volume_mounts = None;
-            c.ports = None;
-            c.liveness_probe = None;
-            c.readiness_probe = None;
-            c.startup_probe = None;
-        }
-    }
-}
-
-/// Pods stripped to what the idle-GPU check and drains need (node, resources, labels: the
-/// labels stay, `disruption.neverEvict` selects pods by them).
-fn strip_pod(p: &mut Pod) {
-    strip_common(p);
-    p.status = None;
-    if let Some(spec) = p.spec.as_mut() {
-        spec.affinity = None;
-    }
-}
-
-/// Unscheduled pods stripped to what demand planning reads: requests, node selector, node
-/// affinity, tolerations, priority, the scheduler's condition.
-fn strip_pending_pod(p: &mut Pod) {
-    // Most pending pods are not demand (no MIG request, or selectors past the bounds): keep
-    // their names only, whatever their size.
-    if !crate::observe::pods::may_be_demand(p) {
-        p.metadata = kube::api::ObjectMeta {
-            name: p.metadata.name.take(),
-            namespace: p.metadata.namespace.take(),
-            resource_version: p.metadata.resource_version.take(),
-            uid: p.metadata.uid.take(),
-            ..Default::default()
-        };
-        p.spec = None;
-        p.status = None;
-        return;
-    }
-    let tolerations = p.spec.as_mut().and_then(|s| s.tolerations.take());
-    strip_common(p);
-    if let Some(s) = p.spec.as_mut() {
-        s.tolerations = tolerations;
-    }
-    p.metadata.labels = None;
-    if let Some(s) = p.status.as_mut() {
-        s.container_statuses = None;
-        s.init_container_statuses = None;
-        s.message = None;
-        for c in s.conditions.iter_mut().flatten() {
-            c.message = None;
-        }
-    }
-    if let Some(a) = p.spec.as_mut().and_then(|s| s.affinity.as_mut()) {
-        a.pod_affinity = None;
-        a.pod_anti_affinity = None;
-        if let Some(n) = a.node_affinity.as_mut() {
-            n.preferred_during_scheduling_ignored_during_execution = None;
-        }
-    }
-}
-
 /// Pods waiting for a node (demand for dynamic MIG layouts): their cache and its stream. The
 /// stream wakes the control loop only for pods that may be demand, and only while some policy
 /// is dynamic: anyone may create pending pods, and each wake restarts the pass's quiet period.
@@ -241,7 +164,7 @@ fn pending_watch(
             watcher::Config::default().fields(UNSCHEDULED_PODS),
         )
         .default_backoff()
-        .modify(strip_pending_pod),
+        .modify(strip_pending),
     )
     .try_filter(move |event| {
         let demand = |p: &Pod| p.spec.is_some();
@@ -300,7 +223,7 @@ pub async fn start(
             watcher::Config::default().fields(RUNNING_BOUND_PODS),
         )
         .default_backoff()
-        .modify(strip_pod),
+        .modify(strip_bound),
     )
     .boxed();
     let mut streams: Streams = vec![pod_stream.map_ok(|_| ()).boxed(), node_stream];
