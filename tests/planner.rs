@@ -3799,3 +3799,360 @@ fn a_busy_node_waiting_for_a_new_change_takes_no_budget() {
     steps.extend(std::iter::repeat_n(Step::Apply, 6));
     run_history(vec![dynamic_first(None, catalogue_of(0, &[4, 7]))], steps);
 }
+
+/// A change of one planning input that the histories above do not make: between them, every
+/// field of `NodeView`, `ClusterFacts`, `Settings` and `Memory` (`every_input_has_a_change`
+/// names each field's change and stops compiling when a field is added).
+#[derive(Debug, Clone)]
+enum Change {
+    // NodeView, on the node of this index.
+    Label(usize, usize),
+    GpuPods(usize, u8),
+    VmPods(usize),
+    DraClaims(usize),
+    MigStuck(usize),
+    VgpuStuck(usize),
+    ForeignCordon(usize),
+    GpuRequests(usize, usize, i64),
+    LastBusy(usize, i64),
+    // ClusterFacts.
+    Now(i64),
+    CurrentDeviceConfig,
+    BaseMigConfigs(Option<usize>),
+    CurrentMigConfigs,
+    BaseVgpuConfigs(i64),
+    CurrentVgpuConfigs,
+    Namespaces(bool),
+    ClusterPolicyFound,
+    SandboxMode(Option<&'static str>),
+    VgpuManager,
+    ClusterMigStrategy(Option<&'static str>),
+    ReadinessTaint(usize),
+    GpuCluster,
+    Autoscaling,
+    Demand(usize),
+    DemandIgnored,
+    // Settings and Memory.
+    PauseRollouts,
+    ConfigMapNames,
+    EvictionBlocked(usize),
+    ClusterPolicyContested,
+    NamespaceMissing,
+    Fence(bool),
+    RefusedWrite(usize),
+}
+
+/// Labels a change may set on a node: (key, value).
+const CHANGED_LABELS: [(&str, &str); 7] = [
+    (LABEL_MIG_STATE, "failed"),
+    (LABEL_MIG_STATE, "pending"),
+    ("nvidia.com/gpu.count", "4"),
+    ("gpusharing.io/profile", "b"),
+    ("nvidia.com/gfd.timestamp", "1800000500"),
+    (names::LABEL_VGPU_STATE, "pending"),
+    (names::LABEL_WORKLOAD, "vm-passthrough"),
+];
+
+fn change_gen() -> impl Strategy<Value = Change> {
+    let n = 0usize..4;
+    prop_oneof![
+        (n.clone(), 0..CHANGED_LABELS.len()).prop_map(|(i, l)| Change::Label(i, l)),
+        (n.clone(), 0u8..3).prop_map(|(i, k)| Change::GpuPods(i, k)),
+        n.clone().prop_map(Change::VmPods),
+        n.clone().prop_map(Change::DraClaims),
+        n.clone().prop_map(Change::MigStuck),
+        n.clone().prop_map(Change::VgpuStuck),
+        n.clone().prop_map(Change::ForeignCordon),
+        (n.clone(), 0usize..3, 0i64..9).prop_map(|(i, r, c)| Change::GpuRequests(i, r, c)),
+        (n.clone(), -4000i64..100).prop_map(|(i, d)| Change::LastBusy(i, d)),
+        (1i64..4000).prop_map(Change::Now),
+        Just(Change::CurrentDeviceConfig),
+        prop::option::of(0usize..8).prop_map(Change::BaseMigConfigs),
+        Just(Change::CurrentMigConfigs),
+        (1i64..9).prop_map(Change::BaseVgpuConfigs),
+        Just(Change::CurrentVgpuConfigs),
+        any::<bool>().prop_map(Change::Namespaces),
+        Just(Change::ClusterPolicyFound),
+        prop::option::of(prop::sample::select(vec!["kubevirt", "kata"]))
+            .prop_map(Change::SandboxMode),
+        Just(Change::VgpuManager),
+        prop::option::of(prop::sample::select(vec!["single", "mixed"]))
+            .prop_map(Change::ClusterMigStrategy),
+        n.clone().prop_map(Change::ReadinessTaint),
+        Just(Change::GpuCluster),
+        Just(Change::Autoscaling),
+        (0usize..4).prop_map(Change::Demand),
+        Just(Change::DemandIgnored),
+        Just(Change::PauseRollouts),
+        Just(Change::ConfigMapNames),
+        n.clone().prop_map(Change::EvictionBlocked),
+        Just(Change::ClusterPolicyContested),
+        Just(Change::NamespaceMissing),
+        any::<bool>().prop_map(Change::Fence),
+        n.prop_map(Change::RefusedWrite),
+    ]
+}
+
+/// Applies `c` to the input (indices are taken modulo what there is).
+fn change(i: &mut PlanInput, c: &Change) {
+    use gpu_sharing_operator::plan::input::{AutoscalingFacts, Fence, NodePool};
+    use gpu_sharing_operator::plan::taint::{ReadinessTaint, Taint};
+    let len = i.nodes.len();
+    let name = |i: &PlanInput, k: usize| i.nodes[k % len].facts.name.clone();
+    let now = i.cluster.now;
+    match *c {
+        Change::Label(k, l) => {
+            let v = &mut i.nodes[k % len];
+            let mut f = (*v.facts).clone();
+            let (key, value) = CHANGED_LABELS[l];
+            f.labels.insert(key, value);
+            v.facts = std::sync::Arc::new(f);
+        }
+        Change::GpuPods(k, count) => {
+            let v = &mut i.nodes[k % len];
+            v.gpu_pods = (0..count).map(|p| format!("t/gpu-{p}")).collect();
+            v.gpu_pod_details = v
+                .gpu_pods
+                .iter()
+                .map(|p| {
+                    let details = GpuPod {
+                        labels: Labels::default(),
+                        priority: i32::from(count) * 100,
+                    };
+                    (p.clone(), details)
+                })
+                .collect();
+        }
+        Change::VmPods(k) => i.nodes[k % len].vm_pods = vec!["t/virt-launcher".into()],
+        Change::DraClaims(k) => i.nodes[k % len].dra_claims = vec!["t/claim".into()],
+        Change::MigStuck(k) => i.nodes[k % len].mig_stuck ^= true,
+        Change::VgpuStuck(k) => i.nodes[k % len].vgpu_stuck ^= true,
+        Change::ForeignCordon(k) => i.nodes[k % len].foreign_cordon ^= true,
+        Change::GpuRequests(k, r, count) => {
+            let r = [
+                "nvidia.com/gpu",
+                "nvidia.com/mig-1g.10gb",
+                "nvidia.com/mig-3g.40gb",
+            ][r];
+            i.nodes[k % len].gpu_requests.insert(r.into(), count);
+        }
+        Change::LastBusy(k, d) => i.nodes[k % len].last_busy = now + d,
+        Change::Now(d) => i.cluster.now += d,
+        Change::CurrentDeviceConfig => {
+            let first = i.cluster.current_device_config.keys().next().cloned();
+            match first {
+                Some(k) => i.cluster.current_device_config.remove(&k),
+                None => i
+                    .cluster
+                    .current_device_config
+                    .insert("other".into(), "version: v1\n".into()),
+            };
+        }
+        Change::BaseMigConfigs(None) => i.cluster.base_mig_configs = None,
+        Change::BaseMigConfigs(Some(l)) => {
+            if let Some(base) = &mut i.cluster.base_mig_configs
+                && let Some(k) = base.keys().nth(l % base.len().max(1)).cloned()
+            {
+                base.remove(&k);
+            }
+        }
+        Change::CurrentMigConfigs => i.cluster.current_mig_configs.clear(),
+        Change::BaseVgpuConfigs(count) => {
+            let mut base = (*i.cluster.base_vgpu_configs).clone();
+            base.insert(
+                "A100D-1-10C".into(),
+                serde_json::json!([{"devices": "all", "vgpu-devices": {"A100D-1-10C": count}}]),
+            );
+            i.cluster.base_vgpu_configs = std::sync::Arc::new(base);
+        }
+        Change::CurrentVgpuConfigs => {
+            i.cluster.current_vgpu_configs.insert(
+                "A100D-1-10C".into(),
+                serde_json::json!([{"devices": "all", "vgpu-devices": {"A100D-1-10C": 2}}]),
+            );
+        }
+        Change::Namespaces(known) => {
+            i.cluster.namespaces = known.then(|| ["t".to_string()].into_iter().collect());
+        }
+        Change::ClusterPolicyFound => i.cluster.cluster_policy_found ^= true,
+        Change::SandboxMode(m) => i.cluster.sandbox.mode = m.map(str::to_string),
+        Change::VgpuManager => i.cluster.sandbox.vgpu_manager_enabled ^= true,
+        Change::ClusterMigStrategy(s) => i.cluster.cluster_mig_strategy = s.map(str::to_string),
+        Change::ReadinessTaint(k) => {
+            let key = "gpusharing.io/unconfigured".to_string();
+            let taint = Taint {
+                key: key.clone(),
+                value: String::new(),
+                effect: "NoSchedule".into(),
+            };
+            let node = name(i, k);
+            let v = &mut i.nodes[k % len];
+            let mut f = (*v.facts).clone();
+            f.taints.push(taint.clone());
+            v.facts = std::sync::Arc::new(f);
+            i.cluster.readiness_taint = Some(ReadinessTaint {
+                key,
+                tolerations: vec![],
+                tainted: [(node, taint)].into(),
+            });
+        }
+        Change::GpuCluster => {
+            i.cluster.gpu_cluster = match i.cluster.gpu_cluster {
+                Some(_) => None,
+                None => Some("gpu-cluster".into()),
+            }
+        }
+        Change::Autoscaling => {
+            i.cluster.autoscaling = Some(AutoscalingFacts {
+                node_pools: vec![NodePool {
+                    name: "pool".into(),
+                    labels: [("gpusharing.io/profile".to_string(), "a".to_string())].into(),
+                    requirements: vec![],
+                }],
+                foreign_overlays: vec![],
+                table: Some("{gpu-8x: {gpus: 8, product: NVIDIA-A100-SXM4-80GB}}".into()),
+                weight: 10,
+            })
+        }
+        Change::Demand(p) => i.cluster.demand.push(PendingPod {
+            id: format!("t/pending-{p}"),
+            priority: 0,
+            since: now - 600,
+            profiles: [(
+                ["1g.10gb", "3g.40gb", "7g.80gb", "2g.20gb"][p].to_string(),
+                1,
+            )]
+            .into(),
+            namespace_labels: Some(Default::default()),
+            ..Default::default()
+        }),
+        Change::DemandIgnored => {
+            i.cluster
+                .demand_ignored
+                .push(gpu_sharing_operator::api::crd::IgnoredDemand {
+                    reason: "TooManyPendingPods".into(),
+                    pods: 3,
+                    message: "3 pods left out".into(),
+                })
+        }
+        Change::PauseRollouts => i.settings.pause_rollouts ^= true,
+        Change::ConfigMapNames => i.settings.device_configmap = "renamed-device-config".into(),
+        Change::EvictionBlocked(k) => {
+            let node = name(i, k);
+            i.memory
+                .eviction_blocked
+                .insert(node, "t/pod: PodDisruptionBudget".into());
+        }
+        Change::ClusterPolicyContested => {
+            i.memory.cluster_policy_contested = Some("another-manager".into())
+        }
+        Change::NamespaceMissing => {
+            i.memory.gpu_operator_namespace_missing = Some("gpu-operator".into())
+        }
+        Change::Fence(fenced) => {
+            i.memory.fence = Some(Fence {
+                fenced,
+                message: "probes".into(),
+            })
+        }
+        Change::RefusedWrite(k) => {
+            let node = name(i, k);
+            i.memory
+                .refused_writes
+                .push(gpu_sharing_operator::api::crd::RefusedWrite {
+                    kind: "Node".into(),
+                    name: node,
+                    message: "denied".into(),
+                })
+        }
+    }
+}
+
+/// Names, for each field of the planner's input, the [`Change`] that varies it: adding a
+/// field stops this compiling until it is named here and given a change.
+#[allow(dead_code)]
+fn every_input_has_a_change(i: &PlanInput) {
+    use gpu_sharing_operator::plan::input::{ClusterFacts, Memory, NodeView, Settings};
+    let PlanInput {
+        policies: _, // the histories' `Policies` step
+        nodes,
+        cluster,
+        settings,
+        memory,
+    } = i;
+    for v in nodes {
+        let NodeView {
+            facts: _,           // Label, ReadinessTaint (and every history step)
+            gpu_pods: _,        // GpuPods
+            gpu_pod_details: _, // GpuPods
+            vm_pods: _,         // VmPods
+            dra_claims: _,      // DraClaims
+            mig_stuck: _,       // MigStuck
+            vgpu_stuck: _,      // VgpuStuck
+            foreign_cordon: _,  // ForeignCordon
+            gpu_requests: _,    // GpuRequests
+            last_busy: _,       // LastBusy
+        } = v;
+    }
+    let ClusterFacts {
+        now: _,                   // Now
+        current_device_config: _, // CurrentDeviceConfig
+        base_mig_configs: _,      // BaseMigConfigs
+        current_mig_configs: _,   // CurrentMigConfigs
+        base_vgpu_configs: _,     // BaseVgpuConfigs
+        current_vgpu_configs: _,  // CurrentVgpuConfigs
+        namespaces: _,            // Namespaces
+        cluster_policy_found: _,  // ClusterPolicyFound
+        sandbox: _,               // SandboxMode, VgpuManager
+        cluster_mig_strategy: _,  // ClusterMigStrategy
+        readiness_taint: _,       // ReadinessTaint
+        gpu_cluster: _,           // GpuCluster
+        autoscaling: _,           // Autoscaling
+        demand: _,                // Demand
+        demand_ignored: _,        // DemandIgnored
+    } = cluster;
+    let Settings {
+        device_configmap: _, // ConfigMapNames
+        mig_configmap: _,    // ConfigMapNames (the same reading)
+        vgpu_configmap: _,   // ConfigMapNames (the same reading)
+        pause_rollouts: _,   // PauseRollouts
+    } = settings;
+    let Memory {
+        eviction_blocked: _,               // EvictionBlocked
+        cluster_policy_contested: _,       // ClusterPolicyContested
+        gpu_operator_namespace_missing: _, // NamespaceMissing
+        fence: _,                          // Fence
+        refused_writes: _,                 // RefusedWrite
+    } = memory;
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The memo key is complete: after a history (each pass already checked against planning
+    /// from scratch), changes of any input the history does not vary, one after another and
+    /// then undone, plan incrementally exactly as from scratch.
+    #[test]
+    fn the_memo_follows_every_input(
+        (policies, steps) in history_gen(),
+        changes in prop::collection::vec(change_gen(), 1..10),
+    ) {
+        let mut w = World::new(initial_nodes(), build(&policies));
+        w.nodes[0].labels.insert(LABEL_MIG_CONFIG, "all-1g.10gb");
+        w.nodes[0].labels.insert(LABEL_MIG_STATE, "success");
+        w.gfd();
+        w.pods.started = Some(w.now - 3600);
+        let mut planner = plan::Planner::default();
+        for s in steps.into_iter().take(24) {
+            w.step(s, &mut planner);
+        }
+        let base = w.pass_input();
+        prop_assert_eq!(planner.plan(&base), plan::plan(&base));
+        let mut input = base.clone();
+        for c in &changes {
+            change(&mut input, c);
+            prop_assert_eq!(planner.plan(&input), plan::plan(&input), "after {:?}", c);
+        }
+        prop_assert_eq!(planner.plan(&base), plan::plan(&base), "with every change undone");
+    }
+}
