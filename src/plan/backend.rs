@@ -53,36 +53,51 @@ pub struct VmBacking {
     pub vgpu_board_gb: BTreeMap<String, u32>,
 }
 
-/// What one node of a policy should end up running (its rollout target).
+/// What one node of a policy should end up running (its rollout target): the device-plugin
+/// config key and what the policy's backend puts on the node besides. Each backend's transition
+/// takes only its own part ([`Serving`]), so no backend reads another's fields.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeTarget {
     /// The device-plugin config key (`default` under DRA and for VMs).
     pub device_config: String,
-    /// The MIG layout, for a MIG policy.
-    pub mig_layout: Option<String>,
-    /// The sandbox workload and vGPU config, for a VM policy.
-    pub workload: Option<&'static str>,
+    pub serving: Serving,
+}
+
+/// What the node runs besides the device-plugin config, one variant per backend (as
+/// [`Backing`], for one node: a dynamic MIG policy's layout may differ per node).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Serving {
+    /// The device plugin shares whole GPUs.
+    Sharing,
+    /// This MIG layout, through the MIG manager.
+    Mig { layout: String },
+    /// A VM host for the sandbox stack.
+    Vm(VmTarget),
+    /// NVIDIA's DRA driver; the device plugin switched off.
+    Dra,
+}
+
+/// A VM host's target: `nvidia.com/gpu.workload.config`, and for vGPU the vGPU Device
+/// Manager's config (`nvidia.com/vgpu.config`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmTarget {
+    pub workload: &'static str,
     pub vgpu_config: Option<String>,
-    /// The device plugin switched off (a DRA policy).
-    pub dra: bool,
 }
 
 impl NodeTarget {
     /// The target as the rollout mark on a node records it: the config key and the MIG layout
     /// (`<key>+<layout>`), `dra`, or the VM workload and vGPU config (`vm-vgpu+<config>`).
     pub fn mark(&self) -> String {
-        if self.dra {
-            return "dra".to_string();
-        }
-        if let Some(w) = self.workload {
-            return match &self.vgpu_config {
-                Some(c) => format!("{w}+{c}"),
-                None => w.to_string(),
-            };
-        }
-        match &self.mig_layout {
-            Some(l) => format!("{}+{l}", self.device_config),
-            None => self.device_config.clone(),
+        match &self.serving {
+            Serving::Sharing => self.device_config.clone(),
+            Serving::Mig { layout } => format!("{}+{layout}", self.device_config),
+            Serving::Vm(VmTarget {
+                workload,
+                vgpu_config: Some(c),
+            }) => format!("{workload}+{c}"),
+            Serving::Vm(VmTarget { workload, .. }) => workload.to_string(),
+            Serving::Dra => "dra".to_string(),
         }
     }
 }

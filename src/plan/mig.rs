@@ -7,23 +7,21 @@ use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::ConfigState;
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::backend::NodeTarget;
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
 use super::facts::NodeFacts;
 use super::policies::Prepared;
 
 /// The layout this node should run: the policy's, or the pre-upgrade `custom-<policy>` name the
 /// node still carries while its content is the same (no reconfiguration for a new name).
-fn target_layout(n: &NodeFacts, w: &Prepared, t: &NodeTarget, env: &Env) -> String {
-    let layout = t.mig_layout.clone().expect("a MIG target has a layout");
-    if let Some((_, hash)) = custom_of(w, &layout) {
+fn target_layout(n: &NodeFacts, w: &Prepared, layout: &str, env: &Env) -> String {
+    if let Some((_, hash)) = custom_of(w, layout) {
         let legacy = nvidia::legacy_custom_layout_name(&w.name);
         let same = (env.layout_hash)(&legacy).as_ref() == Some(hash);
         if n.labels.get(LABEL_MIG_CONFIG) == Some(legacy.as_str()) && same {
             return legacy;
         }
     }
-    layout
+    layout.to_string()
 }
 
 /// The policy's custom layout, when `layout` is it.
@@ -46,16 +44,17 @@ fn stale_layout(n: &NodeFacts, w: &Prepared, env: &Env, layout: &str) -> Option<
     (l == layout && now != then).then(|| (then.to_string(), now))
 }
 
-/// The transition of a node governed by a MIG policy towards its target `t`.
+/// The transition of a node governed by a MIG policy towards its device-plugin config `key`
+/// and MIG `layout`.
 pub(super) fn decide(
     n: &NodeFacts,
     w: &Prepared,
-    t: &NodeTarget,
+    key: &str,
+    layout: &str,
     env: &Env,
     busy: bool,
 ) -> Decision {
-    let key = t.device_config.as_str();
-    let layout = target_layout(n, w, t, env);
+    let layout = target_layout(n, w, layout, env);
     let mig = mig_of(n);
     let dp = n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG);
     let sharing_on = dp.is_some_and(|k| k != DEFAULT_KEY);

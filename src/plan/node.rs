@@ -21,7 +21,7 @@ use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, Workload, deployed};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::backend::Backing;
+use super::backend::Serving;
 use super::capacity::{replicas_of, ts_replicas};
 use super::compat::node_rejection;
 use super::decision::hold;
@@ -87,11 +87,12 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             .is_some_and(|m| m.proceed_with_busy_gpus)
             || super::policies::demand_reshape(w, n));
     let t = node_target(w, n).expect("accepted policies have a target");
-    let d = match &w.backing {
-        Some(Backing::Vm(_)) => vm::decide(n, &t, env, busy),
+    let key = t.device_config.as_str();
+    let d = match &t.serving {
+        Serving::Vm(vm) => vm::decide(n, vm, env, busy),
         _ if is_vm_host(n) => vm::leave(n, env).expect("a VM host we labelled"),
-        Some(Backing::Mig(_)) => mig::decide(n, w, &t, env, busy),
-        _ => sharing::decide(n, w, &t, env, busy),
+        Serving::Mig { layout } => mig::decide(n, w, key, layout, env, busy),
+        Serving::Sharing | Serving::Dra => sharing::decide(n, w, key, env, busy),
     };
     dra::backend_switch(n, w, env, busy, keep_container_workload(n, d))
 }

@@ -11,7 +11,7 @@ use crate::api::names::{ANNOTATION_MIG_DEMAND, ANNOTATION_REAPPLY_MIG};
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use crate::validate::{self, FieldError};
 
-use super::backend::{Backing, MigBacking, NodeTarget, VmBacking};
+use super::backend::{Backing, MigBacking, NodeTarget, Serving, VmBacking, VmTarget};
 use super::labels::{LabelLookup, Labels, selection_labels, selector_matches};
 use super::{facts::NodeFacts, input::NodeView};
 
@@ -90,27 +90,22 @@ fn field_error(path: &str, message: String) -> FieldError {
 /// and the one place a per-node choice goes: the MIG layout demand recorded on the node
 /// (`spec.mig.dynamic`, see [`super::demand`]).
 pub fn node_target(w: &Prepared, n: &NodeFacts) -> Option<NodeTarget> {
-    let key = w.key.clone()?;
-    let mut t = NodeTarget {
-        device_config: key,
-        mig_layout: None,
-        workload: None,
-        vgpu_config: None,
-        dra: false,
+    let serving = match w.backing.as_ref()? {
+        Backing::Sharing => Serving::Sharing,
+        // Demand may have recorded another layout of the catalogue for this node.
+        Backing::Mig(m) => Serving::Mig {
+            layout: node_layout(w, n).unwrap_or_else(|| m.layout.clone()),
+        },
+        Backing::Vm(v) => Serving::Vm(VmTarget {
+            workload: v.workload,
+            vgpu_config: v.vgpu_config.clone(),
+        }),
+        Backing::Dra => Serving::Dra,
     };
-    match w.backing.as_ref()? {
-        Backing::Sharing => {}
-        Backing::Mig(m) => {
-            // Demand may have recorded another layout of the catalogue for this node.
-            t.mig_layout = Some(node_layout(w, n).unwrap_or_else(|| m.layout.clone()));
-        }
-        Backing::Vm(v) => {
-            t.workload = Some(v.workload);
-            t.vgpu_config = v.vgpu_config.clone();
-        }
-        Backing::Dra => t.dra = true,
-    }
-    Some(t)
+    Some(NodeTarget {
+        device_config: w.key.clone()?,
+        serving,
+    })
 }
 
 /// The layouts a dynamic policy may put on a node: its own first, then the catalogue's.

@@ -5,21 +5,13 @@ use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::backend::NodeTarget;
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
 use super::facts::NodeFacts;
 use super::policies::Prepared;
 
 /// Sharing (or exclusive) on a node: MIG must be off, and confirmed, before the new
 /// device-plugin config is applied.
-pub(super) fn decide(
-    n: &NodeFacts,
-    w: &Prepared,
-    t: &NodeTarget,
-    env: &Env,
-    busy: bool,
-) -> Decision {
-    let key = t.device_config.as_str();
+pub(super) fn decide(n: &NodeFacts, w: &Prepared, key: &str, env: &Env, busy: bool) -> Decision {
     let mig = mig_of(n);
     let mig_capable = n.labels.get(LABEL_MIG_CAPABLE) == Some("true");
     let confirmed_off = mig.off(MIG_DISABLED_LAYOUT);

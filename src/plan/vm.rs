@@ -20,7 +20,7 @@ use crate::nvidia::state::{VgpuState, deployed};
 use crate::nvidia::vgpu::{family_mismatch, group_overflow, parse_vgpu_type};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::backend::NodeTarget;
+use super::backend::VmTarget;
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
 use super::facts::{gpu_count, gpu_memory_mib};
 use super::policies::Prepared;
@@ -114,8 +114,8 @@ fn vgpu_mismatch(w: &Prepared, n: &NodeFacts) -> Option<String> {
 }
 
 /// The transition of a node governed by a VM policy (see the module documentation).
-pub fn decide(n: &NodeFacts, t: &NodeTarget, env: &Env, busy: bool) -> Decision {
-    let target = t.workload.expect("a VM target has a workload");
+pub fn decide(n: &NodeFacts, t: &VmTarget, env: &Env, busy: bool) -> Decision {
+    let target = t.workload;
     let wl = n.labels.get(LABEL_WORKLOAD);
     let mig = mig_of(n);
     let mig_kept = n
@@ -182,7 +182,7 @@ pub fn decide(n: &NodeFacts, t: &NodeTarget, env: &Env, busy: bool) -> Decision 
 /// A node already labelled for this policy's kind of VM host.
 fn on_vm_host(
     n: &NodeFacts,
-    t: &NodeTarget,
+    t: &VmTarget,
     env: &Env,
     vm: impl Fn(NodeState, String) -> Decision,
 ) -> Decision {
