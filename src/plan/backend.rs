@@ -5,7 +5,7 @@
 //!
 //! A leaf of `plan/`: the per-backend transitions (`sharing`, `mig`, `vm`, `dra`) read these
 //! types; [`NodeTarget`] is what one node of a policy should end up running, chosen per node by
-//! `policies::node_target`.
+//! `targets::node_target`.
 
 use std::collections::BTreeMap;
 

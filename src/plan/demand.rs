@@ -37,12 +37,14 @@ use super::admit::selects_namespace;
 use super::capacity::{layout_resources, mig_on_every_gpu};
 use super::compat::{mig_profile_refusal, node_rejection};
 use super::decision::mig_of;
+use super::disruption::{MIN_LIFETIME_WITH_BUSY_NODES, demand_drain};
 use super::facts::is_vm_host;
 use super::geometry::{NodeModel, node_model, node_refusal};
 use super::input::NodeView;
 use super::input::PendingPod;
 use super::input::PlanInput;
-use super::policies::{MIN_LIFETIME_WITH_BUSY_NODES, Prepared, catalogue, node_layout, recorded};
+use super::policies::Prepared;
+use super::targets::{catalogue, node_layout, recorded};
 
 /// Why demand waits.
 pub const PROFILE_NOT_IN_CATALOGUE: &str = "ProfileNotInCatalogue";
@@ -403,7 +405,7 @@ fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers, now: i64) -> Node<'a
     let evicts = if reserve {
         Some(Vec::new())
     } else {
-        super::policies::demand_drain(w.spec).and_then(|_| {
+        demand_drain(w.spec).and_then(|_| {
             v.gpu_pods
                 .iter()
                 .map(|p| {
@@ -901,8 +903,7 @@ impl Policy<'_, '_> {
     /// `minLayoutLifetimeSeconds`, at least [`MIN_LIFETIME_WITH_BUSY_NODES`] when demand may
     /// take busy nodes (a node must not be drained or cordoned again and again).
     fn min_lifetime(&self) -> i64 {
-        let busy = self.dynamic.reserve_busy_nodes.is_some()
-            || super::policies::demand_drain(self.w.spec).is_some();
+        let busy = self.dynamic.reserve_busy_nodes.is_some() || demand_drain(self.w.spec).is_some();
         let d = self.dynamic.min_layout_lifetime_seconds;
         if busy {
             d.max(MIN_LIFETIME_WITH_BUSY_NODES)
@@ -914,9 +915,7 @@ impl Policy<'_, '_> {
     /// When `maxDrainsPerHour` drains were made in the last hour (this pass's included): the
     /// seconds until the oldest of them leaves the hour.
     fn drains_spent(&self) -> Option<i64> {
-        let max = super::policies::demand_drain(self.w.spec)?
-            .max_drains_per_hour
-            .max(1) as usize;
+        let max = demand_drain(self.w.spec)?.max_drains_per_hour.max(1) as usize;
         (self.recent.len() + self.drained_now.get() >= max).then(|| {
             self.recent
                 .first()
@@ -1051,7 +1050,7 @@ impl Policy<'_, '_> {
                 ),
             );
         }
-        let runs = match super::policies::demand_drain(self.w.spec) {
+        let runs = match demand_drain(self.w.spec) {
             None => "runs GPU pods, was busy in the last idleSeconds".to_string(),
             Some(d) if self.drains_spent().is_some() => format!(
                 "runs GPU pods, and drainBusyNodes.maxDrainsPerHour {} is spent",

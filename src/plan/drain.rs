@@ -39,9 +39,9 @@ pub fn drain_nodes(
             continue;
         }
         let view = e.node;
-        let demand = super::policies::demand_reshape(w, view);
+        let demand = super::disruption::demand_reshape(w, view);
         // A node demand reserved is cordoned and waits for its pods: it evicts none.
-        let reserve = demand && super::policies::demand_reserve(w.spec).is_some();
+        let reserve = demand && super::disruption::demand_reserve(w.spec).is_some();
         let (protected, evict): (Vec<String>, Vec<String>) = view
             .gpu_pods
             .iter()

@@ -8,8 +8,10 @@
 //! included), each on files listed before it only: the leaves [`labels`], [`taint`],
 //! [`facts`] (what the planner knows of a node, [`NodeFacts`], and its readings), [`input`]
 //! (what the planner reads: per-node views, cluster facts, settings, memory) and [`backend`]
-//! (a policy's backend, a node's target); then [`policies`] (validation, precedence, the
-//! per-node target), [`nodeinputs`] (what one node's plan reads: its memo's key), [`decision`]
+//! (a policy's backend, a node's target); then [`policies`] (validation, what a policy renders
+//! to, precedence), [`targets`] (what each node runs), [`disruption`] (which busy nodes a change
+//! may drain), [`assign`] (which policy governs which node, the cluster-wide MIG strategy),
+//! [`nodeinputs`] (what one node's plan reads: its memo's key), [`decision`]
 //! (the transition's vocabulary), [`capacity`], [`outputs`], [`compat`]; one file per
 //! backend's transition: [`sharing`], [`mig`], [`vm`], [`dra`];
 //! [`node`] (the per-node transition, dispatching to them), [`drain`], [`rollout`],
@@ -20,6 +22,7 @@
 //! `plan/` import from each other, never from here.
 
 pub mod admit;
+pub mod assign;
 pub mod autoscaling;
 #[cfg(test)]
 mod autoscaling_tests;
@@ -31,6 +34,7 @@ pub mod demand;
 #[cfg(test)]
 mod demand_tests;
 pub mod desired;
+pub mod disruption;
 pub mod dra;
 pub mod drain;
 pub mod facts;
@@ -49,6 +53,7 @@ pub mod rollout;
 pub mod sharing;
 pub mod status;
 pub mod taint;
+pub mod targets;
 #[cfg(test)]
 pub(crate) mod testing;
 pub mod vm;

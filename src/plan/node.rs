@@ -27,7 +27,8 @@ use super::compat::node_rejection;
 use super::decision::hold;
 use super::facts::NodeFacts;
 use super::facts::is_vm_host;
-use super::policies::{Prepared, node_target};
+use super::policies::Prepared;
+use super::targets::node_target;
 use super::{dra, mig, sharing, vm};
 
 // The transition's vocabulary lives in a leaf file that the VM transition shares; `gfd_behind`
@@ -85,7 +86,7 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             .mig
             .as_ref()
             .is_some_and(|m| m.proceed_with_busy_gpus)
-            || super::policies::demand_reshape(w, n));
+            || super::disruption::demand_reshape(w, n));
     let t = node_target(w, n).expect("accepted policies have a target");
     let key = t.device_config.as_str();
     let d = match &t.serving {
@@ -493,7 +494,7 @@ fn not_advertised(
     w: &Prepared,
     layouts: Option<&std::collections::BTreeMap<String, serde_json::Value>>,
 ) -> Option<String> {
-    let spec = super::policies::node_spec(w, n);
+    let spec = super::targets::node_spec(w, n);
     let want = super::capacity::device_plugin_advertises(&spec, n, layouts)?;
     let missing: Vec<String> = want
         .resources

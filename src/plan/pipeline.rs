@@ -20,7 +20,8 @@ use super::nodemap::NodeMap;
 use super::policies::Prepared;
 use super::status::{Cluster, Placement, Tally};
 use super::{
-    autoscaling, capacity, demand, drain, geometry, memo, node, outputs, policies, rollout, status,
+    assign, autoscaling, capacity, demand, drain, geometry, memo, node, outputs, policies, rollout,
+    status, targets,
 };
 
 /// What planning the nodes produced.
@@ -155,7 +156,7 @@ fn by_name(names: &[Arc<str>], values: Vec<SmallMap>) -> NodeMap<SmallMap> {
 
 /// The nodes policy `i` selects that another policy governs, with that policy's index.
 fn matched_winners<'a>(
-    a: &'a policies::Assignment,
+    a: &'a assign::Assignment,
     i: usize,
 ) -> impl Iterator<Item = (&'a str, usize)> + 'a {
     a.matched[i]
@@ -179,7 +180,7 @@ struct PerPolicy {
 /// out of `np`, which also gets its labelled-node counts by name).
 fn per_policy(
     prepared: &[Prepared],
-    assignment: &policies::Assignment,
+    assignment: &assign::Assignment,
     np: &mut NodePlans,
     input: &PlanInput,
     cluster: &Cluster,
@@ -250,7 +251,7 @@ fn plan_node(i: &memo::NodeInputs) -> (memo::PreGate, bool) {
             if p.spec.strategy.is_vm() {
                 capacity::vm_capacity(p, n)
             } else {
-                let spec = policies::node_spec(p, n);
+                let spec = targets::node_spec(p, n);
                 capacity::node_capacity(&spec, n, i.cluster.mig_layouts)
             }
         });
@@ -260,7 +261,7 @@ fn plan_node(i: &memo::NodeInputs) -> (memo::PreGate, bool) {
         earlier_unconfirmed: rollout::last_change_unconfirmed(n),
         hold,
         target: policy
-            .and_then(|w| policies::node_target(w, n))
+            .and_then(|w| targets::node_target(w, n))
             .map(|t| t.mark()),
         outcome,
         capacity,
@@ -369,14 +370,14 @@ impl Planner {
         let mut memos = self.memo.recall(&views, in_order);
         let selection = self.memo.selection(&prepared);
         let known: Vec<Option<&[usize]>> = memos.iter().map(|m| m.selected(selection)).collect();
-        let (assignment, fresh) = policies::assign(&prepared, &nodes, &known);
+        let (assignment, fresh) = assign::assign(&prepared, &nodes, &known);
         for (pos, s) in fresh {
             memos[pos].set_selected(selection, s);
         }
-        let mut cluster_mig = policies::cluster_mig_strategy(&mut prepared, &assignment.winner);
+        let mut cluster_mig = assign::cluster_mig_strategy(&mut prepared, &assignment.winner);
         // `mixed` waits until no node runs MPS any more: NVIDIA's device plugin refuses MPS under
         // mixed, so the MPS nodes go back to exclusive first (their policy is blocked and they are
-        // released, see `policies::cluster_mig_strategy`), then the cluster-wide setting changes.
+        // released, see `assign::cluster_mig_strategy`), then the cluster-wide setting changes.
         if cluster_mig == Some(crate::api::crd::MigStrategy::Mixed) && mps_running(input, &memos) {
             cluster_mig = None;
         }

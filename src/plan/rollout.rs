@@ -176,7 +176,7 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
     let earlier = e.earlier_unconfirmed;
     // A layout demand chose that failed, or a demand drain that overran: the node is held or
     // given up on its own (demand moves on), not a failure of the policy's rollout.
-    let demand = super::policies::demand_reshape(w, n);
+    let demand = super::disruption::demand_reshape(w, n);
     match state {
         Some(NodeState::Failed) if started && !demand => Phase::Unavailable(Some(format!(
             "{}: {}",
@@ -356,8 +356,8 @@ fn start_or_queue(
 /// change to start. Not while the rollout is paused or halted, nor on a node running a pod
 /// demand may not evict (demand gives that choice up).
 fn cordon_queued_demand(entries: &mut [Entry], idx: &[usize], w: &Prepared) {
-    let reserve = super::policies::demand_reserve(w.spec).is_some();
-    if !reserve && super::policies::demand_drain(w.spec).is_none() {
+    let reserve = super::disruption::demand_reserve(w.spec).is_some();
+    if !reserve && super::disruption::demand_drain(w.spec).is_none() {
         return;
     }
     for &i in idx {
@@ -372,7 +372,7 @@ fn cordon_queued_demand(entries: &mut [Entry], idx: &[usize], w: &Prepared) {
             && waits
             && !n.foreign_cordon
             && !n.gpu_pods.is_empty()
-            && super::policies::demand_reshape(w, n)
+            && super::disruption::demand_reshape(w, n)
             && evictable()
         {
             e.outcome
