@@ -65,7 +65,7 @@ fn normalize(yaml: &str) -> Normalized {
 }
 
 fn policy(yaml: &str) -> GpuSharingPolicy {
-    gpu_sharing_operator::api::yaml::from_str(yaml).expect("valid policy YAML")
+    testkit::fixtures::policy_yaml(yaml)
 }
 
 fn rendered(p: &GpuSharingPolicy) -> String {

@@ -220,11 +220,15 @@ mod tests {
     use super::*;
     use crate::plan::input::Requirement;
 
+    /// A dynamic MIG policy `name` selecting its own profile, with `dynamic` lines under
+    /// `dynamic`.
     fn policy(name: &str, dynamic: &str) -> GpuSharingPolicy {
-        crate::api::yaml::from_str(&format!(
-            "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: {name}}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: all-7g.80gb\n    dynamic:\n      layouts: [all-1g.10gb, all-balanced]\n{dynamic}"
-        ))
-        .unwrap()
+        crate::plan::testing::policy_spec(
+            name,
+            &format!(
+                "  nodeSelector: {{matchLabels: {{gpusharing.io/profile: {name}}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: all-7g.80gb\n    dynamic:\n      layouts: [all-1g.10gb, all-balanced]\n{dynamic}"
+            ),
+        )
     }
 
     fn pod(id: &str, profile: &str, priority: i32, since: i64) -> PendingPod {

@@ -210,6 +210,13 @@ fn add_table(out: &mut BTreeMap<String, InstanceType>, text: &str) -> Vec<String
             errors.push(format!("{TABLE_KEY}: {t}: gpus must be at least 1"));
             continue;
         }
+        if row.gpus > super::facts::MAX_GPUS_PER_NODE {
+            errors.push(format!(
+                "{TABLE_KEY}: {t}: gpus must be at most {}",
+                super::facts::MAX_GPUS_PER_NODE
+            ));
+            continue;
+        }
         let mut labels = BTreeMap::from([(LABEL_GPU_COUNT.to_string(), row.gpus.to_string())]);
         if let Some(p) = row.product {
             labels.insert(LABEL_GPU_PRODUCT.to_string(), p);
@@ -336,19 +343,11 @@ fn vm_capacity(p: &Prepared, it: &InstanceType, sandbox: &Sandbox) -> Result<Cap
     if entries.is_empty() || entries.iter().any(|e| e.device_filter.is_some()) {
         return Err("the vGPU layout's devices per GPU are unknown for this type".into());
     }
-    let mut out = BTreeMap::<String, i64>::new();
-    for g in 0..it.gpus {
-        for e in entries {
-            let on = match &e.devices {
-                nvidia::MigDevices::All(_) => true,
-                nvidia::MigDevices::Indices(d) => d.contains(&(g as i32)),
-            };
-            for (t, c) in e.vgpu_devices.iter().filter(|_| on) {
-                *out.entry(format!("nvidia.com/NVIDIA_{t}")).or_default() += i64::from(*c);
-            }
-        }
-    }
-    Ok(out.into_iter().map(|(r, c)| (r, c.to_string())).collect())
+    let by_type = super::capacity::vgpu_devices(entries, it.gpus).unwrap_or_default();
+    Ok(by_type
+        .into_iter()
+        .map(|(t, c)| (format!("nvidia.com/NVIDIA_{t}"), c.to_string()))
+        .collect())
 }
 
 /// One overlay being built: its capacity and what it matches (instance types by name, or, for

@@ -11,14 +11,7 @@ use crate::api::names::{
 use super::autoscaling::*;
 use super::input::{AutoscalingFacts, NodePool, Overlay, PlanInput, Requirement};
 use super::pipeline::plan as plan_all;
-use super::testing::a100_node;
-
-fn policy(name: &str, yaml: &str) -> GpuSharingPolicy {
-    crate::api::yaml::from_str(&format!(
-        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: {name}}}\nspec:\n{yaml}"
-    ))
-    .unwrap()
-}
+use super::testing::{a100_node, policy_spec};
 
 fn pool(name: &str, labels: &[(&str, &str)]) -> NodePool {
     NodePool {
@@ -52,7 +45,7 @@ const TS4: &str = "  nodeSelector: {matchLabels: {gpusharing.io/profile: ts4}}\n
 #[test]
 fn time_slicing_gives_each_gpu_count_its_replicas() {
     let i = input(
-        vec![policy("ts", TS4)],
+        vec![policy_spec("ts", TS4)],
         vec![
             pool("shared", &[("gpusharing.io/profile", "ts4")]),
             pool("plain", &[]),
@@ -146,7 +139,7 @@ fn mig_counts_profiles_from_a_node_of_the_same_type() {
     let mut node = a100_node(&[(LABEL_INSTANCE_TYPE, "p4de")]);
     node.name = "a100-0".into();
     let mut i = input(
-        vec![policy(
+        vec![policy_spec(
             "mig",
             "  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: mig\n  mig: {migStrategy: mixed, customLayout: [{migEnabled: true, migDevices: {3g.40gb: 1, 2g.20gb: 1, 1g.10gb: 2}}]}\n",
         )],
@@ -171,8 +164,8 @@ fn mig_counts_profiles_from_a_node_of_the_same_type() {
 fn foreign_overlays_requirements_and_precedence() {
     let mut i = input(
         vec![
-            policy("ts", TS4),
-            policy(
+            policy_spec("ts", TS4),
+            policy_spec(
                 "ts-low",
                 "  nodeSelector: {}\n  priority: -1\n  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n",
             ),
@@ -239,11 +232,11 @@ fn vm_hosts_get_the_sandbox_device_plugins_resources() {
     .collect();
     let mut i = input(
         vec![
-            policy(
+            policy_spec(
                 "pass",
                 "  nodeSelector: {matchLabels: {gpusharing.io/profile: vm}}\n  strategy: passthrough\n",
             ),
-            policy(
+            policy_spec(
                 "vdi",
                 "  nodeSelector: {matchLabels: {gpusharing.io/profile: vdi}}\n  strategy: vgpu\n  vgpu: {customLayout: [{vgpuDevices: {L4-12Q: 2}}]}\n",
             ),
@@ -319,8 +312,8 @@ fn a_pinned_provider_gpu_count_is_a_source_of_capacity() {
     };
     let i = input(
         vec![
-            policy("ts", TS4),
-            policy(
+            policy_spec("ts", TS4),
+            policy_spec(
                 "mig",
                 "  nodeSelector: {matchLabels: {gpusharing.io/profile: mig}}\n  strategy: mig\n  mig: {migStrategy: mixed, layout: all-1g.10gb}\n",
             ),
@@ -367,21 +360,25 @@ fn table_errors_are_reported() {
     let (types, errors) = catalogue(&[], Some("{x: {gpus: 0}}"));
     assert!(types.is_empty());
     assert_eq!(errors, ["instance-types.yaml: x: gpus must be at least 1"]);
+    // A count no node has would make the vGPU overlay loop over it.
+    let (types, errors) = catalogue(&[], Some("{x: {gpus: 4000000000}}"));
+    assert!(types.is_empty());
+    assert_eq!(errors, ["instance-types.yaml: x: gpus must be at most 64"]);
 }
 
 /// Precedence over the whole int32 range: `priority: -2147483648` is the lowest, not (negated,
 /// wrapping in release builds and panicking in debug) the highest.
 #[test]
 fn the_lowest_int32_priority_loses() {
-    let mut low = policy(
+    let mut low = policy_spec(
         "low",
         "  nodeSelector: {}\n  priority: -2147483648\n  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n",
     );
-    let high = policy(
+    let high = policy_spec(
         "high",
         "  nodeSelector: {}\n  priority: 2147483647\n  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n",
     );
-    let zero = policy(
+    let zero = policy_spec(
         "zero",
         "  nodeSelector: {}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 8}\n",
     );

@@ -287,7 +287,13 @@ pub fn replicas_of(spec: &GpuSharingPolicySpec) -> i32 {
 /// counted from GPU Feature Discovery's label (left from the node's container days) or else the
 /// sandbox device plugin's allocatable.
 pub fn vm_capacity(p: &Prepared, node: &NodeFacts) -> NodeCapacity {
-    let sandbox: i64 = sandbox_resources(node).iter().map(|(_, c)| c).sum();
+    // Without GFD's count, a passthrough host's GPUs are what the sandbox device plugin
+    // advertises, bounded as GFD's count is.
+    let sandbox = sandbox_resources(node)
+        .iter()
+        .map(|(_, c)| *c)
+        .fold(0i64, i64::saturating_add)
+        .min(super::facts::MAX_GPUS_PER_NODE);
     let gpus = gpu_count(node).unwrap_or(if p.spec.strategy == Strategy::Passthrough {
         sandbox
     } else {
@@ -298,8 +304,7 @@ pub fn vm_capacity(p: &Prepared, node: &NodeFacts) -> NodeCapacity {
         return cap(gpus, Some(gpus), mem, Some(100), true);
     }
     let entries = p.vm().map_or(&[][..], |v| &v.vgpu_entries);
-    let per_gpu = vgpus_per_gpu(entries, gpus);
-    let total = per_gpu.map(|v| v.iter().map(|(_, c)| c).sum::<i64>());
+    let total = vgpu_devices(entries, gpus).map(|by_type| by_type.values().sum::<i64>());
     let fb = entries
         .iter()
         .flat_map(|e| e.vgpu_devices.keys())
@@ -309,23 +314,25 @@ pub fn vm_capacity(p: &Prepared, node: &NodeFacts) -> NodeCapacity {
     cap(gpus, total, fb, None, true)
 }
 
-/// vGPU devices per GPU index under a policy's layout (`None`: the layout is unknown); every
-/// GPU of `gpus` for `devices: all`.
-pub fn vgpus_per_gpu(entries: &[VgpuConfigEntry], gpus: i64) -> Option<Vec<(i64, i64)>> {
+/// The vGPU devices a layout creates on a node of `gpus` GPUs, by vGPU type (`None`: the layout
+/// is unknown). An entry applies to every GPU (`devices: all`, without a device filter, whose
+/// GPUs are not known here) or to the GPU indices it lists. The one count for a node's
+/// capacity and an instance type's (the Karpenter overlays).
+pub fn vgpu_devices(entries: &[VgpuConfigEntry], gpus: i64) -> Option<BTreeMap<&str, i64>> {
     if entries.is_empty() {
         return None;
     }
-    let mut out = Vec::new();
+    let mut out = BTreeMap::new();
     for g in 0..gpus {
-        let count: i64 = entries
-            .iter()
-            .filter(|e| match &e.devices {
+        for e in entries {
+            let on = match &e.devices {
                 nvidia::MigDevices::All(_) => e.device_filter.is_none(),
                 nvidia::MigDevices::Indices(d) => d.contains(&(g as i32)),
-            })
-            .map(|e| e.vgpu_devices.values().map(|c| i64::from(*c)).sum::<i64>())
-            .sum();
-        out.push((g, count));
+            };
+            for (t, c) in e.vgpu_devices.iter().filter(|_| on) {
+                *out.entry(t.as_str()).or_default() += i64::from(*c);
+            }
+        }
     }
     Some(out)
 }
@@ -573,7 +580,7 @@ pub fn node_capacity(
 /// client are the smallest of any node (what a client can count on); isolation holds only if it
 /// holds on every node. Returns false when the node's replicas are unknown.
 pub fn add_capacity(total: &mut Capacity, n: &NodeCapacity) -> bool {
-    total.physical_gpus += n.physical_gpus;
+    total.physical_gpus = total.physical_gpus.saturating_add(n.physical_gpus);
     if let Some(m) = n.memory_per_client_mib {
         total.memory_per_client_mib = Some(total.memory_per_client_mib.map_or(m, |x| x.min(m)));
     }
@@ -584,7 +591,7 @@ pub fn add_capacity(total: &mut Capacity, n: &NodeCapacity) -> bool {
     total.memory_isolation &= n.memory_isolation;
     match n.schedulable {
         Some(s) => {
-            total.schedulable_replicas += s;
+            total.schedulable_replicas = total.schedulable_replicas.saturating_add(s);
             true
         }
         None => false,

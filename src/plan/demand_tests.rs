@@ -13,11 +13,14 @@ use super::testing::a100_node;
 
 const NOW: i64 = 1_000_000;
 
+/// The dynamic MIG policy `dyn` of these tests, with `extra` lines under `dynamic`.
 fn policy(extra: &str) -> GpuSharingPolicy {
-    crate::api::yaml::from_str(&format!(
-        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {{name: dyn}}\nspec:\n  nodeSelector: {{matchLabels: {{gpusharing.io/profile: dyn}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: all-7g.80gb\n    dynamic:\n      layouts: [all-1g.10gb, all-3g.40gb]\n{extra}"
-    ))
-    .unwrap()
+    super::testing::policy_spec(
+        "dyn",
+        &format!(
+            "  nodeSelector: {{matchLabels: {{gpusharing.io/profile: dyn}}}}\n  strategy: mig\n  mig:\n    migStrategy: mixed\n    layout: all-7g.80gb\n    dynamic:\n      layouts: [all-1g.10gb, all-3g.40gb]\n{extra}"
+        ),
+    )
 }
 
 /// An A100 node of the policy running `layout`, confirmed, with its instances allocatable.

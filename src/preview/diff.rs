@@ -344,7 +344,7 @@ mod tests {
     use crate::plan::Labels;
 
     fn policy(yaml: &str) -> GpuSharingPolicy {
-        let mut p: GpuSharingPolicy = crate::api::yaml::from_str(yaml).unwrap();
+        let mut p = crate::plan::testing::policy_yaml(yaml);
         p.metadata.generation = Some(1);
         p
     }
