@@ -20,6 +20,7 @@ test:
 	# build with the test run below instead of compiling it a second time.
 	cargo build --locked -p scale-bench --features gpu-sharing-operator/e2e
 	cargo test --locked --features e2e
+	cargo test --locked -p testkit --features gpu-sharing-operator/e2e
 	bash tests/nvidia/build.sh test
 	bash tests/cluster/cluster.sh test
 	bash tests/karpenter/build.sh test

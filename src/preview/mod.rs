@@ -7,6 +7,7 @@ pub mod print;
 pub mod report;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -25,6 +26,7 @@ use crate::observe::pods::{RUNNING_BOUND_PODS, UNSCHEDULED_PODS};
 use crate::observe::{self, ClusterView, Memory, Settings};
 use crate::plan::{LabelFilter, PlanInput};
 use crate::runtime::controller::{cluster_policy_resource, detect_namespace};
+use crate::runtime::taints::taint_of;
 use crate::runtime::watches::GPU_CLUSTER_KIND;
 
 #[derive(Debug, thiserror::Error)]
@@ -163,13 +165,49 @@ fn admitted_demand(
     crate::plan::admit::admit(policies, sources, &budget, observe::pods::demand(pending))
 }
 
+/// Seconds since the epoch now.
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// The readiness taint's key and, by node, the taint with that key.
+type Tainted = Option<(String, BTreeMap<String, crate::plan::taint::Taint>)>;
+
+/// The nodes' facts, and the readiness taint's nodes as the controller's taint cache keeps
+/// them (the taint with that key, any effect).
+async fn nodes(
+    client: &Client,
+    flags: &RunFlags,
+) -> Result<(Vec<Arc<crate::plan::NodeFacts>>, Tainted), Error> {
+    let raw = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(read("nodes"))?
+        .items;
+    let tainted = flags.readiness_taint.as_ref().map(|key| {
+        let tainted = raw
+            .iter()
+            .filter_map(|n| Some((n.name_any(), taint_of(n, key)?)))
+            .collect();
+        (key.clone(), tainted)
+    });
+    let mut strings = Interner::default();
+    let facts = raw
+        .into_iter()
+        .map(|n| Arc::new(facts(n, MANAGER, &LabelFilter::everything(), &mut strings)))
+        .collect();
+    Ok((facts, tainted))
+}
+
 /// Reads everything the planner needs, as the controller's caches hold it, and builds the
 /// planner's input the same way ([`observe::plan_input`]). Nodes, policies, the ClusterPolicy
 /// and our ConfigMaps are required; pods (the idle-GPU wait), ResourceClaims (nodes leaving
 /// DRA), GPUClusters and namespaces (DRA templates) are optional: without the permission they
 /// are assumed (no GPU pods, no allocated claims, no DRA-only mode, every namespace exists)
-/// and said so. The controller's own flags and memory are not in the cluster: defaults, and
-/// nothing remembered.
+/// and said so. The controller's flags that change what it plans come in `flags` (`plan` takes
+/// them as `run` does); what only its memory holds is assumed and said so too.
 pub async fn snapshot(
     client: &Client,
     namespace: Option<String>,
@@ -182,15 +220,7 @@ pub async fn snapshot(
             .unwrap_or_else(|| DEFAULT_NAMESPACE.into()),
     };
     let lp = ListParams::default();
-    let mut strings = Interner::default();
-    let nodes: Vec<std::sync::Arc<crate::plan::NodeFacts>> = Api::<Node>::all(client.clone())
-        .list(&lp)
-        .await
-        .map_err(read("nodes"))?
-        .items
-        .into_iter()
-        .map(|n| std::sync::Arc::new(facts(n, MANAGER, &LabelFilter::everything(), &mut strings)))
-        .collect();
+    let (nodes, tainted) = nodes(client, flags).await?;
     let policies: Vec<GpuSharingPolicy> = Api::<GpuSharingPolicy>::all(client.clone())
         .list(&lp)
         .await
@@ -247,17 +277,6 @@ pub async fn snapshot(
     let admitted = admitted_demand(&policies, &configmaps, &namespaces, &pending);
     let cluster_policy_spec =
         active_cluster_policy(&cluster_policies).and_then(|c| c.data.get("spec").cloned());
-    // The readiness taint's nodes, as the controller's taint cache keeps them.
-    let tainted = flags.readiness_taint.as_ref().map(|key| {
-        let tainted = nodes
-            .iter()
-            .filter_map(|n| {
-                let t = n.taints.iter().find(|t| t.key == *key)?;
-                Some((n.name.clone(), t.clone()))
-            })
-            .collect();
-        (key.clone(), tainted)
-    });
     let view = ClusterView {
         policies,
         nodes,
@@ -274,9 +293,7 @@ pub async fn snapshot(
             node_pools: pools.iter().collect(),
             overlays: overlays.iter().collect(),
         }),
-        now: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64),
+        now: unix_now(),
     };
     let settings = Settings {
         pause_rollouts: flags.pause_rollouts,

@@ -135,7 +135,7 @@ pub struct Preview {
     pub cluster_policy: Vec<Change<serde_json::Value>>,
     /// Planning passes until convergence.
     pub passes: usize,
-    /// What could not be read and was assumed.
+    /// What could not be read, or only the controller's memory or flags hold, and was assumed.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub assumptions: Vec<String>,
 }

@@ -46,13 +46,7 @@ impl Tainted {
 
     /// The node's readiness taint, if it has one.
     fn of(&self, n: &Node) -> Option<Taint> {
-        let spec = n.spec.as_ref()?;
-        let t = &spec.taints.as_ref()?[taint_index(n, &self.key)?];
-        Some(Taint {
-            key: t.key.clone(),
-            value: t.value.clone().unwrap_or_default(),
-            effect: t.effect.clone(),
-        })
+        taint_of(n, &self.key)
     }
 
     /// Applies a watch event; returns whether the set of tainted nodes changed.
@@ -92,6 +86,18 @@ impl Tainted {
 }
 
 /// Index of the taint with `key` in the node's taints.
+/// Node `n`'s taint with this key (any effect), as the readiness-taint cache keeps it; `plan`
+/// reads nodes the same way.
+pub fn taint_of(n: &Node, key: &str) -> Option<Taint> {
+    let spec = n.spec.as_ref()?;
+    let t = &spec.taints.as_ref()?[taint_index(n, key)?];
+    Some(Taint {
+        key: t.key.clone(),
+        value: t.value.clone().unwrap_or_default(),
+        effect: t.effect.clone(),
+    })
+}
+
 fn taint_index(n: &Node, key: &str) -> Option<usize> {
     n.spec
         .as_ref()?

@@ -49,7 +49,8 @@ pub fn parse_write_counts(text: &str) -> Counts {
             }
         }
         let verb = m.get("verb").copied().unwrap_or("");
-        if !WRITE_VERBS.contains(&verb) {
+        // A dry run (the operator's fence check) writes nothing.
+        if !WRITE_VERBS.contains(&verb) || m.get("dry_run").is_some_and(|d| !d.is_empty()) {
             continue;
         }
         let get = |k: &str| m.get(k).copied().unwrap_or("").to_string();
@@ -101,6 +102,7 @@ mod tests {
 # HELP apiserver_request_total x
 apiserver_request_total{code=\"200\",component=\"apiserver\",dry_run=\"\",group=\"\",resource=\"nodes\",scope=\"resource\",subresource=\"\",verb=\"PATCH\",version=\"v1\"} 3
 apiserver_request_total{code=\"200\",component=\"apiserver\",dry_run=\"\",group=\"\",resource=\"nodes\",scope=\"resource\",subresource=\"\",verb=\"GET\",version=\"v1\"} 9
+apiserver_request_total{code=\"200\",component=\"apiserver\",dry_run=\"All\",group=\"\",resource=\"nodes\",scope=\"resource\",subresource=\"\",verb=\"PATCH\",version=\"v1\"} 5
 apiserver_request_total{code=\"201\",component=\"apiserver\",dry_run=\"\",group=\"gpusharing.io\",resource=\"gpusharingpolicies\",scope=\"resource\",subresource=\"status\",verb=\"APPLY\",version=\"v1alpha1\"} 2
 ";
         let c = parse_write_counts(text);

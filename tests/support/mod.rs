@@ -282,23 +282,31 @@ pub fn l4_fleet(dir: &std::path::Path, n: usize) -> std::path::PathBuf {
     fleet(dir, "l4-node-0", "l4", n)
 }
 
-/// resourceVersions of everything the operator may write.
-/// `gpu_sharing_reconciles_total` in a metrics text.
+/// The passes that ended without an error in a metrics text: `gpu_sharing_reconciles_total`
+/// less every `gpu_sharing_reconcile_errors_total` series (a failed pass may have stopped
+/// before its writes, so it does not show that a whole pass wrote nothing).
 pub fn passes_in(metrics: &str) -> Option<u64> {
-    metrics
+    let value = |l: &str| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok();
+    let all = metrics
         .lines()
-        .find_map(|l| l.strip_prefix("gpu_sharing_reconciles_total "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map(|v| v as u64)
+        .find(|l| l.starts_with("gpu_sharing_reconciles_total "))
+        .and_then(value)?;
+    let failed: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("gpu_sharing_reconcile_errors_total"))
+        .filter_map(value)
+        .sum();
+    Some((all - failed).max(0.0) as u64)
 }
 
 /// Nothing written at rest, as kube-apiserver itself counts writes (a server-side apply that
 /// changes nothing keeps the resourceVersion, so comparing resourceVersions cannot see a
-/// redundant write). Twice: annotate policy `policy` (a write of the test's, which wakes the
-/// operator for a whole pass) and wait until `passes` (the operator's pass counter) moved; the
-/// second poke comes after the first pass ended, so at least one pass ran from start to end
-/// after the first poke. Then every write kube-apiserver counted meanwhile must be the two
-/// pokes; leases (`coordination.k8s.io`: the API server's identity, leader election) aside.
+/// redundant write). Twice, the test annotates policy `policy` (a write of its own that wakes
+/// the operator) and waits until `passes` (the operator's passes that ended without an error)
+/// moved: the second pass seen starts after the first ended, so at least one whole pass runs
+/// between the two reads of the counters. After a second's quiet (events are sent off the
+/// pass), every write kube-apiserver counted meanwhile must be the two pokes; leases (the API
+/// server's identity, leader election) and dry runs (the fence check) aside.
 pub async fn assert_nothing_written_at_rest<F, Fut>(c: &Client, policy: &str, passes: F)
 where
     F: Fn() -> Fut,
@@ -307,23 +315,49 @@ where
     use kube::api::{Patch, PatchParams};
     use testkit::apiserver::{describe, diff, write_counts};
     let api = Api::<GpuSharingPolicy>::all(c.clone());
-    let before = write_counts(c).await.expect("kube-apiserver's /metrics");
+    let poke = |i: u32| {
+        let api = api.clone();
+        async move {
+            api.patch(
+                policy,
+                &PatchParams::default(),
+                &Patch::Merge(
+                    json!({"metadata": {"annotations": {"test.gpusharing.io/poke": i.to_string()}}}),
+                ),
+            )
+            .await
+            .expect("poke the policy");
+        }
+    };
+    // At rest first: no write for two seconds (the node simulator relabels a second after a
+    // config change, so the last of a convergence may still be on its way).
+    let quiet =
+        |d: &testkit::apiserver::Counts| d.keys().all(|(group, ..)| group == "coordination.k8s.io");
+    let mut before = write_counts(c).await.expect("kube-apiserver's /metrics");
+    let mut last = Vec::new();
+    let settled = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let now = write_counts(c).await.expect("kube-apiserver's /metrics");
+            let d = diff(&now, &before);
+            before = now;
+            if quiet(&d) {
+                return;
+            }
+            last = describe(&d);
+        }
+    })
+    .await;
+    assert!(settled.is_ok(), "never at rest: still writing {last:?}");
     for i in 0..2 {
         let p0 = passes().await;
-        api.patch(
-            policy,
-            &PatchParams::default(),
-            &Patch::Merge(
-                json!({"metadata": {"annotations": {"test.gpusharing.io/poke": i.to_string()}}}),
-            ),
-        )
-        .await
-        .expect("poke the policy");
+        poke(i).await;
         testkit::until("a pass after the poke", Duration::from_secs(30), || async {
             (passes().await > p0).then_some(())
         })
         .await;
     }
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let after = write_counts(c).await.expect("kube-apiserver's /metrics");
     let mut moved = diff(&after, &before);
     moved.retain(|(group, ..), _| group != "coordination.k8s.io");
@@ -347,6 +381,7 @@ where
     );
 }
 
+/// resourceVersions of everything the operator may write.
 pub async fn resource_versions(c: &Client) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for n in Api::<Node>::all(c.clone())
