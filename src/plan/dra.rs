@@ -77,3 +77,17 @@ pub(super) fn backend_switch(
         vgpu_config,
     }
 }
+
+/// Why a DRA node is not confirmed yet, while the device plugin still advertises its resources
+/// (the DRA driver alone must advertise the GPUs).
+pub(super) fn device_plugin_still_advertises(n: &NodeFacts) -> Option<String> {
+    let left = n.device_plugin_resources();
+    if left.is_empty() {
+        return None;
+    }
+    let shown: Vec<String> = left.iter().map(|(r, c)| format!("{r}={c}")).collect();
+    Some(format!(
+        "waiting for the device plugin to withdraw {} (allocatable) before the DRA driver alone advertises the GPUs",
+        shown.join(", ")
+    ))
+}

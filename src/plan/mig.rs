@@ -2,11 +2,13 @@
 //! manager with sharing off, with idle GPUs (unless the policy opts out), and a named layout
 //! whose content changed since the node was configured is re-applied only when the admin asks.
 
+use crate::api::crd::{MigStrategy, Strategy};
 use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
-use crate::nvidia::state::ConfigState;
+use crate::nvidia::state::{ConfigState, GfdReport};
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
+use super::capacity::{replicas_of, ts_replicas};
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
 use super::facts::NodeFacts;
 use super::policies::Prepared;
@@ -126,4 +128,48 @@ pub(super) fn decide(
         let msg = format!("waiting for MIG layout {layout}");
         write(NodeState::Pending, msg, DEFAULT_KEY, Some(layout))
     }
+}
+
+/// Why GPU Feature Discovery's report does not confirm a MIG policy's node yet: the
+/// ClusterPolicy's MIG strategy (cluster-wide) the device plugin runs with, and, when MIG
+/// instances are time-sliced, their replicas.
+pub(super) fn unconfirmed(n: &NodeFacts, w: &Prepared, gfd: &GfdReport) -> Option<String> {
+    let mig = w.spec.mig.as_ref();
+    let is_mig = w.spec.strategy == Strategy::Mig;
+    // The device plugin takes its MIG strategy from the ClusterPolicy (cluster-wide), which
+    // may still be switching back: until GFD reports the policy's, the node serves the other.
+    if let (true, Some(want)) = (is_mig, mig.map(|m| m.mig_strategy.as_str()))
+        && let Some(got) = n.labels.get(LABEL_GFD_MIG_STRATEGY)
+        && got != want
+    {
+        return Some(format!(
+            "waiting for GPU Feature Discovery to report {LABEL_GFD_MIG_STRATEGY}={want} (it reports {got}; the ClusterPolicy's mig.strategy applies cluster-wide)"
+        ));
+    }
+    let expected = replicas_of(w.spec) as i64;
+    let ts = mig.and_then(|m| m.time_slicing.as_ref());
+    let mixed = mig.is_some_and(|m| m.mig_strategy == MigStrategy::Mixed);
+    if is_mig && ts.is_some() && mixed {
+        // Under `mixed` GFD reports each MIG profile's replicas on its own resource
+        // (`nvidia.com/mig-<profile>.replicas`); the MIG-enabled GPUs themselves are labelled
+        // without sharing (`nvidia.com/gpu.replicas=0`). A profile the config does not share
+        // (resources that name others) has 1.
+        let wanted = |k: &str| match ts {
+            Some(ts) => ts_replicas(ts, k.trim_end_matches(".replicas")),
+            None => expected,
+        };
+        let wrong: Vec<String> = gfd
+            .mig_replicas
+            .iter()
+            .filter(|(k, v)| v.parse::<i64>().ok() != Some(wanted(k)))
+            .map(|(k, v)| format!("{k}={v}, expected {}", wanted(k)))
+            .collect();
+        return (!wrong.is_empty())
+            .then(|| format!("GPU Feature Discovery reports {}", wrong.join(", ")));
+    }
+    // Without time-slicing GFD reports 0 or 1 for MIG: nothing to compare.
+    if is_mig && ts.is_none() {
+        return None;
+    }
+    super::sharing::replicas_unconfirmed(w.spec.strategy, gfd, expected)
 }

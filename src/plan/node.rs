@@ -15,14 +15,14 @@
 //!   works) and counts as `Applied` only once the device plugin's allocatable is gone; it gets
 //!   the device plugin back only when no allocated `gpu.nvidia.com` ResourceClaim remains on it.
 
-use crate::api::crd::{Backend, MigStrategy, Strategy};
+use crate::api::crd::{Backend, Strategy};
 use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, Workload, deployed};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::backend::Serving;
-use super::capacity::{replicas_of, ts_replicas};
+use super::backend::{Backing, Serving};
+use super::capacity::replicas_of;
 use super::compat::node_rejection;
 use super::decision::hold;
 use super::facts::NodeFacts;
@@ -402,15 +402,10 @@ fn unconfirmed(
         // GFD does not run on VM nodes: the sandbox side confirms (`vm::unconfirmed`).
         return None;
     }
-    if w.spec.backend == Backend::Dra {
-        let left = n.device_plugin_resources();
-        if !left.is_empty() {
-            let shown: Vec<String> = left.iter().map(|(r, c)| format!("{r}={c}")).collect();
-            return Some(format!(
-                "waiting for the device plugin to withdraw {} (allocatable) before the DRA driver alone advertises the GPUs",
-                shown.join(", ")
-            ));
-        }
+    if let Some(Backing::Dra) = &w.backing
+        && let Some(why) = dra::device_plugin_still_advertises(n)
+    {
+        return Some(why);
     }
     let written = annotations
         .get(ANNOTATION_CONFIG_WRITTEN)
@@ -420,68 +415,14 @@ fn unconfirmed(
             "waiting for GPU Feature Discovery to report config {dp} (nvidia.com/gfd.timestamp not newer than our label write at {w})"
         ));
     }
-    // The device plugin takes its MIG strategy from the ClusterPolicy (cluster-wide), which
-    // may still be switching back: until GFD reports the policy's, the node serves the other.
-    let strategy = w.spec.mig.as_ref().map(|m| m.mig_strategy.as_str());
-    if let (Strategy::Mig, Backend::DevicePlugin, Some(want)) =
-        (w.spec.strategy, w.spec.backend, strategy)
-        && let Some(got) = n.labels.get(LABEL_GFD_MIG_STRATEGY)
-        && got != want
-    {
-        return Some(format!(
-            "waiting for GPU Feature Discovery to report {LABEL_GFD_MIG_STRATEGY}={want} (it reports {got}; the ClusterPolicy's mig.strategy applies cluster-wide)"
-        ));
-    }
+    // What GFD reports, judged by the backend.
     let gfd = GfdReport::read(n.labels.iter());
-    let expected = if w.spec.backend == Backend::Dra {
-        1
-    } else {
-        replicas_of(w.spec) as i64
-    };
-    let mig_time_sliced = w
-        .spec
-        .mig
-        .as_ref()
-        .is_some_and(|m| m.time_slicing.is_some());
-    let mixed = w
-        .spec
-        .mig
-        .as_ref()
-        .is_some_and(|m| m.mig_strategy == MigStrategy::Mixed);
-    if w.spec.strategy == Strategy::Mig && mig_time_sliced && mixed {
-        // Under `mixed` GFD reports each MIG profile's replicas on its own resource
-        // (`nvidia.com/mig-<profile>.replicas`); the MIG-enabled GPUs themselves are labelled
-        // without sharing (`nvidia.com/gpu.replicas=0`). A profile the config does not share
-        // (resources that name others) has 1.
-        let ts = w.spec.mig.as_ref().and_then(|m| m.time_slicing.as_ref());
-        let wanted = |k: &str| match ts {
-            Some(ts) if w.spec.backend != Backend::Dra => {
-                ts_replicas(ts, k.trim_end_matches(".replicas"))
-            }
-            _ => expected,
-        };
-        let wrong: Vec<String> = gfd
-            .mig_replicas
-            .iter()
-            .filter(|(k, v)| v.parse::<i64>().ok() != Some(wanted(k)))
-            .map(|(k, v)| format!("{k}={v}, expected {}", wanted(k)))
-            .collect();
-        return (!wrong.is_empty())
-            .then(|| format!("GPU Feature Discovery reports {}", wrong.join(", ")));
+    match &w.backing {
+        Some(Backing::Mig(_)) => mig::unconfirmed(n, w, &gfd),
+        // The DRA driver's GPUs are not shared by the device plugin.
+        Some(Backing::Dra) => sharing::replicas_unconfirmed(w.spec.strategy, &gfd, 1),
+        _ => sharing::replicas_unconfirmed(w.spec.strategy, &gfd, replicas_of(w.spec) as i64),
     }
-    let reported = gfd.replicas.and_then(|r| r.parse::<i64>().ok());
-    let ok = match (w.spec.strategy, reported) {
-        // Without time-slicing GFD reports 0 or 1 for MIG: nothing to compare.
-        (Strategy::Mig, _) if !mig_time_sliced => true,
-        (_, None) => true,
-        (_, Some(r)) => r == expected || w.spec.strategy == Strategy::Exclusive && r == 1,
-    };
-    (!ok).then(|| {
-        format!(
-            "GPU Feature Discovery reports nvidia.com/gpu.replicas={}, expected {expected}",
-            gfd.replicas.unwrap_or_default()
-        )
-    })
 }
 
 /// Why a node whose labels and GPU Feature Discovery's report say `Applied` is not confirmed

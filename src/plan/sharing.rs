@@ -1,8 +1,10 @@
 //! The device plugin's sharing (exclusive, time-slicing, MPS) on one node: MIG must be off,
 //! and confirmed, before the new device-plugin config is applied.
 
+use crate::api::crd::Strategy;
 use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
+use crate::nvidia::state::GfdReport;
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
@@ -48,4 +50,23 @@ pub(super) fn decide(n: &NodeFacts, w: &Prepared, key: &str, env: &Env, busy: bo
             Some(MIG_DISABLED_LAYOUT.into()),
         )
     }
+}
+
+/// Why GPU Feature Discovery's report does not confirm `expected` replicas per GPU yet
+/// (`nvidia.com/gpu.replicas`; exclusive may report 1; no report confirms nothing against).
+pub(super) fn replicas_unconfirmed(
+    strategy: Strategy,
+    gfd: &GfdReport,
+    expected: i64,
+) -> Option<String> {
+    let ok = match gfd.replicas.and_then(|r| r.parse::<i64>().ok()) {
+        None => true,
+        Some(r) => r == expected || strategy == Strategy::Exclusive && r == 1,
+    };
+    (!ok).then(|| {
+        format!(
+            "GPU Feature Discovery reports nvidia.com/gpu.replicas={}, expected {expected}",
+            gfd.replicas.unwrap_or_default()
+        )
+    })
 }
