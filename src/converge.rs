@@ -78,6 +78,13 @@ pub fn apply(input: &mut PlanInput, plan: &Plan) -> BTreeSet<String> {
             changed.insert(n.name.clone());
         }
     }
+    // The spare taint (`preferBusyNodes`).
+    for (name, present) in &plan.spare {
+        if let Some(n) = input.nodes.iter_mut().find(|n| n.name == *name) {
+            Arc::make_mut(&mut n.facts).spare = *present;
+            changed.insert(name.clone());
+        }
+    }
     changed
 }
 

@@ -372,6 +372,10 @@ subjects: [{kind: ServiceAccount, name: gpu-sharing-operator, namespace: gpu-sha
         .collect();
     assert_eq!(keys, ["example.com/keep"]);
 
+    // The spare taint (preferBusyNodes): added and removed as the operator writes it, on GPU
+    // nodes only, and only as one PreferNoSchedule taint without a value.
+    spare_taint_fence(&sa, &cluster.client).await;
+
     // Other users are not affected.
     patch(
         &admin,
@@ -546,7 +550,7 @@ async fn operator_apply(sa: &Client, name: &str, cordon: bool) -> Result<Node, k
 }
 
 /// `r` was refused by the node policy, with a message containing `says`.
-fn assert_node_refused(what: &str, r: Result<Node, kube::Error>, says: &str) {
+fn assert_node_refused<T: std::fmt::Debug>(what: &str, r: Result<T, kube::Error>, says: &str) {
     match r {
         Err(kube::Error::Api(e)) => assert!(
             e.message.contains("gpu-sharing-operator-node-fields") && e.message.contains(says),
@@ -555,6 +559,65 @@ fn assert_node_refused(what: &str, r: Result<Node, kube::Error>, says: &str) {
         ),
         other => panic!("{what} was not refused: {other:?}"),
     }
+}
+
+/// The spare-taint fence: the operator's own writes (`taints::set_spare`) pass on a GPU node and
+/// keep every other taint; a CPU node, another effect, a value or a second copy are refused.
+async fn spare_taint_fence(sa: &Client, admin: &Client) {
+    use gpu_sharing_operator::api::names::TAINT_SPARE;
+    use gpu_sharing_operator::runtime::taints::set_spare;
+    let keys = |n: Node| -> Vec<String> {
+        (n.spec.and_then(|s| s.taints).into_iter().flatten())
+            .map(|t| format!("{}:{}", t.key, t.effect))
+            .collect()
+    };
+    let get = || async { Api::<Node>::all(admin.clone()).get(NODE).await.unwrap() };
+    assert!(
+        set_spare(sa, NODE, true)
+            .await
+            .expect("the spare taint on a GPU node")
+    );
+    assert!(!set_spare(sa, NODE, true).await.unwrap(), "already there");
+    assert_eq!(
+        keys(get().await),
+        [
+            "example.com/keep:NoExecute",
+            "gpusharing.io/spare:PreferNoSchedule"
+        ]
+    );
+    let only = "only once, as PreferNoSchedule without a value, and only to GPU nodes";
+    let keep = json!({"key": "example.com/keep", "value": "1", "effect": "NoExecute"});
+    let spare =
+        |effect: &str, value: &str| json!({"key": TAINT_SPARE, "effect": effect, "value": value});
+    for (what, taints) in [
+        (
+            "twice",
+            json!([
+                keep,
+                spare("PreferNoSchedule", ""),
+                spare("PreferNoSchedule", "")
+            ]),
+        ),
+        ("NoSchedule", json!([keep, spare("NoSchedule", "")])),
+        (
+            "with a value",
+            json!([keep, spare("PreferNoSchedule", "x")]),
+        ),
+    ] {
+        let r = patch(sa, NODE, json!({"spec": {"taints": taints}}), false).await;
+        assert_node_refused(what, r, only);
+    }
+    assert!(
+        set_spare(sa, NODE, false)
+            .await
+            .expect("the spare taint removed")
+    );
+    assert_eq!(keys(get().await), ["example.com/keep:NoExecute"]);
+    assert_node_refused(
+        "the spare taint on a CPU node",
+        set_spare(sa, "cpu-node-0", true).await,
+        only,
+    );
 }
 
 /// The cordon fence: the operator's account sets `spec.unschedulable` only on a GPU node and

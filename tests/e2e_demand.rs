@@ -657,7 +657,7 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         .unwrap();
     let mut tolerant = mig_pod("tolerant", "1g.10gb", 1, 1);
     tolerant.spec.as_mut().unwrap().tolerations =
-        Some(vec![serde_json::from_value(tolerate_gpu).unwrap()]);
+        Some(vec![serde_json::from_value(tolerate_gpu.clone()).unwrap()]);
     create(&c, tolerant).await;
     create(&c, mig_pod("intolerant", "1g.10gb", 1, 1)).await;
     until("tolerant bound on a100-node-1", LONG, || async {
@@ -794,5 +794,81 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         (n.spec?.unschedulable != Some(true)).then_some(())
     })
     .await;
+
+    // 10. preferBusyNodes: the idle A100 nodes (both on all-1g.10gb by now) get the spare taint
+    // (PreferNoSchedule). The first 1g pod lands on one of them, which loses the taint; kube-
+    // scheduler then binds the next pods to that busy node, though the other offers as much,
+    // and the idle one keeps its taint: it stays free for a reshape.
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .patch(
+            "dyn",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"mig": {"dynamic": {
+                "reserveBusyNodes": null,
+                "preferBusyNodes": true,
+            }}}})),
+        )
+        .await
+        .unwrap();
+    let spare = |n: &'static str| {
+        let c = c.clone();
+        async move {
+            let n = Api::<Node>::all(c).get(n).await.ok()?;
+            let taints = n.spec?.taints.unwrap_or_default();
+            Some(taints.iter().any(|t| {
+                t.key == gpu_sharing_operator::api::names::TAINT_SPARE
+                    && t.effect == "PreferNoSchedule"
+            }))
+        }
+    };
+    until(
+        "both idle A100 nodes carry the spare taint",
+        LONG,
+        || async { (spare(NODES[0]).await? && spare(NODES[1]).await?).then_some(()) },
+    )
+    .await;
+    let busy_1g = |name: &str| {
+        let mut p = mig_pod(name, "1g.10gb", 1, 120);
+        let spec = p.spec.as_mut().unwrap();
+        spec.tolerations = Some(vec![serde_json::from_value(tolerate_gpu.clone()).unwrap()]);
+        (spec.node_selector.as_mut().unwrap()).insert(
+            "nvidia.com/gpu.product".into(),
+            "NVIDIA-A100-SXM4-80GB".into(),
+        );
+        p
+    };
+    create(&c, busy_1g("packed-0")).await;
+    let first = until("packed-0 running", LONG, || async {
+        let (node, phase) = pod_states(&c).await.remove("packed-0")?;
+        (phase == "Running").then_some(node)
+    })
+    .await;
+    let (busy, idle) = if first == NODES[0] {
+        (NODES[0], NODES[1])
+    } else {
+        (NODES[1], NODES[0])
+    };
+    until("the busy node loses the spare taint", LONG, || async {
+        (!spare(busy).await?).then_some(())
+    })
+    .await;
+    // Without the taint kube-scheduler's default profile ties the two nodes (a few pods
+    // without requests move its LeastAllocated score by no point) and picks at random: five
+    // pods on the busy node would then happen one time in 32.
+    for k in 1..=5 {
+        let name = format!("packed-{k}");
+        create(&c, busy_1g(&name)).await;
+        let node = until(&format!("{name} bound"), LONG, || async {
+            let (node, _) = pod_states(&c).await.remove(&name)?;
+            (!node.is_empty()).then_some(node)
+        })
+        .await;
+        assert_eq!(node, busy, "{name} packed onto the busy node");
+    }
+    assert_eq!(
+        spare(idle).await,
+        Some(true),
+        "the idle node keeps its taint"
+    );
     op.stop().await;
 }

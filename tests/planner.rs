@@ -282,6 +282,8 @@ struct DynGen {
     namespaces: Option<bool>,
     busy: BusyGen,
     time_slicing: bool,
+    /// `preferBusyNodes`: the spare taint on idle nodes.
+    prefer_busy: bool,
 }
 
 fn dyn_gen() -> impl Strategy<Value = DynGen> {
@@ -314,10 +316,20 @@ fn dyn_gen() -> impl Strategy<Value = DynGen> {
         proptest::option::of(any::<bool>()),
         busy,
         proptest::bool::weighted(0.2),
-        proptest::bool::weighted(0.1),
+        (proptest::bool::weighted(0.1), proptest::bool::weighted(0.3)),
     )
         .prop_map(
-            |(own, layouts, (quiet, max_delay), idle, lifetime, namespaces, busy, ts, legacy)| {
+            |(
+                own,
+                layouts,
+                (quiet, max_delay),
+                idle,
+                lifetime,
+                namespaces,
+                busy,
+                ts,
+                (legacy, prefer_busy),
+            )| {
                 let mut d = DynGen {
                     own,
                     layouts,
@@ -328,6 +340,7 @@ fn dyn_gen() -> impl Strategy<Value = DynGen> {
                     namespaces,
                     busy,
                     time_slicing: ts,
+                    prefer_busy,
                 };
                 // What admission requires: a namespace fence for drains, a lifetime of at
                 // least 60 s for drains and reservations. A policy stored before these rules
@@ -427,6 +440,7 @@ fn dynamic_spec(d: &DynGen, replicas: i32) -> GpuSharingPolicySpec {
             BusyGen::Reserve(max_wait_seconds) => Some(DemandReserve { max_wait_seconds }),
             _ => None,
         },
+        prefer_busy_nodes: d.prefer_busy,
     });
     s
 }
@@ -3251,6 +3265,7 @@ fn plain(kind: u8, priority: i32) -> PolicyGen {
 /// time, lifetime, fence or busy nodes.
 fn catalogue_of(own: usize, layouts: &[usize]) -> DynGen {
     DynGen {
+        prefer_busy: false,
         own,
         layouts: layouts.to_vec(),
         quiet: 0,
@@ -3300,6 +3315,7 @@ fn settled_busy(then: Vec<Step>) -> Vec<Step> {
 #[test]
 fn a_reservation_on_a_node_its_policy_now_refuses_is_uncordoned() {
     let reserve = |own, layouts: &[usize], busy| DynGen {
+        prefer_busy: false,
         busy,
         lifetime: 60,
         ..catalogue_of(own, layouts)
@@ -3538,6 +3554,7 @@ fn a_node_is_not_applied_while_the_cluster_policy_says_another_mig_strategy() {
     let sliced = dynamic_first(
         None,
         DynGen {
+            prefer_busy: false,
             time_slicing: true,
             ..catalogue_of(4, &[5])
         },
@@ -3592,10 +3609,12 @@ fn edits_of_a_dynamic_policy_never_move_more_nodes_than_its_budget() {
 #[test]
 fn a_halted_rollout_gives_up_demands_choice_of_a_busy_node() {
     let sliced = DynGen {
+        prefer_busy: false,
         time_slicing: true,
         ..catalogue_of(0, &[6])
     };
     let reserve = DynGen {
+        prefer_busy: false,
         lifetime: 60,
         busy: BusyGen::Reserve(60),
         ..catalogue_of(0, &[4])
@@ -3661,6 +3680,7 @@ fn a_vm_host_moving_from_vgpu_to_passthrough_waits_for_passthrough_devices() {
 #[test]
 fn a_drained_node_its_policy_now_refuses_is_uncordoned() {
     let drain = DynGen {
+        prefer_busy: false,
         lifetime: 60,
         namespaces: Some(false),
         busy: BusyGen::Drain(0, 1),
@@ -3733,6 +3753,7 @@ fn a_node_handed_back_to_containers_counts_until_gfd_reports() {
 #[test]
 fn a_layout_chosen_for_a_node_its_policy_now_refuses_is_given_up() {
     let reserve = DynGen {
+        prefer_busy: false,
         lifetime: 60,
         busy: BusyGen::Reserve(60),
         ..catalogue_of(0, &[4])
@@ -3755,6 +3776,7 @@ fn a_layout_chosen_for_a_node_its_policy_now_refuses_is_given_up() {
 #[test]
 fn a_node_between_the_steps_of_its_change_stays_in_flight() {
     let drain = DynGen {
+        prefer_busy: false,
         lifetime: 60,
         namespaces: Some(false),
         busy: BusyGen::Drain(0, 1),

@@ -509,6 +509,14 @@ pub struct DynamicMig {
     /// default profile needs: it spreads pods, so nodes seldom go idle by themselves.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserve_busy_nodes: Option<DemandReserve>,
+
+    /// Keep idle nodes free for reshapes: the operator puts the taint `gpusharing.io/spare`
+    /// (`PreferNoSchedule`) on this policy's nodes that run no GPU pod, and takes it off a node
+    /// once one runs there. kube-scheduler then fills busy nodes first and uses an idle one only
+    /// when no other fits; no pod is refused. What its default profile needs: it spreads pods
+    /// over nodes, so none stays idle long enough to be reshaped.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub prefer_busy_nodes: bool,
 }
 
 /// How long a reserved node may wait for its GPU pods to finish.

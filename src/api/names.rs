@@ -58,6 +58,16 @@ pub const ANNOTATION_ROLLOUT: &str = "gpusharing.io/rollout";
 /// confirmed).
 pub const TAINT_UNSCHEDULABLE: &str = "node.kubernetes.io/unschedulable";
 
+/// The taint (`PreferNoSchedule`, no value) the operator keeps on the idle nodes of a dynamic MIG
+/// policy with `preferBusyNodes`, so that kube-scheduler fills busy nodes first and idle ones stay
+/// free for a reshape. Soft: a pod that fits nowhere else still lands there.
+pub const TAINT_SPARE: &str = "gpusharing.io/spare";
+/// The effect of [`TAINT_SPARE`].
+pub const TAINT_SPARE_EFFECT: &str = "PreferNoSchedule";
+/// The kind under which a refused write of [`TAINT_SPARE`] is remembered (its retry delay) and
+/// shown in `status.refusedWrites`: apart from the node's label writes, so it holds no rollout.
+pub const REFUSED_SPARE_TAINT: &str = "NodeTaint";
+
 /// Node annotation: the operator cordoned this node to drain it (`spec.unschedulable` is set in
 /// the same apply). Only a node with it is ever uncordoned by the operator, so a cordon of
 /// someone else's (e.g. the GPU Operator's driver upgrade) is left alone, across restarts.

@@ -9,8 +9,8 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 
 use crate::api::names::{
-    ANNOTATION_CORDONED, ANNOTATION_MIG_DEMAND, DEMAND_MANAGER, MANAGED_ANNOTATIONS,
-    TAINT_UNSCHEDULABLE,
+    ANNOTATION_CORDONED, ANNOTATION_MIG_DEMAND, DEMAND_MANAGER, MANAGED_ANNOTATIONS, TAINT_SPARE,
+    TAINT_SPARE_EFFECT, TAINT_UNSCHEDULABLE,
 };
 use crate::observe::managed::owned_keys;
 use crate::plan::taint::Taint;
@@ -95,6 +95,8 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
             .as_ref()
             .is_some_and(|a| a.contains_key(ANNOTATION_CORDONED));
     let spec = node.spec.unwrap_or_default();
+    let spare = (spec.taints.iter().flatten())
+        .any(|t| t.key == TAINT_SPARE && t.effect == TAINT_SPARE_EFFECT);
     let mut taints: Vec<Taint> = spec
         .taints
         .unwrap_or_default()
@@ -137,6 +139,7 @@ pub fn facts(node: Node, manager: &str, filter: &LabelFilter, strings: &mut Inte
         annotations: Labels::from_pairs(annotations),
         allocatable: Labels::from_pairs(allocatable),
         taints,
+        spare,
     }
 }
 

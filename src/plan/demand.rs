@@ -264,6 +264,20 @@ fn classes(nodes: &[Node], demand: &[PendingPod]) -> Vec<String> {
         .collect()
 }
 
+/// Whether a node should carry the spare taint ([`TAINT_SPARE`](crate::api::names::TAINT_SPARE),
+/// `preferBusyNodes`): its governing policy is a valid dynamic MIG policy that asks for it, the
+/// policy does not refuse the node, and no GPU pod is bound there. kube-scheduler then fills
+/// busy nodes first and leaves idle ones free for a reshape; once a pod is bound anyway (nothing
+/// else fitted), the taint goes, so the node is filled like any busy one.
+pub fn wants_spare(policy: Option<&Prepared>, refused: bool, v: &NodeView) -> bool {
+    let Some(p) = policy.filter(|p| p.backing.is_some() && p.blocked.is_none()) else {
+        return false;
+    };
+    let prefer =
+        (p.spec.mig.as_ref().and_then(|m| m.dynamic.as_ref())).is_some_and(|d| d.prefer_busy_nodes);
+    prefer && !refused && v.gpu_pods.is_empty()
+}
+
 /// Demand planning for every dynamic policy. `views` in name order; `winner[i]` the governing
 /// policy of `views[i]`; the demand, the MIG configs and the time from the input's cluster
 /// facts, `--pause-rollouts` from its settings.

@@ -838,3 +838,68 @@ fn catalogue_layouts_are_checked() {
     let plan = plan_all(&i);
     assert_eq!(plan.invalid["dyn"][0].path, "spec.mig.dynamic.layouts[0]");
 }
+
+/// `preferBusyNodes`: the spare taint goes on the policy's nodes that run no GPU pod and comes
+/// off a node once one runs there, off every node of a policy without it, and off nodes the
+/// policy refuses or no policy governs; a node that already has what it should is left alone.
+#[test]
+fn the_spare_taint_follows_idle_nodes_of_policies_that_prefer_busy_nodes() {
+    let busy = |mut v: NodeView| {
+        v.gpu_pods = vec!["ml/runs".into()];
+        v
+    };
+    let spare = |mut v: NodeView| {
+        std::sync::Arc::make_mut(&mut v.facts).spare = true;
+        v
+    };
+    let nodes = || {
+        vec![
+            node("a-idle", "all-7g.80gb", SEVEN),
+            busy(node("b-busy", "all-7g.80gb", SEVEN)),
+            spare(node("c-idle-tainted", "all-7g.80gb", SEVEN)),
+            spare(busy(node("d-busy-tainted", "all-7g.80gb", SEVEN))),
+        ]
+    };
+    let prefer = "      preferBusyNodes: true\n";
+    let p = plan_all(&input(prefer, nodes(), vec![]));
+    assert_eq!(
+        p.spare,
+        [
+            ("a-idle".to_string(), true),
+            ("d-busy-tainted".to_string(), false)
+        ]
+    );
+    // Without preferBusyNodes every spare taint goes.
+    let p = plan_all(&input("", nodes(), vec![]));
+    assert_eq!(
+        p.spare,
+        [
+            ("c-idle-tainted".to_string(), false),
+            ("d-busy-tainted".to_string(), false)
+        ]
+    );
+    // A node no policy selects any more loses it too; nothing is added there.
+    let mut ns = nodes();
+    for v in &mut ns {
+        std::sync::Arc::make_mut(&mut v.facts).labels = Default::default();
+    }
+    let p = plan_all(&input(prefer, ns, vec![]));
+    assert_eq!(
+        p.spare,
+        [
+            ("c-idle-tainted".to_string(), false),
+            ("d-busy-tainted".to_string(), false)
+        ]
+    );
+    // A policy refused (a catalogue layout mig-parted does not have) adds none and removes all.
+    let mut i = input(prefer, nodes(), vec![]);
+    set_layouts(&mut i, &["all-9g.999gb"]);
+    let p = plan_all(&i);
+    assert_eq!(
+        p.spare,
+        [
+            ("c-idle-tainted".to_string(), false),
+            ("d-busy-tainted".to_string(), false)
+        ]
+    );
+}

@@ -36,6 +36,8 @@ pub struct Plan {
     pub invalid: BTreeMap<String, Vec<FieldError>>,
     /// Nodes whose readiness taint is to be removed now.
     pub untaint: Vec<String>,
+    /// Nodes whose spare taint (`preferBusyNodes`) is to be added (true) or removed (false).
+    pub spare: Vec<(String, bool)>,
     /// Nodes being drained (cordoned through their annotations), with the pods to evict.
     pub drains: BTreeMap<String, drain::Drain>,
     /// The nodes of `node_labels` whose labels or annotations differ from what the plan wants

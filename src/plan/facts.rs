@@ -28,6 +28,9 @@ pub struct NodeFacts {
     /// `NoSchedule` and `NoExecute` taints, with a cordon as `node.kubernetes.io/unschedulable`
     /// unless it is one of our drains': which pending pods the node may take (demand planning).
     pub taints: Vec<taint::Taint>,
+    /// The node carries the operator's spare taint (`gpusharing.io/spare:PreferNoSchedule`,
+    /// `preferBusyNodes`).
+    pub spare: bool,
 }
 
 impl NodeFacts {

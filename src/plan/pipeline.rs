@@ -44,6 +44,8 @@ struct NodePlans<'n> {
     used_keys: BTreeSet<String>,
     /// Tainted nodes ready to lose the readiness taint.
     untaint: Vec<String>,
+    /// Nodes whose spare taint is to be added (true) or removed (false).
+    spare: Vec<(String, bool)>,
     drains: BTreeMap<String, drain::Drain>,
 }
 
@@ -109,12 +111,7 @@ fn plan_nodes<'n>(
             (Some(p), _) => *out.labelled.entry(p.clone()).or_default() += 1,
             (None, _) => {}
         }
-        if let Some(t) = input.cluster.readiness_taint.as_ref()
-            && t.tolerated_on(&n.name)
-            && super::facts::ready_to_untaint(n, wi.is_some(), o.state)
-        {
-            out.untaint.push(n.name.clone());
-        }
+        taints(&mut out, input, v, wi.map(|i| &prepared[i]), o);
         // A held node keeps every label value; otherwise only its config key names a key.
         let held = o.labels.values().filter(|_| hold);
         let written = o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG).filter(|_| !hold);
@@ -147,6 +144,29 @@ fn plan_nodes<'n>(
         out.annotations.push(o.annotations.clone());
     }
     out
+}
+
+/// The node's taint changes: the readiness taint's removal once it is configured, the spare
+/// taint (`preferBusyNodes`) on or off.
+fn taints(
+    out: &mut NodePlans,
+    input: &PlanInput,
+    v: &NodeView,
+    p: Option<&Prepared>,
+    o: &node::Outcome,
+) {
+    let n = &v.facts;
+    if let Some(t) = input.cluster.readiness_taint.as_ref()
+        && t.tolerated_on(&n.name)
+        && super::facts::ready_to_untaint(n, p.is_some(), o.state)
+    {
+        out.untaint.push(n.name.clone());
+    }
+    let refused = o.state.is_none_or(|s| s.refused());
+    let spare = super::demand::wants_spare(p, refused, v);
+    if spare != n.spare {
+        out.spare.push((n.name.clone(), spare));
+    }
 }
 
 /// Per-node values, given in the nodes' (name) order, by node name (built in one sweep).
@@ -445,6 +465,7 @@ impl Planner {
             claim_templates: per_policy.claim_templates,
             invalid: per_policy.invalid,
             untaint: np.untaint,
+            spare: np.spare,
             nodes_to_write: np.to_write,
             labelled_nodes: np.labelled,
             drains: np.drains,

@@ -89,7 +89,9 @@ pub const MAX_REFUSED_WRITES: usize = 10;
 /// the cluster-wide objects every policy needs (ConfigMaps, the ClusterPolicy, overlays).
 fn refused_for(refused: &[RefusedWrite], place: &Placement) -> Vec<RefusedWrite> {
     let mine = |w: &&RefusedWrite| match w.kind.as_str() {
-        "Node" => place.matched.binary_search(&w.name.as_str()).is_ok(),
+        "Node" | crate::api::names::REFUSED_SPARE_TAINT => {
+            place.matched.binary_search(&w.name.as_str()).is_ok()
+        }
         "ResourceClaimTemplate" => place.templates.contains(&w.name),
         _ => true,
     };

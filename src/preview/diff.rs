@@ -262,6 +262,15 @@ pub fn demand_lines(plan: &plan::Plan) -> Vec<String> {
         .collect()
 }
 
+/// The nodes the plan puts the spare taint on (`added`) or takes it off (`removed`).
+fn spare_changes(plan: &plan::Plan) -> KeyChanges {
+    let (on, off): (Vec<_>, Vec<_>) = plan.spare.iter().partition(|(_, present)| *present);
+    KeyChanges {
+        added: on.into_iter().map(|(n, _)| n.clone()).collect(),
+        removed: off.into_iter().map(|(n, _)| n.clone()).collect(),
+    }
+}
+
 /// What applying the desired policies (see [`desired`]) to the cluster `current` would change.
 /// `cluster_policy` is the active ClusterPolicy's spec; `checked` names the policies whose
 /// planner errors make the input invalid (the files'; the cluster's own keep their status).
@@ -313,6 +322,7 @@ pub fn preview(
         ),
         node_overlays: KeyChanges::of(&overlay_lines(&before), &overlay_lines(after)),
         demand_layouts: demand_lines(&first),
+        spare_taints: spare_changes(&first),
         cluster_policy: cluster_policy_changes(cluster_policy, &before, after),
         waves: c
             .waves
@@ -334,6 +344,7 @@ pub fn preview(
         || !p.claim_templates.is_empty()
         || !p.node_overlays.is_empty()
         || !p.demand_layouts.is_empty()
+        || !p.spare_taints.is_empty()
         || !p.cluster_policy.is_empty();
     Ok(p)
 }

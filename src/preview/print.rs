@@ -247,6 +247,13 @@ pub fn text(p: &Preview) -> String {
         &p.demand_layouts,
         &[],
     );
+    let k = &p.spare_taints;
+    keys(
+        &mut out,
+        "Spare taint gpusharing.io/spare:PreferNoSchedule (preferBusyNodes)",
+        &k.added,
+        &k.removed,
+    );
     cluster_policy(&mut out, &p.cluster_policy);
     for a in &p.assumptions {
         let _ = writeln!(out, "\nnote: {a}");

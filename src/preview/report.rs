@@ -131,6 +131,10 @@ pub struct Preview {
     /// (`spec.mig.dynamic`): `node: layout (for pod, ...)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub demand_layouts: Vec<String>,
+    /// Nodes that would gain (`added`) or lose (`removed`) the spare taint
+    /// (`gpusharing.io/spare:PreferNoSchedule`, `preferBusyNodes`).
+    #[serde(default, skip_serializing_if = "KeyChanges::is_empty")]
+    pub spare_taints: KeyChanges,
     /// ClusterPolicy `spec` fields, dotted; `after: None` is a field the operator releases.
     pub cluster_policy: Vec<Change<serde_json::Value>>,
     /// Planning passes until convergence.

@@ -228,6 +228,11 @@ pub async fn reconcile_all(
     memory.keep_refused("ResourceClaimTemplate", |t| templates.contains_key(t));
     let overlays = &plan.node_overlays;
     memory.keep_refused("NodeOverlay", |o| overlays.contains_key(o));
+    // The spare taint's writes likewise, under their own kind: a refused one holds no rollout.
+    let spared: BTreeSet<&str> = plan.spare.iter().map(|(n, _)| n.as_str()).collect();
+    memory.keep_refused(REFUSED_SPARE_TAINT, |n| spared.contains(n));
+    plan.spare
+        .retain(|(n, _)| !memory.refused_waits(REFUSED_SPARE_TAINT, n, now));
     let (changes, waiting): (Vec<String>, Vec<String>) =
         (plan.nodes_to_write.iter().cloned()).partition(|n| !memory.refused_waits("Node", n, now));
     let cleanup_pending = finalize::cleanup_pending(&input, &plan);
@@ -262,6 +267,7 @@ pub async fn reconcile_all(
     apply::evict(ctx, &plan, report).await?;
     // 5. Readiness taints of nodes whose config is confirmed.
     apply::remove_readiness_taints(ctx, &plan, report).await?;
+    apply::set_spare_taints(ctx, &plan, report).await?;
     // 6. ResourceClaimTemplates of DRA policies, Karpenter NodeOverlays; the mig-parted
     // ConfigMap once unused.
     apply::apply_claim_templates(ctx, &plan, report).await?;

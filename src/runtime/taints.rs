@@ -1,5 +1,5 @@
 //! The readiness taint: which nodes carry it, fed by the node watch (only the tainted nodes'
-//! names and that taint are kept), and its removal.
+//! names and that taint are kept), and its removal; and the spare taint's writes.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -10,7 +10,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 
-use crate::api::names::MANAGER;
+use crate::api::names::{MANAGER, TAINT_SPARE, TAINT_SPARE_EFFECT};
 use crate::plan::taint::Taint;
 
 /// Nodes carrying the readiness taint.
@@ -105,6 +105,42 @@ fn taint_index(n: &Node, key: &str) -> Option<usize> {
         .as_ref()?
         .iter()
         .position(|t| t.key == key)
+}
+
+/// Puts the spare taint (`gpusharing.io/spare:PreferNoSchedule`, `preferBusyNodes`) on a node,
+/// or takes it off: a JSON patch that appends or removes that one entry of the atomic list,
+/// guarded by the node's resourceVersion, so a concurrent change of the taints fails it (the
+/// next pass retries) and no one else's taint is ever dropped. Returns whether it wrote.
+pub async fn set_spare(client: &Client, node: &str, present: bool) -> Result<bool, kube::Error> {
+    let api: Api<Node> = Api::all(client.clone());
+    let n = api.get(node).await?;
+    let taints = n.spec.as_ref().and_then(|s| s.taints.as_deref());
+    let at = (taints.into_iter().flatten())
+        .position(|t| t.key == TAINT_SPARE && t.effect == TAINT_SPARE_EFFECT);
+    let taint = serde_json::json!({"key": TAINT_SPARE, "effect": TAINT_SPARE_EFFECT});
+    let change = match (present, at, taints) {
+        (true, Some(_), _) | (false, None, _) => return Ok(false),
+        (true, None, Some(_)) => {
+            serde_json::json!({"op": "add", "path": "/spec/taints/-", "value": taint})
+        }
+        (true, None, None) => {
+            serde_json::json!({"op": "add", "path": "/spec/taints", "value": [taint]})
+        }
+        (false, Some(i), _) => {
+            serde_json::json!({"op": "remove", "path": format!("/spec/taints/{i}")})
+        }
+    };
+    let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([
+        {"op": "test", "path": "/metadata/resourceVersion", "value": n.resource_version()},
+        change,
+    ]))
+    .expect("a valid JSON patch");
+    let params = PatchParams {
+        field_manager: Some(MANAGER.into()),
+        ..Default::default()
+    };
+    api.patch(node, &params, &Patch::Json::<()>(patch)).await?;
+    Ok(true)
 }
 
 /// Removes the readiness taint from a node: taints are an atomic list, so the removal is a JSON

@@ -41,9 +41,21 @@ impl Scheduler {
             .enumerate()
             .filter(|(_, n)| n.free(profile) > 0);
         match self {
-            Scheduler::FirstFit => feasible.next().map(|(i, _)| i),
-            Scheduler::KubeDefault => highest(feasible, |n| kube_default_score(n.pods.len()), rng),
-            Scheduler::Pack => highest(feasible, Node::slices_used, rng),
+            // The first by name, of the untainted nodes if any fits.
+            Scheduler::FirstFit => {
+                let first = feasible.clone().find(|(_, n)| !n.spare);
+                first.or_else(|| feasible.next()).map(|(i, _)| i)
+            }
+            Scheduler::KubeDefault => highest(
+                feasible,
+                |n| kube_default_score(n.pods.len()) + taint_toleration_score(n),
+                rng,
+            ),
+            Scheduler::Pack => highest(
+                feasible,
+                |n| n.slices_used() + taint_toleration_score(n),
+                rng,
+            ),
         }
     }
 }
@@ -69,6 +81,15 @@ pub(crate) fn kube_default_score(pods: usize) -> i64 {
     let cpu = least(n * DEFAULT_MILLI_CPU, NODE_MILLI_CPU);
     let memory = least(n * DEFAULT_MEMORY_MIB, NODE_MEMORY_MIB);
     (cpu + memory) / 2
+}
+
+/// `TaintToleration`'s weighted score (weight 3 in the default profile, and in a profile that
+/// only changes `NodeResourcesFit`'s strategy): it counts a node's `PreferNoSchedule` taints the
+/// pod does not tolerate and normalizes in reverse over the nodes scored, so with the spare
+/// taint on some of them an untainted node scores 100 and a tainted one 0. Added as 300 to the
+/// untainted: the same order, and more than `NodeResourcesFit` can make up (at most 100).
+fn taint_toleration_score(n: &Node) -> i64 {
+    if n.spare { 0 } else { 3 * 100 }
 }
 
 /// The index of the highest-scoring node, a tie going to each of the tied nodes with equal
@@ -108,6 +129,9 @@ pub(crate) struct Node {
     /// stops the device plugin: the whole node offers nothing), nor past a taint they do not
     /// tolerate.
     pub open: bool,
+    /// It carries the spare taint (`PreferNoSchedule`, `preferBusyNodes`): scored lower, never
+    /// refused.
+    pub spare: bool,
     /// Instances bound, per profile.
     used: PerProfile,
     /// The pods bound here, by index in the trace (which sorts as their names).

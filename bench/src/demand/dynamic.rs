@@ -123,6 +123,7 @@ fn observe(nodes: &mut [Node], views: &[NodeView], pod: &PendingPod) {
         n.allocatable = PROFILES.each_ref().map(|p| v.allocatable(p.resource));
         let cordoned = v.annotations.get(ANNOTATION_CORDONED).is_some();
         n.open = !reconfiguring(v) && !cordoned && pod.fits(v, None);
+        n.spare = v.spare;
     }
 }
 

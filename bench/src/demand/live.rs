@@ -54,6 +54,10 @@ pub(crate) enum LiveConfig {
     Dynamic,
     /// The same with `reserveBusyNodes`.
     DynamicReserve,
+    /// The same with `preferBusyNodes`.
+    DynamicPrefer,
+    /// The same with `preferBusyNodes` and `reserveBusyNodes`.
+    DynamicPreferReserve,
 }
 
 /// The timers of the dynamic policy of the live mode: short, for a trace of minutes.
@@ -194,6 +198,8 @@ fn setups(s: &LiveSettings, arrivals: &[Arrival]) -> Vec<Setup> {
             }
             LiveConfig::Dynamic => dynamic_setup(s, arrivals, Busy::Wait),
             LiveConfig::DynamicReserve => dynamic_setup(s, arrivals, Busy::Reserve),
+            LiveConfig::DynamicPrefer => dynamic_setup(s, arrivals, Busy::Prefer),
+            LiveConfig::DynamicPreferReserve => dynamic_setup(s, arrivals, Busy::PreferReserve),
         })
         .collect()
 }
@@ -221,10 +227,11 @@ fn static_setup(name: String, split: Split, model: Outcome) -> Setup {
 
 /// The dynamic policy from all-balanced at the live timers, replayed in the model too.
 fn dynamic_setup(s: &LiveSettings, arrivals: &[Arrival], busy: Busy) -> Setup {
-    let (timers, name) = match busy {
-        Busy::Wait => (LIVE_TIMERS, "dynamic"),
-        Busy::Reserve => (RESERVE_TIMERS, "dynamic, reserveBusyNodes"),
+    let timers = match busy {
+        Busy::Wait | Busy::Prefer => LIVE_TIMERS,
+        Busy::Reserve | Busy::PreferReserve => RESERVE_TIMERS,
     };
+    let name = busy.name();
     let p = pool::timed_policy(DYNAMIC_START, busy, timers);
     let replay = |sc| dynamic::replay(arrivals, s.nodes, sc, &p, s.mig_delay, s.seed);
     let model = replay(Scheduler::KubeDefault);

@@ -251,10 +251,8 @@ fn table(
         format!("admin's split: {}", admin.describe()),
         statics::replay(arrivals, admin, caps, scheduler, s.seed),
     ));
-    for (busy, name) in [
-        (Busy::Wait, "dynamic"),
-        (Busy::Reserve, "dynamic, reserveBusyNodes"),
-    ] {
+    for busy in Busy::ALL {
+        let name = busy.name();
         for &delay in &s.mig_delays {
             let p = dynamic_policy(s, busy);
             let mut o = dynamic::replay(arrivals, s.nodes, scheduler, &p, delay, s.seed);

@@ -39,6 +39,36 @@ pub(crate) enum Busy {
     Wait,
     /// `reserveBusyNodes`: demand cordons a busy node and reshapes it once its pods finish.
     Reserve,
+    /// `preferBusyNodes`: idle nodes carry the spare taint (`PreferNoSchedule`), so the
+    /// scheduler fills busy nodes first; demand waits for idle nodes.
+    Prefer,
+    /// `preferBusyNodes` and `reserveBusyNodes`.
+    PreferReserve,
+}
+
+impl Busy {
+    /// The fields of `spec.mig.dynamic` it sets, as flow-style YAML after a comma.
+    fn fields(self) -> &'static str {
+        match self {
+            Busy::Wait => "",
+            Busy::Reserve => ", reserveBusyNodes: {}",
+            Busy::Prefer => ", preferBusyNodes: true",
+            Busy::PreferReserve => ", preferBusyNodes: true, reserveBusyNodes: {}",
+        }
+    }
+
+    /// How the tables name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Busy::Wait => "dynamic",
+            Busy::Reserve => "dynamic, reserveBusyNodes",
+            Busy::Prefer => "dynamic, preferBusyNodes",
+            Busy::PreferReserve => "dynamic, preferBusyNodes + reserveBusyNodes",
+        }
+    }
+
+    /// Every way, in the tables' order.
+    pub const ALL: [Busy; 4] = [Busy::Wait, Busy::Reserve, Busy::Prefer, Busy::PreferReserve];
 }
 
 /// The node label the pool's dynamic policy selects on, and its value.
@@ -85,10 +115,7 @@ fn build(
     let dynamic = match dynamic {
         Some((busy, timers)) => {
             let others: Vec<&str> = LAYOUTS.iter().copied().filter(|l| *l != layout).collect();
-            let reserve = match busy {
-                Busy::Wait => "",
-                Busy::Reserve => ", reserveBusyNodes: {}",
-            };
+            let reserve = busy.fields();
             let timers = timers.map_or(String::new(), |t| {
                 format!(
                     ", quietSeconds: {}, maxDelaySeconds: {}, idleSeconds: {}, minLayoutLifetimeSeconds: {}",

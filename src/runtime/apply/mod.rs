@@ -25,7 +25,7 @@ pub use cluster_policy::apply_cluster_policy;
 pub use configmaps::{apply_configmaps, delete_unused_mig_configmap, delete_unused_vgpu_configmap};
 pub use demand::apply_demand;
 pub use evict::{EVICTION_WAIT, evict};
-pub use nodes::{apply_nodes, remove_readiness_taints};
+pub use nodes::{apply_nodes, remove_readiness_taints, set_spare_taints};
 pub use overlays::apply_node_overlays;
 
 /// One write to the API server.

@@ -206,3 +206,30 @@ pub async fn remove_readiness_taints(
     }
     Ok(())
 }
+
+/// Puts the spare taint on the idle nodes of `preferBusyNodes` policies and takes it off the
+/// others, as the plan says. A node whose taints changed meanwhile (or that is gone) is retried on
+/// the next pass; an admission refusal is recorded like any refused node write.
+pub async fn set_spare_taints(
+    ctx: &Context,
+    plan: &Plan,
+    report: &mut WriteReport,
+) -> Result<(), Error> {
+    for (node, present) in &plan.spare {
+        match crate::runtime::taints::set_spare(&ctx.client, node, *present).await {
+            Ok(true) => {
+                let what = if *present { "added" } else { "removed" };
+                debug!(%node, "{what} the spare taint");
+                report.record("Node", node.clone(), format!("{what} spare taint"));
+            }
+            Ok(false) => {}
+            Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409) => {
+                debug!(%node, error = %e, "spare taint not changed this pass");
+            }
+            // A refusal (admission, validation) is recorded and the pass goes on; an error that
+            // concerns every write ends it.
+            Err(e) => report.refused(crate::api::names::REFUSED_SPARE_TAINT, node, e.into())?,
+        }
+    }
+    Ok(())
+}
