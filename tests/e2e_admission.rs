@@ -591,12 +591,8 @@ async fn spare_taint_fence(sa: &Client, admin: &Client) {
         |effect: &str, value: &str| json!({"key": TAINT_SPARE, "effect": effect, "value": value});
     for (what, taints) in [
         (
-            "twice",
-            json!([
-                keep,
-                spare("PreferNoSchedule", ""),
-                spare("PreferNoSchedule", "")
-            ]),
+            "twice (a second effect; the same key and effect twice the API server refuses itself)",
+            json!([keep, spare("PreferNoSchedule", ""), spare("NoExecute", "")]),
         ),
         ("NoSchedule", json!([keep, spare("NoSchedule", "")])),
         (
