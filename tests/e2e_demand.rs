@@ -870,5 +870,31 @@ async fn pending_pods_get_idle_nodes_reshaped_and_the_scheduler_places_them() {
         Some(true),
         "the idle node keeps its taint"
     );
+
+    // 11. Deleting the policy (its pods gone first) takes the spare taint off before the
+    // policy's finalizer goes.
+    let now = kube::api::DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    for k in 0..=5 {
+        pods(&c).delete(&format!("packed-{k}"), &now).await.unwrap();
+    }
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .delete("dyn", &Default::default())
+        .await
+        .unwrap();
+    until("the policy gone", LONG, || async {
+        let gone = Api::<GpuSharingPolicy>::all(c.clone())
+            .get_opt("dyn")
+            .await
+            .ok()?
+            .is_none();
+        gone.then_some(())
+    })
+    .await;
+    for n in NODES {
+        assert_eq!(spare(n).await, Some(false), "{n} keeps no spare taint");
+    }
     op.stop().await;
 }

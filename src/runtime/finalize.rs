@@ -24,8 +24,11 @@ use crate::runtime::context::Context;
 use crate::runtime::error::Error;
 
 /// Policies being deleted whose node labels or config keys are still there (in the state this
-/// pass planned from, or in its plan).
+/// pass planned from, or in its plan), or while a spare taint (`preferBusyNodes`) is still to be
+/// taken off a node (its policy label goes in the same pass, so the taint cannot be traced to
+/// the policy any more: every policy being deleted waits for it).
 pub fn cleanup_pending(input: &PlanInput, plan: &Plan) -> BTreeSet<String> {
+    let untainting = plan.spare.iter().any(|(_, present)| !present);
     input
         .policies
         .iter()
@@ -44,7 +47,7 @@ pub fn cleanup_pending(input: &PlanInput, plan: &Plan) -> BTreeSet<String> {
                 .keys()
                 .chain(plan.device_config.keys())
                 .any(|k| nvidia::is_key_of(name, k));
-            labelled || keys_left
+            labelled || keys_left || untainting
         })
         .collect()
 }
