@@ -130,6 +130,17 @@ pub async fn set_spare(client: &Client, node: &str, present: bool) -> Result<boo
             serde_json::json!({"op": "remove", "path": format!("/spec/taints/{i}")})
         }
     };
+    patch_guarded(&api, &n, change).await?;
+    Ok(true)
+}
+
+/// One change of node `n`'s taints as a JSON patch guarded by the resourceVersion we read, under
+/// our field manager (as every write of ours, so the API server records it as ours).
+async fn patch_guarded(
+    api: &Api<Node>,
+    n: &Node,
+    change: serde_json::Value,
+) -> Result<(), kube::Error> {
     let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([
         {"op": "test", "path": "/metadata/resourceVersion", "value": n.resource_version()},
         change,
@@ -139,8 +150,9 @@ pub async fn set_spare(client: &Client, node: &str, present: bool) -> Result<boo
         field_manager: Some(MANAGER.into()),
         ..Default::default()
     };
-    api.patch(node, &params, &Patch::Json::<()>(patch)).await?;
-    Ok(true)
+    api.patch(&n.name_any(), &params, &Patch::Json::<()>(patch))
+        .await?;
+    Ok(())
 }
 
 /// Removes the readiness taint from a node: taints are an atomic list, so the removal is a JSON
@@ -152,16 +164,7 @@ pub async fn remove(client: &Client, node: &str, key: &str) -> Result<bool, kube
     let Some(i) = taint_index(&n, key) else {
         return Ok(false);
     };
-    let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([
-        {"op": "test", "path": "/metadata/resourceVersion", "value": n.resource_version()},
-        {"op": "remove", "path": format!("/spec/taints/{i}")},
-    ]))
-    .expect("a valid JSON patch");
-    // Under our field manager, as every write of ours, so the API server records it as ours.
-    let params = PatchParams {
-        field_manager: Some(MANAGER.into()),
-        ..Default::default()
-    };
-    api.patch(node, &params, &Patch::Json::<()>(patch)).await?;
+    let change = serde_json::json!({"op": "remove", "path": format!("/spec/taints/{i}")});
+    patch_guarded(&api, &n, change).await?;
     Ok(true)
 }
