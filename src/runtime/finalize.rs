@@ -24,11 +24,18 @@ use crate::runtime::context::Context;
 use crate::runtime::error::Error;
 
 /// Policies being deleted whose node labels or config keys are still there (in the state this
-/// pass planned from, or in its plan), or while a spare taint (`preferBusyNodes`) is still to be
-/// taken off a node (its policy label goes in the same pass, so the taint cannot be traced to
-/// the policy any more: every policy being deleted waits for it).
+/// pass planned from, or in its plan), or while a node that no policy governs any more still
+/// carries the spare taint (`preferBusyNodes`): its policy label goes in the same pass as the
+/// taint, so the taint cannot be traced to the policy any more, and every policy being deleted
+/// waits for it (whether or not its removal waits out a retry delay).
 pub fn cleanup_pending(input: &PlanInput, plan: &Plan) -> BTreeSet<String> {
-    let untainting = plan.spare.iter().any(|(_, present)| !present);
+    let untainting = input.nodes.iter().any(|n| {
+        let governed = plan
+            .node_labels
+            .get(&n.name)
+            .is_some_and(|l| l.get(LABEL_POLICY).is_some());
+        n.spare && !governed
+    });
     input
         .policies
         .iter()

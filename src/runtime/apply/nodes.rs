@@ -208,27 +208,43 @@ pub async fn remove_readiness_taints(
 }
 
 /// Puts the spare taint on the idle nodes of `preferBusyNodes` policies and takes it off the
-/// others, as the plan says. A node whose taints changed meanwhile (or that is gone) is retried on
-/// the next pass; an admission refusal is recorded like any refused node write.
+/// others, as the plan says, 16 nodes at a time. A node whose taints changed meanwhile (a 422
+/// from the guard of the JSON patch) or that is gone is retried on the next pass; a refusal
+/// (admission: 403) is remembered under its own kind, with the usual retry delay.
 pub async fn set_spare_taints(
     ctx: &Context,
     plan: &Plan,
     report: &mut WriteReport,
 ) -> Result<(), Error> {
-    for (node, present) in &plan.spare {
-        match crate::runtime::taints::set_spare(&ctx.client, node, *present).await {
+    let results: Vec<(String, bool, Result<bool, kube::Error>)> = stream::iter(plan.spare.clone())
+        .map(|(node, present): (String, bool)| {
+            let client = ctx.client.clone();
+            async move {
+                let r = crate::runtime::taints::set_spare(&client, &node, present).await;
+                (node, present, r)
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    for (node, present, r) in results {
+        match r {
             Ok(true) => {
-                let what = if *present { "added" } else { "removed" };
+                let what = if present { "added" } else { "removed" };
                 debug!(%node, "{what} the spare taint");
-                report.record("Node", node.clone(), format!("{what} spare taint"));
+                report.record(
+                    REFUSED_SPARE_TAINT,
+                    node.clone(),
+                    format!("{what} spare taint"),
+                );
             }
             Ok(false) => {}
-            Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409) => {
+            Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409 | 422) => {
                 debug!(%node, error = %e, "spare taint not changed this pass");
             }
-            // A refusal (admission, validation) is recorded and the pass goes on; an error that
-            // concerns every write ends it.
-            Err(e) => report.refused(crate::api::names::REFUSED_SPARE_TAINT, node, e.into())?,
+            // A refusal (admission, RBAC by name) is recorded and the pass goes on; an error
+            // that concerns every write ends it.
+            Err(e) => report.refused(REFUSED_SPARE_TAINT, &node, e.into())?,
         }
     }
     Ok(())
