@@ -1225,6 +1225,7 @@ impl Pods {
             let pod = GpuPod {
                 labels: Labels::default(),
                 priority: r.priority,
+                started: 0,
             };
             (r.id.clone(), pod)
         });
@@ -2935,6 +2936,7 @@ fn drain_mode_cordons_evicts_but_never_protected_pods_and_lifts_only_its_cordon(
         let keep = GpuPod {
             labels: [("keep", "yes")].into_iter().collect::<Labels>(),
             priority: 0,
+            started: 0,
         };
         v.gpu_pod_details = [("default/keep-0".to_string(), keep)].into();
         i
@@ -3940,6 +3942,7 @@ fn change(i: &mut PlanInput, c: &Change) {
                     let details = GpuPod {
                         labels: Labels::default(),
                         priority: i32::from(count) * 100,
+                        started: 0,
                     };
                     (p.clone(), details)
                 })

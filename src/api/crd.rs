@@ -886,7 +886,7 @@ pub struct ProfileDemand {
     /// Of those, instances nodes being reshaped will bring.
     pub coming: i64,
     /// Why demand left over waits (`ProfileNotInCatalogue`, `NoMatchingNode`, `NoIdleNode`,
-    /// `Cooldown`, `BudgetExhausted`, `RolloutStopped`, `Infeasible`).
+    /// `Cooldown`, `BudgetExhausted`, `RolloutStopped`, `Infeasible`, `ProfileInUse`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

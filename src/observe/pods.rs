@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Container, NodeSelectorTerm, Pod};
+use k8s_openapi::api::core::v1::{Container, NodeSelectorTerm, Pod, PodStatus};
 use kube::ResourceExt;
 
 use crate::plan::input::{GpuPod, PendingPod, Requirement};
@@ -50,10 +50,13 @@ fn strip_common(p: &mut Pod) {
 }
 
 /// A bound pod as the GPU-pod cache keeps it: what [`gpu_pods`] reads (node, resources,
-/// labels for `disruption.neverEvict`, priority).
+/// labels for `disruption.neverEvict`, priority, and of its status only `startTime`).
 pub fn strip_bound(p: &mut Pod) {
     strip_common(p);
-    p.status = None;
+    p.status = p.status.take().map(|s| PodStatus {
+        start_time: s.start_time,
+        ..Default::default()
+    });
     if let Some(spec) = p.spec.as_mut() {
         spec.affinity = None;
     }
@@ -212,6 +215,11 @@ pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
             let details = GpuPod {
                 labels: p.labels().clone().into(),
                 priority: p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+                started: p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.start_time.as_ref())
+                    .map_or(0, |t| t.0.as_second()),
             };
             out.gpu_pod_details.insert(id.clone(), details);
             out.gpu_pods.entry(node).or_default().push(id);
@@ -434,6 +442,9 @@ mod tests {
                         spec["priority"] = json!(p);
                     }
                     let mut status = json!({"phase": "Pending", "message": "m", "containerStatuses": []});
+                    if node.is_some() && prio.is_some_and(|p| p % 2 == 0) {
+                        status["startTime"] = json!("2026-12-06T09:00:00Z");
+                    }
                     if let Some(unschedulable) = cond {
                         status["conditions"] = json!([{
                             "type": "PodScheduled",

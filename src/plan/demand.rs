@@ -55,6 +55,9 @@ pub const BUDGET_EXHAUSTED: &str = "BudgetExhausted";
 /// The policy's rollout is paused or halted: demand starts no reshape until it resumes.
 pub const ROLLOUT_STOPPED: &str = "RolloutStopped";
 pub const INFEASIBLE: &str = "Infeasible";
+/// Every reshape that would serve the pod takes instances of a profile away from a pool that
+/// would then hold fewer than its running and pending pods ask for.
+pub const PROFILE_IN_USE: &str = "ProfileInUse";
 /// Demand younger than the quiet period (and the maximum delay) is left to batch.
 pub const BATCHING: &str = "Batching";
 
@@ -113,6 +116,8 @@ struct Choice {
     gained: Vec<usize>,
     lost: Vec<usize>,
     evicted: usize,
+    /// When its youngest GPU pod started (see [`youngest_pod`]).
+    young: i64,
     /// GPU pods running there (a reserved node waits for them).
     running: usize,
 }
@@ -498,7 +503,86 @@ fn take(supply: &mut BTreeMap<String, i64>, req: &[(String, i64)]) {
     }
 }
 
+/// The instances of each resource the policy's nodes have or are being given, and what the
+/// pods running on them and pending for them ask for. A reshape never takes instances of a
+/// profile away while the pool would then hold fewer than those pods ask for: serving one
+/// profile's queue must not start another's (a busy node reserved today is the capacity a
+/// profile's next pods need; the shortage would be reshaped back, one attrition later).
+#[derive(Default)]
+struct Stock {
+    have: BTreeMap<String, i64>,
+    need: BTreeMap<String, i64>,
+    /// The first resource a reshape was refused for: `(resource, have, need)`, for the
+    /// pods' reason.
+    refused: std::cell::RefCell<Option<(String, i64, i64)>>,
+}
+
+impl Stock {
+    /// Whether changing a node from offering `before` to `after` takes instances of a resource
+    /// away that running and pending pods need (notes the first such resource).
+    fn short(&self, before: Option<&BTreeMap<String, i64>>, after: &BTreeMap<String, i64>) -> bool {
+        let gone = before.into_iter().flatten().find_map(|(r, c)| {
+            let left = c - after.get(r).copied().unwrap_or(0);
+            let have = self.have.get(r).copied().unwrap_or(0);
+            let need = self.need.get(r).copied().unwrap_or(0);
+            (left > 0 && have - left < need).then(|| (r.clone(), have, need))
+        });
+        let short = gone.is_some();
+        let mut refused = self.refused.borrow_mut();
+        if refused.is_none() {
+            *refused = gone;
+        }
+        short
+    }
+
+    /// A node chosen now goes from offering `before` to `after`.
+    fn moved(
+        &mut self,
+        before: Option<&BTreeMap<String, i64>>,
+        after: Option<&BTreeMap<String, i64>>,
+    ) {
+        for (r, c) in before.into_iter().flatten() {
+            *self.have.entry(r.clone()).or_default() -= c;
+        }
+        for (r, c) in after.into_iter().flatten() {
+            *self.have.entry(r.clone()).or_default() += c;
+        }
+    }
+}
+
+/// When the youngest of the node's GPU pods started (`status.startTime`; one not started yet
+/// counts as starting `now`); 0 for an idle node.
+fn youngest_pod(v: &NodeView, now: i64) -> i64 {
+    v.gpu_pods
+        .iter()
+        .map(|p| {
+            v.gpu_pod_details
+                .get(p)
+                .map(|d| d.started)
+                .filter(|t| *t > 0)
+                .map_or(now, |t| t.min(now))
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 impl Policy<'_, '_> {
+    /// What the policy's nodes offer (as they are, or as they are being reshaped to) and what
+    /// their running pods and the pending pods `reqs` ask for.
+    fn stock(&self, reqs: &[Request]) -> Stock {
+        let mut stock = Stock::default();
+        for n in self.nodes.iter().filter(|n| !n.failed) {
+            stock.moved(None, self.layout_on(n, &n.layout).as_deref());
+            for (r, c) in &n.view.gpu_requests {
+                *stock.need.entry(r.clone()).or_default() += c;
+            }
+        }
+        for (r, c) in reqs.iter().flatten() {
+            *stock.need.entry(r.clone()).or_default() += c;
+        }
+        stock
+    }
+
     /// The pods this policy's nodes could take (by labels), highest priority first, then
     /// oldest, then by id; and the ones no node of it accepts.
     fn pods<'d>(&self, demand: &'d [PendingPod]) -> Vec<&'d PendingPod> {
@@ -575,6 +659,7 @@ impl Policy<'_, '_> {
         };
         let act = self.settled(&pods, &residual, out);
         let catalogue = catalogue(self.w);
+        let mut stock = self.stock(&reqs);
         let mut taken: BTreeSet<usize> = BTreeSet::new();
         while act && !residual.is_empty() {
             let best = self.best(
@@ -583,7 +668,7 @@ impl Policy<'_, '_> {
                 &placed,
                 &levels,
                 &catalogue,
-                &taken,
+                (&taken, &stock),
             );
             let Some(c) = best else {
                 break;
@@ -593,6 +678,11 @@ impl Policy<'_, '_> {
             }
             room -= 1;
             taken.insert(c.node);
+            let n = &self.nodes[c.node];
+            stock.moved(
+                self.layout_on(n, &n.layout).as_deref(),
+                self.layout_on(n, &c.layout).as_deref(),
+            );
             self.record(&c, &pods, &mut st, out);
             residual.retain(|k| !c.gained.contains(k));
             for k in c.lost {
@@ -603,7 +693,7 @@ impl Policy<'_, '_> {
         }
         // Reasons for what is left.
         for &k in &residual {
-            let why = self.why(pods[k], &catalogue, (&taken, room, act), out);
+            let why = self.why(pods[k], &catalogue, (&taken, room, act, &stock), out);
             st.unmet(pods[k], why);
         }
         let reshaping = self.reshaping(out);
@@ -790,6 +880,38 @@ impl Policy<'_, '_> {
         }
     }
 
+    /// The nodes in the order reshapes are asked of them, the first the one ties go to: idle
+    /// nodes first, then by when their youngest GPU pod started and how many run (a reserved
+    /// node waits for them to end: the node whose pods all started long ago is likely to
+    /// empty first), then by name.
+    fn order(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.nodes.len()).collect();
+        order.sort_by_key(|&i| {
+            let v = self.nodes[i].view;
+            (youngest_pod(v, self.now), v.gpu_pods.len(), i)
+        });
+        order
+    }
+
+    /// The residual pods `offer` on node `v` would hold, oldest first.
+    fn gains(
+        &self,
+        offer: &BTreeMap<String, i64>,
+        (pods, reqs): (&[&PendingPod], &[Request]),
+        residual: &[usize],
+        v: &NodeView,
+    ) -> Vec<usize> {
+        let mut s = offer.clone();
+        let mut gained = Vec::new();
+        for &k in residual {
+            if holds(&s, &reqs[k]) && self.fits(pods[k], v) {
+                take(&mut s, &reqs[k]);
+                gained.push(k);
+            }
+        }
+        gained
+    }
+
     /// The (node, layout) of most value among those that serve more residual pods than they
     /// displace (see [`value`]), with the residual pods it serves and
     /// the placed pods it displaces; `None` when no reshape serves more than it displaces.
@@ -800,7 +922,7 @@ impl Policy<'_, '_> {
         placed: &[Vec<usize>],
         levels: &[i32],
         catalogue: &[String],
-        taken: &BTreeSet<usize>,
+        (taken, stock): (&BTreeSet<usize>, &Stock),
     ) -> Option<Choice> {
         // Per priority level, the pending pods `ks` weighed by `weight`, plus `each` for every
         // evicted pod.
@@ -828,10 +950,8 @@ impl Policy<'_, '_> {
             |ks: &[usize], evicts: &[i32], each: i64| tally(ks, &|k| values[k], evicts, each);
         let mut best: Option<(Score, Choice)> = None;
         // Nodes of one class, with the same layout, no pods placed on them and none to evict,
-        // answer alike: the first stands for the others. Asked in order of running GPU pods
-        // (a reserved node waits for them), then by name, the first is the one ties go to.
-        let mut order: Vec<usize> = (0..self.nodes.len()).collect();
-        order.sort_by_key(|&i| (self.nodes[i].view.gpu_pods.len(), i));
+        // answer alike: the first stands for the others (in [`Policy::order`]).
+        let order = self.order();
         let mut asked: BTreeSet<(&str, &str)> = BTreeSet::new();
         for i in order {
             let n = &self.nodes[i];
@@ -851,36 +971,36 @@ impl Policy<'_, '_> {
                 let Some(offer) = self.layout_on(n, layout) else {
                     continue;
                 };
-                let mut s = (*offer).clone();
-                let mut gained = Vec::new();
-                for &k in residual {
-                    if holds(&s, &reqs[k]) && self.fits(pods[k], n.view) {
-                        take(&mut s, &reqs[k]);
-                        gained.push(k);
-                    }
-                }
+                let gained = self.gains(&offer, (pods, reqs), residual, n.view);
                 let lost = placed[i].clone();
                 let (g, l) = (score(&gained, &[]), score(&lost, evicts));
                 let net: Score = g.iter().zip(&l).map(|(a, b)| a - b).collect();
                 if net.iter().find(|x| **x != 0).is_none_or(|x| *x < 0) {
                     continue;
                 }
+                // A drain's trade is weighed above, pod for pod; a reshape that evicts nothing
+                // must not start a queue for a profile in use.
+                if evicts.is_empty() && stock.short(self.layout_on(n, &n.layout).as_deref(), &offer)
+                {
+                    continue;
+                }
                 let each = evicted_value(n.view);
                 let (g, l) = (worth(&gained, &[], each), worth(&lost, evicts, each));
                 let net: Score = g.iter().zip(&l).map(|(a, b)| a - b).collect();
-                // Ties go to the choice that evicts fewer pods, then waits for fewer (an idle
-                // node first).
-                let cost = (evicts.len(), running);
-                if best
-                    .as_ref()
-                    .is_none_or(|(b, c)| net > *b || net == *b && cost < (c.evicted, c.running))
-                {
+                // Ties go to the choice that evicts fewer pods, then to the node likelier to
+                // empty first (an idle node first; see [`Policy::order`]).
+                let young = youngest_pod(n.view, self.now);
+                let cost = (evicts.len(), young, running);
+                if best.as_ref().is_none_or(|(b, c)| {
+                    net > *b || net == *b && cost < (c.evicted, c.young, c.running)
+                }) {
                     let c = Choice {
                         node: i,
                         layout: layout.clone(),
                         gained,
                         lost,
                         evicted: evicts.len(),
+                        young,
                         running,
                     };
                     best = Some((net, c));
@@ -943,7 +1063,7 @@ impl Policy<'_, '_> {
         &self,
         p: &PendingPod,
         catalogue: &[String],
-        (taken, room, act): (&BTreeSet<usize>, usize, bool),
+        (taken, room, act, stock): (&BTreeSet<usize>, usize, bool, &Stock),
         out: &mut DemandPlan,
     ) -> (&'static str, String) {
         let mut class_fits: BTreeMap<&str, bool> = BTreeMap::new();
@@ -1018,14 +1138,14 @@ impl Policy<'_, '_> {
             {
                 recheck(out, wait);
             }
-            return self.no_room_why(room);
+            return self.no_room_why(room, stock);
         }
         self.blocked_why(p, &fitting, out)
     }
 
     /// Why a pod some free node could serve waits: the rollout is stopped, its budget is
     /// used up (`room` 0), or no reshape serves more than it displaces.
-    fn no_room_why(&self, room: usize) -> (&'static str, String) {
+    fn no_room_why(&self, room: usize, stock: &Stock) -> (&'static str, String) {
         if let Some(why) = &self.stopped {
             return (ROLLOUT_STOPPED, why.clone());
         }
@@ -1035,6 +1155,13 @@ impl Policy<'_, '_> {
                 "{budget} node(s) are already being reshaped, as many as the rollout budget allows"
             );
             return (BUDGET_EXHAUSTED, msg);
+        }
+        if let Some((resource, have, need)) = stock.refused.borrow().as_ref() {
+            let profile = resource.trim_start_matches("nvidia.com/mig-");
+            let msg = format!(
+                "the reshapes that would serve it take away {profile} instances, of which the pool has {have} and its running and pending pods ask for {need}"
+            );
+            return (PROFILE_IN_USE, msg);
         }
         (
             INFEASIBLE,

@@ -682,10 +682,11 @@ const RESERVE: &str = "      reserveBusyNodes: {maxWaitSeconds: 300}\n";
 /// Under `reserveBusyNodes` a busy node may be chosen whatever its pods' priority: it is
 /// cordoned, nothing is evicted, and its MIG label waits for the pods to finish. It is given
 /// back when the pods it waits for are gone or after `maxWaitSeconds`; between busy nodes,
-/// the one with fewer running pods is reserved.
+/// the one whose youngest pod started earliest is reserved, then the one with fewer pods.
+/// (Node "z", offering 7g.80gb and cooling down, keeps the running 7g pod's profile stocked.)
 #[test]
 fn busy_nodes_are_reserved_by_cordon_and_given_back_when_not_needed() {
-    let plan = plan_all(&input(RESERVE, vec![running(1000)], three(1)));
+    let plan = plan_all(&input(RESERVE, vec![running(1000), cooling()], three(1)));
     assert_eq!(
         plan.demand.annotations,
         [("a".to_string(), Some(format!("all-3g.40gb@{NOW}")))].into()
@@ -699,7 +700,7 @@ fn busy_nodes_are_reserved_by_cordon_and_given_back_when_not_needed() {
         plan.demand.events
     );
     // Chosen: cordoned, nothing evicted, the MIG label unchanged while the pod runs.
-    let plan = plan_all(&input(RESERVE, vec![chosen(1000)], three(2)));
+    let plan = plan_all(&input(RESERVE, vec![chosen(1000), cooling()], three(2)));
     assert!(plan.drains.is_empty(), "{:?}", plan.drains);
     assert_eq!(plan.node_annotations["a"][ANNOTATION_CORDONED], "true");
     assert_eq!(
@@ -712,7 +713,7 @@ fn busy_nodes_are_reserved_by_cordon_and_given_back_when_not_needed() {
     assert_eq!(plan.demand.recheck_in, Some(297), "at maxWaitSeconds");
     // The pods it waited for are gone: given back, keeping its layout.
     let back = [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into();
-    let plan = plan_all(&input(RESERVE, vec![chosen(0)], vec![]));
+    let plan = plan_all(&input(RESERVE, vec![chosen(0), cooling()], vec![]));
     assert_eq!(plan.demand.annotations, back);
     // It waited maxWaitSeconds: given back too.
     let mut late = chosen(0);
@@ -722,20 +723,106 @@ fn busy_nodes_are_reserved_by_cordon_and_given_back_when_not_needed() {
             ANNOTATION_MIG_DEMAND,
             format!("all-3g.40gb@{}", NOW - 301).as_str(),
         );
-    let plan = plan_all(&input(RESERVE, vec![late], three(2)));
+    let plan = plan_all(&input(RESERVE, vec![late, cooling()], three(2)));
     assert_eq!(plan.demand.annotations, back);
-    // Of two busy nodes, the one with fewer running pods.
+    // Of two busy nodes whose pods started alike, the one with fewer running pods.
     let mut a = running(0);
     a.gpu_pods.push("ml/run-2".into());
     let mut b = running(0);
     std::sync::Arc::make_mut(&mut b.facts).name = "b".into();
-    let plan = plan_all(&input(RESERVE, vec![a, b], three(1)));
+    let plan = plan_all(&input(
+        RESERVE,
+        vec![a.clone(), b.clone(), cooling()],
+        three(1),
+    ));
     assert_eq!(
         plan.demand.annotations.keys().collect::<Vec<_>>(),
         ["b"],
         "{:?}",
         plan.demand
     );
+    // The one whose youngest pod started earliest, though it runs more: its pods are
+    // likelier to end first. A pod with no start time yet counts as starting now.
+    let started = |v: &mut NodeView, at: i64| {
+        for d in v.gpu_pod_details.values_mut() {
+            d.started = at;
+        }
+    };
+    a.gpu_pod_details
+        .insert("ml/run-2".into(), crate::plan::input::GpuPod::default());
+    started(&mut a, NOW - 400);
+    started(&mut b, NOW - 20);
+    let plan = plan_all(&input(
+        RESERVE,
+        vec![a.clone(), b.clone(), cooling()],
+        three(1),
+    ));
+    assert_eq!(
+        plan.demand.annotations.keys().collect::<Vec<_>>(),
+        ["a"],
+        "{:?}",
+        plan.demand
+    );
+    a.gpu_pods.push("ml/run-3".into());
+    let plan = plan_all(&input(RESERVE, vec![a, b, cooling()], three(1)));
+    assert_eq!(
+        plan.demand.annotations.keys().collect::<Vec<_>>(),
+        ["b"],
+        "a pod not yet started is the youngest: {:?}",
+        plan.demand
+    );
+}
+
+/// Node "z" on all-7g.80gb, idle, its layout recorded by demand 3 s ago: cooling down, so
+/// never chosen, but its 7g.80gb instances count in the pool's stock.
+fn cooling() -> NodeView {
+    let mut z = node("z", "all-7g.80gb", SEVEN);
+    std::sync::Arc::make_mut(&mut z.facts).annotations.insert(
+        ANNOTATION_MIG_DEMAND,
+        format!("all-7g.80gb@{}", NOW - 3).as_str(),
+    );
+    z
+}
+
+/// A reshape that evicts nothing never takes instances of a profile away while the pool would
+/// then hold fewer than its running and pending pods ask for: the pods wait with
+/// `ProfileInUse`, naming the profile and the counts. With more of it elsewhere, it goes on.
+#[test]
+fn a_reshape_never_takes_away_instances_a_profile_in_use_needs() {
+    // The only 7g.80gb node runs a 7g pod: reserving it for 3g pods would leave none.
+    let plan = plan_all(&input(RESERVE, vec![running(0)], three(2)));
+    assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
+    let st = plan.statuses["dyn"].demand.clone().unwrap();
+    let waits = profile(&st, "3g.40gb");
+    assert_eq!(waits.reason.as_deref(), Some(PROFILE_IN_USE));
+    assert_eq!(
+        waits.message.as_deref(),
+        Some(
+            "the reshapes that would serve it take away 7g.80gb instances, of which the pool has 8 and its running and pending pods ask for 1"
+        )
+    );
+    // An idle 7g.80gb node too, while a 7g pod waits for it: it stays for that pod.
+    let seven = pod("ml/seven", "7g.80gb", 1, NOW - 5);
+    let mut pods = three(2);
+    pods.push(seven);
+    let idle = || {
+        let mut v = node("a", "all-7g.80gb", SEVEN);
+        v.last_busy = NOW - 3600;
+        v
+    };
+    let plan = plan_all(&input("", vec![idle()], pods));
+    assert!(plan.demand.annotations.is_empty(), "{:?}", plan.demand);
+    // With 7g.80gb instances to spare elsewhere, the busy node is reserved.
+    let plan = plan_all(&input(RESERVE, vec![running(0), cooling()], three(2)));
+    assert_eq!(
+        plan.demand.annotations.keys().collect::<Vec<_>>(),
+        ["a"],
+        "{:?}",
+        plan.demand
+    );
+    // A drain weighs its evictions pod for pod instead.
+    let plan = plan_all(&input(DRAIN, vec![running(0)], three(2)));
+    assert_eq!(plan.demand.drains, [("a".to_string(), 1)].into());
 }
 
 /// A node whose MIG manager failed on the layout demand chose brings nothing and is not

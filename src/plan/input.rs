@@ -91,6 +91,9 @@ pub struct GpuPod {
     /// `spec.priority`, 0 when unset (demand drains evict none above
     /// `drainBusyNodes.maxPodPriority`).
     pub priority: i32,
+    /// Unix seconds the kubelet started it (`status.startTime`), 0 while unknown: demand
+    /// reserves the busy node whose youngest pod is oldest, the one likely to empty first.
+    pub started: i64,
 }
 
 /// A pod the scheduler could not place (`PodScheduled=False`, reason `Unschedulable`) that asks

@@ -138,6 +138,8 @@ pub(crate) struct Node {
     pub pods: BTreeSet<usize>,
     /// The pods bound here changed since the flag was last taken.
     pub changed: bool,
+    /// When each pod bound here was bound (trace seconds).
+    pub started: std::collections::BTreeMap<usize, i64>,
 }
 
 impl Node {
@@ -211,6 +213,7 @@ impl<'a> Cluster<'a> {
             let n = &mut self.nodes[node];
             n.used[self.arrivals[pod].profile] -= 1;
             n.pods.remove(&pod);
+            n.started.remove(&pod);
             n.changed = true;
         }
     }
@@ -248,6 +251,7 @@ impl<'a> Cluster<'a> {
             let n = &mut self.nodes[node];
             n.used[profile] += 1;
             n.pods.insert(pod);
+            n.started.insert(pod, now);
             n.changed = true;
             self.running.push(Reverse((now + a.run, node, pod)));
             self.out.waits.push(now - a.at);

@@ -14,7 +14,7 @@ use gpu_sharing_operator::api::crd::GpuSharingPolicy;
 use gpu_sharing_operator::api::names::{ANNOTATION_CORDONED, LABEL_MIG_CONFIG, LABEL_MIG_STATE};
 use gpu_sharing_operator::converge;
 use gpu_sharing_operator::nvidia::state::ConfigState;
-use gpu_sharing_operator::plan::input::PendingPod;
+use gpu_sharing_operator::plan::input::{GpuPod, PendingPod};
 use gpu_sharing_operator::plan::{NodeView, PlanInput, Planner};
 
 use super::Outcome;
@@ -57,7 +57,7 @@ pub(crate) fn replay(
         let arrived = c.admit(s);
         observe(&mut c.nodes, &input.nodes, &any_pod);
         let bound = c.bind(s);
-        report_pods(&mut c.nodes, &mut input.nodes, arrivals, now);
+        report_pods(&mut c.nodes, &mut input.nodes, arrivals, (t0, now));
         update_demand(&mut input.cluster.demand, arrivals, arrived, &bound, t0);
         let started = Instant::now();
         let plan = planner.plan(&input);
@@ -134,15 +134,32 @@ fn reconfiguring(v: &NodeView) -> bool {
     )
 }
 
-/// Tells the planner what runs where: each node's GPU pods and the instances they hold, and
-/// when it last ran one.
-fn report_pods(nodes: &mut [Node], views: &mut [NodeView], arrivals: &[Arrival], now: i64) {
+/// Tells the planner what runs where: each node's GPU pods, when each started (bound: the
+/// model starts a pod as it binds it) and the instances they hold, and when it last ran one.
+fn report_pods(
+    nodes: &mut [Node],
+    views: &mut [NodeView],
+    arrivals: &[Arrival],
+    (t0, now): (i64, i64),
+) {
     for (n, v) in nodes.iter_mut().zip(views) {
         if !n.pods.is_empty() {
             v.last_busy = now;
         }
         if std::mem::take(&mut n.changed) {
             v.gpu_pods = n.pods.iter().map(|&k| arrivals[k].id.clone()).collect();
+            v.gpu_pod_details = n
+                .pods
+                .iter()
+                .map(|&k| {
+                    let started = t0 + n.started.get(&k).copied().unwrap_or(0);
+                    let d = GpuPod {
+                        started,
+                        ..Default::default()
+                    };
+                    (arrivals[k].id.clone(), d)
+                })
+                .collect();
             v.gpu_requests = n
                 .used()
                 .iter()
