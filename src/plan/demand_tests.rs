@@ -726,21 +726,15 @@ fn busy_nodes_are_reserved_by_cordon_and_given_back_when_not_needed() {
     let plan = plan_all(&input(RESERVE, vec![late, cooling()], three(2)));
     assert_eq!(plan.demand.annotations, back);
     // Of two busy nodes whose pods started alike, the one with fewer running pods.
+    let reserved = |nodes: Vec<NodeView>| {
+        let plan = plan_all(&input(RESERVE, nodes, three(1)));
+        plan.demand.annotations.into_keys().collect::<Vec<_>>()
+    };
     let mut a = running(0);
     a.gpu_pods.push("ml/run-2".into());
     let mut b = running(0);
     std::sync::Arc::make_mut(&mut b.facts).name = "b".into();
-    let plan = plan_all(&input(
-        RESERVE,
-        vec![a.clone(), b.clone(), cooling()],
-        three(1),
-    ));
-    assert_eq!(
-        plan.demand.annotations.keys().collect::<Vec<_>>(),
-        ["b"],
-        "{:?}",
-        plan.demand
-    );
+    assert_eq!(reserved(vec![a.clone(), b.clone(), cooling()]), ["b"]);
     // The one whose youngest pod started earliest, though it runs more: its pods are
     // likelier to end first. A pod with no start time yet counts as starting now.
     let started = |v: &mut NodeView, at: i64| {
@@ -752,24 +746,12 @@ fn busy_nodes_are_reserved_by_cordon_and_given_back_when_not_needed() {
         .insert("ml/run-2".into(), crate::plan::input::GpuPod::default());
     started(&mut a, NOW - 400);
     started(&mut b, NOW - 20);
-    let plan = plan_all(&input(
-        RESERVE,
-        vec![a.clone(), b.clone(), cooling()],
-        three(1),
-    ));
-    assert_eq!(
-        plan.demand.annotations.keys().collect::<Vec<_>>(),
-        ["a"],
-        "{:?}",
-        plan.demand
-    );
+    assert_eq!(reserved(vec![a.clone(), b.clone(), cooling()]), ["a"]);
     a.gpu_pods.push("ml/run-3".into());
-    let plan = plan_all(&input(RESERVE, vec![a, b, cooling()], three(1)));
     assert_eq!(
-        plan.demand.annotations.keys().collect::<Vec<_>>(),
+        reserved(vec![a, b, cooling()]),
         ["b"],
-        "a pod not yet started is the youngest: {:?}",
-        plan.demand
+        "a pod not yet started is the youngest"
     );
 }
 
