@@ -696,8 +696,8 @@ impl Policy<'_, '_> {
             let why = self.why(pods[k], &catalogue, (&taken, room, act, &stock), out);
             st.unmet(pods[k], why);
         }
-        let reshaping = self.reshaping(out);
         self.keep_recorded(&placed, out);
+        let reshaping = self.reshaping(out);
         out.statuses.insert(
             self.w.name.clone(),
             DemandStatus {
@@ -807,20 +807,27 @@ impl Policy<'_, '_> {
 
     /// `node: layout` of the nodes being reshaped, and of those chosen now.
     fn reshaping(&self, out: &DemandPlan) -> Vec<String> {
-        let mut reshaping: Vec<String> = self
-            .nodes
-            .iter()
-            .filter(|n| !n.configured && !n.failed)
-            .map(|n| format!("{}: {}", n.view.name(), n.layout))
-            .collect();
-        for (node, v) in &out.annotations {
-            if let (Some(v), Some(n)) = (v, self.nodes.iter().find(|n| n.view.name() == node)) {
-                let l = v.rsplit_once('@').map_or(v.as_str(), |(l, _)| l);
-                reshaping.push(format!("{}: {l}", n.view.name()));
+        let own = self.w.mig().map(|m| m.layout.as_str()).unwrap_or_default();
+        let mut reshaping = Vec::new();
+        for n in self.nodes.iter().filter(|n| !n.failed) {
+            let name = n.view.name();
+            // The layout the node is to run after this pass: chosen now, given back (kept),
+            // its recorded one, or the policy's own once the record goes.
+            let target = match out.annotations.get(name) {
+                Some(Some(v)) => v.rsplit_once('@').map_or(v.as_str(), |(l, _)| l),
+                Some(None) => own,
+                None => n.layout.as_str(),
+            };
+            let pending = if target == n.layout {
+                !n.configured
+            } else {
+                !mig_of(n.view).confirmed(target)
+            };
+            if pending {
+                reshaping.push(format!("{name}: {target}"));
             }
         }
         reshaping.sort();
-        reshaping.dedup();
         reshaping
     }
 

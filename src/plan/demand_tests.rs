@@ -715,6 +715,11 @@ fn busy_nodes_are_reserved_by_cordon_and_given_back_when_not_needed() {
     let back = [("a".to_string(), Some(format!("all-7g.80gb@{NOW}")))].into();
     let plan = plan_all(&input(RESERVE, vec![chosen(0), cooling()], vec![]));
     assert_eq!(plan.demand.annotations, back);
+    let st = plan.statuses["dyn"].demand.clone().unwrap();
+    assert!(
+        st.reshaping.is_empty(),
+        "a node given back is not reshaping: {st:?}"
+    );
     // It waited maxWaitSeconds: given back too.
     let mut late = chosen(0);
     std::sync::Arc::make_mut(&mut late.facts)
