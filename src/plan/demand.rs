@@ -98,6 +98,9 @@ struct Node<'a> {
     /// may not take it busy (neither setting, or a pod above the ceiling or protected by
     /// `disruption.neverEvict`).
     evicts: Option<Vec<i32>>,
+    /// When its youngest GPU pod started (see [`youngest_pod`]): reshapes are asked of the
+    /// nodes likeliest to empty first.
+    young: i64,
 }
 
 /// A layout's device-plugin resources on a node: resource -> count.
@@ -116,8 +119,6 @@ struct Choice {
     gained: Vec<usize>,
     lost: Vec<usize>,
     evicted: usize,
-    /// When its youngest GPU pod started (see [`youngest_pod`]).
-    young: i64,
     /// GPU pods running there (a reserved node waits for them).
     running: usize,
 }
@@ -442,6 +443,7 @@ fn node<'a>(w: &Prepared, v: &'a NodeView, offers: &Offers, now: i64) -> Node<'a
         failed,
         supply,
         evicts,
+        young: youngest_pod(v, now),
     }
 }
 
@@ -894,8 +896,8 @@ impl Policy<'_, '_> {
     fn order(&self) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.nodes.len()).collect();
         order.sort_by_key(|&i| {
-            let v = self.nodes[i].view;
-            (youngest_pod(v, self.now), v.gpu_pods.len(), i)
+            let n = &self.nodes[i];
+            (n.young, n.view.gpu_pods.len(), i)
         });
         order
     }
@@ -973,6 +975,7 @@ impl Policy<'_, '_> {
             {
                 continue;
             }
+            let current = self.layout_on(n, &n.layout);
             let others = catalogue.iter().filter(|l| **l != n.layout);
             for layout in others.filter(|l| self.offers.mig_on(l)) {
                 let Some(offer) = self.layout_on(n, layout) else {
@@ -987,8 +990,7 @@ impl Policy<'_, '_> {
                 }
                 // A drain's trade is weighed above, pod for pod; a reshape that evicts nothing
                 // must not start a queue for a profile in use.
-                if evicts.is_empty() && stock.short(self.layout_on(n, &n.layout).as_deref(), &offer)
-                {
+                if evicts.is_empty() && stock.short(current.as_deref(), &offer) {
                     continue;
                 }
                 let each = evicted_value(n.view);
@@ -996,10 +998,10 @@ impl Policy<'_, '_> {
                 let net: Score = g.iter().zip(&l).map(|(a, b)| a - b).collect();
                 // Ties go to the choice that evicts fewer pods, then to the node likelier to
                 // empty first (an idle node first; see [`Policy::order`]).
-                let young = youngest_pod(n.view, self.now);
-                let cost = (evicts.len(), young, running);
+                let cost = (evicts.len(), n.young, running);
                 if best.as_ref().is_none_or(|(b, c)| {
-                    net > *b || net == *b && cost < (c.evicted, c.young, c.running)
+                    let young = self.nodes[c.node].young;
+                    net > *b || net == *b && cost < (c.evicted, young, c.running)
                 }) {
                     let c = Choice {
                         node: i,
@@ -1007,7 +1009,6 @@ impl Policy<'_, '_> {
                         gained,
                         lost,
                         evicted: evicts.len(),
-                        young,
                         running,
                     };
                     best = Some((net, c));
