@@ -166,11 +166,7 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<crate::plan::capacity::Adv
     {
         spec = std::borrow::Cow::Owned(p.spec.with_mig_layout(l));
     }
-    crate::plan::capacity::device_plugin_advertises(
-        &spec,
-        n,
-        input.cluster.base_mig_configs.as_ref(),
-    )
+    crate::plan::backend::advertises(&spec, n, input.cluster.base_mig_configs.as_ref())
 }
 
 /// NVIDIA's components answer, all successfully: the MIG manager confirms a pending layout, the

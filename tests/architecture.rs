@@ -1166,3 +1166,76 @@ fn the_crate_doc_check_catches_a_missing_or_unknown_module() {
         ["no ```text diagram in the doc comment"]
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// One surface per backend
+
+/// Files of `src/plan/` (outside `backend/`) that may read a policy's `strategy` or `backend`:
+/// where a spec picks its backend (`backing.rs`, `Kind::of`; `policies.rs`, the VM workload it
+/// builds into the `Backing`), and checks of policies against each other cluster-wide
+/// (`assign.rs`) and of a node's GPUs or MIG geometry against a strategy (`compat.rs`,
+/// `geometry.rs`).
+const READS_STRATEGY: [&str; 5] = [
+    "plan/assign.rs",
+    "plan/backing.rs",
+    "plan/compat.rs",
+    "plan/geometry.rs",
+    "plan/policies.rs",
+];
+
+/// Where non-test code reads a spec's strategy or backend (`spec.strategy`, `Strategy::X`,
+/// `Backend::X`, `.is_vm()`), as `file:line: text`.
+fn strategy_reads(rel: &str, text: &str) -> Vec<String> {
+    let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+    code.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim_start().starts_with("//"))
+        .filter(|(_, l)| {
+            [
+                "spec.strategy",
+                "spec.backend",
+                "Strategy::",
+                "Backend::",
+                ".is_vm()",
+            ]
+            .iter()
+            .any(|p| {
+                l.match_indices(p).any(|(i, _)| {
+                    // `MigStrategy::` is MIG's own setting, not the backend.
+                    !(p == &"Strategy::" && l[..i].ends_with("Mig"))
+                })
+            })
+        })
+        .map(|(i, l)| format!("src/{rel}:{}: {}", i + 1, l.trim()))
+        .collect()
+}
+
+/// Each backend answers in its own file of `src/plan/backend/`, through the registry there:
+/// the rest of the planner never dispatches on a policy's strategy or backend, so a new backend
+/// is a new file and its arms in the registry.
+#[test]
+fn only_the_backend_files_dispatch_on_a_policys_strategy() {
+    let reads: Vec<String> = sources()
+        .iter()
+        .filter(|(rel, _)| rel.starts_with("plan/") && !rel.starts_with("plan/backend/"))
+        .filter(|(rel, _)| !READS_STRATEGY.contains(&rel.as_str()) && !rel.ends_with("_tests.rs"))
+        .flat_map(|(rel, text)| strategy_reads(rel, text))
+        .collect();
+    assert!(
+        reads.is_empty(),
+        "dispatch on the policy's backend through plan/backend/ (its registry, mod.rs) instead:\n{}",
+        reads.join("\n")
+    );
+}
+
+#[test]
+fn the_strategy_check_sees_a_dispatch_and_not_mig_strategy() {
+    let text = "fn f() {\n  if w.spec.strategy == Strategy::Mig {}\n  // spec.strategy in a comment\n  let s = MigStrategy::Mixed;\n  let v = p.spec.strategy.is_vm();\n}\n#[cfg(test)]\nmod tests { fn t() { Strategy::Mps; } }\n";
+    assert_eq!(
+        strategy_reads("plan/x.rs", text),
+        [
+            "src/plan/x.rs:2: if w.spec.strategy == Strategy::Mig {}",
+            "src/plan/x.rs:5: let v = p.spec.strategy.is_vm();",
+        ]
+    );
+}

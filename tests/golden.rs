@@ -833,6 +833,12 @@ fn render_single_pass_shows_the_first_writes() {
     let mps = status_of(&docs, "h200-mps");
     assert_eq!(ready(mps), "False", "{mps}");
     assert_eq!(mps["appliedNodes"], 0);
+    // Before any node is applied the capacity still says what the strategy isolates: MIG
+    // instances time-sliced x2 share their memory.
+    let mig = status_of(&docs, "a100-mig-shared");
+    assert_eq!(mig["appliedNodes"], 0, "{mig}");
+    assert_eq!(mig["capacity"]["memoryIsolation"], false, "{mig}");
+    assert_eq!(mps["capacity"]["memoryIsolation"], true, "{mps}");
     let a100 = docs
         .iter()
         .find(|d| d["kind"] == "Node" && d["metadata"]["name"] == "a100-0")

@@ -20,15 +20,15 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::{Value, json};
 
-use crate::api::crd::Strategy;
-use crate::api::crd::{AutoscalingStatus, Backend, NodeOverlayStatus, NodePoolMatch};
+use crate::api::crd::{AutoscalingStatus, NodeOverlayStatus, NodePoolMatch};
 use crate::api::names::{
     LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_NODEPOOL,
     LABEL_POLICY, LABEL_WORKLOAD, MANAGED_BY, PROVIDER_COUNT_LABELS, PROVIDER_GPU_LABELS,
 };
 use crate::nvidia;
 
-use super::capacity;
+use super::backend;
+use super::backing::Kind;
 use super::facts::{gpu_count, sandbox_resources};
 use super::input::{AutoscalingFacts, NodePool, Requirement, Sandbox};
 use super::labels::{Labels, selector_matches};
@@ -278,76 +278,30 @@ fn is_known_key(key: &str) -> bool {
 type Capacity = BTreeMap<String, String>;
 
 /// The resources a node of this instance type advertises under the policy, as a Karpenter
-/// capacity map; `nvidia.com/gpu` is set to 0 when the policy advertises the GPUs under other
-/// names (MIG `mixed`, `renameByDefault`, VMs), so Karpenter does not count them twice. `Err`
-/// says why it is unknown.
+/// capacity map (the policy's backend answers, see [`backend::type_resources`]);
+/// `nvidia.com/gpu` is set to 0 when the policy advertises the GPUs under other names (MIG
+/// `mixed`, `renameByDefault`, VMs), so Karpenter does not count them twice. `Err` says why it
+/// is unknown.
 fn overlay_capacity(
     p: &Prepared,
     it: &InstanceType,
     base: Option<&BTreeMap<String, Value>>,
     sandbox: &Sandbox,
 ) -> Result<Capacity, String> {
-    let mut out = if p.spec.strategy.is_vm() {
-        vm_capacity(p, it, sandbox)?
-    } else {
-        let facts = NodeFacts {
-            labels: Labels::from_pairs(
-                it.labels
-                    .iter()
-                    .map(|(k, v)| (k.as_str().into(), v.as_str().into()))
-                    .collect(),
-            ),
-            ..Default::default()
-        };
-        let adv = capacity::device_plugin_advertises(p.spec, &facts, base).ok_or_else(|| {
-            let gpu = it.labels.get(LABEL_GPU_PRODUCT);
-            format!(
-                "the capacity is unknown for {}",
-                gpu.map_or("this GPU", |s| s.as_str())
-            )
-        })?;
-        adv.resources
-            .iter()
-            .map(|(r, (min, _))| (r.clone(), min.to_string()))
-            .collect()
+    let facts = NodeFacts {
+        labels: Labels::from_pairs(
+            it.labels
+                .iter()
+                .map(|(k, v)| (k.as_str().into(), v.as_str().into()))
+                .collect(),
+        ),
+        ..Default::default()
     };
+    let gpus = (it.gpus, it.pci_name.as_deref());
+    let mut out = backend::type_resources(p, &facts, gpus, base, sandbox)?;
     out.entry(nvidia::GPU_RESOURCE.to_string())
         .or_insert_with(|| "0".into());
     Ok(out)
-}
-
-/// What the sandbox device plugin (KubeVirt's, deployed by the GPU Operator) advertises on a VM
-/// host of this type: passthrough GPUs under their PCI device name, vGPUs under
-/// `NVIDIA_<type>`, as many as the policy's layout creates on this many GPUs.
-fn vm_capacity(p: &Prepared, it: &InstanceType, sandbox: &Sandbox) -> Result<Capacity, String> {
-    if let Some(m) = sandbox.mode.as_deref().filter(|m| *m != "kubevirt") {
-        return Err(format!(
-            "the ClusterPolicy's sandboxWorkloads.mode is {m}: no KubeVirt device plugin advertises the GPUs"
-        ));
-    }
-    if p.spec.strategy == Strategy::Passthrough {
-        let name = it.pci_name.as_ref().ok_or(
-            "the sandbox device plugin's name for its GPUs is unknown: no passthrough node of this type runs, and the instance-type table gives no pciDeviceName",
-        )?;
-        return Ok(BTreeMap::from([(
-            format!("nvidia.com/{name}"),
-            it.gpus.to_string(),
-        )]));
-    }
-    if !sandbox.vgpu_manager_enabled {
-        return Err(
-            "the ClusterPolicy's vgpuManager.enabled is false: no vGPU devices are created".into(),
-        );
-    }
-    let entries = p.vm().map_or(&[][..], |v| &v.vgpu_entries);
-    if entries.is_empty() || entries.iter().any(|e| e.device_filter.is_some()) {
-        return Err("the vGPU layout's devices per GPU are unknown for this type".into());
-    }
-    let by_type = super::capacity::vgpu_devices(entries, it.gpus).unwrap_or_default();
-    Ok(by_type
-        .into_iter()
-        .map(|(t, c)| (format!("nvidia.com/NVIDIA_{t}"), c.to_string()))
-        .collect())
 }
 
 /// One overlay being built: its capacity and what it matches (instance types by name, or, for
@@ -480,7 +434,7 @@ impl Pass<'_> {
             r.why.push(format!("{t}: won by policy {w}"));
             return;
         }
-        if by_label.is_some() && p.spec.strategy == Strategy::Mig {
+        if by_label.is_some() && p.kind() == Kind::Mig {
             r.why.push(format!(
                 "{t}: MIG capacity needs the GPU model, which the count label does not give"
             ));
@@ -570,7 +524,7 @@ pub fn plan(
     let mut overlays = BTreeMap::new();
     let mut statuses = BTreeMap::new();
     for p in prepared {
-        if !p.errors.is_empty() || p.spec.backend == Backend::Dra {
+        if !p.errors.is_empty() || p.kind() == Kind::Dra {
             continue;
         }
         let mut st = AutoscalingStatus {

@@ -9,8 +9,41 @@
 
 use std::collections::BTreeMap;
 
+use crate::api::crd::{Backend, GpuSharingPolicySpec, Strategy};
 use crate::nvidia::MigConfigEntry;
 use crate::nvidia::vgpu::VgpuConfigEntry;
+
+/// Which backend serves a policy's nodes. [`Kind::of`] is the one place a policy's spec picks
+/// it: everything after reads the kind (or the [`Backing`] it carries), and each kind's logic
+/// lives in its own file of `plan/backend/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// NVIDIA's device plugin shares whole GPUs: exclusive, time-slicing or MPS.
+    Sharing,
+    /// MIG instances through the MIG manager, through the device plugin.
+    Mig,
+    /// Virtual machines through the sandbox stack: passthrough or vGPU.
+    Vm,
+    /// NVIDIA's DRA driver (any strategy it shares by).
+    Dra,
+}
+
+impl Kind {
+    /// The backend `spec` asks for (valid or not).
+    pub fn of(spec: &GpuSharingPolicySpec) -> Kind {
+        match (spec.backend, spec.strategy) {
+            (Backend::Dra, _) => Kind::Dra,
+            (_, Strategy::Vgpu | Strategy::Passthrough) => Kind::Vm,
+            (_, Strategy::Mig) => Kind::Mig,
+            (_, Strategy::Exclusive | Strategy::TimeSlicing | Strategy::Mps) => Kind::Sharing,
+        }
+    }
+
+    /// Whether NVIDIA's device plugin serves the node (a device-plugin config key applies).
+    pub fn device_plugin(self) -> bool {
+        matches!(self, Kind::Sharing | Kind::Mig)
+    }
+}
 
 /// A valid policy's backend and what it renders to besides its device-plugin config.
 #[derive(Debug, Clone, PartialEq)]

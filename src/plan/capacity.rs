@@ -1,20 +1,18 @@
-//! Capacity: what a policy's applied nodes offer (GPUs, schedulable replicas, memory and threads
-//! per client, memory isolation), from node labels and the policy's settings.
+//! Capacity's vocabulary: what one node offers ([`NodeCapacity`]: GPUs, schedulable replicas,
+//! memory and threads per client, memory isolation), what the device plugin advertises
+//! ([`Advertised`]), how a policy's total adds up; and the arithmetic of MIG layouts (which
+//! instances a named or custom layout gives a node's GPUs) that the MIG backend and demand
+//! planning share. Each backend answers its own nodes' capacity in `backend/`.
 
 use std::collections::BTreeMap;
 
-use crate::api::crd::{
-    Capacity, GpuSharingPolicySpec, Mig, MigDeviceGroup, MigStrategy, Strategy, TimeSlicing,
-};
+use crate::api::crd::{Capacity, Mig, MigDeviceGroup, MigStrategy, TimeSlicing};
 use crate::api::names::LABEL_GPU_PRODUCT;
 use crate::nvidia::mig::{self, MigProfile};
 use crate::nvidia::vgpu::VgpuConfigEntry;
 use crate::nvidia::{self, MIG_DISABLED_LAYOUT};
 
 use super::facts::NodeFacts;
-use super::facts::sandbox_resources;
-use super::policies::Prepared;
-
 use super::facts::{gpu_count, gpu_memory_mib};
 
 /// GPUs a custom layout's groups list by index (a group without indices covers the rest).
@@ -52,7 +50,7 @@ fn total(devices: &[(MigProfile, i64)]) -> i64 {
 }
 
 /// MIG-instance counts of a node under a MIG policy, when known.
-fn mig_instances(
+pub(crate) fn mig_instances(
     mig: &Mig,
     base: Option<&BTreeMap<String, serde_json::Value>>,
     gpus: i64,
@@ -64,13 +62,13 @@ fn mig_instances(
 /// What GPU Feature Discovery says of a node's GPUs that picks a named layout's entry: the
 /// product (through its PCI device IDs, which the entries' `device-filter` names) and memory.
 #[derive(Clone, Copy, Default)]
-struct Gpu<'a> {
+pub(crate) struct Gpu<'a> {
     product: Option<&'a str>,
     memory_mib: Option<i64>,
 }
 
 impl<'a> Gpu<'a> {
-    fn of(node: &'a NodeFacts) -> Self {
+    pub(crate) fn of(node: &'a NodeFacts) -> Self {
         Gpu {
             product: node.labels.get(LABEL_GPU_PRODUCT),
             memory_mib: gpu_memory_mib(node),
@@ -118,7 +116,7 @@ fn mig_instances_known(
 /// custom layout and for a named layout whose entries all agree; for a named layout with one
 /// entry per GPU model (by PCI device ID, which node labels do not carry), each different entry
 /// that fits this node's GPUs (see `entry_fits`). `None` when unknown.
-fn mig_candidates(
+pub(crate) fn mig_candidates(
     mig: &Mig,
     base: Option<&BTreeMap<String, serde_json::Value>>,
     gpus: i64,
@@ -187,7 +185,7 @@ fn mig_candidates(
 /// `nvidia.com/gpu.count` counts the instances), so the physical count is the instances divided
 /// by those per GPU: the named layout's entry that divides them (the largest, as the memory of
 /// a relabelled node no longer tells the GPU model), or a custom layout's groups.
-fn physical_gpus(
+pub(crate) fn physical_gpus(
     mig: &Mig,
     base: Option<&BTreeMap<String, serde_json::Value>>,
     n: &NodeFacts,
@@ -264,56 +262,6 @@ pub fn profile_fits_memory(p: &MigProfile, memory_mib: i64) -> bool {
     })
 }
 
-pub fn replicas_of(spec: &GpuSharingPolicySpec) -> i32 {
-    let ts_replicas = |ts: &crate::api::crd::TimeSlicing| {
-        ts.replicas
-            .unwrap_or_else(|| ts.resources.iter().map(|r| r.replicas).max().unwrap_or(1))
-    };
-    match spec.strategy {
-        Strategy::Exclusive => 1,
-        Strategy::TimeSlicing => spec.time_slicing.as_ref().map_or(1, ts_replicas),
-        Strategy::Mps => spec.mps.as_ref().map_or(1, |m| m.replicas),
-        Strategy::Mig => spec
-            .mig
-            .as_ref()
-            .and_then(|m| m.time_slicing.as_ref())
-            .map_or(1, ts_replicas),
-        Strategy::Vgpu | Strategy::Passthrough => 1,
-    }
-}
-
-/// One VM node's capacity: passthrough hands out whole GPUs; vGPU the layout's vGPU devices,
-/// each with its type's framebuffer (the smallest type's, when a layout mixes them). GPUs are
-/// counted from GPU Feature Discovery's label (left from the node's container days) or else the
-/// sandbox device plugin's allocatable.
-pub fn vm_capacity(p: &Prepared, node: &NodeFacts) -> NodeCapacity {
-    // Without GFD's count, a passthrough host's GPUs are what the sandbox device plugin
-    // advertises, bounded as GFD's count is.
-    let sandbox = sandbox_resources(node)
-        .iter()
-        .map(|(_, c)| *c)
-        .fold(0i64, i64::saturating_add)
-        .min(super::facts::MAX_GPUS_PER_NODE);
-    let gpus = gpu_count(node).unwrap_or(if p.spec.strategy == Strategy::Passthrough {
-        sandbox
-    } else {
-        0
-    });
-    let mem = gpu_memory_mib(node);
-    if p.spec.strategy == Strategy::Passthrough {
-        return cap(gpus, Some(gpus), mem, Some(100), true);
-    }
-    let entries = p.vm().map_or(&[][..], |v| &v.vgpu_entries);
-    let total = vgpu_devices(entries, gpus).map(|by_type| by_type.values().sum::<i64>());
-    let fb = entries
-        .iter()
-        .flat_map(|e| e.vgpu_devices.keys())
-        .filter_map(|t| nvidia::vgpu::parse_vgpu_type(t))
-        .map(|t| t.framebuffer_mib())
-        .min();
-    cap(gpus, total, fb, None, true)
-}
-
 /// The vGPU devices a layout creates on a node of `gpus` GPUs, by vGPU type (`None`: the layout
 /// is unknown). An entry applies to every GPU (`devices: all`, without a device filter, whose
 /// GPUs are not known here) or to the GPU indices it lists. The one count for a node's
@@ -349,7 +297,7 @@ pub struct NodeCapacity {
 }
 
 /// Shorthand for the table below.
-fn cap(
+pub(crate) fn cap(
     physical_gpus: i64,
     schedulable: Option<i64>,
     memory_per_client_mib: Option<i64>,
@@ -363,6 +311,13 @@ fn cap(
         threads_per_client_percent,
         memory_isolation,
     }
+}
+
+/// The most replicas time-slicing settings give any resource (`replicas`, or the largest of
+/// the per-resource entries).
+pub fn most_replicas(ts: &TimeSlicing) -> i32 {
+    ts.replicas
+        .unwrap_or_else(|| ts.resources.iter().map(|r| r.replicas).max().unwrap_or(1))
 }
 
 /// Replicas of each device of `res` under time-slicing settings (1: not replicated). Without
@@ -384,7 +339,7 @@ pub fn ts_replicas(ts: &TimeSlicing, res: &str) -> i64 {
 
 /// The name the device plugin advertises `res` under: `<res>.shared` when replicated and renamed
 /// by default (a per-resource `rename` is ignored at runtime by the device plugin).
-fn advertised_name(res: &str, replicas: i64, rename_by_default: bool) -> String {
+pub(crate) fn advertised_name(res: &str, replicas: i64, rename_by_default: bool) -> String {
     if replicas > 1 && rename_by_default {
         format!("{res}.shared")
     } else {
@@ -402,84 +357,9 @@ pub struct Advertised {
     pub resources: BTreeMap<String, (i64, i64)>,
 }
 
-/// What the device plugin advertises on `node` under a device-plugin policy, when we know it:
-/// `None` without GPU Feature Discovery's GPU count, for VM and DRA policies, and for a MIG
-/// layout we cannot read. Under MIG `mixed` only the MIG profiles' resources are named.
-pub fn device_plugin_advertises(
-    spec: &GpuSharingPolicySpec,
-    node: &NodeFacts,
-    base: Option<&BTreeMap<String, serde_json::Value>>,
-) -> Option<Advertised> {
-    if spec.backend == crate::api::crd::Backend::Dra || spec.strategy.is_vm() {
-        return None;
-    }
-    let count = gpu_count(node)?;
-    let gpu = nvidia::GPU_RESOURCE;
-    let one = |name: String, units: i64| Advertised {
-        resources: [(name, (units, units))].into_iter().collect(),
-    };
-    match spec.strategy {
-        Strategy::Exclusive => Some(one(gpu.to_string(), count)),
-        Strategy::TimeSlicing => {
-            let ts = spec.time_slicing.as_ref()?;
-            let r = ts_replicas(ts, gpu);
-            Some(one(
-                advertised_name(gpu, r, ts.rename_by_default),
-                count * r,
-            ))
-        }
-        Strategy::Mps => {
-            let m = spec.mps.as_ref()?;
-            let r = m.replicas as i64;
-            Some(one(advertised_name(gpu, r, m.rename_by_default), count * r))
-        }
-        Strategy::Mig => {
-            let mig = spec.mig.as_ref()?;
-            let mem = gpu_memory_mib(node);
-            let gpus = physical_gpus(mig, base, node, count, mem);
-            let candidates = mig_candidates(mig, base, gpus, Gpu::of(node))?;
-            // GPUs with MIG off are served whole, as `nvidia.com/gpu`, under either strategy.
-            let whole = mig_disabled_gpus(mig, gpus);
-            let per: Vec<BTreeMap<String, i64>> = candidates
-                .iter()
-                .map(|c| {
-                    let mut r = mig_resources(mig, c);
-                    if whole > 0 {
-                        let ts = mig.time_slicing.as_ref();
-                        let listed = ts
-                            .and_then(|t| {
-                                t.resources
-                                    .iter()
-                                    .find(|x| nvidia::qualify_resource(&x.name) == gpu)
-                            })
-                            .map_or(1, |x| x.replicas as i64);
-                        let name =
-                            advertised_name(gpu, listed, ts.is_some_and(|t| t.rename_by_default));
-                        *r.entry(name).or_insert(0) += whole * listed;
-                    }
-                    r
-                })
-                .collect();
-            let names: std::collections::BTreeSet<&String> =
-                per.iter().flat_map(|m| m.keys()).collect();
-            let resources: BTreeMap<String, (i64, i64)> = names
-                .into_iter()
-                .map(|r| {
-                    let counts = per.iter().map(|m| m.get(r).copied().unwrap_or(0));
-                    let min = counts.clone().min().unwrap_or(0);
-                    let max = counts.max().unwrap_or(0);
-                    (r.clone(), (min, max))
-                })
-                .collect();
-            (!resources.is_empty()).then_some(Advertised { resources })
-        }
-        Strategy::Vgpu | Strategy::Passthrough => None,
-    }
-}
-
 /// The GPUs a MIG layout leaves with MIG off: every GPU under `all-disabled`, those of a custom
 /// layout's disabled groups.
-fn mig_disabled_gpus(mig: &Mig, gpus: i64) -> i64 {
+pub(crate) fn mig_disabled_gpus(mig: &Mig, gpus: i64) -> i64 {
     if let Some(groups) = &mig.custom_layout {
         let listed = listed_gpus(groups);
         return groups
@@ -500,14 +380,11 @@ fn mig_disabled_gpus(mig: &Mig, gpus: i64) -> i64 {
 
 /// The device plugin's resources for these MIG instances: per profile under `mixed`, all as
 /// `nvidia.com/gpu` under `single`; times the time-slicing replicas, renamed when asked.
-fn mig_resources(mig: &Mig, instances: &[(MigProfile, i64)]) -> BTreeMap<String, i64> {
+pub(crate) fn mig_resources(mig: &Mig, instances: &[(MigProfile, i64)]) -> BTreeMap<String, i64> {
     let ts = mig.time_slicing.as_ref();
     let mut resources = BTreeMap::new();
     for (p, n) in instances.iter().filter(|(_, n)| *n > 0) {
-        let res = match mig.mig_strategy {
-            MigStrategy::Single => nvidia::GPU_RESOURCE.to_string(),
-            MigStrategy::Mixed => nvidia::mig_resource(&profile_name(p)),
-        };
+        let res = instance_resource(mig, p);
         let r = ts.map_or(1, |t| ts_replicas(t, &res));
         let name = advertised_name(&res, r, ts.is_some_and(|t| t.rename_by_default));
         *resources.entry(name).or_insert(0) += n * r;
@@ -515,64 +392,12 @@ fn mig_resources(mig: &Mig, instances: &[(MigProfile, i64)]) -> BTreeMap<String,
     resources
 }
 
-/// One node's capacity under a policy.
-pub fn node_capacity(
-    spec: &GpuSharingPolicySpec,
-    node: &NodeFacts,
-    base: Option<&BTreeMap<String, serde_json::Value>>,
-) -> NodeCapacity {
-    let gpus = gpu_count(node).unwrap_or(0);
-    let mem = gpu_memory_mib(node);
-    match spec.strategy {
-        Strategy::Exclusive => cap(gpus, Some(gpus), mem, Some(100), true),
-        Strategy::TimeSlicing => {
-            let ts = spec.time_slicing.as_ref();
-            let r = ts
-                .and_then(|t| {
-                    t.replicas.or_else(|| {
-                        t.resources
-                            .iter()
-                            .find(|r| nvidia::qualify_resource(&r.name) == nvidia::GPU_RESOURCE)
-                            .map(|r| r.replicas)
-                    })
-                })
-                .unwrap_or(1) as i64;
-            cap(gpus, Some(gpus * r), mem, None, false)
-        }
-        Strategy::Mps => {
-            let r = spec.mps.as_ref().map_or(1, |m| m.replicas) as i64;
-            let (threads, memory) = crate::nvidia::dra::mps_limits(spec, mem);
-            cap(gpus, Some(gpus * r), memory, Some(threads), true)
-        }
-        Strategy::Mig => {
-            let Some(mig) = spec.mig.as_ref() else {
-                return cap(gpus, None, None, None, true);
-            };
-            let gpus = physical_gpus(mig, base, node, gpus, mem);
-            let Some(instances) = mig_instances(mig, base, gpus, Gpu::of(node)) else {
-                return cap(gpus, None, None, None, true);
-            };
-            let ts = mig.time_slicing.as_ref();
-            let mut total = 0;
-            let mut min_mem: Option<i64> = None;
-            let mut min_threads: Option<i64> = None;
-            for (p, n) in &instances {
-                let res = match mig.mig_strategy {
-                    MigStrategy::Single => nvidia::GPU_RESOURCE.to_string(),
-                    MigStrategy::Mixed => nvidia::mig_resource(&profile_name(p)),
-                };
-                let r = ts.map_or(1, |t| ts_replicas(t, &res));
-                total += n * r;
-                let m = p.memory_gb as i64 * 1024;
-                min_mem = Some(min_mem.map_or(m, |x| x.min(m)));
-                let t =
-                    (p.compute.unwrap_or(p.slices) as i64 * 100) / mig::MAX_COMPUTE_SLICES as i64;
-                min_threads = Some(min_threads.map_or(t, |x| x.min(t)));
-            }
-            let isolated = ts.is_none();
-            cap(gpus, Some(total), min_mem, min_threads, isolated)
-        }
-        Strategy::Vgpu | Strategy::Passthrough => cap(gpus, None, mem, None, true),
+/// The device plugin's resource for one MIG profile: its own under `mixed`, `nvidia.com/gpu`
+/// under `single`.
+pub(crate) fn instance_resource(mig: &Mig, p: &MigProfile) -> String {
+    match mig.mig_strategy {
+        MigStrategy::Single => nvidia::GPU_RESOURCE.to_string(),
+        MigStrategy::Mixed => nvidia::mig_resource(&profile_name(p)),
     }
 }
 
@@ -649,7 +474,7 @@ pub fn mig_on_every_gpu(
     })
 }
 
-fn profile_name(p: &MigProfile) -> String {
+pub(crate) fn profile_name(p: &MigProfile) -> String {
     match p.compute {
         Some(c) => format!("{c}c.{}g.{}gb", p.slices, p.memory_gb),
         None => format!("{}g.{}gb", p.slices, p.memory_gb),
@@ -659,7 +484,6 @@ fn profile_name(p: &MigProfile) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY};
 
     fn named(layout: &str) -> Mig {
         Mig {
@@ -693,96 +517,5 @@ mod tests {
             mig_instances(&named("all-disabled"), Some(&base), 8, Gpu::default()),
             Some(vec![])
         );
-    }
-
-    /// With GPU Feature Discovery's product the entry is the one whose `device-filter` names
-    /// the model's PCI device ID, as mig-parted picks it: 7 x 1g.10gb on an A100 80GB, where
-    /// memory alone leaves 4 (the 40 GB models' entry) to 7.
-    #[test]
-    fn the_product_picks_a_named_layouts_entry_by_pci_device_id() {
-        let base = crate::nvidia::default_mig_configs();
-        let mig = Mig {
-            mig_strategy: MigStrategy::Mixed,
-            ..named("all-1g.10gb")
-        };
-        let node = |product: &str, memory: &str| NodeFacts {
-            labels: [
-                (LABEL_GPU_PRODUCT, product),
-                (LABEL_GPU_MEMORY, memory),
-                (LABEL_GPU_COUNT, "8"),
-            ]
-            .into_iter()
-            .collect(),
-            ..Default::default()
-        };
-        let spec = GpuSharingPolicySpec {
-            node_selector: Default::default(),
-            strategy: Strategy::Mig,
-            mig: Some(mig),
-            ..crate::api::yaml::from_str("{nodeSelector: {}, strategy: exclusive}").unwrap()
-        };
-        let advertised = |n: &NodeFacts| {
-            device_plugin_advertises(&spec, n, Some(&base))
-                .unwrap()
-                .resources
-        };
-        assert_eq!(
-            advertised(&node("NVIDIA-A100-SXM4-80GB", "81920"))["nvidia.com/mig-1g.10gb"],
-            (56, 56)
-        );
-        assert_eq!(
-            advertised(&node("NVIDIA-A100-SXM4-40GB", "40960"))["nvidia.com/mig-1g.10gb"],
-            (32, 32)
-        );
-        // A product we have no model for: the entries that fit its memory, as before.
-        assert_eq!(
-            advertised(&node("NVIDIA-Future-GPU", "81920"))["nvidia.com/mig-1g.10gb"],
-            (32, 56)
-        );
-    }
-}
-
-#[cfg(test)]
-mod relabelled {
-    use super::*;
-    use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY};
-    use crate::plan::labels::Labels;
-
-    fn node(product: &str, count: &str) -> NodeFacts {
-        let mut labels = Labels::default();
-        labels.insert(LABEL_GPU_PRODUCT, product);
-        labels.insert(LABEL_GPU_COUNT, count);
-        labels.insert(LABEL_GPU_MEMORY, "81920");
-        NodeFacts {
-            labels,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn single_strategy_labels_count_mig_devices_not_gpus() {
-        let spec: GpuSharingPolicySpec = crate::api::yaml::from_str(
-            "nodeSelector: {}\nstrategy: mig\nmig: {migStrategy: single, layout: all-1g.10gb, timeSlicing: {replicas: 2}}\n",
-        )
-        .unwrap();
-        let base = crate::nvidia::default_mig_configs();
-        // Before the MIG manager: 8 GPUs. After, GFD says 56 devices of NVIDIA-...-MIG-1g.10gb.
-        for n in [
-            node("NVIDIA-A100-SXM4-80GB", "8"),
-            node("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED", "56"),
-        ] {
-            let c = node_capacity(&spec, &n, Some(&base));
-            assert_eq!(c.physical_gpus, 8, "{:?}", n.labels);
-            assert_eq!(c.schedulable, Some(112), "{:?}", n.labels);
-        }
-        // A custom layout: 2 GPUs of 1g.10gb x 7, the other 6 (all) of 3g.40gb x 2.
-        let spec: GpuSharingPolicySpec = crate::api::yaml::from_str(
-            "nodeSelector: {}\nstrategy: mig\nmig:\n  migStrategy: mixed\n  customLayout:\n  - {devices: [0, 1], migEnabled: true, migDevices: {1g.10gb: 7}}\n  - {migEnabled: true, migDevices: {3g.40gb: 2}}\n",
-        )
-        .unwrap();
-        let n = node("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb", "26");
-        let c = node_capacity(&spec, &n, Some(&base));
-        assert_eq!(c.physical_gpus, 8);
-        assert_eq!(c.schedulable, Some(2 * 7 + 6 * 2));
     }
 }

@@ -164,6 +164,19 @@ pub(super) fn busy_msg(pods: &[String]) -> String {
     format!("WaitingForIdleGPUs: pods using GPUs: {}", pods.join(", "))
 }
 
+/// Why GPU Feature Discovery has not reported device-plugin config `dp` yet: its timestamp is
+/// not newer than our label write (`written`, unix seconds, when known).
+pub(crate) fn gfd_not_reported(
+    n: &NodeFacts,
+    (dp, written): (&str, Option<&str>),
+) -> Option<String> {
+    super::facts::gfd_behind(n, written).map(|w| {
+        format!(
+            "waiting for GPU Feature Discovery to report config {dp} (nvidia.com/gfd.timestamp not newer than our label write at {w})"
+        )
+    })
+}
+
 /// The node's current MIG situation, as the MIG manager reports it.
 pub(super) fn mig_of(n: &NodeFacts) -> MigState<'_> {
     MigState::read(

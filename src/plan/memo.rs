@@ -347,7 +347,7 @@ struct PolicyCopy {
     warnings: Vec<String>,
     key: Option<String>,
     config_text: Option<String>,
-    backing: Option<super::backend::Backing>,
+    backing: Option<super::backing::Backing>,
     blocked: Option<String>,
     release_when_blocked: bool,
     latent: Option<String>,

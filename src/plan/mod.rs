@@ -7,14 +7,14 @@
 //! The files of `plan/` depend one way (`tests/architecture.rs` checks it, this file
 //! included), each on files listed before it only: the leaves [`labels`], [`taint`],
 //! [`facts`] (what the planner knows of a node, [`NodeFacts`], and its readings), [`input`]
-//! (what the planner reads: per-node views, cluster facts, settings, memory) and [`backend`]
-//! (a policy's backend, a node's target); then [`policies`] (validation, what a policy renders
+//! (what the planner reads: per-node views, cluster facts, settings, memory) and [`backing`]
+//! (which backend serves a policy, a node's target); then [`policies`] (validation, what a policy renders
 //! to, precedence), [`targets`] (what each node runs), [`disruption`] (which busy nodes a change
 //! may drain), [`assign`] (which policy governs which node, the cluster-wide MIG strategy),
 //! [`nodeinputs`] (what one node's plan reads: its memo's key), [`decision`]
-//! (the transition's vocabulary), [`capacity`], [`outputs`], [`compat`]; one file per
-//! backend's transition: [`sharing`], [`mig`], [`vm`], [`dra`];
-//! [`node`] (the per-node transition, dispatching to them), [`drain`], [`rollout`],
+//! (the transition's vocabulary), [`capacity`], [`outputs`], [`compat`]; [`backend`], one
+//! file per backend (its transition, confirmation and capacity) and the registry that
+//! dispatches to them; [`node`] (the per-node transition), [`drain`], [`rollout`],
 //! [`status`], [`desired`] (the [`Plan`]), [`pipeline`] (the passes: [`plan`], [`Planner`]);
 //! a model of NVIDIA's components answering a plan lives outside the planner, in the
 //! top-level module `converge`, which uses it (never the other way).
@@ -27,6 +27,7 @@ pub mod autoscaling;
 #[cfg(test)]
 mod autoscaling_tests;
 pub mod backend;
+pub mod backing;
 pub mod capacity;
 pub mod compat;
 pub mod decision;
@@ -35,14 +36,12 @@ pub mod demand;
 mod demand_tests;
 pub mod desired;
 pub mod disruption;
-pub mod dra;
 pub mod drain;
 pub mod facts;
 pub mod geometry;
 pub mod input;
 pub mod labels;
 pub mod memo;
-pub mod mig;
 pub mod node;
 pub mod nodeinputs;
 pub mod nodemap;
@@ -50,13 +49,11 @@ pub mod outputs;
 pub mod pipeline;
 pub mod policies;
 pub mod rollout;
-pub mod sharing;
 pub mod status;
 pub mod taint;
 pub mod targets;
 #[cfg(test)]
 pub(crate) mod testing;
-pub mod vm;
 
 pub use self::input::{ClusterFacts, Fence, Memory, NodeView, PlanInput, Settings};
 pub use self::labels::{

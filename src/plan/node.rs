@@ -15,26 +15,19 @@
 //!   works) and counts as `Applied` only once the device plugin's allocatable is gone; it gets
 //!   the device plugin back only when no allocated `gpu.nvidia.com` ResourceClaim remains on it.
 
-use crate::api::crd::{Backend, Strategy};
 use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
-use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, Workload, deployed};
+use crate::nvidia::state::{ConfigState, NOT_DEPLOYED, Workload, deployed};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::backend::{Backing, Serving};
-use super::capacity::replicas_of;
-use super::compat::node_rejection;
+use super::backend::{self, dra, vm};
 use super::decision::hold;
 use super::facts::NodeFacts;
 use super::facts::is_vm_host;
 use super::policies::Prepared;
 use super::targets::node_target;
-use super::{dra, mig, sharing, vm};
 
-// The transition's vocabulary lives in a leaf file that the VM transition shares; `gfd_behind`
-// in the node readings. Kept here for callers.
-pub use super::decision::{Decision, Env};
-pub use super::facts::gfd_behind;
+use super::decision::{Decision, Env};
 
 /// The transition of one node (see the module documentation).
 pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
@@ -50,34 +43,11 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             "policy not accepted; node left as it was",
         );
     }
-    let vm_strategy = w.spec.strategy.is_vm();
-    let rejection = if vm_strategy {
-        vm::rejection(w, n, env.sandbox)
-    } else {
-        node_rejection(w.spec, n)
-    };
-    if let Some(reason) = rejection {
+    if let Some(reason) = backend::rejection(w, n, env) {
         return hold(NodeState::Rejected, reason);
     }
     if let Some(why) = super::geometry::node_refusal(w.spec, n) {
         return hold(NodeState::Invalid, why);
-    }
-    if !vm_strategy && is_vm_host(n) && !n.owned.contains(LABEL_WORKLOAD) {
-        return hold(
-            NodeState::Rejected,
-            format!(
-                "the node is a VM host ({LABEL_WORKLOAD}={}, set by someone else): a container strategy is not applied over it",
-                n.labels.get(LABEL_WORKLOAD).unwrap_or_default()
-            ),
-        );
-    }
-    if let (Some(c), Backend::DevicePlugin) = (env.gpu_cluster, w.spec.backend) {
-        return hold(
-            NodeState::Rejected,
-            format!(
-                "the GPU Operator runs in DRA-only mode (GPUCluster {c}): there is no device plugin to configure; use backend: dra"
-            ),
-        );
     }
     // A layout demand chose never goes onto busy GPUs, whatever proceedWithBusyGpus says.
     let busy = !env.gpu_pods.is_empty()
@@ -88,13 +58,7 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             .is_some_and(|m| m.proceed_with_busy_gpus)
             || super::disruption::demand_reshape(w, n));
     let t = node_target(w, n).expect("accepted policies have a target");
-    let key = t.device_config.as_str();
-    let d = match &t.serving {
-        Serving::Vm(vm) => vm::decide(n, vm, env, busy),
-        _ if is_vm_host(n) => vm::leave(n, env).expect("a VM host we labelled"),
-        Serving::Mig { layout } => mig::decide(n, w, key, layout, env, busy),
-        Serving::Sharing | Serving::Dra => sharing::decide(n, w, key, env, busy),
-    };
+    let d = backend::decide(n, w, &t, env, busy);
     dra::backend_switch(n, w, env, busy, keep_container_workload(n, d))
 }
 
@@ -128,7 +92,7 @@ pub struct Entry<'n, 'm> {
     /// Index of the governing policy (precedence order).
     pub policy: Option<usize>,
     /// What the node should end up running, as its rollout mark records it (see
-    /// [`super::backend::NodeTarget::mark`]); `None` without a valid policy.
+    /// [`super::backing::NodeTarget::mark`]); `None` without a valid policy.
     pub target: Option<&'m str>,
     /// The transition holds the node as it is.
     pub hold: bool,
@@ -184,8 +148,8 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
             if let Some(v) = vgpu_config {
                 o.labels.insert(LABEL_VGPU_CONFIG.to_string(), v);
             }
-            if let Some(why) = super::vm::unconfirmed(n, w, &o.labels)
-                .filter(|_| o.state == Some(NodeState::Applied))
+            if let Some(why) =
+                vm::unconfirmed(n, w, &o.labels).filter(|_| o.state == Some(NodeState::Applied))
             {
                 o.state = Some(NodeState::Pending);
                 o.message = why;
@@ -313,8 +277,7 @@ fn written(
 ) -> Outcome {
     let annotations = annotations(n, env, &dp, mig.as_deref());
     let (state, message) = if state == NodeState::Applied {
-        match unconfirmed(n, w, &dp, &annotations)
-            .or_else(|| strategy_switching(w, env.cluster_mig_strategy))
+        match unconfirmed(n, w, &dp, &annotations, env)
             .or_else(|| not_advertised(n, w, env.mig_layouts))
         {
             Some(why) => (NodeState::Pending, why),
@@ -371,58 +334,23 @@ fn annotations(n: &NodeFacts, env: &Env, dp: &str, mig: Option<&str>) -> super::
     a
 }
 
-/// The device plugin and GFD take their MIG strategy from the ClusterPolicy, cluster-wide:
-/// while it says another strategy than a MIG policy's (it is switching back, after a policy of
-/// the other strategy governed nodes), the node serves the other resources, whatever GFD last
-/// reported before the switch.
-fn strategy_switching(w: &Prepared, cluster: Option<&str>) -> Option<String> {
-    let want = w.spec.mig.as_ref()?.mig_strategy.as_str();
-    let now = cluster?;
-    (w.spec.strategy == Strategy::Mig && w.spec.backend == Backend::DevicePlugin && now != want)
-        .then(|| {
-            format!(
-                "waiting for the ClusterPolicy's mig.strategy to become {want} (it is {now}; it applies cluster-wide)"
-            )
-        })
-}
-
 /// Why a node whose labels say `Applied` is not confirmed yet, if it is not: the labels must
-/// be in place; GFD, when it stamps the node, must have relabelled after our config change; and
-/// GFD's replicas, when reported, must match.
+/// be in place, then the policy's backend judges what NVIDIA's components report
+/// ([`backend::unconfirmed`]).
 fn unconfirmed(
     n: &NodeFacts,
     w: &Prepared,
     dp: &str,
     annotations: &super::labels::SmallMap,
+    env: &Env,
 ) -> Option<String> {
     if n.labels.get(LABEL_DEVICE_PLUGIN_CONFIG) != Some(dp) {
         return Some(format!("labelling node with config {dp}"));
     }
-    if w.spec.strategy.is_vm() {
-        // GFD does not run on VM nodes: the sandbox side confirms (`vm::unconfirmed`).
-        return None;
-    }
-    if let Some(Backing::Dra) = &w.backing
-        && let Some(why) = dra::device_plugin_still_advertises(n)
-    {
-        return Some(why);
-    }
     let written = annotations
         .get(ANNOTATION_CONFIG_WRITTEN)
         .map(String::as_str);
-    if let Some(w) = gfd_behind(n, written) {
-        return Some(format!(
-            "waiting for GPU Feature Discovery to report config {dp} (nvidia.com/gfd.timestamp not newer than our label write at {w})"
-        ));
-    }
-    // What GFD reports, judged by the backend.
-    let gfd = GfdReport::read(n.labels.iter());
-    match &w.backing {
-        Some(Backing::Mig(_)) => mig::unconfirmed(n, w, &gfd),
-        // The DRA driver's GPUs are not shared by the device plugin.
-        Some(Backing::Dra) => sharing::replicas_unconfirmed(w.spec.strategy, &gfd, 1),
-        _ => sharing::replicas_unconfirmed(w.spec.strategy, &gfd, replicas_of(w.spec) as i64),
-    }
+    backend::unconfirmed(n, w, (dp, written), env.cluster_mig_strategy)
 }
 
 /// Why a node whose labels and GPU Feature Discovery's report say `Applied` is not confirmed
@@ -436,7 +364,7 @@ fn not_advertised(
     layouts: Option<&std::collections::BTreeMap<String, serde_json::Value>>,
 ) -> Option<String> {
     let spec = super::targets::node_spec(w, n);
-    let want = super::capacity::device_plugin_advertises(&spec, n, layouts)?;
+    let want = super::backend::advertises(&spec, n, layouts)?;
     let missing: Vec<String> = want
         .resources
         .iter()

@@ -20,8 +20,8 @@ use super::nodemap::NodeMap;
 use super::policies::Prepared;
 use super::status::{Cluster, Placement, Tally};
 use super::{
-    assign, autoscaling, capacity, demand, drain, geometry, memo, node, outputs, policies, rollout,
-    status, targets,
+    assign, autoscaling, backend, capacity, demand, drain, geometry, memo, node, outputs, policies,
+    rollout, status, targets,
 };
 
 /// What planning the nodes produced.
@@ -267,14 +267,7 @@ fn plan_node(i: &memo::NodeInputs) -> (memo::PreGate, bool) {
     }
     let capacity = policy
         .filter(|_| outcome.state == Some(NodeState::Applied))
-        .map(|p| {
-            if p.spec.strategy.is_vm() {
-                capacity::vm_capacity(p, n)
-            } else {
-                let spec = targets::node_spec(p, n);
-                capacity::node_capacity(&spec, n, i.cluster.mig_layouts)
-            }
-        });
+        .map(|p| backend::node_capacity(p, n, i.cluster.mig_layouts));
     let pre = memo::PreGate {
         in_sync: outcome.labels == node::owned_labels(n),
         metadata_in_sync: node::metadata_in_sync(n, &outcome.labels, &outcome.annotations),

@@ -4,12 +4,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::api::crd::{Backend, GpuSharingPolicy, GpuSharingPolicySpec};
+use crate::api::crd::{GpuSharingPolicy, GpuSharingPolicySpec};
 use crate::api::names::ANNOTATION_REAPPLY_MIG;
 use crate::nvidia::{self, DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 use crate::validate::{self, FieldError};
 
-use super::backend::{Backing, MigBacking, VmBacking};
+use super::backing::{Backing, Kind, MigBacking, VmBacking};
 
 /// A policy after validation, with what it renders to. The whole of it is the version its
 /// nodes' memos are keyed on (see `memo`).
@@ -42,6 +42,11 @@ impl Prepared<'_> {
             Some(Backing::Mig(m)) => Some(m),
             _ => None,
         }
+    }
+
+    /// Which backend serves its nodes.
+    pub fn kind(&self) -> Kind {
+        Kind::of(self.spec)
     }
 
     /// A VM policy's sandbox configuration.
@@ -171,31 +176,44 @@ fn backing(
     base: Option<&BTreeMap<String, serde_json::Value>>,
     errors: &mut Vec<FieldError>,
 ) -> Backing {
-    if spec.backend == Backend::Dra {
-        return Backing::Dra;
+    match Kind::of(spec) {
+        Kind::Dra => Backing::Dra,
+        Kind::Sharing => Backing::Sharing,
+        Kind::Vm => vm_backing(name, spec),
+        Kind::Mig => mig_backing(name, spec, base, errors),
     }
-    if spec.strategy.is_vm() {
-        let mut vm = VmBacking {
-            workload: spec.strategy.workload(),
-            vgpu_config: None,
-            vgpu_custom: None,
-            vgpu_entries: Vec::new(),
-            vgpu_board_gb: BTreeMap::new(),
-        };
-        if let Some(v) = &spec.vgpu {
-            if v.custom_layout.is_some() {
-                let entries = nvidia::vgpu::custom_entries(v);
-                let hash =
-                    nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));
-                vm.vgpu_config = Some(nvidia::vgpu::custom_name(name, &entries));
-                vm.vgpu_entries = entries.clone();
-                vm.vgpu_custom = Some((entries, hash));
-            } else {
-                vm.vgpu_config = v.type_.clone();
-            }
+}
+
+/// A VM policy's sandbox configuration: its workload and vGPU layout.
+fn vm_backing(name: &str, spec: &GpuSharingPolicySpec) -> Backing {
+    let mut vm = VmBacking {
+        workload: spec.strategy.workload(),
+        vgpu_config: None,
+        vgpu_custom: None,
+        vgpu_entries: Vec::new(),
+        vgpu_board_gb: BTreeMap::new(),
+    };
+    if let Some(v) = &spec.vgpu {
+        if v.custom_layout.is_some() {
+            let entries = nvidia::vgpu::custom_entries(v);
+            let hash = nvidia::content_hash(&serde_json::to_value(&entries).expect("serializable"));
+            vm.vgpu_config = Some(nvidia::vgpu::custom_name(name, &entries));
+            vm.vgpu_entries = entries.clone();
+            vm.vgpu_custom = Some((entries, hash));
+        } else {
+            vm.vgpu_config = v.type_.clone();
         }
-        return Backing::Vm(vm);
     }
+    Backing::Vm(vm)
+}
+
+/// A MIG policy's layout; a named layout the mig-parted config lacks is an error.
+fn mig_backing(
+    name: &str,
+    spec: &GpuSharingPolicySpec,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+    errors: &mut Vec<FieldError>,
+) -> Backing {
     let Some(mig) = &spec.mig else {
         return Backing::Sharing;
     };

@@ -2,14 +2,13 @@
 //! node counts, capacity and bounded per-node details.
 
 use crate::api::crd::{
-    Backend, Capacity, Condition, GpuSharingPolicyStatus, NodeDetail, RefusedWrite, RolloutStatus,
-    Strategy,
+    Capacity, Condition, GpuSharingPolicyStatus, NodeDetail, RefusedWrite, RolloutStatus,
 };
 use crate::api::names::ANNOTATION_REAPPLY_MIG;
 use crate::api::state::{ConditionType, NodeState, Reason};
 use crate::nvidia::MIG_DISABLED_LAYOUT;
 
-use super::capacity::replicas_of;
+use super::backing::Kind;
 use super::policies::Prepared;
 
 /// Most per-node entries kept in a policy's status.
@@ -360,10 +359,8 @@ fn degraded(
             .collect();
         v.join(", ")
     };
-    let contested = c
-        .cluster_policy_contested
-        .filter(|_| p.spec.backend != Backend::Dra);
-    if let (Some(gc), Backend::DevicePlugin) = (c.gpu_cluster, p.spec.backend) {
+    let contested = c.cluster_policy_contested.filter(|_| p.kind() != Kind::Dra);
+    if let Some(gc) = c.gpu_cluster.filter(|_| p.kind() != Kind::Dra) {
         (
             true,
             Reason::GpuClusterPresent,
@@ -406,7 +403,9 @@ fn degraded(
                 names(NodeState::Stale, 10)
             ),
         )
-    } else if !t.in_state(NodeState::Failed).is_empty() && p.spec.strategy == Strategy::Vgpu {
+    } else if !t.in_state(NodeState::Failed).is_empty()
+        && p.vm().is_some_and(|v| v.vgpu_config.is_some())
+    {
         (
             true,
             Reason::VgpuConfigFailed,
@@ -454,12 +453,7 @@ fn warnings(p: &Prepared, t: &Tally) -> Vec<String> {
                 .into(),
         );
     }
-    let time_sliced = p.spec.strategy == Strategy::TimeSlicing
-        || p.spec
-            .mig
-            .as_ref()
-            .is_some_and(|m| m.time_slicing.is_some());
-    if time_sliced {
+    if !super::backend::memory_isolation(p) {
         w.push("time-slicing gives no memory or fault isolation between replicas".into());
     }
     w
@@ -528,7 +522,7 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
     let warnings = warnings(p, &t);
     let capacity = p.errors.is_empty().then(|| {
         t.capacity.clone().unwrap_or(Capacity {
-            memory_isolation: p.spec.strategy != Strategy::TimeSlicing,
+            memory_isolation: super::backend::memory_isolation(p),
             ..Default::default()
         })
     });
@@ -537,17 +531,13 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
     GpuSharingPolicyStatus {
         observed_generation: generation,
         conditions,
-        replicas: Some(replicas_of(p.spec)),
+        replicas: Some(super::backend::replicas(p)),
         nodes: Some(format!("{}/{}", t.applied, place.matched.len())),
         matched_nodes: place.matched.len() as i32,
         applied_nodes: t.applied,
         conflicting_nodes: place.conflicting.len() as i32,
         overridden_nodes: place.overridden.len() as i32,
-        device_config_key: if p.spec.backend == Backend::Dra || p.spec.strategy.is_vm() {
-            None
-        } else {
-            p.key.clone()
-        },
+        device_config_key: p.key.clone().filter(|_| p.kind().device_plugin()),
         templates: place.templates,
         mig_config: p
             .mig()

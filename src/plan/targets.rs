@@ -5,7 +5,7 @@
 use crate::api::crd::GpuSharingPolicySpec;
 use crate::api::names::ANNOTATION_MIG_DEMAND;
 
-use super::backend::{Backing, NodeTarget, Serving, VmTarget};
+use super::backing::{Backing, NodeTarget, Serving, VmTarget};
 use super::facts::NodeFacts;
 use super::policies::Prepared;
 

@@ -6,14 +6,14 @@
 use crate::api::crd::Backend;
 use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
-use crate::nvidia::state::deployed;
+use crate::nvidia::state::{GfdReport, deployed};
 
-use super::decision::{Decision, Env, busy_msg, wait};
-use super::facts::NodeFacts;
-use super::policies::Prepared;
+use crate::plan::decision::{Decision, Env, busy_msg, gfd_not_reported, wait};
+use crate::plan::facts::NodeFacts;
+use crate::plan::policies::Prepared;
 
 /// We switched the node's device plugin off (and it still is).
-pub(super) fn device_plugin_off_by_us(n: &NodeFacts) -> bool {
+pub fn device_plugin_off_by_us(n: &NodeFacts) -> bool {
     n.owned.contains(LABEL_DEPLOY_DEVICE_PLUGIN)
         && !deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN))
 }
@@ -33,13 +33,7 @@ fn claims_msg(claims: &[String]) -> String {
 /// hand those GPUs out again); other steps keep the switch as it is. Under a device-plugin
 /// policy a node we switched off gets the device plugin back only when no allocated DRA claim
 /// remains on it.
-pub(super) fn backend_switch(
-    n: &NodeFacts,
-    w: &Prepared,
-    env: &Env,
-    busy: bool,
-    d: Decision,
-) -> Decision {
+pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Decision) -> Decision {
     let ours_off = device_plugin_off_by_us(n);
     if w.spec.backend != Backend::Dra {
         return match d {
@@ -78,9 +72,20 @@ pub(super) fn backend_switch(
     }
 }
 
-/// Why a DRA node is not confirmed yet, while the device plugin still advertises its resources
-/// (the DRA driver alone must advertise the GPUs).
-pub(super) fn device_plugin_still_advertises(n: &NodeFacts) -> Option<String> {
+/// Why a DRA node is not confirmed yet: the device plugin still advertises its resources (the
+/// DRA driver alone must advertise the GPUs), GPU Feature Discovery has not relabelled since
+/// our config write, or reports the GPUs shared (the DRA driver's GPUs are not shared by the
+/// device plugin).
+pub fn unconfirmed(n: &NodeFacts, w: &Prepared, config: (&str, Option<&str>)) -> Option<String> {
+    device_plugin_still_advertises(n)
+        .or_else(|| gfd_not_reported(n, config))
+        .or_else(|| {
+            let gfd = GfdReport::read(n.labels.iter());
+            super::sharing::replicas_unconfirmed(w.spec.strategy, &gfd, 1)
+        })
+}
+
+fn device_plugin_still_advertises(n: &NodeFacts) -> Option<String> {
     let left = n.device_plugin_resources();
     if left.is_empty() {
         return None;

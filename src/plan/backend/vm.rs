@@ -13,6 +13,8 @@
 //! - a VM node counts as `Applied` only once the sandbox side confirms: `vgpu.config.state=
 //!   success` for vGPU, and the sandbox device plugin advertising the GPUs (allocatable).
 
+use std::collections::BTreeMap;
+
 use crate::api::crd::Strategy;
 use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
@@ -20,14 +22,15 @@ use crate::nvidia::state::{VgpuState, deployed};
 use crate::nvidia::vgpu::{family_mismatch, group_overflow, parse_vgpu_type};
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
-use super::backend::VmTarget;
-use super::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
-use super::facts::{gpu_count, gpu_memory_mib};
-use super::policies::Prepared;
-use super::{facts::NodeFacts, labels::SmallMap};
+use crate::plan::backing::VmTarget;
+use crate::plan::capacity::{NodeCapacity, cap, vgpu_devices};
+use crate::plan::decision::{Decision, Env, busy_msg, hold, mig_of, wait, write};
+use crate::plan::facts::{gpu_count, gpu_memory_mib};
+use crate::plan::policies::Prepared;
+use crate::plan::{facts::NodeFacts, labels::SmallMap};
 
-use super::decision::Sandbox;
-use super::facts::{is_vgpu_resource, is_vm_host, sandbox_resources};
+use crate::plan::decision::Sandbox;
+use crate::plan::facts::{is_vgpu_resource, is_vm_host, sandbox_resources};
 
 fn vm_users_msg(pods: &[String]) -> String {
     let shown: Vec<&str> = pods.iter().take(5).map(String::as_str).collect();
@@ -277,4 +280,73 @@ pub fn unconfirmed(n: &NodeFacts, w: &Prepared, want: &SmallMap) -> Option<Strin
             "waiting for the sandbox device plugin to advertise {want} (it still advertises {r}={c})"
         )
     })
+}
+
+/// One VM node's capacity: passthrough hands out whole GPUs; vGPU the layout's vGPU devices
+/// (counted as for an instance type, [`type_resources`]), each with its type's framebuffer (the
+/// smallest type's, when a layout mixes them). GPUs are counted from GPU Feature Discovery's
+/// label (left from the node's container days) or else the sandbox device plugin's allocatable.
+pub fn capacity(w: &Prepared, node: &NodeFacts) -> NodeCapacity {
+    let passthrough = w.spec.strategy == Strategy::Passthrough;
+    // Without GFD's count, a passthrough host's GPUs are what the sandbox device plugin
+    // advertises, bounded as GFD's count is.
+    let sandbox = sandbox_resources(node)
+        .iter()
+        .map(|(_, c)| *c)
+        .fold(0i64, i64::saturating_add)
+        .min(crate::plan::facts::MAX_GPUS_PER_NODE);
+    let gpus = gpu_count(node).unwrap_or(if passthrough { sandbox } else { 0 });
+    let mem = gpu_memory_mib(node);
+    if passthrough {
+        return cap(gpus, Some(gpus), mem, Some(100), true);
+    }
+    let entries = w.vm().map_or(&[][..], |v| &v.vgpu_entries);
+    let total = vgpu_devices(entries, gpus).map(|by_type| by_type.values().sum::<i64>());
+    let fb = entries
+        .iter()
+        .flat_map(|e| e.vgpu_devices.keys())
+        .filter_map(|t| parse_vgpu_type(t))
+        .map(|t| t.framebuffer_mib())
+        .min();
+    cap(gpus, total, fb, None, true)
+}
+
+/// What the sandbox device plugin (KubeVirt's, deployed by the GPU Operator) advertises on a VM
+/// host of `gpus` GPUs (an instance type Karpenter may launch): passthrough GPUs under their
+/// PCI device name (`pci_name`), vGPUs under `NVIDIA_<type>`, as many as the policy's layout
+/// creates. `Err` says why it is unknown.
+pub fn type_resources(
+    w: &Prepared,
+    gpus: i64,
+    pci_name: Option<&str>,
+    sandbox: &Sandbox,
+) -> Result<BTreeMap<String, String>, String> {
+    if let Some(m) = sandbox.mode.as_deref().filter(|m| *m != "kubevirt") {
+        return Err(format!(
+            "the ClusterPolicy's sandboxWorkloads.mode is {m}: no KubeVirt device plugin advertises the GPUs"
+        ));
+    }
+    if w.spec.strategy == Strategy::Passthrough {
+        let name = pci_name.ok_or(
+            "the sandbox device plugin's name for its GPUs is unknown: no passthrough node of this type runs, and the instance-type table gives no pciDeviceName",
+        )?;
+        return Ok(BTreeMap::from([(
+            format!("nvidia.com/{name}"),
+            gpus.to_string(),
+        )]));
+    }
+    if !sandbox.vgpu_manager_enabled {
+        return Err(
+            "the ClusterPolicy's vgpuManager.enabled is false: no vGPU devices are created".into(),
+        );
+    }
+    let entries = w.vm().map_or(&[][..], |v| &v.vgpu_entries);
+    if entries.is_empty() || entries.iter().any(|e| e.device_filter.is_some()) {
+        return Err("the vGPU layout's devices per GPU are unknown for this type".into());
+    }
+    let by_type = vgpu_devices(entries, gpus).unwrap_or_default();
+    Ok(by_type
+        .into_iter()
+        .map(|(t, c)| (format!("nvidia.com/NVIDIA_{t}"), c.to_string()))
+        .collect())
 }

@@ -1,0 +1,137 @@
+//! One file per backend: how a node reaches what its policy's backend serves, and what NVIDIA's
+//! components report when it has. [`sharing`] (the device plugin sharing whole GPUs: exclusive,
+//! time-slicing, MPS), [`mig`] (the MIG manager), [`vm`] (the sandbox stack: passthrough,
+//! vGPU), [`dra`] (NVIDIA's DRA driver, the device plugin switched off).
+
+pub mod dra;
+pub mod mig;
+pub mod sharing;
+pub mod vm;
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::api::crd::GpuSharingPolicySpec;
+
+use super::backing::{Kind, NodeTarget, Serving};
+use super::capacity::{Advertised, NodeCapacity};
+use super::decision::{Decision, Env};
+use super::facts::{NodeFacts, is_vm_host};
+use super::input::Sandbox;
+use super::policies::Prepared;
+use super::targets::node_spec;
+
+// The registry: each question below is answered by the file of the policy's backend. A new
+// backend is a new file beside these and one arm in each match.
+
+/// Replicas per GPU (per MIG instance) a policy's nodes advertise.
+pub fn replicas(w: &Prepared) -> i32 {
+    match w.kind() {
+        Kind::Sharing | Kind::Dra => sharing::replicas(w.spec),
+        Kind::Mig => mig::replicas(w.spec),
+        Kind::Vm => 1,
+    }
+}
+
+/// What NVIDIA's device plugin advertises on `node` (its allocatable) under `spec`, the
+/// policy's spec as it applies to this node (a dynamic MIG node's layout); `None` where the
+/// device plugin serves nothing (VMs, DRA) or the count is unknown.
+pub fn advertises(
+    spec: &GpuSharingPolicySpec,
+    node: &NodeFacts,
+    base: Option<&BTreeMap<String, Value>>,
+) -> Option<Advertised> {
+    match Kind::of(spec) {
+        Kind::Sharing => sharing::advertises(spec, node),
+        Kind::Mig => mig::advertises(spec, node, base),
+        Kind::Vm | Kind::Dra => None,
+    }
+}
+
+/// What one applied node of the policy contributes to its capacity.
+pub fn node_capacity(
+    w: &Prepared,
+    node: &NodeFacts,
+    base: Option<&BTreeMap<String, Value>>,
+) -> NodeCapacity {
+    match w.kind() {
+        Kind::Sharing | Kind::Dra => sharing::capacity(w.spec, node),
+        Kind::Mig => mig::capacity(&node_spec(w, node), node, base),
+        Kind::Vm => vm::capacity(w, node),
+    }
+}
+
+/// What a node of an instance type (its GPU labels and count, and the sandbox device plugin's
+/// name for its GPUs) advertises under the policy, for a Karpenter overlay: resource -> count.
+/// `Err` says why it is unknown.
+pub fn type_resources(
+    w: &Prepared,
+    node: &NodeFacts,
+    (gpus, pci_name): (i64, Option<&str>),
+    base: Option<&BTreeMap<String, Value>>,
+    sandbox: &Sandbox,
+) -> Result<BTreeMap<String, String>, String> {
+    if w.kind() == Kind::Vm {
+        return vm::type_resources(w, gpus, pci_name, sandbox);
+    }
+    let adv = advertises(w.spec, node, base).ok_or_else(|| {
+        let gpu = node.labels.get(crate::api::names::LABEL_GPU_PRODUCT);
+        format!("the capacity is unknown for {}", gpu.unwrap_or("this GPU"))
+    })?;
+    Ok(adv
+        .resources
+        .iter()
+        .map(|(r, (min, _))| (r.clone(), min.to_string()))
+        .collect())
+}
+
+/// Why the policy's backend cannot serve node `n` at all (it is left as it was, `Rejected`).
+pub fn rejection(w: &Prepared, n: &NodeFacts, env: &Env) -> Option<String> {
+    match w.kind() {
+        Kind::Vm => vm::rejection(w, n, env.sandbox),
+        Kind::Sharing | Kind::Mig | Kind::Dra => sharing::rejection(w, n, env),
+    }
+}
+
+/// The backend's step for node `n` towards its target `t`; `busy`: GPU pods run there that a
+/// change needing idle GPUs must wait for.
+pub fn decide(n: &NodeFacts, w: &Prepared, t: &NodeTarget, env: &Env, busy: bool) -> Decision {
+    let key = t.device_config.as_str();
+    match &t.serving {
+        Serving::Vm(target) => vm::decide(n, target, env, busy),
+        // A VM host we made goes back to containers first, whatever the container backend.
+        _ if is_vm_host(n) => vm::leave(n, env).expect("a VM host we labelled"),
+        Serving::Mig { layout } => mig::decide(n, w, key, layout, env, busy),
+        Serving::Sharing | Serving::Dra => sharing::decide(n, w, key, env, busy),
+    }
+}
+
+/// Why a node whose labels are in place is not confirmed by what NVIDIA's components report,
+/// judged by the policy's backend: `config` is the device-plugin config key and when we last
+/// wrote it (GPU Feature Discovery must have relabelled since); `cluster_mig`, the
+/// ClusterPolicy's MIG strategy. VM hosts are confirmed from their labels
+/// ([`vm::unconfirmed`]).
+pub fn unconfirmed(
+    n: &NodeFacts,
+    w: &Prepared,
+    config: (&str, Option<&str>),
+    cluster_mig: Option<&str>,
+) -> Option<String> {
+    match w.kind() {
+        Kind::Vm => None,
+        Kind::Sharing => sharing::unconfirmed(n, w, config),
+        Kind::Mig => mig::unconfirmed(n, w, config, cluster_mig),
+        Kind::Dra => dra::unconfirmed(n, w, config),
+    }
+}
+
+/// Whether the policy's clients are isolated in memory: not under time-slicing (of whole GPUs
+/// or of MIG instances).
+pub fn memory_isolation(w: &Prepared) -> bool {
+    match w.kind() {
+        Kind::Sharing | Kind::Dra => sharing::memory_isolation(w.spec),
+        Kind::Mig => mig::memory_isolation(w.spec),
+        Kind::Vm => true,
+    }
+}
