@@ -148,9 +148,10 @@ impl LabelFilter {
 
 /// A node's labels: (key, value) pairs sorted by key, as shared strings. The node cache interns
 /// them, so a key or value found on thousands of nodes (`nvidia.com/gpu.product=NVIDIA-H200`)
-/// is stored once; a node costs two pointers per label.
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct Labels(Box<[(Arc<str>, Arc<str>)]>);
+/// is stored once, and so is a whole set of labels found on many nodes (nodes of one pool
+/// differ only in labels no policy reads): most nodes cost one pointer for all their labels.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct Labels(Arc<[(Arc<str>, Arc<str>)]>);
 
 impl Labels {
     /// From pairs in any order; a repeated key keeps its last value.
@@ -158,7 +159,12 @@ impl Labels {
         pairs.reverse();
         pairs.sort_by(|a, b| a.0.cmp(&b.0));
         pairs.dedup_by(|a, b| a.0 == b.0);
-        Labels(pairs.into_boxed_slice())
+        Labels(pairs.into())
+    }
+
+    /// How many holders share these pairs (the node cache forgets sets no node uses).
+    pub fn holders(&self) -> usize {
+        Arc::strong_count(&self.0)
     }
 
     fn position(&self, key: &str) -> Result<usize, usize> {
@@ -193,20 +199,20 @@ impl Labels {
     /// Sets a label (rebuilds the pairs: for tests and small edits, not hot paths).
     pub fn insert(&mut self, key: impl Into<Arc<str>>, value: impl Into<Arc<str>>) {
         let (key, value) = (key.into(), value.into());
-        let mut v = std::mem::take(&mut self.0).into_vec();
+        let mut v = self.0.to_vec();
         match v.binary_search_by(|(k, _)| k.cmp(&key)) {
             Ok(i) => v[i].1 = value,
             Err(i) => v.insert(i, (key, value)),
         }
-        self.0 = v.into_boxed_slice();
+        self.0 = v.into();
     }
 
     /// Removes a label, returning its value.
     pub fn remove(&mut self, key: &str) -> Option<Arc<str>> {
         let i = self.position(key).ok()?;
-        let mut v = std::mem::take(&mut self.0).into_vec();
+        let mut v = self.0.to_vec();
         let (_, value) = v.remove(i);
-        self.0 = v.into_boxed_slice();
+        self.0 = v.into();
         Some(value)
     }
 }
@@ -236,7 +242,7 @@ impl<K: Into<Arc<str>>, V: Into<Arc<str>>> FromIterator<(K, V)> for Labels {
 
 impl<K: Into<Arc<str>>, V: Into<Arc<str>>> Extend<(K, V)> for Labels {
     fn extend<I: IntoIterator<Item = (K, V)>>(&mut self, iter: I) {
-        let mut v = std::mem::take(&mut self.0).into_vec();
+        let mut v = self.0.to_vec();
         v.extend(iter.into_iter().map(|(k, v)| (k.into(), v.into())));
         *self = Labels::from_pairs(v);
     }
@@ -471,6 +477,14 @@ impl SmallMap {
         match v.binary_search_by(|(k, _)| (**k).cmp(key.as_str())) {
             Ok(i) => v[i].1 = value,
             Err(i) => v.insert(i, (key_of(key), value)),
+        }
+    }
+
+    /// Gives back the room insertions left unused: a node's planned maps live as long as its
+    /// memo, 20,000 of each at that scale.
+    pub fn shrink(&mut self) {
+        if self.0.capacity() > self.0.len() {
+            Arc::make_mut(&mut self.0).shrink_to_fit();
         }
     }
 

@@ -265,6 +265,9 @@ fn plan_node(i: &memo::NodeInputs) -> (memo::PreGate, bool) {
             outcome.annotations.remove(ANNOTATION_CORDONED);
         }
     }
+    // The memo keeps these maps until the node changes: no unused room in them.
+    outcome.labels.shrink();
+    outcome.annotations.shrink();
     let capacity = policy
         .filter(|_| outcome.state == Some(NodeState::Applied))
         .map(|p| backend::node_capacity(p, n, i.cluster.mig_layouts));
