@@ -476,6 +476,13 @@ mod tests {
         let a = snap[0].labels.iter().next().unwrap().1.as_ptr();
         let b = snap[9].labels.iter().next().unwrap().1.as_ptr();
         assert_eq!(a, b, "the same value is one allocation");
+        // The same labels: one set, however many nodes carry it.
+        assert_eq!(snap[0].labels.holders(), snap[9].labels.holders());
+        assert!(
+            snap[0].labels.holders() >= 11,
+            "{}",
+            snap[0].labels.holders()
+        );
         assert_eq!(c.strings(), 2);
         drop(snap);
         // Every node changes product, more often than there are nodes: the old value goes.
