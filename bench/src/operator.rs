@@ -43,7 +43,7 @@ pub(crate) async fn operator_passes(port: u16) -> Option<u64> {
         .ok()?;
     let mut body = String::new();
     conn.read_to_string(&mut body).await.ok()?;
-    passes_in(&body)
+    testkit::metrics::passes_in(&body)
 }
 
 /// The same over HTTPS with a bearer token allowed to `get /metrics` (the operator's
@@ -59,14 +59,9 @@ pub(crate) async fn operator_passes_tls(port: u16, token: &str) -> Option<u64> {
     )
     .await
     .ok()?;
-    (r.status == 200).then(|| passes_in(&r.body)).flatten()
-}
-
-fn passes_in(body: &str) -> Option<u64> {
-    body.lines()
-        .find_map(|l| l.strip_prefix("gpu_sharing_reconciles_total "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map(|v| v as u64)
+    (r.status == 200)
+        .then(|| testkit::metrics::passes_in(&r.body))
+        .flatten()
 }
 
 /// Records, for the nodes of `group`, when each first carries a device-plugin config other than

@@ -8,6 +8,7 @@
 //! - [`fixtures`]: policies and nodes as the planner takes them.
 //! - [`https`]: one HTTPS `GET` with a bearer token, as a scraper makes it.
 //! - [`apiserver`]: kube-apiserver's own counters of the writes it served.
+//! - [`metrics`]: readings of the operator's own metrics (passes that ended well).
 //!
 //! ```ignore
 //! use testkit::*;
@@ -24,6 +25,7 @@ pub mod apiserver;
 pub mod cluster;
 pub mod fixtures;
 pub mod https;
+pub mod metrics;
 pub mod objects;
 pub mod poll;
 

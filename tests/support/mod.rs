@@ -282,22 +282,9 @@ pub fn l4_fleet(dir: &std::path::Path, n: usize) -> std::path::PathBuf {
     fleet(dir, "l4-node-0", "l4", n)
 }
 
-/// The passes that ended without an error in a metrics text: `gpu_sharing_reconciles_total`
-/// less every `gpu_sharing_reconcile_errors_total` series (a failed pass may have stopped
-/// before its writes, so it does not show that a whole pass wrote nothing).
-pub fn passes_in(metrics: &str) -> Option<u64> {
-    let value = |l: &str| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok();
-    let all = metrics
-        .lines()
-        .find(|l| l.starts_with("gpu_sharing_reconciles_total "))
-        .and_then(value)?;
-    let failed: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("gpu_sharing_reconcile_errors_total"))
-        .filter_map(value)
-        .sum();
-    Some((all - failed).max(0.0) as u64)
-}
+/// The passes that ended without an error in a metrics text (one reading for tests and the
+/// benchmark).
+pub use testkit::metrics::passes_in;
 
 /// Nothing written at rest, as kube-apiserver itself counts writes (a server-side apply that
 /// changes nothing keeps the resourceVersion, so comparing resourceVersions cannot see a
