@@ -482,10 +482,11 @@ pub(crate) fn profile_name(p: &MigProfile) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn named(layout: &str) -> Mig {
+    /// A MIG setting of the named layout, `single`, nothing else set.
+    pub(crate) fn named(layout: &str) -> Mig {
         Mig {
             mig_strategy: MigStrategy::Single,
             layout: Some(layout.into()),

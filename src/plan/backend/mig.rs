@@ -307,18 +307,8 @@ mod capacity_tests {
     use super::*;
     use crate::api::crd::{Mig, Strategy};
     use crate::api::names::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT};
+    use crate::plan::capacity::tests::named;
     use crate::plan::labels::Labels;
-
-    fn named(layout: &str) -> Mig {
-        Mig {
-            mig_strategy: MigStrategy::Single,
-            layout: Some(layout.into()),
-            custom_layout: None,
-            time_slicing: None,
-            proceed_with_busy_gpus: false,
-            dynamic: None,
-        }
-    }
 
     /// With GPU Feature Discovery's product the entry is the one whose `device-filter` names
     /// the model's PCI device ID, as mig-parted picks it: 7 x 1g.10gb on an A100 80GB, where
