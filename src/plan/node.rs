@@ -43,11 +43,8 @@ pub fn decide(n: &NodeFacts, policy: Option<&Prepared>, env: &Env) -> Decision {
             "policy not accepted; node left as it was",
         );
     }
-    if let Some(reason) = backend::rejection(w, n, env) {
-        return hold(NodeState::Rejected, reason);
-    }
-    if let Some(why) = super::geometry::node_refusal(w.spec, n) {
-        return hold(NodeState::Invalid, why);
+    if let Some((state, why)) = backend::refusal(w, n, env) {
+        return hold(state, why);
     }
     // A layout demand chose never goes onto busy GPUs, whatever proceedWithBusyGpus says.
     let busy = !env.gpu_pods.is_empty()
@@ -1043,5 +1040,26 @@ mod vm_tests {
             m.contains("120 GB of framebuffer per GPU, the GPU has 80 GB"),
             "{m}"
         );
+    }
+
+    /// The GPU Operator in DRA-only mode has no sandbox stack to configure either: a VM policy's
+    /// nodes are left as they are, as the policy's status says (GpuClusterPresent).
+    #[test]
+    fn a_vm_policy_holds_under_a_dra_only_gpu_operator() {
+        let hash = |_: &str| None;
+        let sandbox = Sandbox {
+            mode: None,
+            vgpu_manager_enabled: true,
+        };
+        let policies = [policy("p", PASS)];
+        let prepared = prepare_all(&policies, None);
+        let env = Env {
+            gpu_cluster: Some("cluster"),
+            sandbox: &sandbox,
+            ..Env::idle(100, &hash)
+        };
+        let o = step(&node(&[]), Some(&prepared[0]), &Case { env });
+        assert_eq!(o.state, Some(NodeState::Rejected), "{}", o.message);
+        assert!(o.message.contains("GPUCluster cluster"), "{}", o.message);
     }
 }

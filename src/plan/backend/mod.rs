@@ -16,11 +16,14 @@ use crate::api::crd::GpuSharingPolicySpec;
 
 use super::backing::{Kind, NodeTarget, Serving};
 use super::capacity::{Advertised, NodeCapacity};
+use super::compat::node_rejection;
 use super::decision::{Decision, Env};
 use super::facts::{NodeFacts, is_vm_host};
+use super::geometry::node_refusal;
 use super::input::Sandbox;
 use super::policies::Prepared;
 use super::targets::node_spec;
+use crate::api::state::NodeState;
 
 // The registry: each question below is answered by the file of the policy's backend. A new
 // backend is a new file beside these and one arm in each match.
@@ -86,12 +89,31 @@ pub fn type_resources(
         .collect())
 }
 
-/// Why the policy's backend cannot serve node `n` at all (it is left as it was, `Rejected`).
-pub fn rejection(w: &Prepared, n: &NodeFacts, env: &Env) -> Option<String> {
-    match w.kind() {
+/// Why node `n` is left as it was: `Rejected` when the policy's backend cannot serve it (its
+/// GPUs cannot take the strategy, a VM host someone else made under a container backend, the
+/// GPU Operator in DRA-only mode under any backend but DRA), `Invalid` when a MIG layout does
+/// not fit its GPUs; checked in that order.
+pub fn refusal(w: &Prepared, n: &NodeFacts, env: &Env) -> Option<(NodeState, String)> {
+    let kind = w.kind();
+    let own = match kind {
         Kind::Vm => vm::rejection(w, n, env.sandbox),
-        Kind::Sharing | Kind::Mig | Kind::Dra => sharing::rejection(w, n, env),
+        Kind::Sharing | Kind::Mig | Kind::Dra => node_rejection(w.spec, n),
+    };
+    if let Some(why) = own {
+        return Some((NodeState::Rejected, why));
     }
+    if let Some(why) = node_refusal(w.spec, n) {
+        return Some((NodeState::Invalid, why));
+    }
+    let foreign = (kind != Kind::Vm)
+        .then(|| sharing::foreign_vm_host(n))
+        .flatten();
+    let dra_only = env.gpu_cluster.filter(|_| kind != Kind::Dra).map(|c| {
+        format!(
+            "the GPU Operator runs in DRA-only mode (GPUCluster {c}): there is no device plugin to configure; use backend: dra"
+        )
+    });
+    foreign.or(dra_only).map(|why| (NodeState::Rejected, why))
 }
 
 /// The backend's step for node `n` towards its target `t`; `busy`: GPU pods run there that a

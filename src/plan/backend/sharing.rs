@@ -55,23 +55,15 @@ pub fn decide(n: &NodeFacts, w: &Prepared, key: &str, env: &Env, busy: bool) -> 
     }
 }
 
-/// Why a container backend (the device plugin's sharing, MIG, DRA) cannot serve node `n`: its
-/// GPUs cannot take the strategy, it is a VM host someone else made, or the GPU Operator runs
-/// DRA-only while the policy needs the device plugin.
-pub fn rejection(w: &Prepared, n: &NodeFacts, env: &Env) -> Option<String> {
-    if let Some(why) = crate::plan::compat::node_rejection(w.spec, n) {
-        return Some(why);
-    }
-    if is_vm_host(n) && !n.owned.contains(LABEL_WORKLOAD) {
-        return Some(format!(
+/// Why a container backend (the device plugin's sharing, MIG, DRA) is not applied over node
+/// `n`: it is a VM host someone else made.
+pub fn foreign_vm_host(n: &NodeFacts) -> Option<String> {
+    (is_vm_host(n) && !n.owned.contains(LABEL_WORKLOAD)).then(|| {
+        format!(
             "the node is a VM host ({LABEL_WORKLOAD}={}, set by someone else): a container strategy is not applied over it",
             n.labels.get(LABEL_WORKLOAD).unwrap_or_default()
-        ));
-    }
-    let c = env.gpu_cluster.filter(|_| w.kind().device_plugin())?;
-    Some(format!(
-        "the GPU Operator runs in DRA-only mode (GPUCluster {c}): there is no device plugin to configure; use backend: dra"
-    ))
+        )
+    })
 }
 
 /// Why GPU Feature Discovery's report does not confirm the device plugin's sharing on node `n`
