@@ -8,7 +8,7 @@ use crate::nvidia::state::GfdReport;
 use crate::nvidia::{DEFAULT_KEY, MIG_DISABLED_LAYOUT};
 
 use crate::plan::capacity::{
-    Advertised, NodeCapacity, advertised_name, most_replicas, ts_replicas,
+    Advertised, NodeCapacity, advertised_name, cap, most_replicas, ts_replicas,
 };
 use crate::plan::decision::{Decision, Env, busy_msg, gfd_not_reported, hold, mig_of, wait, write};
 use crate::plan::facts::{NodeFacts, gpu_count, gpu_memory_mib, is_vm_host};
@@ -128,12 +128,8 @@ pub fn advertises(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> Option<Adver
 pub fn capacity(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> NodeCapacity {
     let gpus = gpu_count(node).unwrap_or(0);
     let mem = gpu_memory_mib(node);
-    let cap = |schedulable, memory, threads, isolated| NodeCapacity {
-        physical_gpus: gpus,
-        schedulable: Some(schedulable),
-        memory_per_client_mib: memory,
-        threads_per_client_percent: threads,
-        memory_isolation: isolated,
+    let node_cap = |schedulable, memory, threads, isolated| {
+        cap(gpus, Some(schedulable), memory, threads, isolated)
     };
     match spec.strategy {
         Strategy::TimeSlicing => {
@@ -151,14 +147,14 @@ pub fn capacity(spec: &GpuSharingPolicySpec, node: &NodeFacts) -> NodeCapacity {
                     })
                 })
                 .unwrap_or(1) as i64;
-            cap(gpus * r, mem, None, false)
+            node_cap(gpus * r, mem, None, false)
         }
         Strategy::Mps => {
-            let r = spec.mps.as_ref().map_or(1, |m| m.replicas) as i64;
+            let r = replicas(spec) as i64;
             let (threads, memory) = crate::nvidia::dra::mps_limits(spec, mem);
-            cap(gpus * r, memory, Some(threads), true)
+            node_cap(gpus * r, memory, Some(threads), true)
         }
-        _ => cap(gpus, mem, Some(100), true),
+        _ => node_cap(gpus, mem, Some(100), true),
     }
 }
 
