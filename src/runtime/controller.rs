@@ -36,7 +36,7 @@ pub use crate::runtime::error::Error;
 pub use crate::runtime::resources::cluster_policy_resource;
 
 /// A pass starts once no watch event has arrived for this long...
-const COALESCE_QUIET: Duration = Duration::from_millis(100);
+const COALESCE_QUIET: Duration = Duration::from_millis(50);
 /// ...or this long after the previous pass, whichever comes first.
 const COALESCE_MAX: Duration = Duration::from_secs(1);
 
