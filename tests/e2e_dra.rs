@@ -1,5 +1,5 @@
 //! End-to-end: the DRA backend renders ResourceClaimTemplates (resource.k8s.io/v1, served by
-//! the local kube-apiserver 1.35), keeps them in step with the policy, reports invalid driver
+//! the local kube-apiserver 1.36), keeps them in step with the policy, reports invalid driver
 //! settings without rendering anything, and removes them with the policy.
 
 mod support;

@@ -30,7 +30,7 @@ OUT=${KUBE_LOCAL_OUT:-$REPO/target/kube-local}
 BIN=$OUT/kube-local
 RUN_DIR=$OUT/cluster          # state of `start`: kubeconfig, logs, pid
 
-K8S_VERSION=v1.35.4
+K8S_VERSION=v1.36.3
 GPU_OPERATOR_MODULE=github.com/NVIDIA/gpu-operator
 GPU_OPERATOR_VERSION=v0.0.0-20250917190837-d73a0086a6ba
 SHARED_FIXTURES=$REPO/../shared/fixtures
