@@ -20,11 +20,14 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourcev1 "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	resourcev1client "k8s.io/client-go/kubernetes/typed/resource/v1"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"gpusharing.io/tests/nvidia/internal/sim"
@@ -118,7 +121,8 @@ func TestE2ESimulatorAgainstAPIServer(t *testing.T) {
 	simDone := make(chan error, 1)
 	go func() {
 		simDone <- run(simCtx, &options{kubeconfig: kubeconfig, namespace: "gpu-operator", clusterPolicy: "cluster-policy",
-			migDelay: 300 * time.Millisecond, autoLabelMig: true, fallbacks: sim.FallbackEmpty, retry: time.Second})
+			migDelay: 300 * time.Millisecond, autoLabelMig: true, fallbacks: sim.FallbackEmpty, retry: time.Second,
+			consumableShares: "4"})
 	}()
 	defer func() {
 		stopSim()
@@ -212,6 +216,45 @@ func TestE2ESimulatorAgainstAPIServer(t *testing.T) {
 		!strings.Contains(geo, `{"profile":"1g.10gb","start":6,"size":1}]`) {
 		t.Fatalf("geometry %s", geo)
 	}
+
+	// NVIDIA's DRA kubelet plugin, switched on per node: its ResourceSlice
+	// (accepted by the API server's validation) names the node's GPUs as
+	// driver v0.5.0 does, with shares=4 under --consumable-shares=4; a GPU
+	// with MIG on is published as its instances; switched off, the slice goes.
+	res := resourcev1client.NewForConfigOrDie(cfg)
+	slice := func(name string) (*resourcev1.ResourceSlice, error) {
+		return res.ResourceSlices().Get(ctx, sim.DRASliceName(name), metav1.GetOptions{})
+	}
+	label("h200-node-0", sim.LabelDeployDRADriver, "true")
+	label("a100-node-0", sim.LabelDeployDRADriver, "true")
+	waitFor("ResourceSlices published", func() bool {
+		_, e1 := slice("h200-node-0")
+		_, e2 := slice("a100-node-0")
+		return e1 == nil && e2 == nil
+	})
+	h200, _ := slice("h200-node-0")
+	gpus, _ := strconv.Atoi(node("h200-node-0").Labels[sim.LabelCount])
+	if h200.Spec.Driver != "gpu.nvidia.com" || h200.Spec.Pool.Name != "h200-node-0" || *h200.Spec.NodeName != "h200-node-0" ||
+		len(h200.Spec.Devices) != gpus || gpus == 0 {
+		t.Fatalf("h200 slice: driver %s pool %s, %d devices for %d GPUs", h200.Spec.Driver, h200.Spec.Pool.Name, len(h200.Spec.Devices), gpus)
+	}
+	d0 := h200.Spec.Devices[0]
+	shares := d0.Capacity["shares"]
+	if d0.Name != "gpu-0" || *d0.Attributes["type"].StringValue != "gpu" || *d0.Attributes["architecture"].StringValue != "Hopper" ||
+		d0.AllowMultipleAllocations == nil || !*d0.AllowMultipleAllocations || shares.Value.Value() != 4 ||
+		shares.RequestPolicy == nil || shares.RequestPolicy.Default.Value() != 1 {
+		t.Fatalf("h200 device 0: %+v", d0)
+	}
+	a100, _ := slice("a100-node-0")
+	if len(a100.Spec.Devices) != 56 || !strings.HasPrefix(a100.Spec.Devices[0].Name, "gpu-0-mig-1g10gb-") ||
+		*a100.Spec.Devices[0].Attributes["profile"].StringValue != "1g.10gb" || *a100.Spec.Devices[0].Attributes["type"].StringValue != "mig" {
+		t.Fatalf("a100 slice: %d devices, first %+v", len(a100.Spec.Devices), a100.Spec.Devices[0])
+	}
+	label("a100-node-0", sim.LabelDeployDRADriver, "false")
+	waitFor("ResourceSlice withdrawn", func() bool {
+		_, err := slice("a100-node-0")
+		return apierrors.IsNotFound(err)
+	})
 
 	// A GPU pod on a100-node-1 makes its reconfiguration fail.
 	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "busy", Namespace: "default"}, Spec: corev1.PodSpec{

@@ -34,6 +34,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -46,6 +47,7 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	resourcev1client "k8s.io/client-go/kubernetes/typed/resource/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/util/workqueue"
@@ -60,6 +62,7 @@ var clusterPolicyGVR = schema.GroupVersionResource{Group: "nvidia.com", Version:
 
 type options struct {
 	kubeconfig       string
+	consumableShares string
 	namespace        string
 	clusterPolicy    string
 	migDelay         time.Duration
@@ -87,6 +90,7 @@ func main() {
 	flag.StringVar(&o.instanceTypes, "instance-types", "", "the operator's instance-type table (file: ConfigMap manifest with data key "+sim.InstanceTypesKey+", or the YAML/JSON map itself): a node without nvidia.com/gpu.product whose "+sim.LabelInstanceType+" is in it gets that hardware, GPU Feature Discovery's labels and, if it has no Ready condition, Ready=True (nodes Karpenter's kwok provider creates)")
 	flag.DurationVar(&o.restartDelay, "restart-delay", time.Second, "how long the device plugin and GPU Feature Discovery take to restart after a reload trigger (config label, ClusterPolicy, MIG geometry) before they load the config and GFD relabels with a new nvidia.com/gfd.timestamp")
 	flag.DurationVar(&o.retry, "crashloop-retry", 5*time.Second, "how often a node whose simulated device plugin cannot start is re-evaluated")
+	flag.StringVar(&o.consumableShares, "dra-consumable-shares", "disabled", "the DRA driver's --consumable-shares (its ConsumableShares feature gate on): disabled, memory, unlimited or a positive integer N (each GPU publishes shares=N, a claim takes 1 by default)")
 	flag.Parse()
 	log.SetFlags(log.Ltime | log.Lmicroseconds)
 	log.SetPrefix("gpu-node-simulator: ")
@@ -110,6 +114,7 @@ func main() {
 type simulator struct {
 	o     *options
 	core  corev1client.CoreV1Interface
+	res   resourcev1client.ResourceV1Interface
 	dyn   dynamic.Interface
 	queue workqueue.TypedRateLimitingInterface[string]
 	nodes cache.Store
@@ -160,8 +165,15 @@ func run(ctx context.Context, o *options) error {
 	if err != nil {
 		return err
 	}
+	res, err := resourcev1client.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	if err := sim.ValidConsumableShares(o.consumableShares); err != nil {
+		return err
+	}
 	s := &simulator{
-		o: o, core: core, dyn: dyn,
+		o: o, core: core, res: res, dyn: dyn,
 		// A failed write (e.g. the API server restarting) is retried per node within 2 s, as
 		// NVIDIA's components re-evaluate on their own loops; client-go's default limiter adds
 		// a fleet-wide 10/s bucket, which after an outage on 200 nodes delays the last retries
@@ -454,6 +466,9 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		s.mu.Lock()
 		delete(s.restarts, name)
 		s.mu.Unlock()
+		if err := s.draPlugin(ctx, node, n, hw, sim.GeometryOf(n.Annotations, hw.Count), patch); err != nil {
+			return 0, err
+		}
 		return 0, s.write(ctx, node, patch)
 	}
 
@@ -461,6 +476,12 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		// A VM node: no container stack; the sandbox operands act.
 		s.logOnce(name, "workload "+workload+": the GPU Operator runs the sandbox operands, not the device plugin, GFD or MIG manager")
 		sim.PlanSandbox(n, hw, workload, s.sandboxInput(cp), patch)
+		// The GPUs belong to VFIO or the vGPU manager: the DRA driver's GPU
+		// plugin publishes none of them.
+		delete(n.Labels, sim.LabelDeployDRADriver)
+		if err := s.draPlugin(ctx, node, n, hw, nil, patch); err != nil {
+			return 0, err
+		}
 		s.mu.Lock()
 		delete(s.restarts, name)
 		delete(s.timers, name)
@@ -541,6 +562,9 @@ func (s *simulator) sync(ctx context.Context, name string) (time.Duration, error
 		}
 	}
 
+	if err := s.draPlugin(ctx, node, n, hw, migRes.Geometry, patch); err != nil {
+		return 0, err
+	}
 	if err := s.write(ctx, node, patch); err != nil {
 		return 0, err
 	}
@@ -710,6 +734,63 @@ func (s *simulator) logOnce(node, msg string) {
 	}
 	s.lastLog[node] = msg
 	log.Printf("node %s: %s", node, msg)
+}
+
+// draPlugin plays the DRA driver's kubelet plugin on the node: while it is
+// deployed there (sim.LabelDeployDRADriver) it publishes the node's GPUs as
+// NVML shows them (geo) in the node's ResourceSlice, owned by the Node as
+// the real plugin's helper does; when it is gone, the slice goes too. The
+// slice is written before the node's patch records it (sim.AnnDRASlice), so
+// a failed write is retried.
+func (s *simulator) draPlugin(ctx context.Context, node *corev1.Node, n *sim.Node, hw sim.Hardware, geo sim.Geometry, patch *sim.Patch) error {
+	var devices []resourcev1.Device
+	if sim.DRAPluginDeployed(n) {
+		var err error
+		devices, err = sim.DRADevices(node.Name, hw, geo, sim.PlacementsOf(n.Annotations, hw.Count), s.o.consumableShares)
+		if err != nil {
+			s.logOnce(node.Name, "DRA kubelet plugin cannot publish: "+err.Error())
+			return nil
+		}
+	}
+	publish, withdraw := sim.PlanDRASlice(n, devices, patch)
+	name := sim.DRASliceName(node.Name)
+	switch {
+	case withdraw:
+		err := s.res.ResourceSlices().Delete(ctx, name, metav1.DeleteOptions{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("deleting ResourceSlice %s: %w", name, err)
+		}
+	case publish:
+		nodeName := node.Name
+		want := &resourcev1.ResourceSlice{
+			ObjectMeta: metav1.ObjectMeta{
+				Name: name,
+				OwnerReferences: []metav1.OwnerReference{{
+					APIVersion: "v1", Kind: "Node", Name: node.Name, UID: node.UID, Controller: ptr(true),
+				}},
+			},
+			Spec: resourcev1.ResourceSliceSpec{
+				Driver:   sim.DRADriver,
+				Pool:     resourcev1.ResourcePool{Name: node.Name, Generation: 1, ResourceSliceCount: 1},
+				NodeName: &nodeName,
+				Devices:  devices,
+			},
+		}
+		cur, err := s.res.ResourceSlices().Get(ctx, name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			_, err = s.res.ResourceSlices().Create(ctx, want, metav1.CreateOptions{FieldManager: fieldManager})
+		case err == nil:
+			// A new generation of the pool supersedes the old one.
+			want.ResourceVersion = cur.ResourceVersion
+			want.Spec.Pool.Generation = cur.Spec.Pool.Generation + 1
+			_, err = s.res.ResourceSlices().Update(ctx, want, metav1.UpdateOptions{FieldManager: fieldManager})
+		}
+		if err != nil {
+			return fmt.Errorf("publishing ResourceSlice %s: %w", name, err)
+		}
+	}
+	return nil
 }
 
 func (s *simulator) write(ctx context.Context, node *corev1.Node, p *sim.Patch) error {

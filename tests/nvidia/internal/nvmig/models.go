@@ -216,3 +216,62 @@ func newModel(name string, cfg gpus.Config, aliases ...string) *Model {
 	sort.Slice(m.Profiles, func(i, j int) bool { return m.Profiles[i].ID < m.Profiles[j].ID })
 	return m
 }
+
+// Facts are what NVML reports of one GPU of the model, read through
+// go-nvlib as NVIDIA's DRA driver reads them for its device attributes.
+type Facts struct {
+	Name, Brand, Architecture string
+	// ComputeCapability: "<major>.<minor>".
+	ComputeCapability string
+	MemoryBytes       uint64
+}
+
+// Facts reads the model's name, brand, architecture, compute capability
+// and memory from a go-nvml mock device through go-nvlib.
+func (m *Model) Facts() (Facts, error) {
+	srv, err := server.New(server.WithGPUs(m.Config))
+	if err != nil {
+		return Facts{}, err
+	}
+	dev, err := nvdev.New(srv).NewDevice(srv.Devices[0])
+	if err != nil {
+		return Facts{}, err
+	}
+	var f Facts
+	var ret nvml.Return
+	if f.Name, ret = dev.GetName(); ret != nvml.SUCCESS {
+		return Facts{}, fmt.Errorf("name: %v", ret)
+	}
+	f.Name = strings.TrimPrefix(f.Name, "Mock ")
+	if f.Brand, err = dev.GetBrandAsString(); err != nil {
+		return Facts{}, err
+	}
+	if f.Architecture, err = dev.GetArchitectureAsString(); err != nil {
+		return Facts{}, err
+	}
+	major, minor, ret := dev.GetCudaComputeCapability()
+	if ret != nvml.SUCCESS {
+		return Facts{}, fmt.Errorf("compute capability: %v", ret)
+	}
+	f.ComputeCapability = fmt.Sprintf("%d.%d", major, minor)
+	mem, ret := dev.GetMemoryInfo()
+	if ret != nvml.SUCCESS {
+		return Facts{}, fmt.Errorf("memory: %v", ret)
+	}
+	f.MemoryBytes = mem.Total
+	return f, nil
+}
+
+// ProfileInfo is NVML's GPU-instance profile info of the named profile
+// (memory size corrected as the node reports it).
+func (m *Model) ProfileInfo(name string) (nvml.GpuInstanceProfileInfo, bool) {
+	p, ok := m.Profile(name)
+	if !ok {
+		return nvml.GpuInstanceProfileInfo{}, false
+	}
+	info, ok := m.Config.MIGProfiles.GpuInstanceProfiles[p.ID]
+	if mb, found := m.memoryMB[p.ID]; found {
+		info.MemorySizeMB = mb
+	}
+	return info, ok
+}
