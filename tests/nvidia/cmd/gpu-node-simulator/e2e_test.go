@@ -222,8 +222,16 @@ func TestE2ESimulatorAgainstAPIServer(t *testing.T) {
 	// driver v0.5.0 does, with shares=4 under --consumable-shares=4; a GPU
 	// with MIG on is published as its instances; switched off, the slice goes.
 	res := resourcev1client.NewForConfigOrDie(cfg)
+	// By driver and node, as the scheduler reads slices (the name is the simulator's).
 	slice := func(name string) (*resourcev1.ResourceSlice, error) {
-		return res.ResourceSlices().Get(ctx, sim.DRASliceName(name), metav1.GetOptions{})
+		list, err := res.ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.driver=" + sim.DRADriver + ",spec.nodeName=" + name})
+		switch {
+		case err != nil:
+			return nil, err
+		case len(list.Items) != 1:
+			return nil, apierrors.NewNotFound(resourcev1.Resource("resourceslices"), name)
+		}
+		return &list.Items[0], nil
 	}
 	label("h200-node-0", sim.LabelDeployDRADriver, "true")
 	label("a100-node-0", sim.LabelDeployDRADriver, "true")
@@ -246,7 +254,8 @@ func TestE2ESimulatorAgainstAPIServer(t *testing.T) {
 		t.Fatalf("h200 device 0: %+v", d0)
 	}
 	a100, _ := slice("a100-node-0")
-	if len(a100.Spec.Devices) != 56 || !strings.HasPrefix(a100.Spec.Devices[0].Name, "gpu-0-mig-1g10gb-") ||
+	if len(a100.Spec.Devices) != 56 || a100.Spec.Devices[0].Name != "gpu-0-mig-1g10gb-0-0" || a100.Spec.Devices[55].Name != "gpu-7-mig-1g10gb-0-6" ||
+		a100.OwnerReferences[0].Kind != "Node" || a100.OwnerReferences[0].Name != "a100-node-0" ||
 		*a100.Spec.Devices[0].Attributes["profile"].StringValue != "1g.10gb" || *a100.Spec.Devices[0].Attributes["type"].StringValue != "mig" {
 		t.Fatalf("a100 slice: %d devices, first %+v", len(a100.Spec.Devices), a100.Spec.Devices[0])
 	}

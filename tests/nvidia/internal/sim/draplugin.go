@@ -85,6 +85,11 @@ func DRADevices(node string, hw Hardware, geo Geometry, places Placements, share
 			return nil, fmt.Errorf("go-nvml mock %s: %w", model, err)
 		}
 		facts = f
+		if hw.MemoryMiB > 0 {
+			// NVML's total memory as the node reports it (GFD's
+			// nvidia.com/gpu.memory), not the mock's nominal size.
+			facts.MemoryBytes = uint64(hw.MemoryMiB) << 20
+		}
 	}
 	if facts.ComputeCapability == "" {
 		facts.ComputeCapability = "8.0"
@@ -121,7 +126,7 @@ func DRADevices(node string, hw Hardware, geo Geometry, places Placements, share
 				return nil, fmt.Errorf("GPU %d: profile %s unknown to %s", i, p.Profile, model)
 			}
 			d := resourcev1.Device{
-				Name:       fmt.Sprintf("gpu-%d-mig-%s-%d-%d", i, strings.ReplaceAll(p.Profile, ".", ""), prof.ID, p.Start),
+				Name:       fmt.Sprintf("gpu-%d-mig-%s-%d-%d", i, deviceNamePart(p.Profile), prof.ID, p.Start),
 				Attributes: commonAttributes(facts, i),
 				Capacity: map[resourcev1.QualifiedName]resourcev1.DeviceCapacity{
 					"multiprocessors": intCapacity(int64(info.MultiprocessorCount)),
@@ -240,6 +245,21 @@ func applyShares(d *resourcev1.Device, shares string) {
 		}
 	}
 	d.Capacity["memory"] = mem
+}
+
+// deviceNamePart is the driver's spelling of a MIG profile inside a device
+// name: lower case, dots dropped, any other character outside [a-z0-9-]
+// turned into '-' (so 1g.10gb+me is 1g10gb-me), trimmed of '-'.
+func deviceNamePart(profile string) string {
+	var b strings.Builder
+	for _, r := range strings.ToLower(strings.ReplaceAll(profile, ".", "")) {
+		if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' {
+			b.WriteRune(r)
+		} else {
+			b.WriteRune('-')
+		}
+	}
+	return strings.Trim(b.String(), "-")
 }
 
 func fakeUUID(kind string, parts ...string) string {

@@ -44,7 +44,8 @@ func TestDRADevices(t *testing.T) {
 	}
 	mig := devs[1]
 	if *mig.Attributes["type"].StringValue != "mig" || *mig.Attributes["profile"].StringValue != "3g.40gb" ||
-		!strings.HasPrefix(*mig.Attributes["uuid"].StringValue, "MIG-") || *mig.Attributes["parentUUID"].StringValue != *devs[0].Attributes["parentUUID"].StringValue {
+		!strings.HasPrefix(*mig.Attributes["uuid"].StringValue, "MIG-") || *mig.Attributes["parentUUID"].StringValue != fakeUUID("GPU", "n1", "0") ||
+		*mig.Attributes["uuid"].StringValue == *devs[0].Attributes["uuid"].StringValue {
 		t.Fatalf("MIG attributes %v", mig.Attributes)
 	}
 	for _, s := range []string{"memorySlice4", "memorySlice7"} {
@@ -67,7 +68,7 @@ func TestDRADevices(t *testing.T) {
 	if s := gpu.Capacity["shares"]; s.Value.Value() != 4 || s.RequestPolicy.Default.Value() != 1 || s.RequestPolicy.ValidRange.Max.Value() != 4 {
 		t.Fatalf("shares %+v", s)
 	}
-	if m := gpu.Capacity["memory"]; m.RequestPolicy.Default.Value() != 0 || m.Value.Value()%(1<<20) != 0 {
+	if m := gpu.Capacity["memory"]; m.RequestPolicy.Default.Value() != 0 || m.Value.Value() != 81920<<20 {
 		t.Fatalf("memory under shares %+v", m)
 	}
 	// The parent of a MIG device is its GPU's UUID, distinct per node.
@@ -87,6 +88,17 @@ func TestDRADevices(t *testing.T) {
 	}
 	if _, err := DRADevices("n1", hw, geo, places, "0"); err == nil {
 		t.Fatal("--consumable-shares=0 accepted")
+	}
+}
+
+// A profile with a media-extension suffix keeps a valid device name, as
+// the driver's RFC 1123 spelling makes it.
+func TestDRADeviceNameOfAMediaExtensionProfile(t *testing.T) {
+	if got := deviceNamePart("1g.10gb+me"); got != "1g10gb-me" {
+		t.Fatalf("1g.10gb+me -> %q", got)
+	}
+	if got := deviceNamePart("1g.10gb"); got != "1g10gb" {
+		t.Fatalf("1g.10gb -> %q", got)
 	}
 }
 
