@@ -1914,6 +1914,18 @@ impl FencedOperator {
     }
 
     /// Waits until `gpu_sharing_fenced` is `value` and `/readyz` answers `code`.
+    /// The operator's log once `ready` holds for it (or as it is after `LONG`).
+    async fn log_until(&self, ready: impl Fn(&str) -> bool) -> String {
+        let read = || std::fs::read_to_string(&self.log).unwrap_or_default();
+        let _ = tokio::time::timeout(LONG, async {
+            while !ready(&read()) {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+        read()
+    }
+
     async fn until(&self, value: u8, code: u16) -> String {
         let found = tokio::time::timeout(LONG, async {
             loop {
@@ -1948,7 +1960,14 @@ async fn fence_check_follows_the_policies(cluster: &testkit::TestCluster, admin:
     let op = FencedOperator::start(cluster).await;
     let body = op.until(0, 503).await;
     assert!(body.contains("not fenced"), "{body}");
-    let log = std::fs::read_to_string(&op.log).unwrap_or_default();
+    // The gauge starts at 0 and /readyz says "not fenced" before the first check has run, so
+    // the check's warning may come after them: wait for it.
+    let log = op
+        .log_until(|l| {
+            l.contains("NOT fenced")
+                && l.contains(gpu_sharing_operator::runtime::fence::PROBE_LABEL)
+        })
+        .await;
     assert!(
         log.contains("NOT fenced")
             && log.contains(gpu_sharing_operator::runtime::fence::PROBE_LABEL),
