@@ -45,6 +45,9 @@ type Model struct {
 	Corrections []string
 	// memoryMB: GPU-instance profile ID -> MemorySizeMB, corrected.
 	memoryMB map[int]uint64
+	// facts: what NVML reports of one GPU (see Facts), read when the model
+	// is built.
+	facts Facts
 }
 
 // Profile is one GPU-instance profile of a model, from the mock's tables.
@@ -189,6 +192,9 @@ func newModel(name string, cfg gpus.Config, aliases ...string) *Model {
 	dev := srv.Devices[0].(*server.Device)
 	dev.MigMode = nvml.DEVICE_MIG_ENABLE
 	m.install(dev)
+	if m.facts, err = readFacts(srv); err != nil {
+		panic(fmt.Sprintf("go-nvml mock %s: go-nvlib device facts: %v", name, err))
+	}
 	all, err := nvdev.New(srv).GetMigProfiles()
 	if err != nil {
 		panic(fmt.Sprintf("go-nvml mock %s: go-nvlib profiles: %v", name, err))
@@ -226,13 +232,13 @@ type Facts struct {
 	MemoryBytes       uint64
 }
 
-// Facts reads the model's name, brand, architecture, compute capability
-// and memory from a go-nvml mock device through go-nvlib.
-func (m *Model) Facts() (Facts, error) {
-	srv, err := server.New(server.WithGPUs(m.Config))
-	if err != nil {
-		return Facts{}, err
-	}
+// Facts is what NVML reports of one GPU of the model (name, brand,
+// architecture, compute capability, memory), read through go-nvlib from a
+// go-nvml mock device once, when the model is built.
+func (m *Model) Facts() Facts { return m.facts }
+
+// readFacts reads them from a mock device of the model.
+func readFacts(srv *server.Server) (Facts, error) {
 	dev, err := nvdev.New(srv).NewDevice(srv.Devices[0])
 	if err != nil {
 		return Facts{}, err
