@@ -35,10 +35,23 @@ pub use crate::runtime::context::{Config, Context, EvictionClient};
 pub use crate::runtime::error::Error;
 pub use crate::runtime::resources::cluster_policy_resource;
 
-/// A pass starts once no watch event has arrived for this long...
-const COALESCE_QUIET: Duration = Duration::from_millis(50);
+/// A pass starts once no watch event has arrived for this long after a pass that wrote nothing
+/// (at rest, an edit arrives as one event: a short wait is latency the admin sees)...
+const COALESCE_QUIET_AT_REST: Duration = Duration::from_millis(50);
+/// ...or for this long after a pass that wrote (its own writes come back as bursts of events
+/// over a rollout, and every extra pass over 20,000 nodes costs a plan)...
+const COALESCE_QUIET_WRITING: Duration = Duration::from_millis(100);
 /// ...or this long after the previous pass, whichever comes first.
 const COALESCE_MAX: Duration = Duration::from_secs(1);
+
+/// How long the watches must be quiet before the next pass, given whether the last one wrote.
+fn quiet_period(last_pass_wrote: bool) -> Duration {
+    if last_pass_wrote {
+        COALESCE_QUIET_WRITING
+    } else {
+        COALESCE_QUIET_AT_REST
+    }
+}
 
 /// Finds the GPU Operator's namespace: the `status.namespace` of the oldest (active)
 /// ClusterPolicy.
@@ -111,7 +124,8 @@ async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
     let mut memory = ControllerMemory::new(ctx.config.mig_timeout);
     let mut backoff = Duration::from_millis(500);
     loop {
-        match pass(&ctx, &mut memory).await {
+        let (result, wrote) = pass(&ctx, &mut memory).await;
+        match result {
             Ok(recheck) => {
                 backoff = Duration::from_millis(500);
                 let wait = recheck.map_or(ctx.config.resync, |r| r.min(ctx.config.resync));
@@ -130,6 +144,7 @@ async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
         }
         // Coalesce bursts of watch events (`kubectl apply -f dir/`, a relabel of many nodes)
         // into one pass: wait until the watches are quiet, within a bound.
+        let quiet = quiet_period(wrote);
         let deadline = tokio::time::Instant::now() + COALESCE_MAX;
         loop {
             tokio::select! {
@@ -138,15 +153,19 @@ async fn control_loop(ctx: Arc<Context>, notify: Arc<Notify>) {
                         break;
                     }
                 }
-                _ = tokio::time::sleep(COALESCE_QUIET) => break,
+                _ = tokio::time::sleep(quiet) => break,
             }
         }
     }
 }
 
 /// One pass in its tracing span (pass number, nodes changed, writes); its writes and duration
-/// feed the metrics, and what it learnt the memory, whether it succeeded or not.
-async fn pass(ctx: &Context, memory: &mut ControllerMemory) -> Result<Option<Duration>, Error> {
+/// feed the metrics, and what it learnt the memory, whether it succeeded or not. Also says
+/// whether it wrote anything.
+async fn pass(
+    ctx: &Context,
+    memory: &mut ControllerMemory,
+) -> (Result<Option<Duration>, Error>, bool) {
     let id = ctx.next_pass();
     let span = info_span!(
         "pass",
@@ -169,10 +188,11 @@ async fn pass(ctx: &Context, memory: &mut ControllerMemory) -> Result<Option<Dur
     let failure = result.as_ref().err().map(Error::metric_label);
     m.observe_reconcile(started.elapsed(), failure);
     m.set_ready();
-    if !report.is_empty() {
+    let wrote = !report.is_empty();
+    if wrote {
         span.in_scope(|| debug!(writes = report.writes.len(), "pass wrote"));
     }
-    result
+    (result, wrote)
 }
 
 /// Gauges from the plan: nodes per strategy, conflicted policies, the node cache's size.
@@ -316,3 +336,15 @@ async fn plan_off_thread(memory: &mut ControllerMemory, input: PlanInput) -> (Pl
 /// How soon a pass looks again while a change is in progress (the MIG manager, the device
 /// plugin, a drain), watch events or not.
 pub const IN_PROGRESS_RECHECK: Duration = Duration::from_secs(2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_edit_at_rest_waits_less_than_the_echo_of_a_pass_that_wrote() {
+        assert_eq!(quiet_period(false), Duration::from_millis(50));
+        assert_eq!(quiet_period(true), Duration::from_millis(100));
+        assert!(quiet_period(true) < COALESCE_MAX);
+    }
+}
