@@ -15,13 +15,13 @@ use crate::api::crd::{
     DEFAULT_DRAIN_TIMEOUT_SECONDS, DEFAULT_NODE_TIMEOUT_SECONDS, GpuSharingPolicySpec,
 };
 use crate::api::names::{
-    ANNOTATION_CONFIG_WRITTEN, ANNOTATION_CORDONED, ANNOTATION_ROLLOUT, LABEL_DEVICE_PLUGIN_CONFIG,
-    LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_POLICY, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE,
-    LABEL_WORKLOAD,
+    ANNOTATION_CONFIG_WRITTEN, ANNOTATION_CORDONED, ANNOTATION_ROLLOUT, LABEL_DEPLOY_DEVICE_PLUGIN,
+    LABEL_DEVICE_PLUGIN_CONFIG, LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_POLICY, LABEL_VGPU_CONFIG,
+    LABEL_VGPU_STATE, LABEL_WORKLOAD,
 };
 use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::DEFAULT_KEY;
-use crate::nvidia::state::ConfigState;
+use crate::nvidia::state::{ConfigState, deployed};
 
 use super::drain::{Drain, drain_nodes};
 use super::facts::{gfd_behind, is_vm_host, sandbox_resources};
@@ -130,15 +130,19 @@ enum Phase {
 
 /// An earlier change of ours on the node that NVIDIA's components have not confirmed, whatever
 /// it was for: GFD has not relabelled since our last device-plugin config write (when GFD
-/// stamps the node, and not on a VM host, where GFD does not run), or the MIG manager (the vGPU
-/// Device Manager) has not reported on our last layout (vGPU config).
+/// stamps the node, and only where the device plugin runs: not on a VM host, where GFD does not
+/// run, nor where the device plugin is switched off, whose config no component loads), or the
+/// MIG manager (the vGPU Device Manager) has not reported on our last layout (vGPU config).
 pub fn last_change_unconfirmed(n: &NodeFacts) -> bool {
     let pending = |config: &str, state: &str| {
         n.owned.contains(config)
             && ConfigState::parse(n.labels.get(state)) == Some(ConfigState::Pending)
     };
     let vm = is_vm_host(n);
-    let gfd = !vm && gfd_behind(n, n.annotations.get(ANNOTATION_CONFIG_WRITTEN)).is_some();
+    let device_plugin = deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN));
+    let gfd = !vm
+        && device_plugin
+        && gfd_behind(n, n.annotations.get(ANNOTATION_CONFIG_WRITTEN)).is_some();
     // A VM host of ours is confirmed by the sandbox device plugin advertising its GPUs.
     let sandbox = vm && n.owned.contains(LABEL_WORKLOAD) && sandbox_resources(n).is_empty();
     gfd || sandbox
