@@ -8,9 +8,10 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::api::names::{
-    ANNOTATION_MIG_DEMAND, LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEVICE_PLUGIN_CONFIG,
-    LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT, LABEL_GPU_REPLICAS, LABEL_GPU_SHARING_STRATEGY,
-    LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_VGPU_CONFIG, LABEL_VGPU_STATE, LABEL_WORKLOAD,
+    ANNOTATION_MIG_DEMAND, LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEPLOY_DRA_DRIVER,
+    LABEL_DEVICE_PLUGIN_CONFIG, LABEL_GFD_TIMESTAMP, LABEL_GPU_COUNT, LABEL_GPU_REPLICAS,
+    LABEL_GPU_SHARING_STRATEGY, LABEL_MIG_CONFIG, LABEL_MIG_STATE, LABEL_VGPU_CONFIG,
+    LABEL_VGPU_STATE, LABEL_WORKLOAD,
 };
 use crate::nvidia::state::{ConfigState, Workload, deployed};
 use crate::nvidia::{self, DevicePluginConfig};
@@ -175,9 +176,22 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<crate::plan::capacity::Adv
 /// where GFD does not run). `now` is the time of that answer. Returns the nodes that changed.
 pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
     let serving: Vec<_> = input.nodes.iter().map(|n| serves(input, n)).collect();
+    let shares = driver_shares(&input.policies);
     let configs = &input.cluster.current_device_config;
     let mut changed = BTreeSet::new();
     for (n, serves) in input.nodes.iter_mut().zip(serving) {
+        // NVIDIA's DRA kubelet plugin publishes the node's GPUs where it is switched on.
+        let slice = (n.labels.get(LABEL_DEPLOY_DRA_DRIVER) == Some("true")).then(|| {
+            crate::plan::input::DraSlice {
+                gpus: crate::plan::facts::gpu_count(n).unwrap_or(0),
+                shares,
+                ..Default::default()
+            }
+        });
+        if slice != n.dra_slice {
+            n.dra_slice = slice;
+            changed.insert(n.name.clone());
+        }
         let mut labels = n.labels.clone();
         for state in [LABEL_MIG_STATE, LABEL_VGPU_STATE] {
             if ConfigState::parse(labels.get(state)) == Some(ConfigState::Pending) {
@@ -222,6 +236,16 @@ pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
         }
     }
     changed
+}
+
+/// The consumable shares the DRA driver runs with, as an admin who followed the operator would
+/// have set them: those of the first policy served through extended resources.
+fn driver_shares(policies: &[crate::api::crd::GpuSharingPolicy]) -> Option<i64> {
+    policies
+        .iter()
+        .map(|p| crate::plan::backing::DraBacking::of(&p.spec))
+        .find_map(|d| d.extended)
+        .and_then(|x| x.shares)
 }
 
 /// Plans, applies and lets NVIDIA's components succeed until a plan changes nothing. Each pass

@@ -3834,6 +3834,7 @@ enum Change {
     GpuPods(usize, u8),
     VmPods(usize),
     DraClaims(usize),
+    DraSlice(usize, Option<i64>),
     MigStuck(usize),
     VgpuStuck(usize),
     ForeignCordon(usize),
@@ -3856,6 +3857,7 @@ enum Change {
     Autoscaling,
     Demand(usize),
     DemandIgnored,
+    DeviceClasses(u8),
     // Settings and Memory.
     PauseRollouts,
     ConfigMapNames,
@@ -3884,6 +3886,7 @@ fn change_gen() -> impl Strategy<Value = Change> {
         (n.clone(), 0u8..3).prop_map(|(i, k)| Change::GpuPods(i, k)),
         n.clone().prop_map(Change::VmPods),
         n.clone().prop_map(Change::DraClaims),
+        (n.clone(), prop::option::of(1i64..5)).prop_map(|(i, s)| Change::DraSlice(i, s)),
         n.clone().prop_map(Change::MigStuck),
         n.clone().prop_map(Change::VgpuStuck),
         n.clone().prop_map(Change::ForeignCordon),
@@ -3907,6 +3910,7 @@ fn change_gen() -> impl Strategy<Value = Change> {
         Just(Change::Autoscaling),
         (0usize..4).prop_map(Change::Demand),
         Just(Change::DemandIgnored),
+        (0u8..3).prop_map(Change::DeviceClasses),
         Just(Change::PauseRollouts),
         Just(Change::ConfigMapNames),
         n.clone().prop_map(Change::EvictionBlocked),
@@ -3950,6 +3954,17 @@ fn change(i: &mut PlanInput, c: &Change) {
         }
         Change::VmPods(k) => i.nodes[k % len].vm_pods = vec!["t/virt-launcher".into()],
         Change::DraClaims(k) => i.nodes[k % len].dra_claims = vec!["t/claim".into()],
+        Change::DraSlice(k, shares) => {
+            let v = &mut i.nodes[k % len];
+            v.dra_slice = match v.dra_slice {
+                Some(_) => None,
+                None => Some(gpu_sharing_operator::plan::input::DraSlice {
+                    gpus: 8,
+                    shares,
+                    ..Default::default()
+                }),
+            }
+        }
         Change::MigStuck(k) => i.nodes[k % len].mig_stuck ^= true,
         Change::VgpuStuck(k) => i.nodes[k % len].vgpu_stuck ^= true,
         Change::ForeignCordon(k) => i.nodes[k % len].foreign_cordon ^= true,
@@ -4020,6 +4035,19 @@ fn change(i: &mut PlanInput, c: &Change) {
                 tolerations: vec![],
                 tainted: [(node, taint)].into(),
             });
+        }
+        Change::DeviceClasses(k) => {
+            use gpu_sharing_operator::plan::input::DeviceClassFact;
+            let class = |name: &str, ours| DeviceClassFact {
+                name: name.into(),
+                extended_resource_name: "nvidia.com/gpu".into(),
+                ours,
+            };
+            i.cluster.device_classes = match k {
+                0 => None,
+                1 => Some(vec![class("gpu.nvidia.com", false)]),
+                _ => Some(vec![class("gpusharing-nvidia.com-gpu", true)]),
+            }
         }
         Change::GpuCluster => {
             i.cluster.gpu_cluster = match i.cluster.gpu_cluster {
@@ -4112,6 +4140,7 @@ fn every_input_has_a_change(i: &PlanInput) {
             gpu_pod_details: _, // GpuPods
             vm_pods: _,         // VmPods
             dra_claims: _,      // DraClaims
+            dra_slice: _,       // DraSlice
             mig_stuck: _,       // MigStuck
             vgpu_stuck: _,      // VgpuStuck
             foreign_cordon: _,  // ForeignCordon
@@ -4135,6 +4164,7 @@ fn every_input_has_a_change(i: &PlanInput) {
         autoscaling: _,           // Autoscaling
         demand: _,                // Demand
         demand_ignored: _,        // DemandIgnored
+        device_classes: _,        // DeviceClasses
     } = cluster;
     let Settings {
         device_configmap: _, // ConfigMapNames

@@ -368,6 +368,7 @@ pub const LABEL_KEYS: &[&str] = &[
     "nvidia.com/vgpu.config",
     "nvidia.com/vgpu.config.state",
     "nvidia.com/gpu.deploy.device-plugin",
+    "nvidia.com/gpu.deploy.dra-driver",
     "nvidia.com/gpu.deploy.sandbox-device-plugin",
     "nvidia.com/gpu.compute.major",
     "gpusharing.io/profile",

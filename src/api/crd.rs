@@ -55,6 +55,8 @@ pub const MAX_POLICY_NAME: usize = 54;
 #[x_kube(validation = Rule::new("!(self.strategy in ['vgpu', 'passthrough']) || !has(self.backend) || self.backend == 'devicePlugin'").message("strategies vgpu and passthrough serve virtual machines through the GPU Operator's sandbox device plugin: backend must be devicePlugin"))]
 #[x_kube(validation = Rule::new("(has(self.backend) && self.backend == 'dra') == has(self.dra)").message("spec.dra must be set when, and only when, backend is dra"))]
 #[x_kube(validation = Rule::new("!(has(self.backend) && self.backend == 'dra' && self.strategy == 'mig')").message("backend dra supports exclusive, timeSlicing and mps; MIG sharing goes through the device plugin"))]
+#[x_kube(validation = Rule::new("!(has(self.dra) && has(self.dra.extendedResources) && self.dra.extendedResources && self.strategy == 'mps')").message("MPS cannot be served through DRA extended resources: the DRA driver cannot prepare an MPS claim while consumable shares are on; use extendedResources: false (ResourceClaimTemplates) or backend: devicePlugin"))]
+#[x_kube(validation = Rule::new("!(has(self.dra) && has(self.dra.extendedResources) && self.dra.extendedResources && has(self.timeSlicing) && has(self.timeSlicing.resources) && size(self.timeSlicing.resources) > 0)").message("with dra.extendedResources, time-slicing takes one replicas value for every GPU (the DRA driver's consumable shares): timeSlicing.resources does not apply"))]
 pub struct GpuSharingPolicySpec {
     /// Nodes this policy applies to. Admins usually label nodes (for example
     /// `gpusharing.io/profile=l4-heavy`) to pick a profile.
@@ -178,17 +180,33 @@ impl Backend {
     }
 }
 
-/// Sharing through NVIDIA's DRA driver (`gpu.nvidia.com`): the operator renders a
-/// `resource.k8s.io/v1` ResourceClaimTemplate with a `resource.nvidia.com/v1beta1` GpuConfig in
-/// each namespace; pods reference it in `resourceClaims`.
+/// Sharing through NVIDIA's DRA driver (`gpu.nvidia.com`), one of two ways: the operator
+/// renders a `resource.k8s.io/v1` ResourceClaimTemplate with a `resource.nvidia.com/v1beta1`
+/// GpuConfig in each of `namespaces`, and pods reference it in `resourceClaims`; or, with
+/// `extendedResources`, pods keep asking for `nvidia.com/gpu` and kube-scheduler serves the
+/// request through the DRA driver on the nodes already moved (KEP-5004).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.namespaces.all(n, self.namespaces.exists_one(m, m == n))").message("namespaces must be unique"))]
+#[x_kube(validation = Rule::new("!has(self.namespaces) || self.namespaces.all(n, self.namespaces.exists_one(m, m == n))").message("namespaces must be unique"))]
+#[x_kube(validation = Rule::new("(has(self.extendedResources) && self.extendedResources) || (has(self.namespaces) && size(self.namespaces) > 0)").message("namespaces must name at least one namespace (or set extendedResources: true to serve pods' unchanged nvidia.com/gpu requests)"))]
+#[x_kube(validation = Rule::new("!(has(self.extendedResources) && self.extendedResources) || ((!has(self.namespaces) || size(self.namespaces) == 0) && !has(self.templateName) && !has(self.mps))").message("with extendedResources pods keep their nvidia.com/gpu requests and get no ResourceClaimTemplate: namespaces, templateName and mps do not apply"))]
 pub struct Dra {
-    /// Namespaces that get the ResourceClaimTemplate.
-    #[schemars(length(min = 1, max = 64), inner(length(min = 1, max = 63)))]
+    /// Namespaces that get the ResourceClaimTemplate (not with `extendedResources`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(min = 1, max = 63)))]
     #[x_kube(validation = Rule::new("self.all(n, n.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$'))").message("namespaces must be DNS labels"))]
     pub namespaces: Vec<String>,
+
+    /// Serve pods' unchanged extended-resource requests (`nvidia.com/gpu`, or
+    /// `nvidia.com/gpu.shared` with `timeSlicing.renameByDefault`) through the DRA driver
+    /// (Kubernetes' DRA extended resources, KEP-5004: beta and on by default from 1.36). The
+    /// operator moves the policy's nodes from the device plugin to the DRA driver's kubelet
+    /// plugin in rollout waves, each only once no device-plugin GPU pod runs on it, and owns a
+    /// DeviceClass mapping the name. Time-slicing `replicas: N` needs the driver's consumable
+    /// shares N (`consumableShares: N`), exclusive needs them off. Back to `backend:
+    /// devicePlugin` moves the nodes back once their pods' claims are gone.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub extended_resources: bool,
 
     /// Name of the ResourceClaimTemplate (default: the policy's name).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -768,6 +786,13 @@ pub struct GpuSharingPolicyStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub templates: Vec<String>,
 
+    /// Which backend serves the governed nodes' GPUs now, as the nodes report it: `devicePlugin`
+    /// (it advertises them), `draDriver` (the DRA driver's ResourceSlice shows them), `none`
+    /// (between the two), `both` (never while this operator switches them). Set for DRA
+    /// policies and while any governed node is served by the DRA driver.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub served_by: BTreeMap<String, i32>,
+
     /// mig-parted layout the nodes are labelled with (MIG only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_config: Option<String>,
@@ -1002,4 +1027,8 @@ pub struct NodeDetail {
     /// Why the node is held as it is (`Waiting` and `Queued` nodes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<crate::api::state::HoldReason>,
+    /// What serves the node's GPUs now (`devicePlugin`, `draDriver`, `none`, `both`): for DRA
+    /// policies' nodes and nodes the DRA driver serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_by: Option<String>,
 }

@@ -11,6 +11,12 @@ pub const LABEL_MIG_STATE: &str = "nvidia.com/mig.config.state";
 /// The GPU Operator's per-node switch of the device-plugin DaemonSet (it selects `"true"`).
 /// `false` on nodes a DRA policy governs: the DRA driver alone advertises their GPUs.
 pub const LABEL_DEPLOY_DEVICE_PLUGIN: &str = "nvidia.com/gpu.deploy.device-plugin";
+/// The per-node switch of NVIDIA's DRA kubelet plugin (the GPU Operator's label; the DRA
+/// driver's chart selects it with `kubeletPlugin.nodeSelector`): `true` on the nodes a policy
+/// with `dra.extendedResources` has moved, once the device plugin has withdrawn its resources.
+pub const LABEL_DEPLOY_DRA_DRIVER: &str = "nvidia.com/gpu.deploy.dra-driver";
+/// NVIDIA's DRA driver's name, as its ResourceSlices, claims and device attributes carry it.
+pub const DRA_DRIVER: &str = "gpu.nvidia.com";
 /// The GPU Operator's per-node workload: `container`, `vm-passthrough` or `vm-vgpu` (read only
 /// while `ClusterPolicy.spec.sandboxWorkloads.enabled` is true).
 pub const LABEL_WORKLOAD: &str = "nvidia.com/gpu.workload.config";
@@ -98,12 +104,13 @@ pub const MANAGED_ANNOTATIONS: [&str; 4] = [
 pub const ANNOTATION_REAPPLY_MIG: &str = "gpusharing.io/reapply-mig-layout";
 
 /// The labels this operator may own on a node.
-pub const MANAGED_LABELS: [&str; 8] = [
+pub const MANAGED_LABELS: [&str; 9] = [
     LABEL_DEVICE_PLUGIN_CONFIG,
     LABEL_MIG_CONFIG,
     LABEL_MIG_STATE,
     LABEL_POLICY,
     LABEL_DEPLOY_DEVICE_PLUGIN,
+    LABEL_DEPLOY_DRA_DRIVER,
     LABEL_WORKLOAD,
     LABEL_VGPU_CONFIG,
     LABEL_VGPU_STATE,
@@ -112,9 +119,10 @@ pub const MANAGED_LABELS: [&str; 8] = [
 /// Labels that change as a result of what this operator does (directly, or through GPU Feature
 /// Discovery reacting to the new config). A selector over them would make a node flap in and out
 /// of its own policy, so they are refused in `nodeSelector`.
-pub const UNSTABLE_LABELS: [&str; 12] = [
+pub const UNSTABLE_LABELS: [&str; 13] = [
     LABEL_DEVICE_PLUGIN_CONFIG,
     LABEL_DEPLOY_DEVICE_PLUGIN,
+    LABEL_DEPLOY_DRA_DRIVER,
     LABEL_WORKLOAD,
     LABEL_VGPU_CONFIG,
     LABEL_VGPU_STATE,

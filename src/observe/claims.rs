@@ -7,7 +7,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::ResourceExt;
 
 /// The DRA driver whose claims keep a node on DRA.
-pub const DRA_DRIVER: &str = "gpu.nvidia.com";
+pub use crate::api::names::DRA_DRIVER;
 
 /// The nodes an allocated claim's `gpu.nvidia.com` devices are on: the allocation's node
 /// selector (`metadata.name` fields, as the scheduler writes it for node-local devices), else

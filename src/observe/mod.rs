@@ -9,21 +9,25 @@
 //! - [`managed`]: what our field manager owns on an object.
 //! - [`pods`]: pods using GPUs or running VMs, by node.
 //! - [`claims`]: allocated DRA claims, by node.
+//! - [`slices`]: what NVIDIA's DRA driver publishes, by node.
+//! - [`classes`]: DeviceClasses that map extended resource names.
 //! - [`gpu_operator`]: the ClusterPolicy in force, its settings, NVIDIA's ConfigMaps.
 //! - [`karpenter`]: Karpenter's NodePools and NodeOverlays, when served.
 
 pub mod claims;
+pub mod classes;
 pub mod gpu_operator;
 pub mod karpenter;
 pub mod managed;
 pub mod node;
 pub mod pods;
+pub mod slices;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::DynamicObject;
 
 use crate::api::crd::GpuSharingPolicy;
@@ -48,6 +52,10 @@ pub struct ClusterView<'a> {
     pub demand_ignored: Vec<crate::api::crd::IgnoredDemand>,
     /// ResourceClaims (only allocated `gpu.nvidia.com` ones count).
     pub claims: Vec<&'a ResourceClaim>,
+    /// ResourceSlices (only `gpu.nvidia.com` ones of a node count).
+    pub slices: Vec<&'a ResourceSlice>,
+    /// DeviceClasses; `None` when they cannot be read.
+    pub device_classes: Option<Vec<&'a DeviceClass>>,
     /// Every ClusterPolicy; `None` when there is no cluster to ask (`render`): then the
     /// ClusterPolicy is assumed to be there and to serve VM policies (vGPU Manager on).
     pub cluster_policies: Option<Vec<&'a DynamicObject>>,
@@ -102,6 +110,7 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
             .map(|k| karpenter::facts(k, cm(INSTANCE_TYPES_CONFIGMAP), None)),
         demand: view.demand,
         demand_ignored: view.demand_ignored,
+        device_classes: view.device_classes.map(classes::facts),
         ..Default::default()
     };
     if let Some(base) = gpu_operator::vgpu_configs(cm(DEFAULT_VGPU_CONFIGMAP)) {
@@ -126,6 +135,7 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
     }
     let mut pods = pods::gpu_pods(view.pods);
     let mut claims = claims::dra_claims(view.claims);
+    let mut slices = slices::dra_slices(view.slices);
     let nodes = view
         .nodes
         .into_iter()
@@ -141,6 +151,7 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
                 gpu_pod_details,
                 vm_pods: pods.vm_pods.remove(name).unwrap_or_default(),
                 dra_claims: claims.remove(name).unwrap_or_default(),
+                dra_slice: slices.remove(name),
                 mig_stuck: memory.mig_stuck.contains(name),
                 vgpu_stuck: memory.vgpu_stuck.contains(name),
                 foreign_cordon: memory.foreign_cordons.contains(name),

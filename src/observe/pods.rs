@@ -55,6 +55,12 @@ pub fn strip_bound(p: &mut Pod) {
     strip_common(p);
     p.status = p.status.take().map(|s| PodStatus {
         start_time: s.start_time,
+        extended_resource_claim_status: s.extended_resource_claim_status.map(|e| {
+            k8s_openapi::api::core::v1::PodExtendedResourceClaimStatus {
+                resource_claim_name: e.resource_claim_name,
+                request_mappings: Vec::new(),
+            }
+        }),
         ..Default::default()
     });
     if let Some(spec) = p.spec.as_mut() {
@@ -116,6 +122,15 @@ fn resources(p: &Pod) -> impl Iterator<Item = &String> {
 /// Whether a pod asks for NVIDIA GPU resources (full GPUs, shared replicas or MIG devices).
 pub fn uses_gpu(p: &Pod) -> bool {
     resources(p).any(|k| is_device_plugin_resource(k))
+}
+
+/// Whether kube-scheduler served the pod's extended resources through DRA (KEP-5004): it set
+/// `status.extendedResourceClaimStatus`, naming the claim it created. Such a pod holds no
+/// device-plugin GPU: its GPUs are that claim's (see [`super::claims`]).
+pub fn served_by_dra(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .is_some_and(|s| s.extended_resource_claim_status.is_some())
 }
 
 /// Whether a pod asks for a resource of NVIDIA's sandbox device plugin (a VM's GPU or vGPU:
@@ -192,7 +207,7 @@ pub fn gpu_requests(p: &Pod) -> BTreeMap<String, i64> {
 pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
     let mut out = GpuPods::default();
     for p in pods {
-        let (gpu, vm) = (uses_gpu(p), uses_vm_gpu(p));
+        let (gpu, vm) = (uses_gpu(p) && !served_by_dra(p), uses_vm_gpu(p));
         let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
             continue;
         };
@@ -445,6 +460,13 @@ mod tests {
                     if node.is_some() && prio.is_some_and(|p| p % 2 == 0) {
                         status["startTime"] = json!("2026-12-06T09:00:00Z");
                     }
+                    // kube-scheduler served its extended resources through DRA.
+                    if node.is_some() && prio.is_some_and(|p| p % 3 == 0) {
+                        status["extendedResourceClaimStatus"] = json!({
+                            "resourceClaimName": "p-extended-resources-x7k2q",
+                            "requestMappings": [{"containerName": "c", "resourceName": "nvidia.com/gpu", "requestName": "container-0-request-0"}],
+                        });
+                    }
                     if let Some(unschedulable) = cond {
                         status["conditions"] = json!([{
                             "type": "PodScheduled",
@@ -486,6 +508,18 @@ mod tests {
 
     /// The caches keep init containers' requests (the scheduler counts an init container's
     /// request when it is the largest), and nothing else of a container.
+    #[test]
+    fn a_pod_served_through_dra_holds_no_device_plugin_gpu() {
+        let mut p = pod(Some("n"), &["1"], None);
+        assert_eq!(gpu_pods([&p]).gpu_pods["n"].len(), 1);
+        p.status = Some(serde_json::from_value(serde_json::json!({
+            "extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-abcde",
+                "requestMappings": [{"containerName": "c", "resourceName": "nvidia.com/gpu", "requestName": "container-0-request-0"}]}
+        })).unwrap());
+        assert!(served_by_dra(&p));
+        assert!(gpu_pods([&p]).gpu_pods.is_empty());
+    }
+
     #[test]
     fn stripping_keeps_init_requests_and_drops_the_rest() {
         let mut p = pod(Some("n"), &["1"], Some("4"));

@@ -372,6 +372,7 @@ pub fn documents_of(
         "spec": plan.cluster_policy_spec,
     }));
     out.extend(plan.claim_templates.values().cloned());
+    out.extend(plan.device_classes.values().cloned());
     out.extend(plan.node_overlays.values().cloned());
     if with_nodes {
         for (name, labels) in &plan.node_labels {
@@ -486,6 +487,8 @@ pub fn render_text(
             .map(Arc::new)
             .collect(),
         cluster_policies: None,
+        // Files carry no DeviceClasses: none of someone else's is assumed to map a name.
+        device_classes: Some(Vec::new()),
         configmaps: table.into_iter().collect(),
         karpenter: options.karpenter.as_ref().map(|_| KarpenterView {
             node_pools: pools.iter().collect(),

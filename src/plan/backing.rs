@@ -55,7 +55,52 @@ pub enum Backing {
     /// Virtual machines through the sandbox stack: passthrough or vGPU.
     Vm(VmBacking),
     /// NVIDIA's DRA driver shares the GPUs; the device plugin is switched off on its nodes.
-    Dra,
+    Dra(DraBacking),
+}
+
+/// A DRA policy's way of reaching pods.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DraBacking {
+    /// `dra.extendedResources`: what pods' unchanged requests are served as; `None` for
+    /// ResourceClaimTemplates.
+    pub extended: Option<ExtendedResource>,
+}
+
+impl DraBacking {
+    /// How a (valid) DRA policy reaches pods: with `dra.extendedResources`, the name its pods
+    /// ask for (`nvidia.com/gpu`, `.shared` under `renameByDefault`) and the shares per GPU
+    /// (time-slicing's replicas; none for exclusive GPUs).
+    pub fn of(spec: &GpuSharingPolicySpec) -> Self {
+        let extended = spec.dra.as_ref().filter(|d| d.extended_resources).map(|_| {
+            let ts = spec.time_slicing.as_ref();
+            let renamed = ts.is_some_and(|t| t.rename_by_default);
+            ExtendedResource {
+                name: if renamed {
+                    format!("{GPU_RESOURCE}.shared")
+                } else {
+                    GPU_RESOURCE.to_string()
+                },
+                shares: match spec.strategy {
+                    Strategy::TimeSlicing => ts.and_then(|t| t.replicas).map(i64::from),
+                    _ => None,
+                },
+            }
+        });
+        DraBacking { extended }
+    }
+}
+
+/// The resource NVIDIA's device plugin advertises whole GPUs as.
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+
+/// A policy served through DRA extended resources (KEP-5004): the name pods ask for, mapped by
+/// a DeviceClass of ours, and the consumable shares per GPU its nodes' DRA driver must publish.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExtendedResource {
+    /// `nvidia.com/gpu`, or `nvidia.com/gpu.shared` under `timeSlicing.renameByDefault`.
+    pub name: String,
+    /// Shares per GPU: time-slicing's replicas; `None` for exclusive GPUs (shares off).
+    pub shares: Option<i64>,
 }
 
 /// A MIG policy's layout.
@@ -106,8 +151,9 @@ pub enum Serving {
     Mig { layout: String },
     /// A VM host for the sandbox stack.
     Vm(VmTarget),
-    /// NVIDIA's DRA driver; the device plugin switched off.
-    Dra,
+    /// NVIDIA's DRA driver; the device plugin switched off. With extended resources, the DRA
+    /// kubelet plugin switched on once the device plugin has withdrawn.
+    Dra(Option<ExtendedResource>),
 }
 
 /// A VM host's target: `nvidia.com/gpu.workload.config`, and for vGPU the vGPU Device
@@ -130,7 +176,8 @@ impl NodeTarget {
                 vgpu_config: Some(c),
             }) => format!("{workload}+{c}"),
             Serving::Vm(VmTarget { workload, .. }) => workload.to_string(),
-            Serving::Dra => "dra".to_string(),
+            Serving::Dra(None) => "dra".to_string(),
+            Serving::Dra(Some(_)) => "dra-extended".to_string(),
         }
     }
 }

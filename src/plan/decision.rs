@@ -27,6 +27,8 @@ pub struct Env<'a> {
     pub layout_hash: &'a dyn Fn(&str) -> Option<String>,
     /// Allocated `gpu.nvidia.com` ResourceClaims on this node (`namespace/name`).
     pub dra_claims: &'a [String],
+    /// What NVIDIA's DRA driver publishes for this node (`None`: nothing).
+    pub dra_slice: Option<&'a super::input::DraSlice>,
     /// The GPU Operator's DRA-only `GPUCluster`, when one exists: no device plugin to configure.
     pub gpu_cluster: Option<&'a str>,
     /// Pods on this node using the sandbox device plugin's resources (VMs).
@@ -51,6 +53,7 @@ impl<'a> Env<'a> {
             now_read: Default::default(),
             layout_hash,
             dra_claims: i.dra_claims,
+            dra_slice: i.dra_slice,
             gpu_cluster: i.cluster.gpu_cluster,
             vm_pods: i.vm_pods,
             vgpu_stuck: i.vgpu_stuck,
@@ -82,6 +85,7 @@ impl Env<'_> {
             now_read: Default::default(),
             layout_hash,
             dra_claims: &[],
+            dra_slice: None,
             gpu_cluster: None,
             vm_pods: &[],
             vgpu_stuck: false,
@@ -118,6 +122,9 @@ pub enum Decision {
         mig_layout: Option<String>,
         /// Own `nvidia.com/gpu.deploy.device-plugin=false` (a DRA policy's node).
         device_plugin_off: bool,
+        /// Own `nvidia.com/gpu.deploy.dra-driver`: `true` on a node moved to DRA extended
+        /// resources, `false` while it leaves them (`None`: not ours).
+        dra_plugin: Option<bool>,
         /// Own `nvidia.com/gpu.workload.config` with this value.
         workload: Option<&'static str>,
         /// Own `nvidia.com/vgpu.config` with this value (a vGPU policy's node).
@@ -154,6 +161,7 @@ pub(super) fn write(
         device_config: dp.to_string(),
         mig_layout: mig,
         device_plugin_off: false,
+        dra_plugin: None,
         workload: None,
         vgpu_config: None,
     }

@@ -47,6 +47,8 @@ pub struct Plan {
     pub labelled_nodes: BTreeMap<String, u64>,
     /// Karpenter NodeOverlays of the policies, by name (empty when the kind is not served).
     pub node_overlays: BTreeMap<String, serde_json::Value>,
+    /// Our DeviceClasses mapping the extended-resource policies' names, by name.
+    pub device_classes: BTreeMap<String, serde_json::Value>,
     /// Demand-driven MIG: the layouts to record on nodes, the events for the pods acted for,
     /// and when to look again.
     pub demand: demand::DemandPlan,

@@ -46,6 +46,9 @@ pub struct NodeView {
     /// Allocated `gpu.nvidia.com` ResourceClaims on the node (`namespace/name`): a node leaves
     /// DRA for the device plugin only when it has none.
     pub dra_claims: Vec<String>,
+    /// What NVIDIA's DRA driver publishes for the node (`None`: no `gpu.nvidia.com`
+    /// ResourceSlice).
+    pub dra_slice: Option<DraSlice>,
     /// `nvidia.com/mig.config.state` has said `pending` for longer than the MIG timeout (the MIG
     /// manager can exit early and never report).
     pub mig_stuck: bool,
@@ -248,6 +251,33 @@ pub struct ClusterFacts {
     pub demand: Vec<PendingPod>,
     /// What the bounds of admission left out (reported on every dynamic policy).
     pub demand_ignored: Vec<crate::api::crd::IgnoredDemand>,
+    /// DeviceClasses that map an extended resource name (KEP-5004), ours and others', by name;
+    /// `None` when DeviceClasses cannot be read (then no policy may use extended resources).
+    pub device_classes: Option<Vec<DeviceClassFact>>,
+}
+
+/// A DeviceClass with `spec.extendedResourceName`: which name it maps, and whether it is ours.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct DeviceClassFact {
+    pub name: String,
+    pub extended_resource_name: String,
+    /// It carries our managed-by label.
+    pub ours: bool,
+}
+
+/// What NVIDIA's DRA driver publishes for one node (its `gpu.nvidia.com` ResourceSlices):
+/// whole GPUs, MIG devices by profile, and the consumable shares of its GPUs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct DraSlice {
+    /// Devices of type `gpu`.
+    pub gpus: i64,
+    /// Devices of type `mig`, by profile.
+    pub mig: BTreeMap<String, i64>,
+    /// The `shares` capacity of its GPUs (the driver's integer consumable-shares mode), when
+    /// every GPU has the same; `None` when they have none.
+    pub shares: Option<i64>,
+    /// The GPUs disagree on `shares` (some have it, others not, or other values).
+    pub mixed_shares: bool,
 }
 
 impl Default for ClusterFacts {
@@ -268,6 +298,7 @@ impl Default for ClusterFacts {
             autoscaling: None,
             demand: Vec::new(),
             demand_ignored: Vec::new(),
+            device_classes: Some(Vec::new()),
         }
     }
 }

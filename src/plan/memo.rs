@@ -90,6 +90,7 @@ pub struct NodeMemo {
     gpu_pods: Vec<String>,
     vm_pods: Vec<String>,
     dra_claims: Vec<String>,
+    dra_slice: Option<super::input::DraSlice>,
     mig_stuck: bool,
     vgpu_stuck: bool,
 }
@@ -109,6 +110,7 @@ impl NodeMemo {
             gpu_pods: Vec::new(),
             vm_pods: Vec::new(),
             dra_claims: Vec::new(),
+            dra_slice: None,
             mig_stuck: false,
             vgpu_stuck: false,
         }
@@ -138,6 +140,7 @@ impl NodeMemo {
             gpu_pods,
             vm_pods,
             dra_claims,
+            dra_slice,
             mig_stuck,
             vgpu_stuck,
             policy: _,  // versioned: under.policy
@@ -148,6 +151,7 @@ impl NodeMemo {
             && self.gpu_pods == *gpu_pods
             && self.vm_pods == *vm_pods
             && self.dra_claims == *dra_claims
+            && self.dra_slice.as_ref() == *dra_slice
             && self.mig_stuck == *mig_stuck
             && self.vgpu_stuck == *vgpu_stuck
     }
@@ -159,6 +163,7 @@ impl NodeMemo {
             gpu_pods,
             vm_pods,
             dra_claims,
+            dra_slice,
             mig_stuck,
             vgpu_stuck,
             policy: _,
@@ -168,6 +173,7 @@ impl NodeMemo {
         self.gpu_pods = gpu_pods.to_vec();
         self.vm_pods = vm_pods.to_vec();
         self.dra_claims = dra_claims.to_vec();
+        self.dra_slice = dra_slice.cloned();
         self.mig_stuck = *mig_stuck;
         self.vgpu_stuck = *vgpu_stuck;
     }

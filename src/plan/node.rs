@@ -126,6 +126,7 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
                 device_config,
                 mig_layout,
                 device_plugin_off,
+                dra_plugin,
                 workload,
                 vgpu_config,
             },
@@ -150,6 +151,11 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
             {
                 o.state = Some(NodeState::Pending);
                 o.message = why;
+            }
+            if let Some(on) = dra_plugin {
+                let v = if on { dra::DRA_DEPLOYED } else { NOT_DEPLOYED };
+                o.labels
+                    .insert(LABEL_DEPLOY_DRA_DRIVER.to_string(), v.to_string());
             }
             if device_plugin_off {
                 o.labels.insert(
@@ -193,9 +199,15 @@ fn released(n: &NodeFacts, env: &Env) -> Outcome {
             .unwrap_or(MIG_DISABLED_LAYOUT);
         labels.insert(LABEL_MIG_CONFIG.into(), layout.into());
     }
-    // The device plugin comes back only when no DRA claim holds the node's GPUs.
-    if dra::device_plugin_off_by_us(n) && !env.dra_claims.is_empty() {
+    // The device plugin comes back only when no DRA claim holds the node's GPUs and the DRA
+    // driver we switched on has withdrawn.
+    let (dp_off, dra_switch) = dra::released_switches(n, env);
+    if dp_off {
         labels.insert(LABEL_DEPLOY_DEVICE_PLUGIN.into(), NOT_DEPLOYED.into());
+    }
+    if let Some(on) = dra_switch {
+        let v = if on { dra::DRA_DEPLOYED } else { NOT_DEPLOYED };
+        labels.insert(LABEL_DEPLOY_DRA_DRIVER.into(), v.into());
     }
     // A VM host we made stays one while VMs use its GPUs.
     if is_vm_host(n) && n.owned.contains(LABEL_WORKLOAD) && !env.vm_pods.is_empty() {
@@ -347,7 +359,7 @@ fn unconfirmed(
     let written = annotations
         .get(ANNOTATION_CONFIG_WRITTEN)
         .map(String::as_str);
-    backend::unconfirmed(n, w, (dp, written), env.cluster_mig_strategy)
+    backend::unconfirmed(n, w, (dp, written), env)
 }
 
 /// Why a node whose labels and GPU Feature Discovery's report say `Applied` is not confirmed
@@ -791,6 +803,153 @@ mod tests {
         let o = step(&fresh, &mps[0], &dra_only);
         assert_eq!(o.state, Some(NodeState::Rejected));
         assert!(o.message.contains("GPUCluster cluster"), "{}", o.message);
+    }
+
+    const EXTENDED: &str = "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n  backend: dra\n  dra: {extendedResources: true, driverFeatureGates: {ConsumableShares: true}}\n";
+
+    fn step(n: &NodeFacts, w: &Prepared, env: &Env) -> Outcome {
+        let d = decide(n, Some(w), env);
+        outcome(n, Some(w), env, d)
+    }
+
+    /// The device plugin's and the DRA kubelet plugin's switches an outcome owns.
+    fn switches(o: &Outcome) -> (Option<&str>, Option<&str>) {
+        (
+            o.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN).map(String::as_str),
+            o.labels.get(LABEL_DEPLOY_DRA_DRIVER).map(String::as_str),
+        )
+    }
+
+    /// Writes an outcome's switches to the node, as the API server would.
+    fn apply_switches(n: &mut NodeFacts, o: &Outcome) {
+        for k in [LABEL_DEPLOY_DEVICE_PLUGIN, LABEL_DEPLOY_DRA_DRIVER] {
+            match o.labels.get(k) {
+                Some(v) => {
+                    n.labels.insert(k, v.as_str());
+                    n.owned.insert(k);
+                }
+                None => {
+                    n.labels.remove(k);
+                    n.owned.remove(k);
+                }
+            }
+        }
+        n.labels.insert(LABEL_DEVICE_PLUGIN_CONFIG, DEFAULT_KEY);
+    }
+
+    fn sliced(shares: Option<i64>) -> crate::plan::input::DraSlice {
+        crate::plan::input::DraSlice {
+            gpus: 8,
+            shares,
+            ..Default::default()
+        }
+    }
+
+    /// Time-slicing through the device plugin, moved to DRA extended resources: the device
+    /// plugin goes off only on an idle node, the DRA kubelet plugin comes on only once the
+    /// device plugin has withdrawn, the node is confirmed by the driver's slice with the
+    /// policy's shares. At no step are both on.
+    #[test]
+    fn a_node_moves_to_dra_extended_resources_one_backend_at_a_time() {
+        let hash = |_: &str| None;
+        let policies = [policy("x", EXTENDED)];
+        let ext = prepare_all(&policies, None);
+        assert!(ext[0].errors.is_empty(), "{:?}", ext[0].errors);
+        let pods = vec!["team/cuda".to_string()];
+        let idle = Env::idle(100, &hash);
+        let mut n = node(&[("nvidia.com/mig.capable", "false")]);
+        n.allocatable = [("nvidia.com/gpu", "32")].into_iter().collect();
+        // A device-plugin GPU pod runs: nothing switches.
+        let busy = Env {
+            gpu_pods: &pods,
+            ..Env::idle(100, &hash)
+        };
+        let o = step(&n, &ext[0], &busy);
+        assert_eq!(o.state, Some(NodeState::Waiting), "{}", o.message);
+        assert_eq!(switches(&o), (None, None));
+        // Idle: the device plugin goes off; the DRA kubelet plugin not yet.
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(switches(&o), (Some("false"), None));
+        assert_eq!(o.state, Some(NodeState::Pending));
+        apply_switches(&mut n, &o);
+        // Off, but its resources are still allocatable: still no DRA.
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(switches(&o), (Some("false"), None), "{}", o.message);
+        assert!(o.message.contains("withdraw"), "{}", o.message);
+        n.allocatable = [("nvidia.com/gpu", "0")].into_iter().collect();
+        // Withdrawn: the DRA kubelet plugin comes on; Pending until its slice shows 4 shares.
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(switches(&o), (Some("false"), Some("true")));
+        assert_eq!(o.state, Some(NodeState::Pending));
+        apply_switches(&mut n, &o);
+        let o = step(&n, &ext[0], &idle);
+        assert!(o.message.contains("ResourceSlice"), "{}", o.message);
+        let two = sliced(Some(2));
+        let wrong = Env {
+            dra_slice: Some(&two),
+            ..Env::idle(100, &hash)
+        };
+        let o = step(&n, &ext[0], &wrong);
+        assert_eq!(o.state, Some(NodeState::Pending));
+        assert!(o.message.contains("consumableShares to 4"), "{}", o.message);
+        let four = sliced(Some(4));
+        let served = Env {
+            dra_slice: Some(&four),
+            ..Env::idle(100, &hash)
+        };
+        let o = step(&n, &ext[0], &served);
+        assert_eq!(o.state, Some(NodeState::Applied), "{}", o.message);
+        assert_eq!(switches(&o), (Some("false"), Some("true")));
+    }
+
+    /// Back from DRA extended resources to the device plugin: the DRA kubelet plugin stays while
+    /// claims remain, then goes off, and the device plugin returns only once the slice is gone.
+    #[test]
+    fn a_node_leaves_dra_extended_resources_only_when_its_claims_and_slice_are_gone() {
+        let hash = |_: &str| None;
+        let policies = [policy(
+            "t",
+            "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n",
+        )];
+        let ts = prepare_all(&policies, None);
+        let claims = vec!["team/cuda-extended-resources-x7k2q".to_string()];
+        let four = sliced(Some(4));
+        let idle = Env::idle(100, &hash);
+        let served = Env {
+            dra_slice: Some(&four),
+            ..Env::idle(100, &hash)
+        };
+        let mut n = node(&[
+            ("nvidia.com/mig.capable", "false"),
+            (LABEL_DEPLOY_DEVICE_PLUGIN, "false"),
+            (LABEL_DEPLOY_DRA_DRIVER, "true"),
+        ]);
+        n.allocatable = [("nvidia.com/gpu", "0")].into_iter().collect();
+        // Held while a generated claim is allocated on the node, governed or released.
+        let claimed = Env {
+            dra_claims: &claims,
+            dra_slice: Some(&four),
+            ..Env::idle(100, &hash)
+        };
+        let o = step(&n, &ts[0], &claimed);
+        assert_eq!(o.state, Some(NodeState::Waiting));
+        assert_eq!(switches(&o), (Some("false"), Some("true")));
+        let o = outcome(&n, None, &claimed, Decision::Release);
+        assert_eq!(switches(&o), (Some("false"), Some("true")));
+        // Claims gone: the DRA kubelet plugin goes off, the device plugin stays off.
+        let o = step(&n, &ts[0], &served);
+        assert_eq!(switches(&o), (Some("false"), Some("false")));
+        assert_eq!(o.state, Some(NodeState::Pending));
+        apply_switches(&mut n, &o);
+        // Its slice lingers: still off.
+        let o = step(&n, &ts[0], &served);
+        assert_eq!(switches(&o).0, Some("false"), "{}", o.message);
+        let o = outcome(&n, None, &served, Decision::Release);
+        assert_eq!(switches(&o), (Some("false"), Some("false")));
+        // Slice gone: the device plugin comes back and the DRA switch is given up.
+        let o = step(&n, &ts[0], &idle);
+        assert_eq!(switches(&o), (None, None), "{}", o.message);
+        assert_eq!(o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG), ts[0].key.as_ref());
     }
 }
 

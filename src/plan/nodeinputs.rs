@@ -50,6 +50,7 @@ impl<'a> NodeCluster<'a> {
             autoscaling: _,    // Karpenter's overlays, from the capacities
             demand: _,         // demand, after the gate
             demand_ignored: _, // statuses
+            device_classes: _, // through the prepared policies (dra::extended_conflicts)
         } = c;
         NodeCluster {
             custom_layouts: prepared
@@ -96,6 +97,8 @@ pub struct NodeInputs<'a> {
     pub vm_pods: &'a [String],
     /// Allocated `gpu.nvidia.com` ResourceClaims on the node.
     pub dra_claims: &'a [String],
+    /// What the DRA driver publishes for the node.
+    pub dra_slice: Option<&'a super::input::DraSlice>,
     /// The MIG state has said `pending` past the MIG timeout.
     pub mig_stuck: bool,
     /// The vGPU state has said `pending` past its timeout.
@@ -122,6 +125,7 @@ impl<'a> NodeInputs<'a> {
             gpu_pods: &v.gpu_pods,
             vm_pods: &v.vm_pods,
             dra_claims: &v.dra_claims,
+            dra_slice: v.dra_slice.as_ref(),
             mig_stuck: v.mig_stuck,
             vgpu_stuck: v.vgpu_stuck,
             policy,

@@ -122,6 +122,8 @@ fn plan_nodes<'n>(
         }
         if let (Some(i), Some(state)) = (wi, o.state) {
             let t = out.tallies.entry(i).or_default();
+            let by = backend::dra::served_by(n, v.dra_slice.as_ref());
+            *t.served_by.entry(by).or_default() += 1;
             if state == NodeState::Applied {
                 let c = c.expect("a node applied after the gate was applied before it");
                 let total = t.capacity.get_or_insert_with(|| Capacity {
@@ -138,12 +140,43 @@ fn plan_nodes<'n>(
                 state,
                 message: o.message.clone(),
                 reason: o.reason,
+                served_by: detail_served_by(&prepared[i], n, by),
             });
         }
         out.labels.push(o.labels.clone());
         out.annotations.push(o.annotations.clone());
     }
     out
+}
+
+/// What a node's detail says serves its GPUs: for DRA policies' nodes and nodes the DRA driver
+/// serves or we switched it on.
+fn detail_served_by(p: &Prepared, n: &NodeFacts, by: &'static str) -> Option<String> {
+    let dra = p.kind() == super::backing::Kind::Dra
+        || by == backend::dra::SERVED_BY_DRA
+        || by == backend::dra::SERVED_BY_BOTH
+        || n.owned.contains(LABEL_DEPLOY_DRA_DRIVER);
+    dra.then(|| by.to_string())
+}
+
+/// Refuses the extended-resource policies that cannot be served (see
+/// [`backend::dra::extended_conflicts`]): those governing a node, or, without nodes (`render`),
+/// all of them.
+fn extended_conflicts(
+    prepared: &mut [Prepared],
+    winner: &[Option<usize>],
+    c: &super::input::ClusterFacts,
+) {
+    let mut governing: BTreeSet<usize> = winner.iter().flatten().copied().collect();
+    if winner.is_empty() {
+        governing = (0..prepared.len()).collect();
+    }
+    backend::dra::extended_conflicts(
+        prepared,
+        &governing,
+        c.device_classes.as_deref(),
+        c.gpu_cluster.as_deref(),
+    );
 }
 
 /// The node's taint changes: the readiness taint's removal once it is configured, the spare
@@ -397,6 +430,7 @@ impl Planner {
         if cluster_mig == Some(crate::api::crd::MigStrategy::Mixed) && mps_running(input, &memos) {
             cluster_mig = None;
         }
+        extended_conflicts(&mut prepared, &assignment.winner, c);
         self.plan_memos(input, &prepared, &views, &assignment.winner, &mut memos);
         let mut np = plan_nodes(input, &prepared, &views, &assignment.winner, &memos);
 
@@ -466,6 +500,7 @@ impl Planner {
             labelled_nodes: np.labelled,
             drains: np.drains,
             node_overlays,
+            device_classes: backend::dra::device_classes(&prepared),
             demand,
         }
     }

@@ -49,6 +49,14 @@ impl Prepared<'_> {
         Kind::of(self.spec)
     }
 
+    /// A DRA policy served through extended resources: its name and shares.
+    pub fn extended(&self) -> Option<&super::backing::ExtendedResource> {
+        match &self.backing {
+            Some(Backing::Dra(d)) => d.extended.as_ref(),
+            _ => None,
+        }
+    }
+
     /// A VM policy's sandbox configuration.
     pub fn vm(&self) -> Option<&VmBacking> {
         match &self.backing {
@@ -147,7 +155,7 @@ fn prepare<'a>(
     let (key, config_text) = match &backing {
         // The DRA driver shares the GPUs, or virtual machines get them: the device plugin, if
         // it runs, must not share.
-        Some(Backing::Dra | Backing::Vm(_)) => (Some(DEFAULT_KEY.to_string()), None),
+        Some(Backing::Dra(_) | Backing::Vm(_)) => (Some(DEFAULT_KEY.to_string()), None),
         Some(_) => {
             let text = nvidia::device_plugin_yaml(&nvidia::device_plugin_config(&p.spec));
             (Some(nvidia::content_key(&name, &text)), Some(text))
@@ -177,7 +185,7 @@ fn backing(
     errors: &mut Vec<FieldError>,
 ) -> Backing {
     match Kind::of(spec) {
-        Kind::Dra => Backing::Dra,
+        Kind::Dra => Backing::Dra(super::backing::DraBacking::of(spec)),
         Kind::Sharing => Backing::Sharing,
         Kind::Vm => vm_backing(name, spec),
         Kind::Mig => mig_backing(name, spec, base, errors),

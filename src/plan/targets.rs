@@ -23,7 +23,7 @@ pub fn node_target(w: &Prepared, n: &NodeFacts) -> Option<NodeTarget> {
             workload: v.workload,
             vgpu_config: v.vgpu_config.clone(),
         }),
-        Backing::Dra => Serving::Dra,
+        Backing::Dra(d) => Serving::Dra(d.extended.clone()),
     };
     Some(NodeTarget {
         device_config: w.key.clone()?,

@@ -240,6 +240,19 @@ pub fn overlay_lines(plan: &plan::Plan) -> Vec<String> {
 }
 
 /// `node: layout (for pod, ...)` for each node demand reshapes in `plan`.
+/// Our DeviceClasses, one line each: `name -> extended resource`.
+pub fn class_lines(plan: &plan::Plan) -> Vec<String> {
+    plan.device_classes
+        .iter()
+        .map(|(name, c)| {
+            let r = c["spec"]["extendedResourceName"]
+                .as_str()
+                .unwrap_or_default();
+            format!("{name} -> {r}")
+        })
+        .collect()
+}
+
 pub fn demand_lines(plan: &plan::Plan) -> Vec<String> {
     plan.demand
         .annotations
@@ -320,6 +333,7 @@ pub fn preview(
             before.claim_templates.keys(),
             after.claim_templates.keys(),
         ),
+        device_classes: KeyChanges::of(&class_lines(&before), &class_lines(after)),
         node_overlays: KeyChanges::of(&overlay_lines(&before), &overlay_lines(after)),
         demand_layouts: demand_lines(&first),
         spare_taints: spare_changes(&first),
@@ -342,6 +356,7 @@ pub fn preview(
         || !p.device_plugin_config_keys.is_empty()
         || !p.mig_layouts.is_empty()
         || !p.claim_templates.is_empty()
+        || !p.device_classes.is_empty()
         || !p.node_overlays.is_empty()
         || !p.demand_layouts.is_empty()
         || !p.spare_taints.is_empty()
@@ -426,6 +441,35 @@ mod tests {
         assert!(p.nodes.is_empty() && p.cluster_policy.is_empty());
         assert_eq!(p.passes, 1);
         assert_eq!(p.policies[0].change, PolicyChange::Unchanged);
+    }
+
+    /// Moving a time-sliced pool to DRA extended resources: `plan` shows our DeviceClass and the
+    /// node's switches, and the converged view has the DRA driver serving it.
+    #[test]
+    fn a_move_to_dra_extended_resources_shows_the_class_and_the_switches() {
+        const TS: &str = "metadata: {name: a100}\nspec:\n  nodeSelector: {matchLabels: {nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n";
+        let ext = format!(
+            "{TS}  backend: dra\n  dra: {{extendedResources: true, driverFeatureGates: {{ConsumableShares: true}}}}\n"
+        );
+        let mut a = a100();
+        a.labels.insert("nvidia.com/mig.capable", "false");
+        let mut input = PlanInput::new(vec![policy(TS)], vec![a]);
+        input.cluster.base_mig_configs = Some(nvidia::default_mig_configs());
+        let cluster = converge(input).unwrap().input;
+        let files = vec![policy(&ext)];
+        let want = desired(&cluster.policies, files.clone(), false);
+        let p = preview(&cluster, None, want, &names(&files)).unwrap();
+        assert_eq!(
+            p.device_classes.added,
+            ["gpusharing-nvidia.com-gpu -> nvidia.com/gpu"]
+        );
+        let n = &p.nodes[0];
+        assert_eq!(n.after.strategy.as_deref(), Some("timeSlicing"), "{n:?}");
+        // Device plugin off, then the DRA kubelet plugin on: more than one wave.
+        assert!(p.waves.len() >= 2, "{:?}", p.waves);
+        let after = p.policies[0].after.as_ref().unwrap();
+        assert_eq!(after.nodes, "1/1", "{after:?}");
+        assert!(after.ready.starts_with("True"), "{after:?}");
     }
 
     #[test]

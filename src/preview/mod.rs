@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DynamicObject, ListParams};
 use kube::{Client, ResourceExt};
 
@@ -110,6 +110,44 @@ async fn optional<T>(
         }
         Err(e) => Err(read(what)(e)),
     }
+}
+
+/// What the DRA backend reads: ResourceClaims, NVIDIA's DRA driver's ResourceSlices and the
+/// DeviceClasses; each assumed absent when it cannot be listed.
+async fn dra_objects(
+    client: &Client,
+    assumptions: &mut Vec<String>,
+) -> Result<(Vec<ResourceClaim>, Vec<ResourceSlice>, Vec<DeviceClass>), Error> {
+    let lp = ListParams::default();
+    let claims = optional(
+        "ResourceClaims",
+        "no DRA claim is assumed allocated (nodes leaving DRA are shown getting the device plugin back)",
+        assumptions,
+        Api::<ResourceClaim>::all(client.clone()).list(&lp),
+    )
+    .await?
+    .map(|l| l.items)
+    .unwrap_or_default();
+    let slices = optional(
+        "ResourceSlices",
+        "no node is assumed to have the DRA driver's ResourceSlices (nodes moving to DRA extended resources are shown waiting for them)",
+        assumptions,
+        Api::<ResourceSlice>::all(client.clone())
+            .list(&lp.clone().fields(&observe::slices::field_selector())),
+    )
+    .await?
+    .map(|l| l.items)
+    .unwrap_or_default();
+    let device_classes = optional(
+        "DeviceClasses",
+        "no DeviceClass is assumed to map an extended resource name",
+        assumptions,
+        Api::<DeviceClass>::all(client.clone()).list(&lp),
+    )
+    .await?
+    .map(|l| l.items)
+    .unwrap_or_default();
+    Ok((claims, slices, device_classes))
 }
 
 /// The GPU Operator's `GPUCluster` objects (group `nvidia.com`, any version, found through
@@ -255,15 +293,7 @@ pub async fn snapshot(
     .await?
     .map(|l| l.items)
     .unwrap_or_default();
-    let claims = optional(
-        "ResourceClaims",
-        "no DRA claim is assumed allocated (nodes leaving DRA are shown getting the device plugin back)",
-        &mut assumptions,
-        Api::<ResourceClaim>::all(client.clone()).list(&lp),
-    )
-    .await?
-    .map(|l| l.items)
-    .unwrap_or_default();
+    let (claims, slices, device_classes) = dra_objects(client, &mut assumptions).await?;
     let gpu_clusters = gpu_clusters(client, &mut assumptions).await?;
     let namespaces = optional(
         "namespaces",
@@ -284,6 +314,8 @@ pub async fn snapshot(
         demand: admitted.pods,
         demand_ignored: admitted.ignored,
         claims: claims.iter().collect(),
+        slices: slices.iter().collect(),
+        device_classes: Some(device_classes.iter().collect()),
         cluster_policies: Some(cluster_policies.iter().collect()),
         gpu_clusters,
         configmaps,

@@ -239,6 +239,13 @@ pub fn text(p: &Preview) -> String {
     );
     let k = &p.claim_templates;
     keys(&mut out, "ResourceClaimTemplates", &k.added, &k.removed);
+    let k = &p.device_classes;
+    keys(
+        &mut out,
+        "DeviceClasses (DRA extended resources)",
+        &k.added,
+        &k.removed,
+    );
     let k = &p.node_overlays;
     keys(&mut out, "Karpenter NodeOverlays", &k.added, &k.removed);
     keys(

@@ -124,6 +124,10 @@ pub struct Preview {
     pub device_plugin_config_keys: KeyChanges,
     pub mig_layouts: KeyChanges,
     pub claim_templates: KeyChanges,
+    /// Our DeviceClasses (policies with `dra.extendedResources`), one line each: name and the
+    /// extended resource it maps.
+    #[serde(default, skip_serializing_if = "KeyChanges::is_empty")]
+    pub device_classes: KeyChanges,
     /// Karpenter NodeOverlays, one line each (name, capacity, NodePools and instance types):
     /// a changed capacity shows as the old line removed and the new one added.
     pub node_overlays: KeyChanges,

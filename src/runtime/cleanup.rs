@@ -11,7 +11,7 @@ use kube::{Client, ResourceExt};
 use tracing::info;
 
 use crate::api::crd::GpuSharingPolicy;
-use crate::api::names::{FINALIZER, LABEL_POLICY, MANAGER};
+use crate::api::names::{FINALIZER, LABEL_POLICY, MANAGED_BY, MANAGER};
 use crate::observe::managed::owned_leaf_paths;
 use crate::runtime::resources::cluster_policy_resource;
 
@@ -40,11 +40,16 @@ pub struct Remaining {
     pub nodes: BTreeSet<String>,
     /// ClusterPolicy fields the operator still owns (`<clusterpolicy>:spec.devicePlugin.config.name`).
     pub cluster_policy_fields: BTreeSet<String>,
+    /// Our DeviceClasses (extended resources), deleted by the pass after the last policy goes.
+    pub device_classes: BTreeSet<String>,
 }
 
 impl Remaining {
     pub fn is_empty(&self) -> bool {
-        self.policies.is_empty() && self.nodes.is_empty() && self.cluster_policy_fields.is_empty()
+        self.policies.is_empty()
+            && self.nodes.is_empty()
+            && self.cluster_policy_fields.is_empty()
+            && self.device_classes.is_empty()
     }
 }
 
@@ -53,12 +58,13 @@ impl std::fmt::Display for Remaining {
         let list = |s: &BTreeSet<String>| s.iter().cloned().collect::<Vec<_>>().join(", ");
         write!(
             f,
-            "{} policies [{}], {} nodes labelled {LABEL_POLICY} [{}], ClusterPolicy fields [{}]",
+            "{} policies [{}], {} nodes labelled {LABEL_POLICY} [{}], ClusterPolicy fields [{}], DeviceClasses [{}]",
             self.policies.len(),
             list(&self.policies),
             self.nodes.len(),
             list(&self.nodes),
-            list(&self.cluster_policy_fields)
+            list(&self.cluster_policy_fields),
+            list(&self.device_classes)
         )
     }
 }
@@ -99,10 +105,22 @@ async fn remaining(client: &Client) -> Result<Remaining, kube::Error> {
         Err(kube::Error::Api(e)) if e.code == 404 => {}
         Err(e) => return Err(e),
     }
+    // Our DeviceClasses; none to wait for where resource.k8s.io/v1 is not served.
+    let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> = Api::all(client.clone());
+    let selector = format!("{}={}", MANAGED_BY.0, MANAGED_BY.1);
+    let device_classes = match classes
+        .list_metadata(&ListParams::default().labels(&selector))
+        .await
+    {
+        Ok(l) => l.items.iter().map(|c| c.name_any()).collect(),
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 403 => BTreeSet::new(),
+        Err(e) => return Err(e),
+    };
     Ok(Remaining {
         policies,
         nodes,
         cluster_policy_fields,
+        device_classes,
     })
 }
 

@@ -288,9 +288,10 @@ pub async fn reconcile_all(
     // 5. Readiness taints of nodes whose config is confirmed.
     apply::remove_readiness_taints(ctx, &plan, report).await?;
     apply::set_spare_taints(ctx, &plan, report).await?;
-    // 6. ResourceClaimTemplates of DRA policies, Karpenter NodeOverlays; the mig-parted
-    // ConfigMap once unused.
+    // 6. ResourceClaimTemplates and DeviceClasses of DRA policies, Karpenter NodeOverlays; the
+    // mig-parted ConfigMap once unused.
     apply::apply_claim_templates(ctx, &plan, report).await?;
+    apply::apply_device_classes(ctx, &plan, report).await?;
     apply::apply_node_overlays(ctx, &plan, report).await?;
     apply::delete_unused_mig_configmap(ctx, &plan, report).await?;
     apply::delete_unused_vgpu_configmap(ctx, &plan, report).await?;

@@ -94,6 +94,8 @@ impl Context {
             .karpenter
             .as_ref()
             .map(|(pools, overlays)| (pools.state(), overlays.state()));
+        let slices = self.caches.slices.as_ref().map(|s| s.state());
+        let device_classes = self.caches.device_classes.as_ref().map(|s| s.state());
         let view = ClusterView {
             policies,
             nodes,
@@ -101,6 +103,10 @@ impl Context {
             demand: admitted.pods,
             demand_ignored: admitted.ignored,
             claims: claims.iter().map(|c| &**c).collect(),
+            slices: slices.iter().flatten().map(|s| &**s).collect(),
+            device_classes: device_classes
+                .as_ref()
+                .map(|c| c.iter().map(|c| &**c).collect()),
             cluster_policies: Some(cluster_policies.iter().map(|c| &**c).collect()),
             gpu_clusters: self
                 .caches

@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+};
 use kube::api::{Api, DynamicObject, PartialObjectMeta};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -71,6 +73,12 @@ pub struct Caches {
     /// ResourceClaims (resource.k8s.io/v1), stripped to their allocation: a node leaves DRA only
     /// when no allocated `gpu.nvidia.com` claim remains on it.
     pub claims: Option<Store<ResourceClaim>>,
+    /// NVIDIA's DRA driver's ResourceSlices (`spec.driver=gpu.nvidia.com`), stripped to what
+    /// [`crate::observe::slices`] reads, when resource.k8s.io/v1 is served.
+    pub slices: Option<Store<ResourceSlice>>,
+    /// DeviceClasses, stripped to what [`crate::observe::classes`] reads, when they can be
+    /// listed (without them no policy may serve extended resources).
+    pub device_classes: Option<Store<DeviceClass>>,
     /// The GPU Operator's DRA-only `GPUCluster` objects, when that kind is served.
     pub gpu_clusters: Option<Store<DynamicObject>>,
     /// Karpenter's NodePools and every NodeOverlay (ours and others'), when the NodeOverlay
@@ -96,6 +104,12 @@ impl Caches {
             c.wait_until_ready().await.ok();
         }
         if let Some(c) = &self.claims {
+            c.wait_until_ready().await.ok();
+        }
+        if let Some(c) = &self.slices {
+            c.wait_until_ready().await.ok();
+        }
+        if let Some(c) = &self.device_classes {
             c.wait_until_ready().await.ok();
         }
         if let Some(c) = &self.gpu_clusters {
@@ -235,6 +249,7 @@ pub async fn start(
     let claim_templates = claim_template_watch(client, &mut streams).await;
     let namespaces = namespace_watch(client, &mut streams).await;
     let claims = claim_watch(client, &mut streams).await;
+    let (slices, device_classes) = extended_resource_watches(client, &mut streams).await;
     let gpu_clusters = gpu_cluster_watch(client, &mut streams).await;
     let karpenter = karpenter_watch(client, &mut streams).await;
     let cluster_policies = if cluster_policy_served {
@@ -276,6 +291,8 @@ pub async fn start(
         namespaces,
         tainted,
         claims,
+        slices,
+        device_classes,
         gpu_clusters,
         karpenter,
     };
@@ -365,6 +382,66 @@ async fn claim_watch(client: &Client, streams: &mut Streams) -> Option<Store<Res
         )
         .map_ok(|_| ())
         .boxed(),
+    );
+    Some(store)
+}
+
+/// NVIDIA's DRA driver's ResourceSlices and the DeviceClasses: what DRA extended resources read.
+async fn extended_resource_watches(
+    client: &Client,
+    streams: &mut Streams,
+) -> (Option<Store<ResourceSlice>>, Option<Store<DeviceClass>>) {
+    let slices = stripped_watch(
+        Api::<ResourceSlice>::all(client.clone()),
+        watcher::Config::default().fields(&crate::observe::slices::field_selector()),
+        crate::observe::slices::strip,
+        "cannot list ResourceSlices: nodes moving to DRA extended resources are not confirmed",
+        streams,
+    )
+    .await;
+    let device_classes = stripped_watch(
+        Api::<DeviceClass>::all(client.clone()),
+        watcher::Config::default(),
+        crate::observe::classes::strip,
+        "cannot list DeviceClasses: policies with dra.extendedResources are refused",
+        streams,
+    )
+    .await;
+    (slices, device_classes)
+}
+
+/// A watch of `api` kept in a store after `strip`, when it can be listed (else `None`, with the
+/// warning `unreadable`).
+async fn stripped_watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    strip: fn(&mut K),
+    unreadable: &'static str,
+    streams: &mut Streams,
+) -> Option<Store<K>>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let mut lp = kube::api::ListParams::default().limit(1);
+    if let Some(f) = &config.field_selector {
+        lp = lp.fields(f);
+    }
+    if let Err(e) = api.list(&lp).await {
+        warn!(error = %e, "{unreadable}");
+        return None;
+    }
+    let writer = reflector::store::Writer::default();
+    let store = writer.as_reader();
+    streams.push(
+        reflector::reflector(writer, watcher(api, config).default_backoff().modify(strip))
+            .map_ok(|_| ())
+            .boxed(),
     );
     Some(store)
 }

@@ -41,6 +41,10 @@ pub fn validate(
             "backend dra supports exclusive, timeSlicing and mps; MIG sharing goes through the device plugin",
         ));
     }
+    if dra.extended_resources {
+        check_extended(spec, dra, errs, warnings);
+        return;
+    }
     check_namespaces(&dra.namespaces, errs);
     check_gates(spec, &dra.driver_feature_gates, errs);
     if let Some(m) = &dra.mps {
@@ -57,6 +61,52 @@ pub fn validate(
         warnings.push(
             "spec.mps.renameByDefault is a device-plugin setting; the DRA driver ignores it".into(),
         );
+    }
+}
+
+/// `extendedResources`: pods keep their `nvidia.com/gpu` requests and the driver's consumable
+/// shares do the sharing, so there is no template (no namespaces, name or MPS settings), MPS
+/// cannot be prepared, and time-slicing is one replicas value for every GPU.
+fn check_extended(
+    spec: &GpuSharingPolicySpec,
+    dra: &crate::api::crd::Dra,
+    errs: &mut Vec<FieldError>,
+    warnings: &mut Vec<String>,
+) {
+    if !dra.namespaces.is_empty() || dra.template_name.is_some() || dra.mps.is_some() {
+        errs.push(err(
+            "spec.dra",
+            "with extendedResources pods keep their nvidia.com/gpu requests and get no ResourceClaimTemplate: namespaces, templateName and mps do not apply",
+        ));
+    }
+    let gates = &dra.driver_feature_gates;
+    match spec.strategy {
+        Strategy::Mps => errs.push(err(
+            "spec.strategy",
+            "MPS cannot be served through DRA extended resources: the DRA driver cannot prepare an MPS claim while consumable shares are on; use extendedResources: false (ResourceClaimTemplates) or backend: devicePlugin",
+        )),
+        Strategy::TimeSlicing => {
+            if spec.time_slicing.as_ref().is_some_and(|t| !t.resources.is_empty()) {
+                errs.push(err(
+                    "spec.timeSlicing.resources",
+                    "with dra.extendedResources, time-slicing takes one replicas value for every GPU (the DRA driver's consumable shares): timeSlicing.resources does not apply",
+                ));
+            }
+            if !gates.consumable_shares {
+                errs.push(err(
+                    "spec.dra.driverFeatureGates.ConsumableShares",
+                    "time-slicing through extended resources is the DRA driver's consumable shares: run the driver with its ConsumableShares feature gate and consumableShares set to timeSlicing.replicas, and say so here",
+                ));
+            }
+            if spec.time_slicing.as_ref().is_some_and(|t| t.fail_requests_greater_than_one) {
+                warnings.push("spec.timeSlicing.failRequestsGreaterThanOne is a device-plugin setting; under the DRA driver a pod asking for 2 may get 2 shares of one GPU".into());
+            }
+        }
+        Strategy::Exclusive if gates.consumable_shares => errs.push(err(
+            "spec.dra.driverFeatureGates.ConsumableShares",
+            "exclusive GPUs need the DRA driver's consumable shares off (consumableShares: disabled): under shares each pod's claim takes one share and GPUs would be shared",
+        )),
+        _ => {}
     }
 }
 

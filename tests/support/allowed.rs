@@ -6,14 +6,16 @@
 //! itself.
 
 /// Node labels: NVIDIA's selectors the operator sets (device-plugin config, MIG layout and the
-/// `pending` it writes with a layout change, the device-plugin switch for DRA, the sandbox
-/// workload and vGPU config with its `pending`), and our policy label.
-pub const NODE_LABELS: [&str; 8] = [
+/// `pending` it writes with a layout change, the device-plugin switch for DRA and the DRA
+/// kubelet plugin's switch for extended resources, the sandbox workload and vGPU config with
+/// its `pending`), and our policy label.
+pub const NODE_LABELS: [&str; 9] = [
     "nvidia.com/device-plugin.config",
     "nvidia.com/mig.config",
     "nvidia.com/mig.config.state",
     "gpusharing.io/policy",
     "nvidia.com/gpu.deploy.device-plugin",
+    "nvidia.com/gpu.deploy.dra-driver",
     "nvidia.com/gpu.workload.config",
     "nvidia.com/vgpu.config",
     "nvidia.com/vgpu.config.state",

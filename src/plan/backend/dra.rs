@@ -1,15 +1,30 @@
-//! The DRA backend's part of the per-node transition: one backend per node. Under a DRA policy
-//! a node gets NVIDIA's device plugin switched off once its sharing is settled and no pod holds
-//! a device-plugin GPU; under a device-plugin policy a node we switched off gets the device
-//! plugin back only when no allocated `gpu.nvidia.com` ResourceClaim remains on it.
+//! The DRA backend: NVIDIA's DRA driver serves the node's GPUs, never together with the device
+//! plugin.
+//!
+//! - ResourceClaimTemplates (`dra.namespaces`): a node gets NVIDIA's device plugin switched off
+//!   once its sharing is settled and no pod holds a device-plugin GPU.
+//! - Extended resources (`dra.extendedResources`, KEP-5004): pods keep asking for
+//!   `nvidia.com/gpu`, kube-scheduler serves the request through a DeviceClass of ours on nodes
+//!   whose allocatable for the name is 0. A node moves in three steps: the device plugin off
+//!   (only while no device-plugin GPU pod runs on it), then, once it has withdrawn its
+//!   resources, the DRA kubelet plugin on (`nvidia.com/gpu.deploy.dra-driver=true`), then
+//!   confirmed by the driver's ResourceSlice (its GPUs, with the policy's shares).
+//!
+//! Moving back (a device-plugin policy, or none): the node keeps the DRA driver until no
+//! allocated `gpu.nvidia.com` claim remains on it; then the DRA kubelet plugin goes off, and the
+//! device plugin comes back once the driver's slice is gone. Two backends never serve one GPU.
+
+use std::collections::BTreeMap;
 
 use crate::api::crd::Backend;
 use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
-use crate::nvidia::state::{GfdReport, deployed};
+use crate::nvidia::state::{GfdReport, NOT_DEPLOYED, deployed};
 
+use crate::plan::backing::ExtendedResource;
 use crate::plan::decision::{Decision, Env, busy_msg, gfd_not_reported, wait};
 use crate::plan::facts::NodeFacts;
+use crate::plan::input::DeviceClassFact;
 use crate::plan::policies::Prepared;
 
 /// We switched the node's device plugin off (and it still is).
@@ -17,6 +32,15 @@ pub fn device_plugin_off_by_us(n: &NodeFacts) -> bool {
     n.owned.contains(LABEL_DEPLOY_DEVICE_PLUGIN)
         && !deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN))
 }
+
+/// We switched the node's DRA kubelet plugin on (and it still is).
+pub fn dra_plugin_on_by_us(n: &NodeFacts) -> bool {
+    n.owned.contains(LABEL_DEPLOY_DRA_DRIVER)
+        && n.labels.get(LABEL_DEPLOY_DRA_DRIVER) == Some(DRA_DEPLOYED)
+}
+
+/// The value of the DRA kubelet plugin's switch that runs it.
+pub const DRA_DEPLOYED: &str = "true";
 
 /// Why the node's device plugin cannot come back yet: allocated DRA claims on it.
 fn claims_msg(claims: &[String]) -> String {
@@ -28,20 +52,12 @@ fn claims_msg(claims: &[String]) -> String {
     )
 }
 
-/// One backend per node. Under a DRA policy a node whose sharing is settled (`Applied`) gets
-/// the device plugin switched off, once no pod holds a device-plugin GPU (the DRA driver would
-/// hand those GPUs out again); other steps keep the switch as it is. Under a device-plugin
-/// policy a node we switched off gets the device plugin back only when no allocated DRA claim
-/// remains on it.
+/// One backend per node (see the module documentation): the switches of the device plugin and
+/// of the DRA kubelet plugin that the policy's decision `d` for node `n` comes with. `busy`:
+/// pods hold device-plugin GPUs on it.
 pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Decision) -> Decision {
-    let ours_off = device_plugin_off_by_us(n);
     if w.spec.backend != Backend::Dra {
-        return match d {
-            Decision::Write { .. } if ours_off && !env.dra_claims.is_empty() => {
-                wait(HoldReason::WaitingForDraClaims, claims_msg(env.dra_claims))
-            }
-            d => d,
-        };
+        return leave(n, env, d);
     }
     let Decision::Write {
         state,
@@ -61,28 +77,109 @@ pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Dec
     if switch && !off_already && busy {
         return wait(HoldReason::WaitingForIdleGPUs, busy_msg(env.gpu_pods));
     }
+    // Extended resources: the DRA kubelet plugin starts once the device plugin is off and has
+    // withdrawn what it advertised, and no pod holds a device-plugin GPU (the DRA allocator
+    // cannot see the device plugin's allocations: it would hand those GPUs out again).
+    let start = w.extended().is_some()
+        && switch
+        && off_already
+        && !busy
+        && n.device_plugin_resources().is_empty();
+    let dra_plugin = if dra_plugin_on_by_us(n) || start {
+        Some(true)
+    } else {
+        owned_dra_switch(n)
+    };
     Decision::Write {
         state,
         message,
         device_config,
         mig_layout,
-        device_plugin_off: ours_off || switch && !off_already,
+        device_plugin_off: device_plugin_off_by_us(n) || switch && !off_already,
+        dra_plugin,
         workload,
         vgpu_config,
     }
 }
 
+/// The DRA kubelet plugin's switch as we own it now (`None`: not ours).
+fn owned_dra_switch(n: &NodeFacts) -> Option<bool> {
+    n.owned
+        .contains(LABEL_DEPLOY_DRA_DRIVER)
+        .then(|| n.labels.get(LABEL_DEPLOY_DRA_DRIVER) == Some(DRA_DEPLOYED))
+}
+
+/// A node whose policy is not DRA's: it leaves the DRA driver first (see the module
+/// documentation), then the decision applies as it is.
+fn leave(n: &NodeFacts, env: &Env, d: Decision) -> Decision {
+    let Decision::Write {
+        device_config,
+        mig_layout,
+        workload,
+        vgpu_config,
+        ..
+    } = &d
+    else {
+        return d;
+    };
+    let ours_off = device_plugin_off_by_us(n);
+    let dra_owned = n.owned.contains(LABEL_DEPLOY_DRA_DRIVER);
+    if (ours_off || dra_plugin_on_by_us(n)) && !env.dra_claims.is_empty() {
+        return wait(HoldReason::WaitingForDraClaims, claims_msg(env.dra_claims));
+    }
+    if dra_owned && (dra_plugin_on_by_us(n) || env.dra_slice.is_some()) {
+        return Decision::Write {
+            state: NodeState::Pending,
+            message: format!(
+                "switching the DRA kubelet plugin off ({LABEL_DEPLOY_DRA_DRIVER}={NOT_DEPLOYED}); the device plugin comes back once the DRA driver's ResourceSlice is gone"
+            ),
+            device_config: device_config.clone(),
+            mig_layout: mig_layout.clone(),
+            device_plugin_off: ours_off,
+            dra_plugin: Some(false),
+            workload: *workload,
+            vgpu_config: vgpu_config.clone(),
+        };
+    }
+    d
+}
+
+/// What a released node (no policy governs it) keeps of the DRA switches: the device plugin
+/// stays off and the DRA kubelet plugin as it is while claims remain; then the DRA kubelet
+/// plugin goes off, and the device plugin stays off until the DRA driver's slice is gone.
+/// `(device plugin off, DRA switch)`.
+pub fn released_switches(n: &NodeFacts, env: &Env) -> (bool, Option<bool>) {
+    let ours_off = device_plugin_off_by_us(n);
+    let dra = owned_dra_switch(n);
+    if !env.dra_claims.is_empty() && (ours_off || dra == Some(true)) {
+        return (ours_off, dra);
+    }
+    if dra.is_some() && (dra == Some(true) || env.dra_slice.is_some()) {
+        return (ours_off, Some(false));
+    }
+    (false, None)
+}
+
 /// Why a DRA node is not confirmed yet: the device plugin still advertises its resources (the
-/// DRA driver alone must advertise the GPUs), GPU Feature Discovery has not relabelled since
-/// our config write, or reports the GPUs shared (the DRA driver's GPUs are not shared by the
-/// device plugin).
-pub fn unconfirmed(n: &NodeFacts, w: &Prepared, config: (&str, Option<&str>)) -> Option<String> {
-    device_plugin_still_advertises(n)
-        .or_else(|| gfd_not_reported(n, config))
-        .or_else(|| {
+/// DRA driver alone must advertise the GPUs); then, with templates, GPU Feature Discovery has
+/// not relabelled since our config write, or reports the GPUs shared (the DRA driver's GPUs
+/// are not shared by the device plugin); with extended resources, the DRA driver does not
+/// publish the node's GPUs with the policy's shares yet.
+pub fn unconfirmed(
+    n: &NodeFacts,
+    w: &Prepared,
+    config: (&str, Option<&str>),
+    env: &Env,
+) -> Option<String> {
+    device_plugin_still_advertises(n).or_else(|| match w.extended() {
+        // The DRA driver's slice confirms the node: GPU Feature Discovery's sharing labels
+        // describe the device plugin, which no longer serves it.
+        Some(x) => extended_unconfirmed(n, x, env),
+        None => gfd_not_reported(n, config).or_else(|| {
             let gfd = GfdReport::read(n.labels.iter());
             super::sharing::replicas_unconfirmed(w.spec.strategy, &gfd, 1)
-        })
+        }),
+    })
 }
 
 fn device_plugin_still_advertises(n: &NodeFacts) -> Option<String> {
@@ -95,4 +192,331 @@ fn device_plugin_still_advertises(n: &NodeFacts) -> Option<String> {
         "waiting for the device plugin to withdraw {} (allocatable) before the DRA driver alone advertises the GPUs",
         shown.join(", ")
     ))
+}
+
+/// Why a node moved to extended resources is not confirmed: its DRA kubelet plugin is not on
+/// yet, or the driver's ResourceSlice does not show its GPUs with the policy's shares.
+fn extended_unconfirmed(n: &NodeFacts, x: &ExtendedResource, env: &Env) -> Option<String> {
+    if n.labels.get(LABEL_DEPLOY_DRA_DRIVER) != Some(DRA_DEPLOYED) {
+        if !env.gpu_pods.is_empty() {
+            return Some(format!(
+                "waiting for device-plugin GPU pods to finish before the DRA kubelet plugin starts: {}",
+                env.gpu_pods.join(", ")
+            ));
+        }
+        return Some(format!(
+            "switching the DRA kubelet plugin on ({LABEL_DEPLOY_DRA_DRIVER}={DRA_DEPLOYED})"
+        ));
+    }
+    let Some(slice) = env.dra_slice else {
+        return Some(
+            "waiting for NVIDIA's DRA driver to publish the node's GPUs (a gpu.nvidia.com ResourceSlice)".into(),
+        );
+    };
+    if slice.gpus == 0 {
+        return Some("the DRA driver's ResourceSlice shows no whole GPU on this node".into());
+    }
+    shares_mismatch(x, slice.shares, slice.mixed_shares)
+}
+
+/// Why the shares the DRA driver publishes do not serve `x`.
+fn shares_mismatch(x: &ExtendedResource, have: Option<i64>, mixed: bool) -> Option<String> {
+    if mixed {
+        return Some("the DRA driver's GPUs on this node publish different shares: run one consumableShares value on every node".into());
+    }
+    match (x.shares, have) {
+        (a, b) if a == b => None,
+        (Some(want), Some(have)) => Some(format!(
+            "the DRA driver publishes shares={have} per GPU, the policy's time-slicing has replicas {want}: set the driver's consumableShares to {want}"
+        )),
+        (Some(want), None) => Some(format!(
+            "the DRA driver publishes no shares, the policy's time-slicing has replicas {want}: enable its ConsumableShares feature gate with consumableShares: {want}"
+        )),
+        (None, Some(have)) => Some(format!(
+            "the DRA driver publishes shares={have} per GPU: exclusive GPUs need consumableShares: disabled (each pod's claim would take one share)"
+        )),
+        (None, None) => None,
+    }
+}
+
+/// `status.servedBy` keys: which backend serves a node's GPUs now.
+pub const SERVED_BY_DEVICE_PLUGIN: &str = "devicePlugin";
+pub const SERVED_BY_DRA: &str = "draDriver";
+pub const SERVED_BY_BOTH: &str = "both";
+
+/// Which backend serves node `n`'s GPUs now, as the node reports it: the device plugin
+/// advertises them (allocatable), the DRA driver publishes them (`slice`), neither (`none`,
+/// between the two), or `both`.
+pub fn served_by(n: &NodeFacts, slice: Option<&crate::plan::input::DraSlice>) -> &'static str {
+    let dp = !n.device_plugin_resources().is_empty();
+    let dra = slice.is_some_and(|s| s.gpus > 0 || !s.mig.is_empty());
+    match (dp, dra) {
+        (true, false) => SERVED_BY_DEVICE_PLUGIN,
+        (false, true) => SERVED_BY_DRA,
+        (true, true) => SERVED_BY_BOTH,
+        (false, false) => "none",
+    }
+}
+
+/// Name of our DeviceClass mapping extended resource `name` (`nvidia.com/gpu` ->
+/// `gpusharing-nvidia.com-gpu`).
+pub fn device_class_name(name: &str) -> String {
+    format!("gpusharing-{}", name.replace('/', "-"))
+}
+
+/// The DeviceClasses the accepted extended-resource policies need: ours, mapping each name to
+/// the DRA driver's whole GPUs. The class cannot see nodes: the GPUs it selects are those of the
+/// nodes whose DRA kubelet plugin runs, the nodes already moved.
+pub fn device_classes(prepared: &[Prepared]) -> BTreeMap<String, serde_json::Value> {
+    prepared
+        .iter()
+        .filter(|p| p.accepted())
+        .filter_map(|p| p.extended())
+        .map(|x| {
+            let name = device_class_name(&x.name);
+            let class = serde_json::json!({
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {
+                    "name": name,
+                    "labels": {MANAGED_BY.0: MANAGED_BY.1},
+                },
+                "spec": {
+                    "selectors": [{"cel": {"expression": format!(
+                        "device.driver == '{DRA_DRIVER}' && device.attributes['{DRA_DRIVER}'].type == 'gpu'"
+                    )}}],
+                    "extendedResourceName": x.name,
+                },
+            });
+            (name, class)
+        })
+        .collect()
+}
+
+/// Refuses the extended-resource policies that cannot be served as they are:
+/// - DeviceClasses cannot be read, so a class of someone else's could map the same name;
+/// - a DeviceClass not ours maps their name (kube-scheduler serves a name through the class
+///   created last, so ours could lose the name to it at any time);
+/// - they disagree with the highest-precedence one (`owner`) on the name or the shares: the DRA
+///   driver runs one consumable-shares value on every node, and a class cannot see which node a
+///   GPU is on;
+/// - the GPU Operator runs in DRA-only mode (`GPUCluster`) and the policy time-slices: its
+///   driver offers no scheduler-accounted sharing between claims.
+///
+/// `blocked` for policies that govern nodes (`governing`), `latent` otherwise.
+pub fn extended_conflicts(
+    prepared: &mut [Prepared],
+    governing: &std::collections::BTreeSet<usize>,
+    classes: Option<&[DeviceClassFact]>,
+    gpu_cluster: Option<&str>,
+) {
+    let extended = |p: &Prepared| p.accepted() && p.extended().is_some();
+    let owner = (0..prepared.len())
+        .filter(|i| extended(&prepared[*i]))
+        .min_by_key(|i| (!governing.contains(i), *i));
+    let Some(owner) = owner else { return };
+    let (owner_name, want) = (
+        prepared[owner].name.clone(),
+        prepared[owner].extended().cloned().expect("extended"),
+    );
+    for (i, p) in prepared.iter_mut().enumerate() {
+        if !extended(p) {
+            continue;
+        }
+        let x = p.extended().expect("extended");
+        let conflict = match classes {
+            None => Some(
+                "DeviceClasses (resource.k8s.io/v1) cannot be listed: without them the operator cannot tell whether another class maps the name; grant list/watch on deviceclasses".to_string(),
+            ),
+            Some(classes) => foreign_class(classes, &x.name),
+        }
+        .or_else(|| {
+            (i != owner && (x.name != want.name || x.shares != want.shares)).then(|| {
+                format!(
+                    "dra.extendedResources with {} conflicts with {} of policy {owner_name}: the DRA driver runs one consumableShares value on every node and a DeviceClass cannot tell nodes apart, so every extended-resource policy must serve one name with one sharing",
+                    describe(x),
+                    describe(&want)
+                )
+            })
+        })
+        .or_else(|| {
+            gpu_cluster.filter(|_| x.shares.is_some()).map(|c| {
+                format!(
+                    "the GPU Operator runs in DRA-only mode (GPUCluster {c}): its DRA driver offers no consumable shares, so time-slicing cannot be served through extended resources; use exclusive, or the standalone DRA driver chart"
+                )
+            })
+        });
+        if governing.contains(&i) {
+            p.blocked = conflict;
+        } else {
+            p.latent = conflict;
+        }
+    }
+}
+
+fn describe(x: &ExtendedResource) -> String {
+    match x.shares {
+        Some(s) => format!("{} shared {s} ways", x.name),
+        None => format!("{} exclusive", x.name),
+    }
+}
+
+/// Why a DeviceClass not ours that maps `name` stops us serving it.
+fn foreign_class(classes: &[DeviceClassFact], name: &str) -> Option<String> {
+    let c = classes
+        .iter()
+        .find(|c| !c.ours && c.extended_resource_name == name)?;
+    Some(format!(
+        "DeviceClass {} (not this operator's) maps {name}: when two classes map one name kube-scheduler uses the one created last, so the moved nodes' GPUs would be handed out through it. NVIDIA's DRA driver chart creates gpu.nvidia.com with this mapping whenever GPUs are enabled: remove the mapping (kubectl patch deviceclass {} --type=json -p '[{{\"op\":\"remove\",\"path\":\"/spec/extendedResourceName\"}}]', and again after each chart upgrade) or delete the class",
+        c.name, c.name
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::policies::prepare_all;
+    use crate::plan::testing::policy;
+
+    const TS4: &str = "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n  backend: dra\n  dra: {extendedResources: true, driverFeatureGates: {ConsumableShares: true}}\n";
+    const TS2: &str = "  strategy: timeSlicing\n  timeSlicing: {replicas: 2}\n  backend: dra\n  dra: {extendedResources: true, driverFeatureGates: {ConsumableShares: true}}\n";
+    const EXCL: &str = "  strategy: exclusive\n  backend: dra\n  dra: {extendedResources: true}\n";
+
+    fn class(name: &str, ours: bool) -> DeviceClassFact {
+        DeviceClassFact {
+            name: name.into(),
+            extended_resource_name: "nvidia.com/gpu".into(),
+            ours,
+        }
+    }
+
+    #[test]
+    fn policies_that_disagree_on_shares_are_refused_naming_the_one_that_decides() {
+        let ps = vec![policy("a", TS4), policy("b", TS2), policy("c", EXCL)];
+        let mut prepared = prepare_all(&ps, None);
+        let all = (0..3).collect();
+        extended_conflicts(&mut prepared, &all, Some(&[]), None);
+        let owner = prepared.iter().position(|p| p.blocked.is_none()).unwrap();
+        let others: Vec<&Prepared> = prepared.iter().filter(|p| p.blocked.is_some()).collect();
+        assert_eq!(others.len(), 2);
+        for p in others {
+            let why = p.blocked.as_deref().unwrap();
+            assert!(
+                why.contains(&format!("policy {}", prepared[owner].name)),
+                "{why}"
+            );
+            assert!(why.contains("one consumableShares value"), "{why}");
+        }
+        // Only the accepted one renders its class.
+        let classes = device_classes(&prepared);
+        assert_eq!(
+            classes.keys().collect::<Vec<_>>(),
+            ["gpusharing-nvidia.com-gpu"]
+        );
+        let c = &classes["gpusharing-nvidia.com-gpu"];
+        assert_eq!(c["spec"]["extendedResourceName"], "nvidia.com/gpu");
+        assert_eq!(c["metadata"]["labels"][MANAGED_BY.0], MANAGED_BY.1);
+    }
+
+    #[test]
+    fn a_foreign_class_mapping_the_name_refuses_the_policy_with_how_to_resolve_it() {
+        let ps = vec![policy("a", TS4)];
+        let governing = [0].into();
+        let mut prepared = prepare_all(&ps, None);
+        extended_conflicts(
+            &mut prepared,
+            &governing,
+            Some(&[class("gpu.nvidia.com", false)]),
+            None,
+        );
+        let why = prepared[0].blocked.as_deref().expect("refused");
+        assert!(why.contains("DeviceClass gpu.nvidia.com"), "{why}");
+        assert!(
+            why.contains("kubectl patch deviceclass gpu.nvidia.com"),
+            "{why}"
+        );
+        assert!(device_classes(&prepared).is_empty());
+        // Our own class is no conflict; unreadable classes are.
+        let mut prepared = prepare_all(&ps, None);
+        extended_conflicts(
+            &mut prepared,
+            &governing,
+            Some(&[class("gpusharing-nvidia.com-gpu", true)]),
+            None,
+        );
+        assert_eq!(prepared[0].blocked, None);
+        let mut prepared = prepare_all(&ps, None);
+        extended_conflicts(&mut prepared, &governing, None, None);
+        assert!(
+            prepared[0]
+                .blocked
+                .as_deref()
+                .unwrap()
+                .contains("cannot be listed")
+        );
+        // Not governing any node: a warning (latent), nothing refused.
+        let mut prepared = prepare_all(&ps, None);
+        extended_conflicts(&mut prepared, &Default::default(), None, None);
+        assert!(prepared[0].blocked.is_none() && prepared[0].latent.is_some());
+        // Time-slicing under the GPU Operator's DRA-only mode cannot be served.
+        let mut prepared = prepare_all(&ps, None);
+        extended_conflicts(&mut prepared, &governing, Some(&[]), Some("cluster"));
+        assert!(
+            prepared[0]
+                .blocked
+                .as_deref()
+                .unwrap()
+                .contains("GPUCluster cluster")
+        );
+    }
+
+    #[test]
+    fn renamed_time_slicing_maps_the_shared_name() {
+        let ps = vec![policy(
+            "a",
+            "  strategy: timeSlicing\n  timeSlicing: {replicas: 4, renameByDefault: true}\n  backend: dra\n  dra: {extendedResources: true, driverFeatureGates: {ConsumableShares: true}}\n",
+        )];
+        let prepared = prepare_all(&ps, None);
+        let x = prepared[0].extended().expect("extended");
+        assert_eq!(
+            (x.name.as_str(), x.shares),
+            ("nvidia.com/gpu.shared", Some(4))
+        );
+        assert!(device_classes(&prepared).contains_key("gpusharing-nvidia.com-gpu.shared"));
+    }
+
+    #[test]
+    fn what_extended_resources_cannot_serve_is_an_error_naming_the_field() {
+        let cases = [
+            (
+                "  strategy: mps\n  mps: {replicas: 2}\n  backend: dra\n  dra: {extendedResources: true}\n",
+                "spec.strategy",
+            ),
+            (
+                "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n  backend: dra\n  dra: {extendedResources: true}\n",
+                "spec.dra.driverFeatureGates.ConsumableShares",
+            ),
+            (
+                "  strategy: exclusive\n  backend: dra\n  dra: {extendedResources: true, driverFeatureGates: {ConsumableShares: true}}\n",
+                "spec.dra.driverFeatureGates.ConsumableShares",
+            ),
+            (
+                "  strategy: exclusive\n  backend: dra\n  dra: {extendedResources: true, namespaces: [team]}\n",
+                "spec.dra",
+            ),
+            (
+                "  strategy: exclusive\n  backend: dra\n  dra: {}\n",
+                "spec.dra.namespaces",
+            ),
+        ];
+        for (spec, path) in cases {
+            let ps = vec![policy("a", spec)];
+            let prepared = prepare_all(&ps, None);
+            assert!(
+                prepared[0].errors.iter().any(|e| e.path == path),
+                "{spec}: {:?}",
+                prepared[0].errors
+            );
+        }
+    }
 }

@@ -125,26 +125,26 @@ pub fn decide(n: &NodeFacts, w: &Prepared, t: &NodeTarget, env: &Env, busy: bool
         // A VM host we made goes back to containers first, whatever the container backend.
         _ if is_vm_host(n) => vm::leave(n, env).expect("a VM host we labelled"),
         Serving::Mig { layout } => mig::decide(n, w, key, layout, env, busy),
-        Serving::Sharing | Serving::Dra => sharing::decide(n, w, key, env, busy),
+        Serving::Sharing | Serving::Dra(_) => sharing::decide(n, w, key, env, busy),
     }
 }
 
 /// Why a node whose labels are in place is not confirmed by what NVIDIA's components report,
 /// judged by the policy's backend: `config` is the device-plugin config key and when we last
-/// wrote it (GPU Feature Discovery must have relabelled since); `cluster_mig`, the
-/// ClusterPolicy's MIG strategy. VM hosts are confirmed from their labels
+/// wrote it (GPU Feature Discovery must have relabelled since); `env` has the ClusterPolicy's
+/// MIG strategy and what the DRA driver publishes. VM hosts are confirmed from their labels
 /// ([`vm::unconfirmed`]).
 pub fn unconfirmed(
     n: &NodeFacts,
     w: &Prepared,
     config: (&str, Option<&str>),
-    cluster_mig: Option<&str>,
+    env: &Env,
 ) -> Option<String> {
     match w.kind() {
         Kind::Vm => None,
         Kind::Sharing => sharing::unconfirmed(n, w, config),
-        Kind::Mig => mig::unconfirmed(n, w, config, cluster_mig),
-        Kind::Dra => dra::unconfirmed(n, w, config),
+        Kind::Mig => mig::unconfirmed(n, w, config, env.cluster_mig_strategy),
+        Kind::Dra => dra::unconfirmed(n, w, config, env),
     }
 }
 

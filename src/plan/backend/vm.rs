@@ -132,6 +132,7 @@ pub fn decide(n: &NodeFacts, t: &VmTarget, env: &Env, busy: bool) -> Decision {
         device_config: DEFAULT_KEY.to_string(),
         mig_layout: mig_kept.clone(),
         device_plugin_off: false,
+        dra_plugin: None,
         workload: Some(target),
         vgpu_config: t.vgpu_config.clone(),
     };

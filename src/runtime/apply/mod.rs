@@ -3,7 +3,8 @@
 //! from which logs and metrics are fed, with what the writes taught about the cluster
 //! ([`Learnt`]), from which the control loop's memory is kept (the appliers hold none). One file per kind of object written: our ConfigMaps
 //! ([`configmaps`]), node metadata, cordons and readiness taints ([`nodes`]), the ClusterPolicy
-//! ([`cluster_policy`]), ResourceClaimTemplates ([`claims`]), Karpenter NodeOverlays
+//! ([`cluster_policy`]), ResourceClaimTemplates ([`claims`]), DeviceClasses ([`classes`]),
+//! Karpenter NodeOverlays
 //! ([`overlays`]), pod evictions ([`evict`]) and the layouts demand chose ([`demand`]).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -13,6 +14,7 @@ use kube::api::PatchParams;
 use crate::api::names::MANAGER;
 
 pub mod claims;
+pub mod classes;
 pub mod cluster_policy;
 pub mod configmaps;
 pub mod demand;
@@ -21,6 +23,7 @@ pub mod nodes;
 pub mod overlays;
 
 pub use claims::apply_claim_templates;
+pub use classes::apply_device_classes;
 pub use cluster_policy::apply_cluster_policy;
 pub use configmaps::{apply_configmaps, delete_unused_mig_configmap, delete_unused_vgpu_configmap};
 pub use demand::apply_demand;

@@ -1,0 +1,80 @@
+//! Our DeviceClasses (policies with `dra.extendedResources`): applied when what we want differs
+//! from what is there (the name they map, their selector, our label), deleted when no policy
+//! renders them any more. Ours are the classes with our managed-by label.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use k8s_openapi::api::resource::v1::DeviceClass;
+use kube::ResourceExt;
+use kube::api::{Api, Patch};
+use tracing::info;
+
+use super::claims::json_contains;
+use super::{WriteReport, apply_params};
+use crate::observe::classes::is_ours;
+use crate::plan::Plan;
+use crate::runtime::context::Context;
+use crate::runtime::error::Error;
+
+const KIND: &str = "DeviceClass";
+
+/// Applies the plan's DeviceClasses and deletes ours it no longer has. Nothing when
+/// DeviceClasses cannot be read.
+pub async fn apply_device_classes(
+    ctx: &Context,
+    plan: &Plan,
+    report: &mut WriteReport,
+) -> Result<(), Error> {
+    let Some(store) = &ctx.caches.device_classes else {
+        return Ok(());
+    };
+    let ours: BTreeMap<String, Arc<DeviceClass>> = store
+        .state()
+        .into_iter()
+        .filter(|c| is_ours(c))
+        .map(|c| (c.name_any(), c))
+        .collect();
+    let api: Api<DeviceClass> = Api::all(ctx.client.clone());
+    for (name, want) in &plan.device_classes {
+        let same = ours.get(name).is_some_and(|cur| {
+            let spec = serde_json::to_value(&cur.spec).unwrap_or_default();
+            json_contains(&spec, &want["spec"])
+        });
+        if same {
+            report.learn(super::Learnt::InSync {
+                kind: KIND,
+                object: name.clone(),
+            });
+            continue;
+        }
+        if let Err(e) = api.patch(name, &apply_params(), &Patch::Apply(want)).await {
+            report.refused(KIND, name, e.into())?;
+            continue;
+        }
+        let why = if ours.contains_key(name) {
+            "its selector or name changed"
+        } else {
+            "a policy serves pods' extended-resource requests through the DRA driver"
+        };
+        info!(device_class = %name, reason = why, "applied DeviceClass");
+        report.record(KIND, name.clone(), why);
+    }
+    for name in ours
+        .keys()
+        .filter(|n| !plan.device_classes.contains_key(*n))
+    {
+        match api.delete(name, &Default::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => {
+                report.refused(KIND, name, e.into())?;
+                continue;
+            }
+        }
+        let why = "no policy serves extended resources through it any more";
+        info!(device_class = %name, reason = why, "deleted DeviceClass");
+        report.record(KIND, name.clone(), why);
+    }
+    Ok(())
+}
