@@ -356,13 +356,6 @@ async fn namespace_watch(
 /// ResourceClaims in every namespace, kept only with their allocation (`status.allocation`):
 /// what [`crate::observe::claims::dra_claims`] reads.
 async fn claim_watch(client: &Client, streams: &mut Streams) -> Option<Store<ResourceClaim>> {
-    let api: Api<ResourceClaim> = Api::all(client.clone());
-    if let Err(e) = api.list(&kube::api::ListParams::default().limit(1)).await {
-        warn!(error = %e, "cannot list ResourceClaims: nodes leaving a DRA policy get the device plugin back without checking for allocated claims");
-        return None;
-    }
-    let writer = reflector::store::Writer::default();
-    let store = writer.as_reader();
     let strip = |c: &mut ResourceClaim| {
         c.metadata.managed_fields = None;
         c.metadata.annotations = None;
@@ -373,17 +366,14 @@ async fn claim_watch(client: &Client, streams: &mut Streams) -> Option<Store<Res
             s.reserved_for = None;
         }
     };
-    streams.push(
-        reflector::reflector(
-            writer,
-            watcher(api, watcher::Config::default())
-                .default_backoff()
-                .modify(strip),
-        )
-        .map_ok(|_| ())
-        .boxed(),
-    );
-    Some(store)
+    stripped_watch(
+        Api::all(client.clone()),
+        watcher::Config::default(),
+        strip,
+        "cannot list ResourceClaims: nodes leaving a DRA policy get the device plugin back without checking for allocated claims",
+        streams,
+    )
+    .await
 }
 
 /// NVIDIA's DRA driver's ResourceSlices and the DeviceClasses: what DRA extended resources read.
