@@ -7,6 +7,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
@@ -17,9 +18,12 @@ import (
 	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/scale"
 	"k8s.io/controller-manager/pkg/informerfactory"
+	"k8s.io/klog/v2"
 	"k8s.io/kubernetes/pkg/controller/disruption"
 	"k8s.io/kubernetes/pkg/controller/garbagecollector"
 	namespacecontroller "k8s.io/kubernetes/pkg/controller/namespace"
+	"k8s.io/kubernetes/pkg/controller/resourceclaim"
+	"k8s.io/kubernetes/pkg/features"
 )
 
 // gcSyncPeriod is how often the garbage collector re-reads discovery, i.e.
@@ -32,7 +36,11 @@ const gcSyncPeriod = 3 * time.Second
 // (ownerReferences, foreground/background cascading deletion), the
 // namespace controller (deleting a namespace empties and removes it) and
 // the disruption controller (PodDisruptionBudget status, without which the
-// Eviction API refuses every eviction a budget covers).
+// Eviction API refuses every eviction a budget covers) and the resourceclaim
+// controller (claims from ResourceClaimTemplates created for pods, and every
+// pod's claims, those kube-scheduler generates for extended resources
+// included, deallocated once the pod is done; the garbage collector deletes
+// a deleted pod's claims through their ownerReferences).
 // They stop when ctx is cancelled.
 func startControllers(ctx context.Context, cfg *rest.Config) error {
 	cfg = rest.CopyConfig(cfg)
@@ -73,6 +81,24 @@ func startControllers(ctx context.Context, cfg *rest.Config) error {
 		shared.Apps().V1().Deployments(), shared.Apps().V1().StatefulSets(),
 		kube, mapper, scaleClient, kube.Discovery())
 
+	// Built before the informers start: it adds indexers to the shared pod and
+	// claim informers. As kube-controller-manager does, only with DRA on.
+	var rc *resourceclaim.Controller
+	if utilfeature.DefaultFeatureGate.Enabled(features.DynamicResourceAllocation) {
+		gate := utilfeature.DefaultFeatureGate
+		rc, err = resourceclaim.NewController(klog.FromContext(ctx),
+			resourceclaim.Features{
+				AdminAccess:            gate.Enabled(features.DRAAdminAccess),
+				PrioritizedList:        gate.Enabled(features.DRAPrioritizedList),
+				WorkloadResourceClaims: gate.Enabled(features.DRAWorkloadResourceClaims),
+			},
+			kube, shared.Core().V1().Pods(), shared.Scheduling().V1alpha2().PodGroups(),
+			shared.Resource().V1().ResourceClaims(), shared.Resource().V1().ResourceClaimTemplates())
+		if err != nil {
+			return fmt.Errorf("resourceclaim controller: %w", err)
+		}
+	}
+
 	shared.Start(ctx.Done())
 	metaInformers.Start(ctx.Done())
 	close(started)
@@ -81,5 +107,8 @@ func startControllers(ctx context.Context, cfg *rest.Config) error {
 	go gc.Sync(ctx, kube.Discovery(), gcSyncPeriod)
 	go ns.Run(ctx, 4)
 	go dc.Run(ctx)
+	if rc != nil {
+		go rc.Run(ctx, 4)
+	}
 	return nil
 }

@@ -82,7 +82,7 @@ func parseFlags() (*kubeLocalOptions, error) {
 	fs.BoolVar(&o.watchStdin, "watch-stdin", true, "exit when stdin reaches EOF")
 	fs.BoolVar(&o.watchParent, "watch-parent", true, "exit when the parent process exits")
 	fs.BoolVar(&o.pdeathsig, "pdeathsig", false, "ask the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG); beware: it fires when the parent *thread* that started kube-local exits, so not for multi-threaded parents such as test harnesses")
-	fs.BoolVar(&o.controllers, "controllers", true, "run the garbage-collector and namespace controllers (of kube-controller-manager) in-process")
+	fs.BoolVar(&o.controllers, "controllers", true, "run the garbage-collector, namespace, disruption and resourceclaim controllers (of kube-controller-manager) in-process")
 	fs.BoolVar(&o.scheduler, "scheduler", false, "run kube-scheduler (default profile, no leader election, no serving port) in-process: pods without spec.nodeName are bound to nodes by their allocatable, taints, affinity, ...")
 	fs.BoolVar(&o.keep, "keep", false, "keep the etcd data on exit")
 	fs.BoolVar(&o.persist, "persist", false, "with --dir: keep the etcd data (<dir>/etcd) and certificates (<dir>/pki) there and, when they exist, start again on them (a restart: same objects, same CA and admin credentials, nothing seeded); pass the same --port to keep the kubeconfig valid")
@@ -420,7 +420,7 @@ func serve(ctx context.Context, o *kubeLocalOptions, base, etcdDir string, resta
 			logf("controllers: %v", err)
 			return 1
 		}
-		logf("garbage-collector and namespace controllers running")
+		logf("garbage-collector, namespace, disruption and resourceclaim controllers running")
 	}
 	// stopControllers stops the in-process controllers and waits (bounded)
 	// for the scheduler, so that it does not outlive the apiserver.
