@@ -110,7 +110,8 @@ func BusyOf(pods []corev1.Pod, node string) Busy {
 }
 
 // GPURequests: the NVIDIA resources a pod asks for (limits, else requests,
-// summed over its containers; an init container's ask counts when larger).
+// summed over its containers; an init container's ask counts when larger),
+// but those kube-scheduler served through DRA (status.extendedResourceClaimStatus).
 func GPURequests(pod *corev1.Pod) map[string]int {
 	out := map[string]int{}
 	sum := func(cs []corev1.Container, keepMax bool) {
@@ -137,6 +138,13 @@ func GPURequests(pod *corev1.Pod) map[string]int {
 	sum(pod.Spec.Containers, false)
 	for r, n := range init {
 		out[r] = max(out[r], n)
+	}
+	// kube-scheduler served these through DRA (KEP-5004): the kubelet's device
+	// manager leaves them to the DRA driver, as the real one does.
+	if st := pod.Status.ExtendedResourceClaimStatus; st != nil {
+		for _, m := range st.RequestMappings {
+			delete(out, m.ResourceName)
+		}
 	}
 	return out
 }

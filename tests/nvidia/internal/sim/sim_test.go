@@ -602,3 +602,25 @@ func TestPCINameFromPCIIDs(t *testing.T) {
 		}
 	}
 }
+
+// A pod whose nvidia.com/gpu kube-scheduler served through DRA (KEP-5004)
+// asks the device manager for nothing of it: the DRA driver prepares it.
+func TestGPURequestsServedThroughDRA(t *testing.T) {
+	pod := &corev1.Pod{Spec: corev1.PodSpec{Containers: []corev1.Container{{Resources: corev1.ResourceRequirements{
+		Limits: corev1.ResourceList{
+			"nvidia.com/gpu":         *resource.NewQuantity(1, resource.DecimalSI),
+			"nvidia.com/mig-1g.10gb": *resource.NewQuantity(2, resource.DecimalSI),
+		}}}}}}
+	if got := GPURequests(pod); got["nvidia.com/gpu"] != 1 || got["nvidia.com/mig-1g.10gb"] != 2 {
+		t.Fatalf("device plugin: %v", got)
+	}
+	pod.Status.ExtendedResourceClaimStatus = &corev1.PodExtendedResourceClaimStatus{
+		ResourceClaimName: "p-extended-resources-x7k2q",
+		RequestMappings: []corev1.ContainerExtendedResourceRequest{
+			{ContainerName: "c", ResourceName: "nvidia.com/gpu", RequestName: "container-0-request-0"},
+		},
+	}
+	if got := GPURequests(pod); len(got) != 1 || got["nvidia.com/mig-1g.10gb"] != 2 {
+		t.Fatalf("nvidia.com/gpu through DRA: %v", got)
+	}
+}
