@@ -16,6 +16,7 @@ use crate::api::names::{
 use crate::nvidia::state::{ConfigState, Workload, deployed};
 use crate::nvidia::{self, DevicePluginConfig};
 use crate::plan::facts::{apply_to_node, gfd_behind, is_vm_host};
+use crate::plan::input::DeviceClassFact;
 use crate::plan::{Labels, NodeFacts, Plan, PlanInput, SmallMap};
 
 /// More passes than any valid history needs: a MIG -> MPS change takes four per node, and a
@@ -86,6 +87,26 @@ pub fn apply(input: &mut PlanInput, plan: &Plan) -> BTreeSet<String> {
             changed.insert(name.clone());
         }
     }
+    changed
+}
+
+/// Our DeviceClasses become the plan's (kube-apiserver keeps `extendedResourceName`: the
+/// converged view assumes the `DRAExtendedResource` feature gate on). Whether they changed.
+fn apply_device_classes(input: &mut PlanInput, plan: &Plan) -> bool {
+    let Some(classes) = input.cluster.device_classes.as_mut() else {
+        return false;
+    };
+    let ours = plan.device_classes.iter().map(|(name, c)| DeviceClassFact {
+        name: name.clone(),
+        extended_resource_name: c["spec"]["extendedResourceName"].as_str().map(String::from),
+        ours: true,
+    });
+    let mut now: Vec<DeviceClassFact> = (classes.iter().filter(|c| !c.ours).cloned())
+        .chain(ours)
+        .collect();
+    now.sort_by(|a, b| a.name.cmp(&b.name));
+    let changed = now != *classes;
+    *classes = now;
     changed
 }
 
@@ -272,13 +293,14 @@ pub fn converge(mut input: PlanInput) -> Result<Converged, NotConverged> {
     let max = max_passes(input.nodes.len());
     for passes in 1..=max {
         let plan = crate::plan::plan(&input);
+        let classes = apply_device_classes(&mut input, &plan);
         let mut changed = apply(&mut input, &plan);
         if !changed.is_empty() {
             waves.push(changed.clone());
         }
         let answer = input.cluster.now + 1;
         changed.extend(nvidia_succeeds(&mut input, answer));
-        if changed.is_empty() {
+        if changed.is_empty() && !classes {
             return Ok(Converged {
                 plan,
                 input,

@@ -228,3 +228,79 @@ async fn a_time_sliced_pool_moves_to_dra_extended_resources_and_back() {
     op.stop().await;
     invariants.check().await;
 }
+
+/// Kubernetes 1.34 and 1.35 ship `DRAExtendedResource` off: kube-apiserver then drops
+/// `extendedResourceName` from our DeviceClass. No node may move (it would lose its GPUs: no
+/// class maps the name), and the status says which gate to turn on. Its own control plane,
+/// with the gate off.
+#[tokio::test]
+async fn without_the_extended_resource_gate_no_node_moves_and_the_status_names_it() {
+    let gate_off = testkit::ClusterOptions {
+        extra_args: vec!["--apiserver-arg=--feature-gates=DRAExtendedResource=false".into()],
+        ..Default::default()
+    };
+    let (g, cluster, _sim) =
+        setup_with_simulator(gate_off, &["--dra-consumable-shares=4".to_string()]).await;
+    let invariants = g.invariants();
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    for node in NODES {
+        label_node(&c, node, "gpusharing.io/profile", Some("l4-shared")).await;
+    }
+    testkit::apply_yaml(&c, DEVICE_PLUGIN_POLICY).await.unwrap();
+    until("served by the device plugin", LONG, || {
+        ready_on(&c, "l4-shared", 2)
+    })
+    .await;
+    let to_dra = json!({"spec": {"backend": "dra", "dra": {"extendedResources": true,
+        "driverFeatureGates": {"ConsumableShares": true}}}});
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .patch("l4-shared", &PatchParams::default(), &Patch::Merge(&to_dra))
+        .await
+        .unwrap();
+    let s = until("nodes held for the class, the gate named", LONG, || async {
+        let s = policy_status(&c, "l4-shared").await?;
+        let held = s["nodeDetails"].as_array()?.iter().all(|d| {
+            d["reason"] == "WaitingForDeviceClass"
+                && d["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("DRAExtendedResource")
+        });
+        let refused = s["refusedWrites"].as_array()?.iter().any(|w| {
+            w["kind"] == "DeviceClass"
+                && w["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("DRAExtendedResource")
+        });
+        (held && refused).then_some(s)
+    })
+    .await;
+    assert_eq!(condition(&s, "Accepted").unwrap()["status"], "True", "{s}");
+    assert_eq!(condition(&s, "Degraded").unwrap()["status"], "True", "{s}");
+    let ours = class(&c, OURS)
+        .await
+        .expect("our DeviceClass, as the API server kept it");
+    assert_eq!(ours.spec.extended_resource_name, None);
+    for node in NODES {
+        assert_eq!(served(&c, node).await, (16, None), "{node} left as it was");
+        let l = labels(&c, node).await;
+        assert!(!l.contains_key("nvidia.com/gpu.deploy.dra-driver"), "{l:?}");
+        assert_ne!(
+            l.get("nvidia.com/gpu.deploy.device-plugin")
+                .map(String::as_str),
+            Some("false")
+        );
+    }
+    Api::<GpuSharingPolicy>::all(c.clone())
+        .delete("l4-shared", &DeleteParams::default())
+        .await
+        .unwrap();
+    until("our DeviceClass deleted", LONG, || async {
+        class(&c, OURS).await.is_none().then_some(())
+    })
+    .await;
+    op.stop().await;
+    invariants.check().await;
+}

@@ -3834,6 +3834,7 @@ enum Change {
     GpuPods(usize, u8),
     VmPods(usize),
     DraClaims(usize),
+    DraPods(usize),
     DraSlice(usize, Option<i64>),
     MigStuck(usize),
     VgpuStuck(usize),
@@ -3858,6 +3859,7 @@ enum Change {
     Demand(usize),
     DemandIgnored,
     DeviceClasses(u8),
+    SlicesUnreadable,
     // Settings and Memory.
     PauseRollouts,
     ConfigMapNames,
@@ -3886,6 +3888,7 @@ fn change_gen() -> impl Strategy<Value = Change> {
         (n.clone(), 0u8..3).prop_map(|(i, k)| Change::GpuPods(i, k)),
         n.clone().prop_map(Change::VmPods),
         n.clone().prop_map(Change::DraClaims),
+        n.clone().prop_map(Change::DraPods),
         (n.clone(), prop::option::of(1i64..5)).prop_map(|(i, s)| Change::DraSlice(i, s)),
         n.clone().prop_map(Change::MigStuck),
         n.clone().prop_map(Change::VgpuStuck),
@@ -3910,7 +3913,8 @@ fn change_gen() -> impl Strategy<Value = Change> {
         Just(Change::Autoscaling),
         (0usize..4).prop_map(Change::Demand),
         Just(Change::DemandIgnored),
-        (0u8..3).prop_map(Change::DeviceClasses),
+        (0u8..4).prop_map(Change::DeviceClasses),
+        Just(Change::SlicesUnreadable),
         Just(Change::PauseRollouts),
         Just(Change::ConfigMapNames),
         n.clone().prop_map(Change::EvictionBlocked),
@@ -3954,6 +3958,7 @@ fn change(i: &mut PlanInput, c: &Change) {
         }
         Change::VmPods(k) => i.nodes[k % len].vm_pods = vec!["t/virt-launcher".into()],
         Change::DraClaims(k) => i.nodes[k % len].dra_claims = vec!["t/claim".into()],
+        Change::DraPods(k) => i.nodes[k % len].dra_pods = vec!["t/served".into()],
         Change::DraSlice(k, shares) => {
             let v = &mut i.nodes[k % len];
             v.dra_slice = match v.dra_slice {
@@ -4040,15 +4045,21 @@ fn change(i: &mut PlanInput, c: &Change) {
             use gpu_sharing_operator::plan::input::DeviceClassFact;
             let class = |name: &str, ours| DeviceClassFact {
                 name: name.into(),
-                extended_resource_name: "nvidia.com/gpu".into(),
+                extended_resource_name: Some("nvidia.com/gpu".into()),
                 ours,
             };
             i.cluster.device_classes = match k {
                 0 => None,
                 1 => Some(vec![class("gpu.nvidia.com", false)]),
+                // The API server dropped the name (DRAExtendedResource off).
+                2 => Some(vec![DeviceClassFact {
+                    extended_resource_name: None,
+                    ..class("gpusharing-nvidia.com-gpu", true)
+                }]),
                 _ => Some(vec![class("gpusharing-nvidia.com-gpu", true)]),
             }
         }
+        Change::SlicesUnreadable => i.cluster.slices_unreadable ^= true,
         Change::GpuCluster => {
             i.cluster.gpu_cluster = match i.cluster.gpu_cluster {
                 Some(_) => None,
@@ -4140,6 +4151,7 @@ fn every_input_has_a_change(i: &PlanInput) {
             gpu_pod_details: _, // GpuPods
             vm_pods: _,         // VmPods
             dra_claims: _,      // DraClaims
+            dra_pods: _,        // DraPods
             dra_slice: _,       // DraSlice
             mig_stuck: _,       // MigStuck
             vgpu_stuck: _,      // VgpuStuck
@@ -4165,6 +4177,7 @@ fn every_input_has_a_change(i: &PlanInput) {
         demand: _,                // Demand
         demand_ignored: _,        // DemandIgnored
         device_classes: _,        // DeviceClasses
+        slices_unreadable: _,     // SlicesUnreadable
     } = cluster;
     let Settings {
         device_configmap: _, // ConfigMapNames

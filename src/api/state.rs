@@ -95,6 +95,12 @@ string_enum!(
         WaitingForIdleGPUs,
         // Allocated gpu.nvidia.com ResourceClaims: the device plugin stays off until they go.
         WaitingForDraClaims,
+        // The policy's DeviceClass does not map its extended resource name yet (not created
+        // yet, or kube-apiserver drops the field: the DRAExtendedResource feature gate is off).
+        WaitingForDeviceClass,
+        // The GPU Operator paused an operand's switch on the node (`paused-for-*`: a driver
+        // upgrade, a MIG change): its device plugin or DRA switches wait until it resumes.
+        WaitingForPausedOperands,
         // MPS clients run and the new config restarts the MPS control daemon (drain policies).
         WaitingForMpsClients,
         // Virtual machines use the node's GPUs.

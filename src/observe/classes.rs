@@ -22,16 +22,16 @@ pub fn is_ours(c: &DeviceClass) -> bool {
     c.labels().get(MANAGED_BY.0).map(String::as_str) == Some(MANAGED_BY.1)
 }
 
-/// The classes that map an extended resource name, in name order.
+/// The classes that map an extended resource name, and all of ours (a class of ours mapping
+/// none tells that kube-apiserver dropped the field), in name order.
 pub fn facts<'a>(classes: impl IntoIterator<Item = &'a DeviceClass>) -> Vec<DeviceClassFact> {
     let mut out: Vec<DeviceClassFact> = classes
         .into_iter()
-        .filter_map(|c| {
-            Some(DeviceClassFact {
-                name: c.name_any(),
-                extended_resource_name: c.spec.extended_resource_name.clone()?,
-                ours: is_ours(c),
-            })
+        .filter(|c| is_ours(c) || c.spec.extended_resource_name.is_some())
+        .map(|c| DeviceClassFact {
+            name: c.name_any(),
+            extended_resource_name: c.spec.extended_resource_name.clone(),
+            ours: is_ours(c),
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -62,12 +62,23 @@ mod tests {
             class("gpu.nvidia.com", false, Some("nvidia.com/gpu")),
             class("gpusharing-nvidia.com-gpu", true, Some("nvidia.com/gpu")),
             class("mig.nvidia.com", false, None),
+            class("gpusharing-dropped", true, None),
         ];
         let mut stripped = all.clone();
         stripped.iter_mut().for_each(strip);
         assert_eq!(facts(&stripped), facts(&all));
         let read = facts(&all);
-        assert_eq!(read.len(), 2);
-        assert!(!read[0].ours && read[1].ours);
+        // A foreign class mapping nothing is not read; ours is, mapping or not.
+        let names: Vec<(&str, Option<&str>, bool)> = (read.iter())
+            .map(|c| (c.name.as_str(), c.extended_resource_name.as_deref(), c.ours))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("gpu.nvidia.com", Some("nvidia.com/gpu"), false),
+                ("gpusharing-dropped", None, true),
+                ("gpusharing-nvidia.com-gpu", Some("nvidia.com/gpu"), true),
+            ]
+        );
     }
 }

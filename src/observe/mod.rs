@@ -53,7 +53,7 @@ pub struct ClusterView<'a> {
     /// ResourceClaims (only allocated `gpu.nvidia.com` ones count).
     pub claims: Vec<&'a ResourceClaim>,
     /// ResourceSlices (only `gpu.nvidia.com` ones of a node count).
-    pub slices: Vec<&'a ResourceSlice>,
+    pub slices: Option<Vec<&'a ResourceSlice>>,
     /// DeviceClasses; `None` when they cannot be read.
     pub device_classes: Option<Vec<&'a DeviceClass>>,
     /// Every ClusterPolicy; `None` when there is no cluster to ask (`render`): then the
@@ -135,20 +135,22 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
     }
     let mut pods = pods::gpu_pods(view.pods);
     let mut claims = claims::dra_claims(view.claims);
-    let mut slices = slices::dra_slices(view.slices);
+    c.slices_unreadable = view.slices.is_none();
+    let mut slices = slices::dra_slices(view.slices.into_iter().flatten());
     let nodes = view
         .nodes
         .into_iter()
         .map(|facts| {
             let name = facts.name.as_str();
             let gpu_pods = pods.gpu_pods.remove(name).unwrap_or_default();
-            let gpu_pod_details = gpu_pods
-                .iter()
+            let dra_pods = pods.dra_pods.remove(name).unwrap_or_default();
+            let gpu_pod_details = (gpu_pods.iter().chain(&dra_pods))
                 .filter_map(|p| Some((p.clone(), pods.gpu_pod_details.remove(p)?)))
                 .collect();
             NodeView {
                 gpu_pods,
                 gpu_pod_details,
+                dra_pods,
                 vm_pods: pods.vm_pods.remove(name).unwrap_or_default(),
                 dra_claims: claims.remove(name).unwrap_or_default(),
                 dra_slice: slices.remove(name),

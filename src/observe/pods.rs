@@ -145,8 +145,11 @@ pub fn uses_vm_gpu(p: &Pod) -> bool {
 pub struct GpuPods {
     /// By node: `namespace/name`, sorted.
     pub gpu_pods: BTreeMap<String, Vec<String>>,
-    /// Labels and priorities of the pods in `gpu_pods`, by `namespace/name`.
+    /// Labels and priorities of the pods in `gpu_pods` and `dra_pods`, by `namespace/name`.
     pub gpu_pod_details: BTreeMap<String, GpuPod>,
+    /// By node: pods whose GPU requests kube-scheduler served through DRA (extended resources),
+    /// `namespace/name`, sorted.
+    pub dra_pods: BTreeMap<String, Vec<String>>,
     /// Pods using the sandbox device plugin's resources (VMs), by node, sorted.
     pub vm_pods: BTreeMap<String, Vec<String>>,
     /// What the GPU pods of each node request of NVIDIA's resources, summed.
@@ -207,16 +210,24 @@ pub fn gpu_requests(p: &Pod) -> BTreeMap<String, i64> {
 pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
     let mut out = GpuPods::default();
     for p in pods {
-        let (gpu, vm) = (uses_gpu(p) && !served_by_dra(p), uses_vm_gpu(p));
+        let dra = uses_gpu(p) && served_by_dra(p);
+        let (gpu, vm) = (uses_gpu(p) && !dra, uses_vm_gpu(p));
         let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
             continue;
         };
-        if !gpu && !vm {
+        if !gpu && !vm && !dra {
             continue;
         }
         let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
         if vm {
             out.vm_pods
+                .entry(node.clone())
+                .or_default()
+                .push(id.clone());
+        }
+        if dra {
+            out.gpu_pod_details.insert(id.clone(), pod_details(p));
+            out.dra_pods
                 .entry(node.clone())
                 .or_default()
                 .push(id.clone());
@@ -227,23 +238,30 @@ pub fn gpu_pods<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> GpuPods {
                 let e = sum.entry(k).or_default();
                 *e = e.saturating_add(v);
             }
-            let details = GpuPod {
-                labels: p.labels().clone().into(),
-                priority: p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
-                started: p
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.start_time.as_ref())
-                    .map_or(0, |t| t.0.as_second()),
-            };
-            out.gpu_pod_details.insert(id.clone(), details);
+            out.gpu_pod_details.insert(id.clone(), pod_details(p));
             out.gpu_pods.entry(node).or_default().push(id);
         }
     }
-    for v in out.gpu_pods.values_mut().chain(out.vm_pods.values_mut()) {
+    for v in (out.gpu_pods.values_mut())
+        .chain(out.vm_pods.values_mut())
+        .chain(out.dra_pods.values_mut())
+    {
         v.sort();
     }
     out
+}
+
+/// What drains and demand read of a GPU pod.
+fn pod_details(p: &Pod) -> GpuPod {
+    GpuPod {
+        labels: p.labels().clone().into(),
+        priority: p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+        started: p
+            .status
+            .as_ref()
+            .and_then(|s| s.start_time.as_ref())
+            .map_or(0, |t| t.0.as_second()),
+    }
 }
 
 /// What a pending pod may select nodes by and still count as demand: a pod past these bounds
@@ -517,7 +535,12 @@ mod tests {
                 "requestMappings": [{"containerName": "c", "resourceName": "nvidia.com/gpu", "requestName": "container-0-request-0"}]}
         })).unwrap());
         assert!(served_by_dra(&p));
-        assert!(gpu_pods([&p]).gpu_pods.is_empty());
+        let read = gpu_pods([&p]);
+        assert!(read.gpu_pods.is_empty() && read.requests.is_empty());
+        // What a drain of a node leaving the DRA driver evicts, with what neverEvict reads.
+        let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+        assert_eq!(read.dra_pods["n"], std::slice::from_ref(&id));
+        assert!(read.gpu_pod_details.contains_key(&id));
     }
 
     #[test]

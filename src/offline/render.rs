@@ -487,8 +487,10 @@ pub fn render_text(
             .map(Arc::new)
             .collect(),
         cluster_policies: None,
-        // Files carry no DeviceClasses: none of someone else's is assumed to map a name.
+        // Files carry no DeviceClasses: none of someone else's is assumed to map a name (and
+        // no ResourceSlice: the converged view plays the DRA driver's).
         device_classes: Some(Vec::new()),
+        slices: Some(Vec::new()),
         configmaps: table.into_iter().collect(),
         karpenter: options.karpenter.as_ref().map(|_| KarpenterView {
             node_pools: pools.iter().collect(),

@@ -90,12 +90,15 @@ pub fn assign<'n>(
 /// conflicts are still reported.
 pub fn cluster_mig_strategy(
     prepared: &mut [Prepared],
-    winner: &[Option<usize>],
+    governing: &BTreeSet<usize>,
 ) -> Option<MigStrategy> {
-    let mut governing: BTreeSet<usize> = winner.iter().flatten().copied().collect();
-    if governing.is_empty() {
-        governing = (0..prepared.len()).collect();
-    }
+    let all: BTreeSet<usize>;
+    let governing = if governing.is_empty() {
+        all = (0..prepared.len()).collect();
+        &all
+    } else {
+        governing
+    };
     let valid_mig = |p: &Prepared| p.errors.is_empty() && p.spec.mig.is_some();
     let mixed =
         |p: &Prepared| p.spec.mig.as_ref().map(|m| m.mig_strategy) == Some(MigStrategy::Mixed);

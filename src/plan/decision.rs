@@ -169,7 +169,17 @@ pub(super) fn write(
 
 /// Why a MIG change waits on this node.
 pub(super) fn busy_msg(pods: &[String]) -> String {
-    format!("WaitingForIdleGPUs: pods using GPUs: {}", pods.join(", "))
+    format!("WaitingForIdleGPUs: pods using GPUs: {}", some_of(pods))
+}
+
+/// At most five of `names`, and how many more there are.
+pub(crate) fn some_of(names: &[String]) -> String {
+    const SHOWN: usize = 5;
+    let shown: Vec<&str> = names.iter().take(SHOWN).map(String::as_str).collect();
+    match names.len().saturating_sub(SHOWN) {
+        0 => shown.join(", "),
+        more => format!("{} and {more} more", shown.join(", ")),
+    }
 }
 
 /// Why GPU Feature Discovery has not reported device-plugin config `dp` yet: its timestamp is

@@ -42,9 +42,9 @@ pub fn drain_nodes(
         let demand = super::disruption::demand_reshape(w, view);
         // A node demand reserved is cordoned and waits for its pods: it evicts none.
         let reserve = demand && super::disruption::demand_reserve(w.spec).is_some();
-        let (protected, evict): (Vec<String>, Vec<String>) = view
-            .gpu_pods
-            .iter()
+        // A node leaving the DRA driver waits for the claims of the pods it served.
+        let (protected, evict): (Vec<String>, Vec<String>) = (view.gpu_pods.iter())
+            .chain(&view.dra_pods)
             .cloned()
             .partition(|p| reserve || w.never_evicts(view, p, demand));
         // Demand never drains a node running a pod it may not evict: demand planning gives the

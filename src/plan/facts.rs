@@ -45,11 +45,19 @@ impl NodeFacts {
     /// NVIDIA device-plugin resources (`nvidia.com/gpu*`, `nvidia.com/mig-*`) still
     /// allocatable on the node, with their counts.
     pub fn device_plugin_resources(&self) -> Vec<(&str, i64)> {
+        self.device_plugin_allocatable().collect()
+    }
+
+    /// The device plugin advertises at least one GPU resource on the node (allocatable > 0).
+    pub fn advertises_gpus(&self) -> bool {
+        self.device_plugin_allocatable().next().is_some()
+    }
+
+    fn device_plugin_allocatable(&self) -> impl Iterator<Item = (&str, i64)> {
         self.allocatable
             .iter()
             .filter(|(k, _)| is_device_plugin_resource(k))
             .filter_map(|(k, v)| Some((k, v.parse::<i64>().ok().filter(|c| *c > 0)?)))
-            .collect()
     }
 }
 

@@ -39,8 +39,12 @@ pub struct NodeView {
     /// Pods using GPUs on the node (`namespace/name`, sorted): the idle-GPU wait before MIG
     /// changes, and what a drain evicts.
     pub gpu_pods: Vec<String>,
-    /// What drains read of the pods in `gpu_pods`, by `namespace/name`.
+    /// What drains read of the pods in `gpu_pods` and `dra_pods`, by `namespace/name`.
     pub gpu_pod_details: BTreeMap<String, GpuPod>,
+    /// Pods whose GPU requests kube-scheduler served through the DRA driver (extended
+    /// resources), `namespace/name`, sorted: not device-plugin pods, but what a drain evicts
+    /// from a node leaving the DRA driver (their claims hold it there).
+    pub dra_pods: Vec<String>,
     /// Pods using the sandbox device plugin's resources (VMs), `namespace/name`, sorted.
     pub vm_pods: Vec<String>,
     /// Allocated `gpu.nvidia.com` ResourceClaims on the node (`namespace/name`): a node leaves
@@ -251,16 +255,22 @@ pub struct ClusterFacts {
     pub demand: Vec<PendingPod>,
     /// What the bounds of admission left out (reported on every dynamic policy).
     pub demand_ignored: Vec<crate::api::crd::IgnoredDemand>,
-    /// DeviceClasses that map an extended resource name (KEP-5004), ours and others', by name;
-    /// `None` when DeviceClasses cannot be read (then no policy may use extended resources).
+    /// DeviceClasses that map an extended resource name (KEP-5004), others' and all of ours,
+    /// by name; `None` when DeviceClasses cannot be read (then no policy may use extended
+    /// resources).
     pub device_classes: Option<Vec<DeviceClassFact>>,
+    /// NVIDIA's DRA driver's ResourceSlices cannot be read (then no policy may use extended
+    /// resources).
+    pub slices_unreadable: bool,
 }
 
 /// A DeviceClass with `spec.extendedResourceName`: which name it maps, and whether it is ours.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct DeviceClassFact {
     pub name: String,
-    pub extended_resource_name: String,
+    /// `spec.extendedResourceName` (`None` for ours only: kube-apiserver drops the field while
+    /// the `DRAExtendedResource` feature gate is off).
+    pub extended_resource_name: Option<String>,
     /// It carries our managed-by label.
     pub ours: bool,
 }
@@ -299,6 +309,7 @@ impl Default for ClusterFacts {
             demand: Vec::new(),
             demand_ignored: Vec::new(),
             device_classes: Some(Vec::new()),
+            slices_unreadable: false,
         }
     }
 }

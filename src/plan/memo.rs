@@ -374,6 +374,7 @@ struct PolicyCopy {
     blocked: Option<String>,
     release_when_blocked: bool,
     latent: Option<String>,
+    waiting: Option<String>,
 }
 
 impl PolicyCopy {
@@ -392,6 +393,7 @@ impl PolicyCopy {
             blocked,
             release_when_blocked,
             latent,
+            waiting,
         } = p;
         PolicyCopy {
             policy: (*policy).clone(),
@@ -404,6 +406,7 @@ impl PolicyCopy {
             blocked: blocked.clone(),
             release_when_blocked: *release_when_blocked,
             latent: latent.clone(),
+            waiting: waiting.clone(),
         }
     }
 
@@ -421,6 +424,7 @@ impl PolicyCopy {
             blocked,
             release_when_blocked,
             latent,
+            waiting,
         } = p;
         self.policy == **policy
             && self.spec == **spec
@@ -432,6 +436,7 @@ impl PolicyCopy {
             && self.blocked == *blocked
             && self.release_when_blocked == *release_when_blocked
             && self.latent == *latent
+            && self.waiting == *waiting
     }
 }
 

@@ -951,6 +951,73 @@ mod tests {
         assert_eq!(switches(&o), (None, None), "{}", o.message);
         assert_eq!(o.labels.get(LABEL_DEVICE_PLUGIN_CONFIG), ts[0].key.as_ref());
     }
+
+    /// Switches are never written over the GPU Operator's `paused-for-*` values, nodes do not
+    /// start to move before our class maps the name, and a device plugin we switched off stays
+    /// off while a DRA switch that is not ours is on.
+    #[test]
+    fn switches_wait_for_paused_operands_our_class_and_foreign_dra_switches() {
+        let hash = |_: &str| None;
+        let policies = [policy("x", EXTENDED)];
+        let mut ext = prepare_all(&policies, None);
+        let idle = Env::idle(100, &hash);
+        let mut n = node(&[("nvidia.com/mig.capable", "false")]);
+        n.allocatable = [("nvidia.com/gpu", "32")].into_iter().collect();
+        // The class is not seen mapping the name: the device plugin stays on.
+        ext[0].waiting = Some("waiting for DeviceClass".into());
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(
+            o.reason,
+            Some(HoldReason::WaitingForDeviceClass),
+            "{}",
+            o.message
+        );
+        assert_eq!(switches(&o), (None, None));
+        ext[0].waiting = None;
+        // The MIG manager paused the device plugin: nothing is written over it.
+        n.labels
+            .insert(LABEL_DEPLOY_DEVICE_PLUGIN, "paused-for-mig-change");
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(o.reason, Some(HoldReason::WaitingForPausedOperands));
+        assert!(o.message.contains("paused-for-mig-change"), "{}", o.message);
+        assert_eq!(switches(&o), (None, None));
+        n.labels.remove(LABEL_DEPLOY_DEVICE_PLUGIN);
+        // Moved: device plugin off, DRA kubelet plugin on (ours).
+        let o = step(&n, &ext[0], &idle);
+        apply_switches(&mut n, &o);
+        n.allocatable = [("nvidia.com/gpu", "0")].into_iter().collect();
+        let o = step(&n, &ext[0], &idle);
+        apply_switches(&mut n, &o);
+        assert_eq!(switches(&o), (Some("false"), Some("true")));
+        // A driver upgrade pauses the DRA kubelet plugin (its update takes the label over).
+        n.labels
+            .insert(LABEL_DEPLOY_DRA_DRIVER, "paused-for-driver-upgrade");
+        n.owned.remove(LABEL_DEPLOY_DRA_DRIVER);
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(o.reason, Some(HoldReason::WaitingForPausedOperands));
+        // Released meanwhile: the pause is not written over, and the device plugin stays off.
+        let o = outcome(&n, None, &idle, Decision::Release);
+        assert_eq!(switches(&o), (Some("false"), None), "{}", o.message);
+        // Someone else's DRA switch says true: the device plugin stays off under a
+        // device-plugin policy too, saying whose switch holds it.
+        n.labels.insert(LABEL_DEPLOY_DRA_DRIVER, "true");
+        let tp = [policy(
+            "t",
+            "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n",
+        )];
+        let ts = prepare_all(&tp, None);
+        let o = step(&n, &ts[0], &idle);
+        assert_eq!(switches(&o), (Some("false"), None), "{}", o.message);
+        assert!(
+            o.message.contains("is not this operator's"),
+            "{}",
+            o.message
+        );
+        // It says false: the device plugin comes back.
+        n.labels.insert(LABEL_DEPLOY_DRA_DRIVER, "false");
+        let o = step(&n, &ts[0], &idle);
+        assert_eq!(switches(&o), (None, None), "{}", o.message);
+    }
 }
 
 /// The VM transition (`vm.rs`) as the planner runs it: through this file's [`decide`] and

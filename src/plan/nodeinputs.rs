@@ -47,10 +47,11 @@ impl<'a> NodeCluster<'a> {
             cluster_mig_strategy,
             readiness_taint: _, // after the gate (the taint's removal)
             gpu_cluster,
-            autoscaling: _,    // Karpenter's overlays, from the capacities
-            demand: _,         // demand, after the gate
-            demand_ignored: _, // statuses
-            device_classes: _, // through the prepared policies (dra::extended_conflicts)
+            autoscaling: _,       // Karpenter's overlays, from the capacities
+            demand: _,            // demand, after the gate
+            demand_ignored: _,    // statuses
+            device_classes: _,    // through the prepared policies (dra::extended_conflicts)
+            slices_unreadable: _, // through the prepared policies (dra::extended_conflicts)
         } = c;
         NodeCluster {
             custom_layouts: prepared

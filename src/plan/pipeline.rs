@@ -159,24 +159,54 @@ fn detail_served_by(p: &Prepared, n: &NodeFacts, by: &'static str) -> Option<Str
     dra.then(|| by.to_string())
 }
 
+/// The policies governing a node (by index); without nodes (`render`), all of them, so that
+/// cluster-wide conflicts are still reported.
+fn governing(prepared: &[Prepared], winner: &[Option<usize>]) -> BTreeSet<usize> {
+    if winner.is_empty() {
+        return (0..prepared.len()).collect();
+    }
+    winner.iter().flatten().copied().collect()
+}
+
 /// Refuses the extended-resource policies that cannot be served (see
-/// [`backend::dra::extended_conflicts`]): those governing a node, or, without nodes (`render`),
-/// all of them.
+/// [`backend::dra::extended_conflicts`]).
 fn extended_conflicts(
     prepared: &mut [Prepared],
-    winner: &[Option<usize>],
+    governing: &BTreeSet<usize>,
     c: &super::input::ClusterFacts,
 ) {
-    let mut governing: BTreeSet<usize> = winner.iter().flatten().copied().collect();
-    if winner.is_empty() {
-        governing = (0..prepared.len()).collect();
-    }
-    backend::dra::extended_conflicts(
+    let cluster = backend::dra::ClusterDra {
+        classes: c.device_classes.as_deref(),
+        slices_readable: !c.slices_unreadable,
+        gpu_cluster: c.gpu_cluster.as_deref(),
+    };
+    backend::dra::extended_conflicts(prepared, governing, &cluster);
+}
+
+/// Karpenter's NodeOverlays for the policies' nodes, with what each policy's status says of
+/// them (none without Karpenter).
+fn node_overlays(
+    prepared: &[Prepared],
+    input: &PlanInput,
+    statuses: &mut BTreeMap<String, GpuSharingPolicyStatus>,
+) -> BTreeMap<String, serde_json::Value> {
+    let c = &input.cluster;
+    let Some(a) = &c.autoscaling else {
+        return BTreeMap::new();
+    };
+    let (overlays, found) = autoscaling::plan(
         prepared,
-        &governing,
-        c.device_classes.as_deref(),
-        c.gpu_cluster.as_deref(),
+        &input.nodes,
+        a,
+        c.base_mig_configs.as_ref(),
+        &c.sandbox,
     );
+    for (name, st) in found {
+        if let Some(s) = statuses.get_mut(&name) {
+            s.autoscaling = Some(st);
+        }
+    }
+    overlays
 }
 
 /// The node's taint changes: the readiness taint's removal once it is configured, the spare
@@ -423,14 +453,15 @@ impl Planner {
         for (pos, s) in fresh {
             memos[pos].set_selected(selection, s);
         }
-        let mut cluster_mig = assign::cluster_mig_strategy(&mut prepared, &assignment.winner);
+        let governing = governing(&prepared, &assignment.winner);
+        let mut cluster_mig = assign::cluster_mig_strategy(&mut prepared, &governing);
         // `mixed` waits until no node runs MPS any more: NVIDIA's device plugin refuses MPS under
         // mixed, so the MPS nodes go back to exclusive first (their policy is blocked and they are
         // released, see `assign::cluster_mig_strategy`), then the cluster-wide setting changes.
         if cluster_mig == Some(crate::api::crd::MigStrategy::Mixed) && mps_running(input, &memos) {
             cluster_mig = None;
         }
-        extended_conflicts(&mut prepared, &assignment.winner, c);
+        extended_conflicts(&mut prepared, &governing, c);
         self.plan_memos(input, &prepared, &views, &assignment.winner, &mut memos);
         let mut np = plan_nodes(input, &prepared, &views, &assignment.winner, &memos);
 
@@ -440,6 +471,12 @@ impl Planner {
         let vgpu_config = outputs::vgpu_config(&prepared, input, &named, &np.labels);
         drop(named);
         let names: Vec<Arc<str>> = memos.iter().map(|m| m.name().clone()).collect();
+        // Nodes we keep on the DRA driver keep the classes their pods were scheduled through.
+        let moved = (np.labels.iter()).any(|l| {
+            l.get(LABEL_DEPLOY_DRA_DRIVER).map(String::as_str) == Some(backend::dra::DRA_DEPLOYED)
+        });
+        let device_classes =
+            backend::dra::device_classes(&prepared, &governing, moved, c.device_classes.as_deref());
         self.memo.finish(memos);
         let cluster_policy_spec = outputs::cluster_policy_spec(
             input,
@@ -466,24 +503,7 @@ impl Planner {
                 s.demand = Some(st.clone());
             }
         }
-        let node_overlays = match &c.autoscaling {
-            Some(a) => {
-                let (overlays, statuses) = autoscaling::plan(
-                    &prepared,
-                    &input.nodes,
-                    a,
-                    c.base_mig_configs.as_ref(),
-                    &c.sandbox,
-                );
-                for (name, st) in statuses {
-                    if let Some(s) = per_policy.statuses.get_mut(&name) {
-                        s.autoscaling = Some(st);
-                    }
-                }
-                overlays
-            }
-            None => BTreeMap::new(),
-        };
+        let node_overlays = node_overlays(&prepared, input, &mut per_policy.statuses);
         Plan {
             device_config,
             mig_config,
@@ -500,7 +520,7 @@ impl Planner {
             labelled_nodes: np.labelled,
             drains: np.drains,
             node_overlays,
-            device_classes: backend::dra::device_classes(&prepared),
+            device_classes,
             demand,
         }
     }
@@ -540,5 +560,38 @@ mod tests {
             .find(|c| c.type_ == crate::api::state::ConditionType::Degraded)
             .map(|c| c.reason);
         assert_eq!(degraded, Some(crate::api::state::Reason::WriteRefused));
+    }
+
+    /// A node moving back from the DRA driver under `disruption.mode: drain`: cordoned, and the
+    /// pods kube-scheduler served through DRA on it evicted (their claims hold it there; they
+    /// are no device-plugin pods); the DRA switch stays on until the claims are gone.
+    #[test]
+    fn moving_back_from_dra_drains_the_pods_the_dra_driver_serves() {
+        let mut n = a100_node(&[
+            ("nvidia.com/mig.capable", "false"),
+            (LABEL_DEPLOY_DEVICE_PLUGIN, "false"),
+            (LABEL_DEPLOY_DRA_DRIVER, "true"),
+        ]);
+        n.name = "a".into();
+        n.owned.insert(LABEL_DEPLOY_DEVICE_PLUGIN);
+        n.owned.insert(LABEL_DEPLOY_DRA_DRIVER);
+        n.allocatable = [("nvidia.com/gpu", "0")].into_iter().collect();
+        let ts = policy(
+            "ts",
+            "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n  disruption: {mode: drain}\n",
+        );
+        let mut input = PlanInput::new(vec![ts], vec![n]);
+        let v = &mut input.nodes[0];
+        v.dra_claims = vec!["team/cuda-extended-resources-x7k2q".into()];
+        v.dra_pods = vec!["team/cuda".into()];
+        let p = plan(&input);
+        let drain = p.drains.get("a").expect("drained");
+        assert_eq!(drain.evict, ["team/cuda"]);
+        let labels = &p.node_labels["a"];
+        assert_eq!(
+            labels.get(LABEL_DEPLOY_DRA_DRIVER).map(String::as_str),
+            Some("true")
+        );
+        assert!(p.node_annotations["a"].contains_key(ANNOTATION_CORDONED));
     }
 }

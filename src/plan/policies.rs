@@ -33,6 +33,9 @@ pub struct Prepared<'a> {
     pub release_when_blocked: bool,
     /// The same conflict for a policy that governs no node yet: a warning only.
     pub latent: Option<String>,
+    /// Why its nodes cannot start to move yet, cluster-wide: an extended-resource policy whose
+    /// DeviceClass is not seen mapping its name (see `backend::dra::extended_conflicts`).
+    pub waiting: Option<String>,
 }
 
 impl Prepared<'_> {
@@ -173,6 +176,7 @@ fn prepare<'a>(
         backing,
         blocked: None,
         release_when_blocked: false,
+        waiting: None,
         latent: None,
     }
 }

@@ -89,8 +89,9 @@ pub const MAX_REFUSED_WRITES: usize = 10;
 
 /// The refused writes that concern a policy: its matched nodes, its claim templates, and
 /// the cluster-wide objects every policy needs (ConfigMaps, the ClusterPolicy, overlays).
-fn refused_for(refused: &[RefusedWrite], place: &Placement) -> Vec<RefusedWrite> {
+fn refused_for(refused: &[RefusedWrite], p: &Prepared, place: &Placement) -> Vec<RefusedWrite> {
     let mine = |w: &&RefusedWrite| match w.kind.as_str() {
+        "DeviceClass" => p.extended().is_some(),
         "Node" | crate::api::names::REFUSED_SPARE_TAINT => {
             place.matched.binary_search(&w.name.as_str()).is_ok()
         }
@@ -491,7 +492,7 @@ fn node_details(mut details: Vec<NodeDetail>, place: &Placement) -> Vec<NodeDeta
 /// The status of one policy.
 pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuSharingPolicyStatus {
     let generation = p.policy.metadata.generation;
-    let refused_writes = refused_for(c.refused, &place);
+    let refused_writes = refused_for(c.refused, p, &place);
     let cond = |type_, (ok, reason, msg): (bool, Reason, String)| {
         condition(type_, ok, reason, msg, generation)
     };

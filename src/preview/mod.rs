@@ -314,7 +314,7 @@ pub async fn snapshot(
         demand: admitted.pods,
         demand_ignored: admitted.ignored,
         claims: claims.iter().collect(),
-        slices: slices.iter().collect(),
+        slices: Some(slices.iter().collect()),
         device_classes: Some(device_classes.iter().collect()),
         cluster_policies: Some(cluster_policies.iter().collect()),
         gpu_clusters,

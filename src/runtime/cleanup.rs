@@ -11,8 +11,8 @@ use kube::{Client, ResourceExt};
 use tracing::info;
 
 use crate::api::crd::GpuSharingPolicy;
-use crate::api::names::{FINALIZER, LABEL_POLICY, MANAGED_BY, MANAGER};
-use crate::observe::managed::owned_leaf_paths;
+use crate::api::names::{FINALIZER, LABEL_DEPLOY_DRA_DRIVER, LABEL_POLICY, MANAGED_BY, MANAGER};
+use crate::observe::managed::{owned_keys, owned_leaf_paths};
 use crate::runtime::resources::cluster_policy_resource;
 
 /// Why a cleanup did not finish.
@@ -36,7 +36,7 @@ pub enum CleanupError {
 pub struct Remaining {
     /// Policies still present (on our finalizer).
     pub policies: BTreeSet<String>,
-    /// Nodes still labelled with a policy.
+    /// Nodes still labelled with a policy, or with our DRA kubelet plugin's switch.
     pub nodes: BTreeSet<String>,
     /// ClusterPolicy fields the operator still owns (`<clusterpolicy>:spec.devicePlugin.config.name`).
     pub cluster_policy_fields: BTreeSet<String>,
@@ -58,7 +58,7 @@ impl std::fmt::Display for Remaining {
         let list = |s: &BTreeSet<String>| s.iter().cloned().collect::<Vec<_>>().join(", ");
         write!(
             f,
-            "{} policies [{}], {} nodes labelled {LABEL_POLICY} [{}], ClusterPolicy fields [{}], DeviceClasses [{}]",
+            "{} policies [{}], {} nodes labelled {LABEL_POLICY} or with our DRA switch [{}], ClusterPolicy fields [{}], DeviceClasses [{}]",
             self.policies.len(),
             list(&self.policies),
             self.nodes.len(),
@@ -79,11 +79,21 @@ async fn remaining(client: &Client) -> Result<Remaining, kube::Error> {
         .iter()
         .map(|p| p.name_any())
         .collect();
+    // Released nodes keep our DRA kubelet plugin's switch while its claims remain: it is ours to
+    // hand back too. (A device plugin we switched off stays off while someone else's DRA driver
+    // serves the node: that is the node's state without us, not ours to wait for.)
+    let switches = [LABEL_DEPLOY_DRA_DRIVER];
     let nodes = nodes
-        .list_metadata(&ListParams::default().labels(LABEL_POLICY))
+        .list_metadata(&ListParams::default())
         .await?
         .items
         .iter()
+        .filter(|n| {
+            let entries = n.metadata.managed_fields.as_deref().unwrap_or_default();
+            n.labels().contains_key(LABEL_POLICY)
+                || owned_keys(entries, MANAGER, &["f:metadata", "f:labels"])
+                    .any(|k| switches.contains(&k))
+        })
         .map(|n| n.name_any())
         .collect();
     // The ClusterPolicy fields we set (device plugin / MIG manager / vGPU Device Manager config,

@@ -248,6 +248,8 @@ pub async fn reconcile_all(
     memory.keep_refused("ResourceClaimTemplate", |t| templates.contains_key(t));
     let overlays = &plan.node_overlays;
     memory.keep_refused("NodeOverlay", |o| overlays.contains_key(o));
+    let classes = &plan.device_classes;
+    memory.keep_refused(apply::DEVICE_CLASS, |c| classes.contains_key(c));
     // The spare taint's writes likewise, under their own kind: a refused one holds no rollout.
     let spared: BTreeSet<&str> = plan.spare.iter().map(|(n, _)| n.as_str()).collect();
     memory.keep_refused(REFUSED_SPARE_TAINT, |n| spared.contains(n));
@@ -291,7 +293,8 @@ pub async fn reconcile_all(
     // 6. ResourceClaimTemplates and DeviceClasses of DRA policies, Karpenter NodeOverlays; the
     // mig-parted ConfigMap once unused.
     apply::apply_claim_templates(ctx, &plan, report).await?;
-    apply::apply_device_classes(ctx, &plan, report).await?;
+    let class_waits = |c: &str| memory.refused_waits(apply::DEVICE_CLASS, c, now);
+    apply::apply_device_classes(ctx, &plan, class_waits, report).await?;
     apply::apply_node_overlays(ctx, &plan, report).await?;
     apply::delete_unused_mig_configmap(ctx, &plan, report).await?;
     apply::delete_unused_vgpu_configmap(ctx, &plan, report).await?;

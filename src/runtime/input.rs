@@ -103,7 +103,7 @@ impl Context {
             demand: admitted.pods,
             demand_ignored: admitted.ignored,
             claims: claims.iter().map(|c| &**c).collect(),
-            slices: slices.iter().flatten().map(|s| &**s).collect(),
+            slices: (slices.as_ref()).map(|s| s.iter().map(|s| &**s).collect()),
             device_classes: device_classes
                 .as_ref()
                 .map(|c| c.iter().map(|c| &**c).collect()),

@@ -22,7 +22,7 @@ use crate::api::state::{HoldReason, NodeState};
 use crate::nvidia::state::{GfdReport, NOT_DEPLOYED, deployed};
 
 use crate::plan::backing::ExtendedResource;
-use crate::plan::decision::{Decision, Env, busy_msg, gfd_not_reported, wait};
+use crate::plan::decision::{Decision, Env, busy_msg, gfd_not_reported, some_of, wait};
 use crate::plan::facts::NodeFacts;
 use crate::plan::input::DeviceClassFact;
 use crate::plan::policies::Prepared;
@@ -35,21 +35,56 @@ pub fn device_plugin_off_by_us(n: &NodeFacts) -> bool {
 
 /// We switched the node's DRA kubelet plugin on (and it still is).
 pub fn dra_plugin_on_by_us(n: &NodeFacts) -> bool {
-    n.owned.contains(LABEL_DEPLOY_DRA_DRIVER)
-        && n.labels.get(LABEL_DEPLOY_DRA_DRIVER) == Some(DRA_DEPLOYED)
+    owned_dra_switch(n) == Some(true)
 }
 
 /// The value of the DRA kubelet plugin's switch that runs it.
 pub const DRA_DEPLOYED: &str = "true";
 
+/// The GPU Operator's value of a switch it paused (`paused-for-driver-upgrade`,
+/// `paused-for-mig-change`): it puts the value back itself, nobody else writes over it.
+fn paused(value: Option<&str>) -> bool {
+    value.is_some_and(|v| v.starts_with("paused-"))
+}
+
+/// The DRA kubelet plugin's switch as we own it now (`None`: not ours, or paused).
+fn owned_dra_switch(n: &NodeFacts) -> Option<bool> {
+    let value = n.labels.get(LABEL_DEPLOY_DRA_DRIVER);
+    (n.owned.contains(LABEL_DEPLOY_DRA_DRIVER) && !paused(value))
+        .then(|| value == Some(DRA_DEPLOYED))
+}
+
+/// The DRA driver may serve the node: it publishes a slice for it, or its switch says anything
+/// but `false` (on, paused, or someone else's).
+fn dra_may_serve(n: &NodeFacts, env: &Env) -> bool {
+    env.dra_slice.is_some()
+        || n.labels
+            .get(LABEL_DEPLOY_DRA_DRIVER)
+            .is_some_and(|v| v != NOT_DEPLOYED)
+}
+
 /// Why the node's device plugin cannot come back yet: allocated DRA claims on it.
 fn claims_msg(claims: &[String]) -> String {
-    let shown: Vec<&str> = claims.iter().take(5).map(String::as_str).collect();
     format!(
         "WaitingForDraClaims: {} allocated gpu.nvidia.com ResourceClaims on this node ({}); the device plugin comes back when they are gone",
         claims.len(),
-        shown.join(", ")
+        some_of(claims)
     )
+}
+
+/// Why switches of a DRA policy's node wait: the GPU Operator paused one (the device plugin's,
+/// or with extended resources the DRA kubelet plugin's).
+fn paused_switch(n: &NodeFacts, extended: bool) -> Option<String> {
+    let mut labels = vec![LABEL_DEPLOY_DEVICE_PLUGIN];
+    if extended {
+        labels.push(LABEL_DEPLOY_DRA_DRIVER);
+    }
+    let (label, value) = labels
+        .into_iter()
+        .find_map(|l| Some((l, n.labels.get(l).filter(|v| paused(Some(*v)))?)))?;
+    Some(format!(
+        "the GPU Operator paused {label}={value}: the switches wait until it resumes the operand"
+    ))
 }
 
 /// One backend per node (see the module documentation): the switches of the device plugin and
@@ -74,18 +109,22 @@ pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Dec
     let off_already = !deployed(n.labels.get(LABEL_DEPLOY_DEVICE_PLUGIN));
     // With the GPU Operator in DRA-only mode there is no device plugin to switch off.
     let switch = state == NodeState::Applied && env.gpu_cluster.is_none();
+    let extended = w.extended().is_some();
+    if let Some(why) = paused_switch(n, extended).filter(|_| switch) {
+        return wait(HoldReason::WaitingForPausedOperands, why);
+    }
+    // Without a class mapping the name, a node without its device plugin serves no pod.
+    if let Some(why) = w.waiting.clone().filter(|_| switch && !off_already) {
+        return wait(HoldReason::WaitingForDeviceClass, why);
+    }
     if switch && !off_already && busy {
         return wait(HoldReason::WaitingForIdleGPUs, busy_msg(env.gpu_pods));
     }
     // Extended resources: the DRA kubelet plugin starts once the device plugin is off and has
     // withdrawn what it advertised, and no pod holds a device-plugin GPU (the DRA allocator
     // cannot see the device plugin's allocations: it would hand those GPUs out again).
-    let start = w.extended().is_some()
-        && switch
-        && off_already
-        && !busy
-        && n.device_plugin_resources().is_empty();
-    let dra_plugin = if dra_plugin_on_by_us(n) || start {
+    let start = extended && switch && off_already && !busy && !n.advertises_gpus();
+    let dra_plugin = if start {
         Some(true)
     } else {
         owned_dra_switch(n)
@@ -102,15 +141,8 @@ pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Dec
     }
 }
 
-/// The DRA kubelet plugin's switch as we own it now (`None`: not ours).
-fn owned_dra_switch(n: &NodeFacts) -> Option<bool> {
-    n.owned
-        .contains(LABEL_DEPLOY_DRA_DRIVER)
-        .then(|| n.labels.get(LABEL_DEPLOY_DRA_DRIVER) == Some(DRA_DEPLOYED))
-}
-
-/// A node whose policy is not DRA's: it leaves the DRA driver first (see the module
-/// documentation), then the decision applies as it is.
+/// A node whose policy is not DRA's: it leaves the DRA driver first (see
+/// [`released_switches`]), then the decision applies as it is.
 fn leave(n: &NodeFacts, env: &Env, d: Decision) -> Decision {
     let Decision::Write {
         device_config,
@@ -122,42 +154,49 @@ fn leave(n: &NodeFacts, env: &Env, d: Decision) -> Decision {
     else {
         return d;
     };
-    let ours_off = device_plugin_off_by_us(n);
-    let dra_owned = n.owned.contains(LABEL_DEPLOY_DRA_DRIVER);
-    if (ours_off || dra_plugin_on_by_us(n)) && !env.dra_claims.is_empty() {
+    let (device_plugin_off, dra_plugin) = released_switches(n, env);
+    if !device_plugin_off && dra_plugin.is_none() {
+        return d;
+    }
+    if !env.dra_claims.is_empty() {
         return wait(HoldReason::WaitingForDraClaims, claims_msg(env.dra_claims));
     }
-    if dra_owned && (dra_plugin_on_by_us(n) || env.dra_slice.is_some()) {
-        return Decision::Write {
-            state: NodeState::Pending,
-            message: format!(
-                "switching the DRA kubelet plugin off ({LABEL_DEPLOY_DRA_DRIVER}={NOT_DEPLOYED}); the device plugin comes back once the DRA driver's ResourceSlice is gone"
-            ),
-            device_config: device_config.clone(),
-            mig_layout: mig_layout.clone(),
-            device_plugin_off: ours_off,
-            dra_plugin: Some(false),
-            workload: *workload,
-            vgpu_config: vgpu_config.clone(),
-        };
+    let message = match n.labels.get(LABEL_DEPLOY_DRA_DRIVER) {
+        Some(v) if v == DRA_DEPLOYED && dra_plugin.is_some() => format!(
+            "switching the DRA kubelet plugin off ({LABEL_DEPLOY_DRA_DRIVER}={NOT_DEPLOYED}); the device plugin comes back once the DRA driver's ResourceSlice is gone"
+        ),
+        Some(v) if v != NOT_DEPLOYED => format!(
+            "the DRA kubelet plugin's switch {LABEL_DEPLOY_DRA_DRIVER}={v} is not this operator's: the device plugin stays off until it says {NOT_DEPLOYED}"
+        ),
+        _ => "NVIDIA's DRA driver still publishes this node's GPUs (a gpu.nvidia.com ResourceSlice): the device plugin comes back once the driver no longer serves the node".into(),
+    };
+    Decision::Write {
+        state: NodeState::Pending,
+        message,
+        device_config: device_config.clone(),
+        mig_layout: mig_layout.clone(),
+        device_plugin_off,
+        dra_plugin,
+        workload: *workload,
+        vgpu_config: vgpu_config.clone(),
     }
-    d
 }
 
-/// What a released node (no policy governs it) keeps of the DRA switches: the device plugin
-/// stays off and the DRA kubelet plugin as it is while claims remain; then the DRA kubelet
-/// plugin goes off, and the device plugin stays off until the DRA driver's slice is gone.
-/// `(device plugin off, DRA switch)`.
+/// What a node leaving the DRA driver (a device-plugin policy, or none) keeps of the switches,
+/// `(device plugin off, DRA switch)`: both as they are while allocated claims remain; then our
+/// DRA kubelet plugin goes off, and the device plugin we switched off stays off while the DRA
+/// driver may serve the node (its slice, or a DRA switch that is on and not ours, or paused).
+/// A switch the GPU Operator paused is never written.
 pub fn released_switches(n: &NodeFacts, env: &Env) -> (bool, Option<bool>) {
     let ours_off = device_plugin_off_by_us(n);
     let dra = owned_dra_switch(n);
     if !env.dra_claims.is_empty() && (ours_off || dra == Some(true)) {
         return (ours_off, dra);
     }
-    if dra.is_some() && (dra == Some(true) || env.dra_slice.is_some()) {
-        return (ours_off, Some(false));
-    }
-    (false, None)
+    let dra = dra
+        .filter(|on| *on || env.dra_slice.is_some())
+        .map(|_| false);
+    (ours_off && dra_may_serve(n, env), dra)
 }
 
 /// Why a DRA node is not confirmed yet: the device plugin still advertises its resources (the
@@ -201,7 +240,7 @@ fn extended_unconfirmed(n: &NodeFacts, x: &ExtendedResource, env: &Env) -> Optio
         if !env.gpu_pods.is_empty() {
             return Some(format!(
                 "waiting for device-plugin GPU pods to finish before the DRA kubelet plugin starts: {}",
-                env.gpu_pods.join(", ")
+                some_of(env.gpu_pods)
             ));
         }
         return Some(format!(
@@ -248,7 +287,7 @@ pub const SERVED_BY_BOTH: &str = "both";
 /// advertises them (allocatable), the DRA driver publishes them (`slice`), neither (`none`,
 /// between the two), or `both`.
 pub fn served_by(n: &NodeFacts, slice: Option<&crate::plan::input::DraSlice>) -> &'static str {
-    let dp = !n.device_plugin_resources().is_empty();
+    let dp = n.advertises_gpus();
     let dra = slice.is_some_and(|s| s.gpus > 0 || !s.mig.is_empty());
     match (dp, dra) {
         (true, false) => SERVED_BY_DEVICE_PLUGIN,
@@ -264,57 +303,85 @@ pub fn device_class_name(name: &str) -> String {
     format!("gpusharing-{}", name.replace('/', "-"))
 }
 
-/// The DeviceClasses the accepted extended-resource policies need: ours, mapping each name to
-/// the DRA driver's whole GPUs. The class cannot see nodes: the GPUs it selects are those of the
-/// nodes whose DRA kubelet plugin runs, the nodes already moved.
-pub fn device_classes(prepared: &[Prepared]) -> BTreeMap<String, serde_json::Value> {
-    prepared
+/// Our DeviceClass mapping extended resource `name` to the DRA driver's whole GPUs. The class
+/// cannot see nodes: the GPUs it selects are those of the nodes whose DRA kubelet plugin runs,
+/// the nodes already moved.
+fn device_class(name: &str) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {
+            "name": device_class_name(name),
+            "labels": {MANAGED_BY.0: MANAGED_BY.1},
+        },
+        "spec": {
+            "selectors": [{"cel": {"expression": format!(
+                "device.driver == '{DRA_DRIVER}' && device.attributes['{DRA_DRIVER}'].type == 'gpu'"
+            )}}],
+            "extendedResourceName": name,
+        },
+    })
+}
+
+/// The DeviceClasses we want: that of the accepted extended-resource policies governing nodes
+/// (after [`extended_conflicts`] they all serve one name); and, while nodes we switched to the
+/// DRA driver remain (`moved`), every class of ours that maps a name now (their pods were
+/// scheduled through it: a policy blocked since, or gone, does not take it from them).
+pub fn device_classes(
+    prepared: &[Prepared],
+    governing: &std::collections::BTreeSet<usize>,
+    moved: bool,
+    classes: Option<&[DeviceClassFact]>,
+) -> BTreeMap<String, serde_json::Value> {
+    let wanted = governing
         .iter()
+        .map(|i| &prepared[*i])
         .filter(|p| p.accepted())
-        .filter_map(|p| p.extended())
-        .map(|x| {
-            let name = device_class_name(&x.name);
-            let class = serde_json::json!({
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "DeviceClass",
-                "metadata": {
-                    "name": name,
-                    "labels": {MANAGED_BY.0: MANAGED_BY.1},
-                },
-                "spec": {
-                    "selectors": [{"cel": {"expression": format!(
-                        "device.driver == '{DRA_DRIVER}' && device.attributes['{DRA_DRIVER}'].type == 'gpu'"
-                    )}}],
-                    "extendedResourceName": x.name,
-                },
-            });
-            (name, class)
-        })
+        .filter_map(|p| Some(p.extended()?.name.clone()));
+    let kept = classes
+        .into_iter()
+        .flatten()
+        .filter(|c| moved && c.ours)
+        .filter_map(|c| c.extended_resource_name.clone());
+    wanted
+        .chain(kept)
+        .map(|name| (device_class_name(&name), device_class(&name)))
         .collect()
 }
 
+/// What decides the extended-resource policies cluster-wide.
+pub struct ClusterDra<'a> {
+    /// DeviceClasses that map a name, and ours; `None`: they cannot be read.
+    pub classes: Option<&'a [DeviceClassFact]>,
+    /// The DRA driver's ResourceSlices can be read.
+    pub slices_readable: bool,
+    /// The GPU Operator's DRA-only `GPUCluster`.
+    pub gpu_cluster: Option<&'a str>,
+}
+
 /// Refuses the extended-resource policies that cannot be served as they are:
-/// - DeviceClasses cannot be read, so a class of someone else's could map the same name;
+/// - DeviceClasses or ResourceSlices cannot be read (a class of someone else's could map the
+///   same name; a node's move could not be confirmed, nor its way back waited for);
 /// - a DeviceClass not ours maps their name (kube-scheduler serves a name through the class
 ///   created last, so ours could lose the name to it at any time);
-/// - they disagree with the highest-precedence one (`owner`) on the name or the shares: the DRA
-///   driver runs one consumable-shares value on every node, and a class cannot see which node a
-///   GPU is on;
+/// - they disagree with the highest-precedence extended-resource policy on the name or the
+///   shares: the DRA driver runs one consumable-shares value on every node, and a class cannot
+///   see which node a GPU is on. Precedence alone decides, so a policy gaining or losing nodes
+///   never hands the decision to another;
 /// - the GPU Operator runs in DRA-only mode (`GPUCluster`) and the policy time-slices: its
 ///   driver offers no scheduler-accounted sharing between claims.
 ///
-/// `blocked` for policies that govern nodes (`governing`), `latent` otherwise.
+/// `blocked` for policies that govern nodes (`governing`), `latent` otherwise (a conflict found
+/// earlier is kept). The others get `waiting` until our class is seen mapping their name.
 pub fn extended_conflicts(
     prepared: &mut [Prepared],
     governing: &std::collections::BTreeSet<usize>,
-    classes: Option<&[DeviceClassFact]>,
-    gpu_cluster: Option<&str>,
+    cluster: &ClusterDra,
 ) {
     let extended = |p: &Prepared| p.accepted() && p.extended().is_some();
-    let owner = (0..prepared.len())
-        .filter(|i| extended(&prepared[*i]))
-        .min_by_key(|i| (!governing.contains(i), *i));
-    let Some(owner) = owner else { return };
+    let Some(owner) = prepared.iter().position(extended) else {
+        return;
+    };
     let (owner_name, want) = (
         prepared[owner].name.clone(),
         prepared[owner].extended().cloned().expect("extended"),
@@ -324,33 +391,58 @@ pub fn extended_conflicts(
             continue;
         }
         let x = p.extended().expect("extended");
-        let conflict = match classes {
-            None => Some(
-                "DeviceClasses (resource.k8s.io/v1) cannot be listed: without them the operator cannot tell whether another class maps the name; grant list/watch on deviceclasses".to_string(),
-            ),
-            Some(classes) => foreign_class(classes, &x.name),
-        }
-        .or_else(|| {
-            (i != owner && (x.name != want.name || x.shares != want.shares)).then(|| {
-                format!(
-                    "dra.extendedResources with {} conflicts with {} of policy {owner_name}: the DRA driver runs one consumableShares value on every node and a DeviceClass cannot tell nodes apart, so every extended-resource policy must serve one name with one sharing",
-                    describe(x),
-                    describe(&want)
-                )
+        let conflict = unreadable(cluster)
+            .or_else(|| foreign_class(cluster.classes.unwrap_or_default(), &x.name))
+            .or_else(|| {
+                (i != owner && (x.name != want.name || x.shares != want.shares)).then(|| {
+                    format!(
+                        "dra.extendedResources with {} conflicts with {} of policy {owner_name}: the DRA driver runs one consumableShares value on every node and a DeviceClass cannot tell nodes apart, so every extended-resource policy must serve one name with one sharing",
+                        describe(x),
+                        describe(&want)
+                    )
+                })
             })
-        })
-        .or_else(|| {
-            gpu_cluster.filter(|_| x.shares.is_some()).map(|c| {
-                format!(
-                    "the GPU Operator runs in DRA-only mode (GPUCluster {c}): its DRA driver offers no consumable shares, so time-slicing cannot be served through extended resources; use exclusive, or the standalone DRA driver chart"
-                )
-            })
-        });
+            .or_else(|| {
+                cluster.gpu_cluster.filter(|_| x.shares.is_some()).map(|c| {
+                    format!(
+                        "the GPU Operator runs in DRA-only mode (GPUCluster {c}): its DRA driver offers no consumable shares, so time-slicing cannot be served through extended resources; use exclusive, or the standalone DRA driver chart"
+                    )
+                })
+            });
+        let Some(conflict) = conflict else {
+            p.waiting = class_missing(cluster.classes.unwrap_or_default(), &x.name);
+            continue;
+        };
         if governing.contains(&i) {
-            p.blocked = conflict;
+            p.blocked = Some(conflict);
         } else {
-            p.latent = conflict;
+            p.latent = Some(conflict);
         }
+    }
+}
+
+/// Why the cluster cannot be read as extended resources need.
+fn unreadable(cluster: &ClusterDra) -> Option<String> {
+    if cluster.classes.is_none() {
+        return Some("DeviceClasses (resource.k8s.io/v1) cannot be listed: without them the operator cannot tell whether another class maps the name (grant list/watch on deviceclasses; on Kubernetes before 1.34 the DRA API is not served)".into());
+    }
+    (!cluster.slices_readable).then(|| {
+        "ResourceSlices (resource.k8s.io/v1) cannot be listed: without them a moved node cannot be confirmed, nor its way back waited for (grant list/watch on resourceslices)".into()
+    })
+}
+
+/// Why nodes cannot move yet: our class for `name` is not seen mapping it.
+fn class_missing(classes: &[DeviceClassFact], name: &str) -> Option<String> {
+    let class = device_class_name(name);
+    let ours = classes.iter().find(|c| c.ours && c.name == class);
+    match ours.map(|c| c.extended_resource_name.as_deref()) {
+        Some(Some(n)) if n == name => None,
+        Some(None) => Some(format!(
+            "DeviceClass {class} was created without spec.extendedResourceName: kube-apiserver drops the field while its DRAExtendedResource feature gate is off (alpha and off in Kubernetes 1.34 and 1.35; enable it on kube-apiserver, kube-scheduler and kube-controller-manager). No node moves until the class maps {name}"
+        )),
+        _ => Some(format!(
+            "waiting for DeviceClass {class} to map {name} (no node moves before kube-scheduler can serve the name through the DRA driver)"
+        )),
     }
 }
 
@@ -365,10 +457,15 @@ fn describe(x: &ExtendedResource) -> String {
 fn foreign_class(classes: &[DeviceClassFact], name: &str) -> Option<String> {
     let c = classes
         .iter()
-        .find(|c| !c.ours && c.extended_resource_name == name)?;
+        .find(|c| !c.ours && c.extended_resource_name.as_deref() == Some(name))?;
+    let chart = if c.name == DRA_DRIVER {
+        " NVIDIA's DRA driver chart creates this class with the mapping whenever GPUs are enabled, and again at each upgrade."
+    } else {
+        ""
+    };
     Some(format!(
-        "DeviceClass {} (not this operator's) maps {name}: when two classes map one name kube-scheduler uses the one created last, so the moved nodes' GPUs would be handed out through it. NVIDIA's DRA driver chart creates gpu.nvidia.com with this mapping whenever GPUs are enabled: remove the mapping (kubectl patch deviceclass {} --type=json -p '[{{\"op\":\"remove\",\"path\":\"/spec/extendedResourceName\"}}]', and again after each chart upgrade) or delete the class",
-        c.name, c.name
+        "DeviceClass {class} (not this operator's) maps {name}: when two classes map one name kube-scheduler uses the one created last, so the moved nodes' GPUs would be handed out through it.{chart} Remove the mapping (kubectl patch deviceclass {class} --type=json -p '[{{\"op\":\"remove\",\"path\":\"/spec/extendedResourceName\"}}]') or delete the class",
+        class = c.name,
     ))
 }
 
@@ -385,9 +482,23 @@ mod tests {
     fn class(name: &str, ours: bool) -> DeviceClassFact {
         DeviceClassFact {
             name: name.into(),
-            extended_resource_name: "nvidia.com/gpu".into(),
+            extended_resource_name: Some("nvidia.com/gpu".into()),
             ours,
         }
+    }
+
+    const OURS: &str = "gpusharing-nvidia.com-gpu";
+
+    fn cluster(classes: Option<&[DeviceClassFact]>) -> ClusterDra<'_> {
+        ClusterDra {
+            classes,
+            slices_readable: true,
+            gpu_cluster: None,
+        }
+    }
+
+    fn names(classes: &BTreeMap<String, serde_json::Value>) -> Vec<&str> {
+        classes.keys().map(String::as_str).collect()
     }
 
     #[test]
@@ -395,7 +506,7 @@ mod tests {
         let ps = vec![policy("a", TS4), policy("b", TS2), policy("c", EXCL)];
         let mut prepared = prepare_all(&ps, None);
         let all = (0..3).collect();
-        extended_conflicts(&mut prepared, &all, Some(&[]), None);
+        extended_conflicts(&mut prepared, &all, &cluster(Some(&[])));
         let owner = prepared.iter().position(|p| p.blocked.is_none()).unwrap();
         let others: Vec<&Prepared> = prepared.iter().filter(|p| p.blocked.is_some()).collect();
         assert_eq!(others.len(), 2);
@@ -407,15 +518,82 @@ mod tests {
             );
             assert!(why.contains("one consumableShares value"), "{why}");
         }
-        // Only the accepted one renders its class.
-        let classes = device_classes(&prepared);
-        assert_eq!(
-            classes.keys().collect::<Vec<_>>(),
-            ["gpusharing-nvidia.com-gpu"]
-        );
-        let c = &classes["gpusharing-nvidia.com-gpu"];
+        // Only the accepted one renders its class; its nodes wait until it maps the name.
+        assert!(prepared[owner].waiting.as_deref().unwrap().contains(OURS));
+        let classes = device_classes(&prepared, &all, false, Some(&[]));
+        assert_eq!(names(&classes), [OURS]);
+        let c = &classes[OURS];
         assert_eq!(c["spec"]["extendedResourceName"], "nvidia.com/gpu");
         assert_eq!(c["metadata"]["labels"][MANAGED_BY.0], MANAGED_BY.1);
+        let mut prepared = prepare_all(&ps, None);
+        extended_conflicts(&mut prepared, &all, &cluster(Some(&[class(OURS, true)])));
+        assert_eq!(prepared[owner].waiting, None);
+    }
+
+    /// Precedence alone decides: the policy first in precedence keeps deciding when it governs
+    /// no node (the others are blocked, not handed the decision by a node changing hands), and
+    /// a class is rendered only for policies governing nodes.
+    #[test]
+    fn precedence_alone_decides_and_a_class_needs_governed_nodes() {
+        let ps = vec![policy("a", TS4), policy("b", TS2)];
+        let mut prepared = prepare_all(&ps, None);
+        let only_b = [1].into();
+        extended_conflicts(&mut prepared, &only_b, &cluster(Some(&[])));
+        let first = prepared.iter().position(|p| p.name == "a").unwrap();
+        let second = 1 - first;
+        assert!(prepared[first].blocked.is_none() && prepared[first].latent.is_none());
+        let governing = [second].into();
+        let mut prepared = prepare_all(&ps, None);
+        extended_conflicts(&mut prepared, &governing, &cluster(Some(&[])));
+        assert!(
+            prepared[second]
+                .blocked
+                .as_deref()
+                .unwrap()
+                .contains("policy a")
+        );
+        // a governs no node: no class; b is blocked: no class.
+        assert!(device_classes(&prepared, &governing, false, Some(&[])).is_empty());
+        // Nodes we moved keep every class of ours mapping a name.
+        let kept = [class(OURS, true), class("gpu.nvidia.com", false)];
+        assert_eq!(
+            names(&device_classes(&prepared, &governing, true, Some(&kept))),
+            [OURS]
+        );
+        assert!(device_classes(&prepared, &governing, false, Some(&kept)).is_empty());
+    }
+
+    /// kube-apiserver drops `extendedResourceName` while DRAExtendedResource is off (1.34 and
+    /// 1.35 by default): our class then maps nothing, and no node moves.
+    #[test]
+    fn a_class_without_its_name_keeps_every_node_where_it_is_naming_the_gate() {
+        let ps = vec![policy("a", TS4)];
+        let governing = [0].into();
+        let dropped = [DeviceClassFact {
+            name: OURS.into(),
+            extended_resource_name: None,
+            ours: true,
+        }];
+        let mut prepared = prepare_all(&ps, None);
+        extended_conflicts(&mut prepared, &governing, &cluster(Some(&dropped)));
+        let why = prepared[0].waiting.as_deref().expect("waits");
+        assert!(
+            why.contains("DRAExtendedResource feature gate is off"),
+            "{why}"
+        );
+        assert!(prepared[0].accepted());
+        // ResourceSlices that cannot be read refuse the policy.
+        let mut prepared = prepare_all(&ps, None);
+        let mut c = cluster(Some(&[]));
+        c.slices_readable = false;
+        extended_conflicts(&mut prepared, &governing, &c);
+        assert!(
+            prepared[0]
+                .blocked
+                .as_deref()
+                .unwrap()
+                .contains("ResourceSlices")
+        );
     }
 
     #[test]
@@ -423,30 +601,35 @@ mod tests {
         let ps = vec![policy("a", TS4)];
         let governing = [0].into();
         let mut prepared = prepare_all(&ps, None);
-        extended_conflicts(
-            &mut prepared,
-            &governing,
-            Some(&[class("gpu.nvidia.com", false)]),
-            None,
-        );
+        let chart = [class("gpu.nvidia.com", false)];
+        extended_conflicts(&mut prepared, &governing, &cluster(Some(&chart)));
         let why = prepared[0].blocked.as_deref().expect("refused");
         assert!(why.contains("DeviceClass gpu.nvidia.com"), "{why}");
+        assert!(why.contains("NVIDIA's DRA driver chart"), "{why}");
         assert!(
             why.contains("kubectl patch deviceclass gpu.nvidia.com"),
             "{why}"
         );
-        assert!(device_classes(&prepared).is_empty());
+        assert!(device_classes(&prepared, &governing, false, Some(&chart)).is_empty());
+        // Someone else's class is not said to be the chart's.
+        let mut prepared = prepare_all(&ps, None);
+        let other = [class("team-gpus", false)];
+        extended_conflicts(&mut prepared, &governing, &cluster(Some(&other)));
+        let why = prepared[0].blocked.as_deref().expect("refused");
+        assert!(
+            why.contains("DeviceClass team-gpus") && !why.contains("chart"),
+            "{why}"
+        );
         // Our own class is no conflict; unreadable classes are.
         let mut prepared = prepare_all(&ps, None);
         extended_conflicts(
             &mut prepared,
             &governing,
-            Some(&[class("gpusharing-nvidia.com-gpu", true)]),
-            None,
+            &cluster(Some(&[class(OURS, true)])),
         );
         assert_eq!(prepared[0].blocked, None);
         let mut prepared = prepare_all(&ps, None);
-        extended_conflicts(&mut prepared, &governing, None, None);
+        extended_conflicts(&mut prepared, &governing, &cluster(None));
         assert!(
             prepared[0]
                 .blocked
@@ -456,11 +639,13 @@ mod tests {
         );
         // Not governing any node: a warning (latent), nothing refused.
         let mut prepared = prepare_all(&ps, None);
-        extended_conflicts(&mut prepared, &Default::default(), None, None);
+        extended_conflicts(&mut prepared, &Default::default(), &cluster(None));
         assert!(prepared[0].blocked.is_none() && prepared[0].latent.is_some());
         // Time-slicing under the GPU Operator's DRA-only mode cannot be served.
         let mut prepared = prepare_all(&ps, None);
-        extended_conflicts(&mut prepared, &governing, Some(&[]), Some("cluster"));
+        let mut c = cluster(Some(&[]));
+        c.gpu_cluster = Some("cluster");
+        extended_conflicts(&mut prepared, &governing, &c);
         assert!(
             prepared[0]
                 .blocked
@@ -482,7 +667,8 @@ mod tests {
             (x.name.as_str(), x.shares),
             ("nvidia.com/gpu.shared", Some(4))
         );
-        assert!(device_classes(&prepared).contains_key("gpusharing-nvidia.com-gpu.shared"));
+        let classes = device_classes(&prepared, &[0].into(), false, Some(&[]));
+        assert!(classes.contains_key("gpusharing-nvidia.com-gpu.shared"));
     }
 
     #[test]

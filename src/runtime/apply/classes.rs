@@ -17,13 +17,17 @@ use crate::plan::Plan;
 use crate::runtime::context::Context;
 use crate::runtime::error::Error;
 
-const KIND: &str = "DeviceClass";
+/// The kind our DeviceClasses' refused writes are remembered under.
+pub const KIND: &str = "DeviceClass";
 
-/// Applies the plan's DeviceClasses and deletes ours it no longer has. Nothing when
-/// DeviceClasses cannot be read.
+/// Applies the plan's DeviceClasses (but those whose refused write waits its retry, `waits`)
+/// and deletes ours it no longer has. Nothing when DeviceClasses cannot be read. A class the API
+/// server keeps without `extendedResourceName` (its `DRAExtendedResource` feature gate is off)
+/// is a refused write: retried after a wait, not at every pass.
 pub async fn apply_device_classes(
     ctx: &Context,
     plan: &Plan,
+    waits: impl Fn(&str) -> bool,
     report: &mut WriteReport,
 ) -> Result<(), Error> {
     let Some(store) = &ctx.caches.device_classes else {
@@ -48,9 +52,29 @@ pub async fn apply_device_classes(
             });
             continue;
         }
-        if let Err(e) = api.patch(name, &apply_params(), &Patch::Apply(want)).await {
-            report.refused(KIND, name, e.into())?;
+        if waits(name) {
             continue;
+        }
+        let applied = match api.patch(name, &apply_params(), &Patch::Apply(want)).await {
+            Ok(c) => c,
+            Err(e) => {
+                report.refused(KIND, name, e.into())?;
+                continue;
+            }
+        };
+        if applied.spec.extended_resource_name.is_none() {
+            let why = format!(
+                "kube-apiserver dropped spec.extendedResourceName ({}): its DRAExtendedResource feature gate is off (alpha and off in Kubernetes 1.34 and 1.35)",
+                want["spec"]["extendedResourceName"]
+                    .as_str()
+                    .unwrap_or_default()
+            );
+            tracing::warn!(device_class = %name, why = %why, "the API server dropped a field of our DeviceClass");
+            report.learn(super::Learnt::WriteRefused {
+                kind: KIND,
+                object: name.clone(),
+                why,
+            });
         }
         let why = if ours.contains_key(name) {
             "its selector or name changed"

@@ -23,7 +23,7 @@ pub mod nodes;
 pub mod overlays;
 
 pub use claims::apply_claim_templates;
-pub use classes::apply_device_classes;
+pub use classes::{KIND as DEVICE_CLASS, apply_device_classes};
 pub use cluster_policy::apply_cluster_policy;
 pub use configmaps::{apply_configmaps, delete_unused_mig_configmap, delete_unused_vgpu_configmap};
 pub use demand::apply_demand;
