@@ -239,7 +239,6 @@ pub fn overlay_lines(plan: &plan::Plan) -> Vec<String> {
         .collect()
 }
 
-/// `node: layout (for pod, ...)` for each node demand reshapes in `plan`.
 /// Our DeviceClasses, one line each: `name -> extended resource`.
 pub fn class_lines(plan: &plan::Plan) -> Vec<String> {
     plan.device_classes
@@ -253,6 +252,7 @@ pub fn class_lines(plan: &plan::Plan) -> Vec<String> {
         .collect()
 }
 
+/// `node: layout (for pod, ...)` for each node demand reshapes in `plan`.
 pub fn demand_lines(plan: &plan::Plan) -> Vec<String> {
     plan.demand
         .annotations
