@@ -124,6 +124,8 @@ fn plan_nodes<'n>(
             let t = out.tallies.entry(i).or_default();
             let by = backend::dra::served_by(n, v.dra_slice.as_ref());
             *t.served_by.entry(by).or_default() += 1;
+            let shown = backend::dra::shows_served_by(&prepared[i], n, by);
+            t.served_by_shown |= shown;
             if state == NodeState::Applied {
                 let c = c.expect("a node applied after the gate was applied before it");
                 let total = t.capacity.get_or_insert_with(|| Capacity {
@@ -140,23 +142,13 @@ fn plan_nodes<'n>(
                 state,
                 message: o.message.clone(),
                 reason: o.reason,
-                served_by: detail_served_by(&prepared[i], n, by),
+                served_by: shown.then(|| by.to_string()),
             });
         }
         out.labels.push(o.labels.clone());
         out.annotations.push(o.annotations.clone());
     }
     out
-}
-
-/// What a node's detail says serves its GPUs: for DRA policies' nodes and nodes the DRA driver
-/// serves or we switched it on.
-fn detail_served_by(p: &Prepared, n: &NodeFacts, by: &'static str) -> Option<String> {
-    let dra = p.kind() == super::backing::Kind::Dra
-        || by == backend::dra::SERVED_BY_DRA
-        || by == backend::dra::SERVED_BY_BOTH
-        || n.owned.contains(LABEL_DEPLOY_DRA_DRIVER);
-    dra.then(|| by.to_string())
 }
 
 /// The policies governing a node (by index); without nodes (`render`), all of them, so that

@@ -34,6 +34,9 @@ pub struct Tally {
     /// Governed nodes by the backend that serves their GPUs now (see
     /// [`super::backend::dra::served_by`]).
     pub served_by: std::collections::BTreeMap<&'static str, i32>,
+    /// Some governed node's backend is worth reporting (see
+    /// [`super::backend::dra::shows_served_by`]): then `status.servedBy` counts every node.
+    pub served_by_shown: bool,
 }
 
 impl Tally {
@@ -544,7 +547,10 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         overridden_nodes: place.overridden.len() as i32,
         device_config_key: p.key.clone().filter(|_| p.kind().device_plugin()),
         templates: place.templates,
-        served_by: served_by(p, &t.served_by),
+        served_by: (t.served_by.iter())
+            .filter(|_| t.served_by_shown)
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect(),
         mig_config: p
             .mig()
             .filter(|_| p.errors.is_empty())
@@ -567,22 +573,6 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
         demand: None,
         refused_writes,
     }
-}
-
-/// The count of nodes by serving backend, reported for DRA policies and while any governed
-/// node is served by the DRA driver (other policies' statuses stay as they were).
-fn served_by(
-    p: &Prepared,
-    counts: &std::collections::BTreeMap<&'static str, i32>,
-) -> std::collections::BTreeMap<String, i32> {
-    use super::backend::dra::{SERVED_BY_BOTH, SERVED_BY_DRA};
-    let dra_seen = counts
-        .keys()
-        .any(|k| *k == SERVED_BY_DRA || *k == SERVED_BY_BOTH);
-    if p.kind() != Kind::Dra && !dra_seen {
-        return Default::default();
-    }
-    counts.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
 /// Whether the custom MIG layout lands on GPU models without a geometry table.

@@ -19,22 +19,12 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 )
 
 const gpuResource corev1.ResourceName = "nvidia.com/gpu"
 
 func TestExtendedResourcesAreServedThroughDRAAndFreedByTheClaimController(t *testing.T) {
-	kubeconfig := startKubeLocal(t, "--scheduler", "--no-nodes", "--no-gpu-operator")
-	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kube, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	kube := kubeLocalClient(t, "--scheduler", "--no-nodes", "--no-gpu-operator")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 

@@ -125,9 +125,11 @@ func startKubeLocal(t *testing.T, args ...string) string {
 	return ""
 }
 
-func TestSchedulerBindsByExtendedResources(t *testing.T) {
-	kubeconfig := startKubeLocal(t, "--scheduler", "--no-nodes", "--no-gpu-operator")
-	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+// kubeLocalClient starts kube-local with args (see startKubeLocal) and
+// returns a client of it.
+func kubeLocalClient(t *testing.T, args ...string) kubernetes.Interface {
+	t.Helper()
+	cfg, err := clientcmd.BuildConfigFromFlags("", startKubeLocal(t, args...))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -135,6 +137,11 @@ func TestSchedulerBindsByExtendedResources(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return kube
+}
+
+func TestSchedulerBindsByExtendedResources(t *testing.T) {
+	kube := kubeLocalClient(t, "--scheduler", "--no-nodes", "--no-gpu-operator")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 

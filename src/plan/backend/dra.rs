@@ -282,6 +282,7 @@ fn shares_mismatch(x: &ExtendedResource, have: Option<i64>, mixed: bool) -> Opti
 pub const SERVED_BY_DEVICE_PLUGIN: &str = "devicePlugin";
 pub const SERVED_BY_DRA: &str = "draDriver";
 pub const SERVED_BY_BOTH: &str = "both";
+pub const SERVED_BY_NONE: &str = "none";
 
 /// Which backend serves node `n`'s GPUs now, as the node reports it: the device plugin
 /// advertises them (allocatable), the DRA driver publishes them (`slice`), neither (`none`,
@@ -293,8 +294,18 @@ pub fn served_by(n: &NodeFacts, slice: Option<&crate::plan::input::DraSlice>) ->
         (true, false) => SERVED_BY_DEVICE_PLUGIN,
         (false, true) => SERVED_BY_DRA,
         (true, true) => SERVED_BY_BOTH,
-        (false, false) => "none",
+        (false, false) => SERVED_BY_NONE,
     }
+}
+
+/// Whether what serves a node (`by`, see [`served_by`]) is reported on its policy's status: for
+/// DRA policies, and for nodes the DRA driver serves or whose DRA switch is ours (a node on its
+/// way back). Other policies' statuses stay as they were.
+pub fn shows_served_by(p: &Prepared, n: &NodeFacts, by: &str) -> bool {
+    p.spec.backend == Backend::Dra
+        || by == SERVED_BY_DRA
+        || by == SERVED_BY_BOTH
+        || n.owned.contains(LABEL_DEPLOY_DRA_DRIVER)
 }
 
 /// Name of our DeviceClass mapping extended resource `name` (`nvidia.com/gpu` ->
