@@ -1,14 +1,18 @@
 //! End-to-end: a time-sliced pool moves from NVIDIA's device plugin to its DRA driver with pods
 //! unchanged (DRA extended resources, KEP-5004, beta in the local kube-apiserver 1.36), and
-//! back. The simulator plays the GPU Operator's switches, the device plugin and the DRA
-//! driver's kubelet plugin (its ResourceSlices, with consumable shares 4). One control plane for
-//! the whole file.
+//! back, with the real kube-scheduler (and kube-controller-manager's resourceclaim controller)
+//! placing the pods. The simulator plays the GPU Operator's switches, the device plugin, the
+//! kubelet and the DRA driver's kubelet plugin (its ResourceSlices, with consumable shares 4).
+//! One control plane per test: the second runs kube-apiserver with the feature gate off.
 
 mod support;
 
 use gpu_sharing_operator::api::crd::GpuSharingPolicy;
-use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use support::*;
@@ -71,10 +75,83 @@ async fn class(c: &kube::Client, name: &str) -> Option<DeviceClass> {
         .unwrap()
 }
 
+/// An unchanged pod asking for one `nvidia.com/gpu` of the pool, bound to `node` when given
+/// (a workload already running there), else placed by kube-scheduler.
+fn gpu_pod(name: &str, node: Option<&str>) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeName": node,
+            "nodeSelector": {"gpusharing.io/profile": "l4-shared"},
+            "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
+                "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+        },
+    }))
+    .unwrap()
+}
+
+fn pods(c: &kube::Client) -> Api<Pod> {
+    Api::namespaced(c.clone(), "default")
+}
+
+/// The pool's pods by node (`""`: not bound).
+async fn placed(c: &kube::Client) -> BTreeMap<String, Vec<Pod>> {
+    let mut out: BTreeMap<String, Vec<Pod>> = BTreeMap::new();
+    for p in pods(c).list(&ListParams::default()).await.unwrap().items {
+        let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
+        out.entry(node.unwrap_or_default()).or_default().push(p);
+    }
+    out
+}
+
+/// What kube-scheduler made of a pod served through DRA on `node`: its generated claim exists,
+/// carries the scheduler's annotation, is controlled by the pod, and is allocated one GPU of
+/// the node's pool (returned).
+async fn generated_claim_device(c: &kube::Client, pod: &Pod, node: &str) -> String {
+    let name = pod.metadata.name.as_deref().unwrap();
+    let claim_name = (pod.status.as_ref())
+        .and_then(|s| s.extended_resource_claim_status.as_ref())
+        .map(|x| x.resource_claim_name.clone())
+        .unwrap_or_else(|| panic!("{name}: not served through DRA"));
+    let claim = Api::<ResourceClaim>::namespaced(c.clone(), "default")
+        .get(&claim_name)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: claim {claim_name}: {e}"));
+    assert_eq!(
+        claim
+            .annotations()
+            .get("resource.kubernetes.io/extended-resource-claim"),
+        Some(&"true".to_string()),
+        "{claim_name}"
+    );
+    let owner = (claim.owner_references().iter())
+        .find(|o| o.controller == Some(true))
+        .unwrap_or_else(|| panic!("{claim_name}: no controller"));
+    assert_eq!((owner.kind.as_str(), owner.name.as_str()), ("Pod", name));
+    assert_eq!(Some(&owner.uid), pod.metadata.uid.as_ref());
+    let results = (claim.status.and_then(|s| s.allocation))
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .unwrap_or_default();
+    assert_eq!(results.len(), 1, "{claim_name}: one device");
+    let r = &results[0];
+    assert_eq!(
+        (r.driver.as_str(), r.pool.as_str()),
+        ("gpu.nvidia.com", node)
+    );
+    r.device.clone()
+}
+
+/// A time-sliced pool (2 L4 nodes, 4 GPUs x replicas 4 each) moves to the DRA driver with the
+/// real kube-scheduler placing unchanged pods: the idle node moves, the busy one waits (its
+/// device-plugin pods run), an operator restart changes nothing, new pods land on both kinds
+/// of node (16 per node: through the device plugin on one, 4 per GPU through generated claims
+/// on the other), and the way back drains the DRA-served pods first. The invariant watcher
+/// checks at every event that no GPU is allocated through DRA beside a device-plugin pod.
 #[tokio::test]
-async fn a_time_sliced_pool_moves_to_dra_extended_resources_and_back() {
+async fn a_time_sliced_pool_moves_to_dra_extended_resources_under_the_scheduler_and_back() {
     let (g, cluster, _sim) = setup_with_simulator(
-        testkit::ClusterOptions::default(),
+        testkit::ClusterOptions::default().arg("--scheduler"),
         &["--dra-consumable-shares=4".to_string()],
     )
     .await;
@@ -106,6 +183,13 @@ async fn a_time_sliced_pool_moves_to_dra_extended_resources_and_back() {
             (16, None),
             "{node}: 4 L4s x 4 replicas"
         );
+    }
+    // Two workloads already run on the second node, through the device plugin.
+    for name in ["running-0", "running-1"] {
+        pods(&c)
+            .create(&PostParams::default(), &gpu_pod(name, Some(NODES[1])))
+            .await
+            .unwrap();
     }
 
     // What extended resources cannot serve is refused at admission, naming why.
@@ -158,8 +242,8 @@ async fn a_time_sliced_pool_moves_to_dra_extended_resources_and_back() {
         assert_eq!(served(&c, node).await, (16, None), "{node} left as it was");
     }
 
-    // The admin removes the chart's mapping, as the message says: the pool moves, one node at a
-    // time, never served by both.
+    // The admin removes the chart's mapping, as the message says: the idle node moves; the
+    // busy one waits for its device-plugin pods. Never both on one node.
     let remove = json!([{"op": "remove", "path": "/spec/extendedResourceName"}]);
     Api::<DeviceClass>::all(c.clone())
         .patch(
@@ -169,36 +253,109 @@ async fn a_time_sliced_pool_moves_to_dra_extended_resources_and_back() {
         )
         .await
         .unwrap();
-    let s = until("moved to the DRA driver", LONG, || async {
-        one_backend_each(&c).await;
-        let s = ready_on(&c, "l4-shared", 2).await?;
-        (s["servedBy"] == json!({"draDriver": 2})).then_some(s)
-    })
+    let s = until(
+        "the idle node moved, the busy one waiting",
+        LONG,
+        || async {
+            one_backend_each(&c).await;
+            let s = policy_status(&c, "l4-shared").await?;
+            (s["servedBy"] == json!({"draDriver": 1, "devicePlugin": 1})
+                && served(&c, NODES[0]).await.1.is_some())
+            .then_some(s)
+        },
+    )
     .await;
-    assert!(s.get("deviceConfigKey").is_none());
-    for d in s["nodeDetails"].as_array().unwrap() {
-        assert_eq!(d["servedBy"], "draDriver", "{d}");
-    }
-    for node in NODES {
-        let l = labels(&c, node).await;
-        assert_eq!(l["nvidia.com/gpu.deploy.device-plugin"], "false");
-        assert_eq!(l["nvidia.com/gpu.deploy.dra-driver"], "true");
-        let (alloc, shares) = served(&c, node).await;
-        assert_eq!(alloc, 0);
-        assert_eq!(
-            shares,
-            Some(vec!["4".to_string(); 4]),
-            "{node}: 4 GPUs, 4 shares each"
-        );
-    }
+    let waiting = (s["nodeDetails"].as_array().unwrap().iter())
+        .find(|d| d["name"] == NODES[1])
+        .unwrap();
+    assert_eq!(waiting["reason"], "WaitingForIdleGPUs", "{waiting}");
+    assert!(
+        waiting["message"]
+            .as_str()
+            .unwrap()
+            .contains("default/running-0"),
+        "{waiting}"
+    );
+    assert_eq!(
+        served(&c, NODES[0]).await,
+        (0, Some(vec!["4".to_string(); 4])),
+        "4 GPUs, 4 shares each"
+    );
+    assert_eq!(served(&c, NODES[1]).await, (16, None));
     let ours = class(&c, OURS).await.expect("our DeviceClass");
     assert_eq!(
         ours.spec.extended_resource_name.as_deref(),
         Some("nvidia.com/gpu")
     );
 
-    // Back: the DRA kubelet plugin goes off, the device plugin returns once the slice is gone.
-    let back = json!({"spec": {"backend": null, "dra": null}});
+    // The operator restarts mid-migration: nothing on the moved node changes.
+    let history = LabelHistory::start(&c, NODES[0]).await;
+    op.stop().await;
+    let op = Operator::start(c.clone(), Some(NS));
+    until("two passes of the new operator", LONG, || async {
+        (op.passes() >= 2).then_some(())
+    })
+    .await;
+    let states = history.states();
+    assert_eq!(
+        states.len(),
+        1,
+        "labels of the moved node changed: {states:?}"
+    );
+    assert_eq!(
+        policy_status(&c, "l4-shared").await.unwrap()["servedBy"],
+        json!({"draDriver": 1, "devicePlugin": 1})
+    );
+
+    // Unchanged pods land on both kinds of node: 14 more through the device plugin, 16 through
+    // DRA (4 per GPU); one more fits nowhere.
+    for i in 0..30 {
+        pods(&c)
+            .create(&PostParams::default(), &gpu_pod(&format!("work-{i}"), None))
+            .await
+            .unwrap();
+    }
+    let by_node = until("30 pods bound", LONG, || async {
+        let p = placed(&c).await;
+        (!p.contains_key("")).then_some(p)
+    })
+    .await;
+    assert_eq!(
+        by_node[NODES[1]].len(),
+        16,
+        "2 running + 14 through the device plugin"
+    );
+    assert_eq!(by_node[NODES[0]].len(), 16, "through the DRA driver");
+    for p in &by_node[NODES[1]] {
+        let served_by_dra =
+            (p.status.as_ref()).and_then(|s| s.extended_resource_claim_status.as_ref());
+        assert!(served_by_dra.is_none(), "{:?}", p.metadata.name);
+    }
+    let mut per_gpu: BTreeMap<String, usize> = BTreeMap::new();
+    for p in &by_node[NODES[0]] {
+        *per_gpu
+            .entry(generated_claim_device(&c, p, NODES[0]).await)
+            .or_default() += 1;
+    }
+    assert_eq!(
+        per_gpu,
+        (0..4).map(|i| (format!("gpu-{i}"), 4)).collect(),
+        "exactly 4 pods per GPU"
+    );
+    pods(&c)
+        .create(&PostParams::default(), &gpu_pod("one-too-many", None))
+        .await
+        .unwrap();
+    until("one pod too many is unschedulable", LONG, || async {
+        let p = pods(&c).get("one-too-many").await.ok()?;
+        let cond = (p.status?.conditions?.into_iter()).find(|c| c.type_ == "PodScheduled")?;
+        (cond.reason.as_deref() == Some("Unschedulable")).then_some(())
+    })
+    .await;
+
+    // Back, draining: the DRA-served pods are evicted, their claims go, the DRA kubelet plugin
+    // goes off, and the device plugin returns once the slice is gone.
+    let back = json!({"spec": {"backend": null, "dra": null, "disruption": {"mode": "drain"}}});
     api.patch("l4-shared", &PatchParams::default(), &Patch::Merge(&back))
         .await
         .unwrap();
@@ -213,6 +370,29 @@ async fn a_time_sliced_pool_moves_to_dra_extended_resources_and_back() {
         s.get("servedBy").is_none().then_some(())
     })
     .await;
+    let left = placed(&c).await;
+    assert_eq!(
+        left[NODES[1]].len(),
+        16,
+        "the device-plugin pods were not touched"
+    );
+    for p in left.get(NODES[0]).into_iter().flatten() {
+        let dra = (p.status.as_ref()).and_then(|s| s.extended_resource_claim_status.as_ref());
+        assert!(
+            dra.is_none(),
+            "a DRA-served pod left: {:?}",
+            p.metadata.name
+        );
+    }
+    let claims = Api::<ResourceClaim>::namespaced(c.clone(), "default")
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(
+        claims.items.is_empty(),
+        "{} claims left",
+        claims.items.len()
+    );
     for node in NODES {
         let l = labels(&c, node).await;
         assert_eq!(l["nvidia.com/gpu.deploy.device-plugin"], "true");
@@ -222,6 +402,13 @@ async fn a_time_sliced_pool_moves_to_dra_extended_resources_and_back() {
         class(&c, OURS).await.is_none().then_some(())
     })
     .await;
+    pods(&c)
+        .delete_collection(
+            &DeleteParams::default().grace_period(0),
+            &ListParams::default(),
+        )
+        .await
+        .unwrap();
     api.delete("l4-shared", &DeleteParams::default())
         .await
         .unwrap();

@@ -19,6 +19,10 @@
 //! - a node on which GPU pods run (bound, not finished, asking for `nvidia.com/gpu*` or
 //!   `nvidia.com/mig-*`) never gets another `nvidia.com/mig.config` or
 //!   `nvidia.com/gpu.workload.config`: its GPUs change only when idle (drains evict first);
+//! - no GPU is ever allocated through DRA (an allocated `gpu.nvidia.com` ResourceClaim on a
+//!   node, KEP-5004's generated claims included) while a device-plugin GPU pod runs on that
+//!   node (bound, not finished, its GPU request not served through DRA): the DRA allocator
+//!   cannot see the device plugin's allocations, so both at once hand a GPU out twice;
 //! - nothing we do not own changed: every state of every Node, ConfigMap, ClusterPolicy and Pod
 //!   is judged by [`super::ownership`] from the API server's field-manager records.
 //!
@@ -57,14 +61,18 @@ enum Obj {
     NodeGone(String),
     ConfigMap(String, BTreeMap<String, String>),
     ConfigMapGone(String),
-    /// A pod (`namespace/name`) and the node whose GPUs it holds now, if any.
-    Pod(String, Option<String>),
+    /// A pod (`namespace/name`) and the node whose GPUs it holds now, if any, with whether
+    /// kube-scheduler served its request through DRA (extended resources).
+    Pod(String, Option<(String, bool)>),
     PodGone(String),
+    /// A ResourceClaim (`namespace/name`) and the node of its `gpu.nvidia.com` allocation.
+    Claim(String, Option<String>),
+    ClaimGone(String),
 }
 
-/// The node whose GPUs a pod holds: bound, not finished, asking for NVIDIA's device-plugin
-/// resources.
-fn gpu_node(p: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
+/// The node whose GPUs a pod holds (bound, not finished, asking for NVIDIA's device-plugin
+/// resources), and whether kube-scheduler served the request through DRA.
+fn gpu_node(p: &k8s_openapi::api::core::v1::Pod) -> Option<(String, bool)> {
     let spec = p.spec.as_ref()?;
     let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
     if matches!(phase, Some("Succeeded" | "Failed")) {
@@ -81,7 +89,20 @@ fn gpu_node(p: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
         .flat_map(|m| m.keys())
         .any(|k| k.starts_with("nvidia.com/gpu") || k.starts_with("nvidia.com/mig-"))
     });
-    spec.node_name.clone().filter(|_| gpu)
+    let dra = p
+        .status
+        .as_ref()
+        .is_some_and(|s| s.extended_resource_claim_status.is_some());
+    spec.node_name.clone().filter(|_| gpu).map(|n| (n, dra))
+}
+
+/// The node of a claim's `gpu.nvidia.com` allocation (NVIDIA's driver names each node's pool
+/// after the node).
+fn claim_node(c: &k8s_openapi::api::resource::v1::ResourceClaim) -> Option<String> {
+    let results = c.status.as_ref()?.allocation.as_ref()?.devices.as_ref()?;
+    (results.results.iter().flatten())
+        .find(|r| r.driver == DRA_DRIVER)
+        .map(|r| r.pool.clone())
 }
 
 /// Labels that change what a node's GPUs are: never while GPU pods run there.
@@ -177,6 +198,10 @@ struct State {
     watch_errors: usize,
     /// Pods holding GPUs: `namespace/name` -> node.
     gpu_pods: BTreeMap<String, String>,
+    /// Those of `gpu_pods` kube-scheduler served through DRA.
+    dra_served: std::collections::BTreeSet<String>,
+    /// Allocated `gpu.nvidia.com` ResourceClaims: `namespace/name` -> node.
+    dra_claims: BTreeMap<String, String>,
 }
 
 /// The simulated MIG manager's own record on a node (`tests/nvidia/internal/sim`): these
@@ -436,13 +461,48 @@ impl State {
                 self.configmaps.remove(&name);
                 self.check_all(p.rv, None);
             }
-            Obj::Pod(key, Some(node)) => {
-                self.gpu_pods.insert(key, node);
+            Obj::Pod(key, Some((node, dra))) => {
+                match dra {
+                    true => self.dra_served.insert(key.clone()),
+                    false => self.dra_served.remove(&key),
+                };
+                self.gpu_pods.insert(key, node.clone());
+                self.check_both_backends(&node, p.rv);
             }
             Obj::Pod(key, None) | Obj::PodGone(key) => {
                 self.gpu_pods.remove(&key);
+                self.dra_served.remove(&key);
+            }
+            Obj::Claim(key, Some(node)) => {
+                self.dra_claims.insert(key, node.clone());
+                self.check_both_backends(&node, p.rv);
+            }
+            Obj::Claim(key, None) | Obj::ClaimGone(key) => {
+                self.dra_claims.remove(&key);
             }
         }
+    }
+
+    /// A GPU allocated through DRA on a node where a device-plugin GPU pod runs.
+    fn check_both_backends(&mut self, node: &str, rv: u64) {
+        if self.violation.is_some() {
+            return;
+        }
+        let on = |(_, n): &(&String, &String)| *n == node;
+        let device_plugin: Vec<&String> = (self.gpu_pods.iter())
+            .filter(on)
+            .filter(|(p, _)| !self.dra_served.contains(*p))
+            .map(|(p, _)| p)
+            .collect();
+        let claims: Vec<&String> = self.dra_claims.iter().filter(on).map(|(c, _)| c).collect();
+        if device_plugin.is_empty() || claims.is_empty() {
+            return;
+        }
+        let msg = format!(
+            "node {node} at resourceVersion {rv}: GPUs allocated through DRA ({claims:?}) while device-plugin GPU pods run on it ({device_plugin:?})"
+        );
+        eprintln!("INVARIANT WATCHER: {msg}");
+        self.violation = Some(msg);
     }
 
     /// A node whose GPU-shaping labels change while GPU pods run on it.
@@ -544,6 +604,7 @@ where
         Kind::ConfigMap => "configmaps",
         Kind::ClusterPolicy => "clusterpolicies",
         Kind::Pod => "pods",
+        Kind::ResourceClaim => "resourceclaims",
     };
     tokio::spawn(async move {
         let mut prev = HashMap::new();
@@ -667,6 +728,21 @@ async fn watch_all(
             })
         },
     );
+    // Not waited for: a control plane without resource.k8s.io/v1 has no claims to watch.
+    let claim_task = spawn_watch(
+        Api::<k8s_openapi::api::resource::v1::ResourceClaim>::all(client.clone()),
+        Kind::ResourceClaim,
+        state.clone(),
+        None,
+        |c, deleted| {
+            let key = format!("{}/{}", c.namespace().unwrap_or_default(), c.name_any());
+            Some(if deleted {
+                Obj::ClaimGone(key)
+            } else {
+                Obj::Claim(key, claim_node(c))
+            })
+        },
+    );
     let s = state.clone();
     let drain_task = tokio::spawn(async move {
         loop {
@@ -674,7 +750,9 @@ async fn watch_all(
             s.lock().unwrap().drain(false);
         }
     });
-    vec![node_task, cm_task, cp_task, pod_task, drain_task]
+    vec![
+        node_task, cm_task, cp_task, pod_task, claim_task, drain_task,
+    ]
 }
 
 impl InvariantWatcher {
@@ -850,5 +928,36 @@ impl Drop for InvariantWatcher {
         if let Some(t) = self.thread.lock().unwrap().take() {
             t.join().ok();
         }
+    }
+}
+
+#[cfg(test)]
+mod both_backends_tests {
+    use super::*;
+
+    fn event(rv: u64, obj: Obj) -> Pending {
+        Pending {
+            rv,
+            at: Instant::now(),
+            obj,
+        }
+    }
+
+    /// The rule's own test: a DRA allocation next to a device-plugin pod is caught, next to a
+    /// pod kube-scheduler served through DRA it is not, and on another node neither.
+    #[test]
+    fn a_dra_allocation_beside_a_device_plugin_pod_is_a_violation() {
+        let mut st = State::default();
+        st.apply(event(1, Obj::Pod("t/dra".into(), Some(("a".into(), true)))));
+        st.apply(event(2, Obj::Claim("t/dra-claim".into(), Some("a".into()))));
+        st.apply(event(3, Obj::Pod("t/dp".into(), Some(("b".into(), false)))));
+        assert_eq!(st.violation, None);
+        st.apply(event(4, Obj::Pod("t/dp".into(), None)));
+        st.apply(event(
+            5,
+            Obj::Pod("t/late".into(), Some(("a".into(), false))),
+        ));
+        let v = st.violation.expect("caught");
+        assert!(v.contains("node a") && v.contains("t/late"), "{v}");
     }
 }

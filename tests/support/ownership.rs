@@ -35,6 +35,8 @@ pub enum Kind {
     ClusterPolicy,
     /// Pods: the operator writes nothing on them (it only asks for evictions).
     Pod,
+    /// ResourceClaims: the operator writes nothing on them either.
+    ResourceClaim,
 }
 
 /// Leaf paths of a `fieldsV1` set (`metadata.labels.nvidia.com/mig.config`). A list entry
@@ -134,7 +136,7 @@ fn ours(kind: Kind, obj: &Value, path: &str) -> bool {
         }
         Kind::ConfigMap => obj["metadata"]["labels"][MANAGED_BY.0] == MANAGED_BY.1,
         Kind::ClusterPolicy => CLUSTER_POLICY_FIELDS.contains(&path),
-        Kind::Pod => false,
+        Kind::Pod | Kind::ResourceClaim => false,
     }
 }
 
