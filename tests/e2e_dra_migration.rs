@@ -491,3 +491,113 @@ async fn without_the_extended_resource_gate_no_node_moves_and_the_status_names_i
     op.stop().await;
     invariants.check().await;
 }
+
+/// A whole-GPU pool (exclusive, the DRA driver's consumable shares off) moves, and each GPU
+/// then takes exactly one unchanged pod through its generated claim; moving back without a
+/// drain waits for the pods' claims. Its own control plane: the driver runs one
+/// `consumableShares` value for the whole cluster.
+#[tokio::test]
+async fn a_whole_gpu_pool_moves_and_takes_one_pod_per_gpu() {
+    let (g, cluster, _sim) = setup_with_simulator(
+        testkit::ClusterOptions::default().arg("--scheduler"),
+        &["--dra-consumable-shares=disabled".to_string()],
+    )
+    .await;
+    let invariants = g.invariants();
+    let c = cluster.client.clone();
+    let op = Operator::start(c.clone(), Some(NS));
+    for node in NODES {
+        label_node(&c, node, "gpusharing.io/profile", Some("l4-shared")).await;
+    }
+    let exclusive = DEVICE_PLUGIN_POLICY.replace(
+        "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n",
+        "  strategy: exclusive\n",
+    );
+    testkit::apply_yaml(&c, &exclusive).await.unwrap();
+    until("exclusive through the device plugin", LONG, || {
+        ready_on(&c, "l4-shared", 2)
+    })
+    .await;
+    let api: Api<GpuSharingPolicy> = Api::all(c.clone());
+    let to_dra = json!({"spec": {"backend": "dra", "dra": {"extendedResources": true}}});
+    api.patch("l4-shared", &PatchParams::default(), &Patch::Merge(&to_dra))
+        .await
+        .unwrap();
+    until("moved to the DRA driver", LONG, || async {
+        one_backend_each(&c).await;
+        let s = ready_on(&c, "l4-shared", 2).await?;
+        (s["servedBy"] == json!({"draDriver": 2})).then_some(())
+    })
+    .await;
+    for node in NODES {
+        assert_eq!(
+            served(&c, node).await,
+            (0, Some(vec![])),
+            "{node}: no shares"
+        );
+    }
+    for i in 0..9 {
+        pods(&c)
+            .create(
+                &PostParams::default(),
+                &gpu_pod(&format!("whole-{i}"), None),
+            )
+            .await
+            .unwrap();
+    }
+    let by_node = until("8 pods bound, 1 left", LONG, || async {
+        let p = placed(&c).await;
+        (p.get("").map(Vec::len) == Some(1) && p.values().map(Vec::len).sum::<usize>() == 9)
+            .then_some(p)
+    })
+    .await;
+    for node in NODES {
+        let mut devices = Vec::new();
+        for p in &by_node[node] {
+            devices.push(generated_claim_device(&c, p, node).await);
+        }
+        devices.sort();
+        assert_eq!(
+            devices,
+            ["gpu-0", "gpu-1", "gpu-2", "gpu-3"],
+            "{node}: one pod per GPU"
+        );
+    }
+
+    // Back without a drain: each node waits for its pods' claims.
+    let back = json!({"spec": {"backend": null, "dra": null}});
+    api.patch("l4-shared", &PatchParams::default(), &Patch::Merge(&back))
+        .await
+        .unwrap();
+    let s = until("waiting for the claims", LONG, || async {
+        let s = policy_status(&c, "l4-shared").await?;
+        let details = s["nodeDetails"].as_array()?;
+        (details.len() == 2 && details.iter().all(|d| d["reason"] == "WaitingForDraClaims"))
+            .then_some(s)
+    })
+    .await;
+    assert_eq!(s["servedBy"], json!({"draDriver": 2}), "{s}");
+    pods(&c)
+        .delete_collection(
+            &DeleteParams::default().grace_period(0),
+            &ListParams::default(),
+        )
+        .await
+        .unwrap();
+    until("back on the device plugin", LONG, || async {
+        one_backend_each(&c).await;
+        ready_on(&c, "l4-shared", 2).await?;
+        for node in NODES {
+            if served(&c, node).await != (4, None) {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    api.delete("l4-shared", &DeleteParams::default())
+        .await
+        .unwrap();
+    op.stop().await;
+    invariants.check().await;
+}
