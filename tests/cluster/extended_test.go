@@ -10,6 +10,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -179,6 +180,51 @@ func TestExtendedResourcesAreServedThroughDRAAndFreedByTheClaimController(t *tes
 	})
 	if err != nil {
 		t.Fatalf("claim %s of the finished pod not freed, or the waiting pod not placed (pending %d): %v", claimName, len(out), err)
+	}
+
+	// Every pod finishes; then one asks for nvidia.com/gpu: 2 on the node's
+	// one GPU of 2 free shares. The generated claim asks for 2 devices of the
+	// class: 2 distinct GPUs, one share of each (never 2 shares of one GPU, as
+	// time-slicing's 2 replicas may be): unschedulable here.
+	for _, p := range in {
+		p.Status.Phase = corev1.PodSucceeded
+		if _, err := kube.CoreV1().Pods("default").UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	err = wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(context.Context) (bool, error) {
+		claims, err := kube.ResourceV1().ResourceClaims("default").List(ctx, metav1.ListOptions{})
+		return err == nil && len(claims.Items) == 0, err
+	})
+	if err != nil {
+		t.Fatalf("claims of the finished pods not freed: %v", err)
+	}
+	_, err = kube.CoreV1().Pods("default").Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "cuda-two"},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{
+			Name: "cuda", Image: "example.com/cuda:12",
+			Resources: corev1.ResourceRequirements{Limits: corev1.ResourceList{gpuResource: two}},
+		}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var two2 *corev1.Pod
+	err = wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(context.Context) (bool, error) {
+		p, err := kube.CoreV1().Pods("default").Get(ctx, "cuda-two", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		two2 = p
+		c := podCondition(p, corev1.PodScheduled)
+		return p.Spec.NodeName != "" || c != nil && c.Status == corev1.ConditionFalse, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := podCondition(two2, corev1.PodScheduled)
+	if two2.Spec.NodeName != "" || c == nil || c.Reason != corev1.PodReasonUnschedulable || !strings.Contains(c.Message, "cannot allocate all claims") {
+		t.Fatalf("cuda-two: want unschedulable (2 distinct GPUs needed, 1 exists): node %q, condition %+v", two2.Spec.NodeName, c)
 	}
 }
 
