@@ -511,6 +511,7 @@ async fn karpenter_launches_the_shared_instance_type_for_a_pod_it_could_not_plac
         &[
             "--instance-types".into(),
             table.path().display().to_string(),
+            "--dra-consumable-shares=4".into(),
         ],
     )
     .await;
@@ -675,8 +676,121 @@ async fn karpenter_launches_the_shared_instance_type_for_a_pod_it_could_not_plac
         Some(node.as_str())
     );
 
+    // A pool served by the DRA driver through extended resources (karpenter#3228): its
+    // overlay says 8 GPUs x 4 shares; the node Karpenter launches comes up on the device
+    // plugin, so Karpenter initializes its NodeClaim; its first pod runs there through the
+    // device plugin; once that pod is done the operator moves the node to the DRA driver, and
+    // the next pod is served through a generated claim.
+    testkit::apply_yaml(
+        &c,
+        &node_pool_for("dra", "dra4", &["gpu-8x"]).replace(
+            "WhenEmptyOrUnderutilized, consolidateAfter: 5s",
+            "WhenEmpty, consolidateAfter: Never",
+        ),
+    )
+    .await
+    .unwrap();
+    testkit::apply_yaml(
+        &c,
+        "apiVersion: gpusharing.io/v1alpha1\nkind: GpuSharingPolicy\nmetadata: {name: dra4}\nspec:\n  nodeSelector: {matchLabels: {gpusharing.io/profile: dra4}}\n  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n  backend: dra\n  dra: {extendedResources: true, driverFeatureGates: {ConsumableShares: true}}\n",
+    )
+    .await
+    .unwrap();
+    let o = until("the DRA pool's overlay", LONG, || async {
+        let o = overlays(&c).await;
+        o.get("gpusharing-dra4-8gpu").cloned()
+    })
+    .await;
+    assert_eq!(o["capacity"], json!({"nvidia.com/gpu": "32"}));
+    let mut first = gpu_pod("dra-first", "dra4", "nvidia.com/gpu", 1);
+    first.metadata.annotations = Some(
+        [(
+            "simulator.gpusharing.io/run-seconds".to_string(),
+            "2".to_string(),
+        )]
+        .into(),
+    );
+    pods.create(&PostParams::default(), &first).await.unwrap();
+    let dra_node = until("dra-first bound", Duration::from_secs(120), || {
+        bound_node(&c, "dra-first")
+    })
+    .await;
+    let first_bound = pods.get("dra-first").await.unwrap();
+    assert!(
+        first_bound
+            .status
+            .as_ref()
+            .and_then(|s| s.extended_resource_claim_status.as_ref())
+            .is_none(),
+        "the first pod runs through the device plugin of the fresh node"
+    );
+    until(
+        "moved to the DRA driver once initialized and idle",
+        Duration::from_secs(90),
+        || async {
+            let l = labels(&c, &dra_node).await;
+            let moved = l
+                .get("nvidia.com/gpu.deploy.dra-driver")
+                .map(String::as_str)
+                == Some("true")
+                && l.get("nvidia.com/gpu.deploy.device-plugin")
+                    .map(String::as_str)
+                    == Some("false");
+            (moved && l.get("karpenter.sh/initialized").map(String::as_str) == Some("true"))
+                .then_some(())
+        },
+    )
+    .await;
+    let st = policy_status(&c, "dra4").await.unwrap();
+    assert!(
+        st["autoscaling"]["launchedNodes"]
+            .as_str()
+            .unwrap()
+            .contains("karpenter.sh/initialized=true"),
+        "{st}"
+    );
+    pods.create(
+        &PostParams::default(),
+        &gpu_pod("dra-next", "dra4", "nvidia.com/gpu", 1),
+    )
+    .await
+    .unwrap();
+    let next = until(
+        "dra-next bound through DRA",
+        Duration::from_secs(90),
+        || async {
+            let p = pods.get("dra-next").await.ok()?;
+            let on = p.spec.as_ref()?.node_name.clone()?;
+            p.status?.extended_resource_claim_status?;
+            Some(on)
+        },
+    )
+    .await;
+    assert_eq!(next, dra_node);
+    let claim = (karpenter_api(&c, "v1", "NodeClaim", "nodeclaims").list(&Default::default()))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|n| n.data["status"]["nodeName"] == dra_node.as_str())
+        .expect("the NodeClaim of the moved node stays");
+    let initialized = (claim.data["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter())
+    .find(|c| c["type"] == "Initialized")
+    .cloned();
+    assert_eq!(
+        initialized.as_ref().map(|c| &c["status"]),
+        Some(&json!("True")),
+        "{initialized:?}"
+    );
+    pods.delete("dra-next", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+
     // Deleting the policies removes their overlays.
-    for name in ["ts4", "mig"] {
+    for name in ["ts4", "mig", "dra4"] {
         Api::<GpuSharingPolicy>::all(c.clone())
             .delete(name, &DeleteParams::default())
             .await

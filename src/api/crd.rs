@@ -931,6 +931,10 @@ pub struct AutoscalingStatus {
     /// Instance types left to another actor's overlay, and errors of the instance-type table.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conflicts: Vec<String>,
+    /// What becomes of the nodes Karpenter launches for the policy, where the overlay alone
+    /// does not say it (pools served by the DRA driver through extended resources).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launched_nodes: Option<String>,
 }
 
 /// One NodeOverlay of a policy.

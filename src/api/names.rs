@@ -169,6 +169,9 @@ pub const INSTANCE_TYPES_CONFIGMAP: &str = "gpu-sharing-instance-types";
 pub const LABEL_INSTANCE_TYPE: &str = "node.kubernetes.io/instance-type";
 /// The label Karpenter puts on a NodePool's nodes (and matches overlays on).
 pub const LABEL_NODEPOOL: &str = "karpenter.sh/nodepool";
+/// Karpenter's label on a node whose NodeClaim it initialized (Ready, startup taints gone, every
+/// resource its pods asked for registered).
+pub const LABEL_KARPENTER_INITIALIZED: &str = "karpenter.sh/initialized";
 /// The providers' GPU-count labels on Karpenter's instance types: a NodePool that pins one has
 /// nodes of that many GPUs whatever the instance type.
 pub const PROVIDER_COUNT_LABELS: [&str; 2] = [

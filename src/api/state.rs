@@ -98,6 +98,9 @@ string_enum!(
         // The policy's DeviceClass does not map its extended resource name yet (not created
         // yet, or kube-apiserver drops the field: the DRAExtendedResource feature gate is off).
         WaitingForDeviceClass,
+        // Karpenter launched the node and has not initialized it yet: it waits for the device
+        // plugin's resources, which a node moved to the DRA driver never registers.
+        WaitingForNodeInitialization,
         // The GPU Operator paused an operand's switch on the node (`paused-for-*`: a driver
         // upgrade, a MIG change): its device plugin or DRA switches wait until it resumes.
         WaitingForPausedOperands,

@@ -22,8 +22,9 @@ use serde_json::{Value, json};
 
 use crate::api::crd::{AutoscalingStatus, NodeOverlayStatus, NodePoolMatch};
 use crate::api::names::{
-    LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_NODEPOOL,
-    LABEL_POLICY, LABEL_WORKLOAD, MANAGED_BY, PROVIDER_COUNT_LABELS, PROVIDER_GPU_LABELS,
+    LABEL_GPU_COUNT, LABEL_GPU_MEMORY, LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE,
+    LABEL_KARPENTER_INITIALIZED, LABEL_NODEPOOL, LABEL_POLICY, LABEL_WORKLOAD, MANAGED_BY,
+    PROVIDER_COUNT_LABELS, PROVIDER_GPU_LABELS,
 };
 use crate::nvidia;
 
@@ -524,11 +525,12 @@ pub fn plan(
     let mut overlays = BTreeMap::new();
     let mut statuses = BTreeMap::new();
     for p in prepared {
-        if !p.errors.is_empty() || p.kind() == Kind::Dra {
+        if !p.errors.is_empty() || p.kind() == Kind::Dra && p.extended().is_none() {
             continue;
         }
         let mut st = AutoscalingStatus {
             conflicts: table_errors.clone(),
+            launched_nodes: p.extended().map(|x| launched_dra_nodes(&x.name)),
             ..Default::default()
         };
         let mut classes = Classes::new();
@@ -562,6 +564,13 @@ pub fn plan(
         statuses.insert(p.name.clone(), st);
     }
     (overlays, statuses)
+}
+
+/// What becomes of a node Karpenter launches for a pool served through extended resources.
+fn launched_dra_nodes(name: &str) -> String {
+    format!(
+        "each comes up on the device plugin, which registers {name}: Karpenter initializes a NodeClaim only once the resources its pods asked for are registered, and a node served by the DRA driver never registers them (kubernetes-sigs/karpenter#3228). The node moves to the DRA driver once Karpenter has initialized it ({LABEL_KARPENTER_INITIALIZED}=true) and no device-plugin pod runs on it. The overlay's capacity is what kube-scheduler can place through the DRA driver on a moved node: pods asking one {name} each (a pod asking k needs k distinct GPUs)"
+    )
 }
 
 /// Why no known instance type of `pool` is selected by the policy.

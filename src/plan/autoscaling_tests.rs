@@ -395,3 +395,32 @@ fn the_lowest_int32_priority_loses() {
     i = PlanInput::new(vec![low, high, zero], vec![n]);
     assert_eq!(owner(&i).as_deref(), Some("high"));
 }
+
+/// A pool served by the DRA driver through extended resources: its overlay says what
+/// kube-scheduler can place through the driver on a moved node (GPUs x shares), and the status
+/// says how launched nodes come up (on the device plugin, for Karpenter to initialize them).
+#[test]
+fn a_dra_extended_pool_gets_its_shares_and_says_how_launched_nodes_move() {
+    let dra = format!(
+        "{TS4}  backend: dra\n  dra: {{extendedResources: true, driverFeatureGates: {{ConsumableShares: true}}}}\n"
+    );
+    let i = input(
+        vec![policy_spec("ts", &dra)],
+        vec![pool("shared", &[("gpusharing.io/profile", "ts4")])],
+        TABLE,
+    );
+    let plan = plan_all(&i);
+    let o = &plan.node_overlays["gpusharing-ts-8gpu"];
+    assert_eq!(o["spec"]["capacity"], json!({"nvidia.com/gpu": "32"}));
+    let st = plan.statuses["ts"].autoscaling.clone().unwrap();
+    let why = st.launched_nodes.expect("said");
+    assert!(why.contains("karpenter.sh/initialized=true"), "{why}");
+    // A device-plugin policy's status says nothing of the kind.
+    let i = input(
+        vec![policy_spec("ts", TS4)],
+        vec![pool("shared", &[("gpusharing.io/profile", "ts4")])],
+        TABLE,
+    );
+    let st = plan_all(&i).statuses["ts"].autoscaling.clone().unwrap();
+    assert_eq!(st.launched_nodes, None);
+}

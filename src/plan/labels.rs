@@ -7,8 +7,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
 use crate::api::crd::GpuSharingPolicy;
 use crate::api::names::{
-    LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, MANAGED_ANNOTATIONS, MANAGED_LABELS,
-    PROVIDER_GPU_LABELS, SHARED_SUFFIX,
+    LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_KARPENTER_INITIALIZED, LABEL_NODEPOOL,
+    MANAGED_ANNOTATIONS, MANAGED_LABELS, PROVIDER_GPU_LABELS, SHARED_SUFFIX,
 };
 
 /// The node label prefixes the planner reads on every node: NVIDIA's (GPU Feature Discovery's,
@@ -107,6 +107,8 @@ impl LabelFilter {
         self.all
             || PLANNER_LABEL_PREFIXES.iter().any(|p| key.starts_with(p))
             || key == LABEL_INSTANCE_TYPE
+            || key == LABEL_NODEPOOL
+            || key == LABEL_KARPENTER_INITIALIZED
             || PROVIDER_GPU_LABELS.contains(&key)
             || self.keys.contains(key)
     }

@@ -1018,6 +1018,25 @@ mod tests {
         let o = step(&n, &ts[0], &idle);
         assert_eq!(switches(&o), (None, None), "{}", o.message);
     }
+
+    /// A node Karpenter launched keeps its device plugin until Karpenter initialized it: it
+    /// waits for the resources its pods asked for, which the DRA driver never registers.
+    #[test]
+    fn a_node_karpenter_launched_moves_once_karpenter_initialized_it() {
+        let hash = |_: &str| None;
+        let policies = [policy("x", EXTENDED)];
+        let ext = prepare_all(&policies, None);
+        let idle = Env::idle(100, &hash);
+        let mut n = node(&[("nvidia.com/mig.capable", "false"), (LABEL_NODEPOOL, "gpu")]);
+        n.allocatable = [("nvidia.com/gpu", "8")].into_iter().collect();
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(o.reason, Some(HoldReason::WaitingForNodeInitialization));
+        assert!(o.message.contains("NodePool gpu"), "{}", o.message);
+        assert_eq!(switches(&o), (None, None));
+        n.labels.insert(LABEL_KARPENTER_INITIALIZED, "true");
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(switches(&o).0, Some("false"), "{}", o.message);
+    }
 }
 
 /// The VM transition (`vm.rs`) as the planner runs it: through this file's [`decide`] and

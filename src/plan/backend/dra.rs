@@ -87,6 +87,26 @@ fn paused_switch(n: &NodeFacts, extended: bool) -> Option<String> {
     ))
 }
 
+/// Why a node Karpenter launched keeps its device plugin for now: Karpenter initializes its
+/// NodeClaim only once every resource the pods it launched the node for asked for is
+/// registered (kubernetes-sigs/karpenter#3228); a node the DRA driver serves never registers
+/// `nvidia.com/gpu`, so it would stay uninitialized. It moves once initialized.
+fn uninitialized(n: &NodeFacts) -> Option<String> {
+    let pool = n.labels.get(LABEL_NODEPOOL)?;
+    (n.labels.get(LABEL_KARPENTER_INITIALIZED) != Some("true")).then(|| {
+        format!(
+            "Karpenter (NodePool {pool}) has not initialized this node yet: it waits for the device plugin to register the GPUs it launched the node for, which the DRA driver never does; the node moves once {LABEL_KARPENTER_INITIALIZED}=true"
+        )
+    })
+}
+
+/// What a node of an instance type with `gpus` GPUs serves through extended resources once
+/// moved (what Karpenter's overlay says it has): `shares` pods per GPU, or one.
+pub fn type_resources(x: &ExtendedResource, gpus: i64) -> BTreeMap<String, String> {
+    let per_gpu = x.shares.unwrap_or(1);
+    [(x.name.clone(), (gpus * per_gpu).to_string())].into()
+}
+
 /// One backend per node (see the module documentation): the switches of the device plugin and
 /// of the DRA kubelet plugin that the policy's decision `d` for node `n` comes with. `busy`:
 /// pods hold device-plugin GPUs on it.
@@ -116,6 +136,9 @@ pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Dec
     // Without a class mapping the name, a node without its device plugin serves no pod.
     if let Some(why) = w.waiting.clone().filter(|_| switch && !off_already) {
         return wait(HoldReason::WaitingForDeviceClass, why);
+    }
+    if let Some(why) = uninitialized(n).filter(|_| extended && switch && !off_already) {
+        return wait(HoldReason::WaitingForNodeInitialization, why);
     }
     if switch && !off_already && busy {
         return wait(HoldReason::WaitingForIdleGPUs, busy_msg(env.gpu_pods));

@@ -78,6 +78,9 @@ pub fn type_resources(
     if w.kind() == Kind::Vm {
         return vm::type_resources(w, gpus, pci_name, sandbox);
     }
+    if let Some(x) = w.extended() {
+        return Ok(dra::type_resources(x, gpus));
+    }
     let adv = advertises(w.spec, node, base).ok_or_else(|| {
         let gpu = node.labels.get(crate::api::names::LABEL_GPU_PRODUCT);
         format!("the capacity is unknown for {}", gpu.unwrap_or("this GPU"))
