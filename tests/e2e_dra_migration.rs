@@ -536,6 +536,43 @@ async fn a_whole_gpu_pool_moves_and_takes_one_pod_per_gpu() {
             "{node}: no shares"
         );
     }
+
+    // A namespace whose quota limits requests.nvidia.com/gpu and not our class's device count
+    // is reported; limiting both clears it.
+    testkit::apply_yaml(
+        &c,
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: team-a}\n",
+    )
+    .await
+    .unwrap();
+    testkit::apply_yaml(
+        &c,
+        "apiVersion: v1\nkind: ResourceQuota\nmetadata: {name: gpu, namespace: team-a}\nspec:\n  hard: {requests.nvidia.com/gpu: \"8\"}\n",
+    )
+    .await
+    .unwrap();
+    let gaps = until("the quota gap reported", LONG, || async {
+        let s = policy_status(&c, "l4-shared").await?;
+        s["quotaGaps"].as_array().cloned()
+    })
+    .await;
+    assert_eq!(
+        gaps,
+        [json!(
+            "team-a: ResourceQuota gpu limits requests.nvidia.com/gpu but not gpusharing-nvidia.com-gpu.deviceclass.resource.k8s.io/devices (ResourceClaims written against the class are not limited by it)"
+        )]
+    );
+    testkit::apply_yaml(
+        &c,
+        "apiVersion: v1\nkind: ResourceQuota\nmetadata: {name: gpu, namespace: team-a}\nspec:\n  hard: {requests.nvidia.com/gpu: \"8\", gpusharing-nvidia.com-gpu.deviceclass.resource.k8s.io/devices: \"8\"}\n",
+    )
+    .await
+    .unwrap();
+    until("no quota gap", LONG, || async {
+        let s = policy_status(&c, "l4-shared").await?;
+        s.get("quotaGaps").is_none().then_some(())
+    })
+    .await;
     for i in 0..9 {
         pods(&c)
             .create(

@@ -3860,6 +3860,7 @@ enum Change {
     DemandIgnored,
     DeviceClasses(u8),
     SlicesUnreadable,
+    Quotas,
     // Settings and Memory.
     PauseRollouts,
     ConfigMapNames,
@@ -3915,6 +3916,7 @@ fn change_gen() -> impl Strategy<Value = Change> {
         Just(Change::DemandIgnored),
         (0u8..4).prop_map(Change::DeviceClasses),
         Just(Change::SlicesUnreadable),
+        Just(Change::Quotas),
         Just(Change::PauseRollouts),
         Just(Change::ConfigMapNames),
         n.clone().prop_map(Change::EvictionBlocked),
@@ -4060,6 +4062,13 @@ fn change(i: &mut PlanInput, c: &Change) {
             }
         }
         Change::SlicesUnreadable => i.cluster.slices_unreadable ^= true,
+        Change::Quotas => {
+            i.cluster.quotas = Some(vec![gpu_sharing_operator::plan::input::QuotaFact {
+                namespace: "t".into(),
+                name: "gpu".into(),
+                hard: ["requests.nvidia.com/gpu".to_string()].into(),
+            }])
+        }
         Change::GpuCluster => {
             i.cluster.gpu_cluster = match i.cluster.gpu_cluster {
                 Some(_) => None,
@@ -4178,6 +4187,7 @@ fn every_input_has_a_change(i: &PlanInput) {
         demand_ignored: _,        // DemandIgnored
         device_classes: _,        // DeviceClasses
         slices_unreadable: _,     // SlicesUnreadable
+        quotas: _,                // Quotas
     } = cluster;
     let Settings {
         device_configmap: _, // ConfigMapNames

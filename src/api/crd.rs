@@ -793,6 +793,13 @@ pub struct GpuSharingPolicyStatus {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub served_by: BTreeMap<String, i32>,
 
+    /// Namespaces whose ResourceQuota limits one of the two names a GPU request of this policy
+    /// is counted under and not the other (`requests.<name>` and our DeviceClass's
+    /// `<class>.deviceclass.resource.k8s.io/devices`; KEP-5004 asks quotas to cover both). For
+    /// policies with `dra.extendedResources`; at most 10, then a count.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quota_gaps: Vec<String>,
+
     /// mig-parted layout the nodes are labelled with (MIG only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_config: Option<String>,

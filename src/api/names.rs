@@ -169,6 +169,8 @@ pub const INSTANCE_TYPES_CONFIGMAP: &str = "gpu-sharing-instance-types";
 pub const LABEL_INSTANCE_TYPE: &str = "node.kubernetes.io/instance-type";
 /// The label Karpenter puts on a NodePool's nodes (and matches overlays on).
 pub const LABEL_NODEPOOL: &str = "karpenter.sh/nodepool";
+/// The suffix of a DeviceClass's device-count quota (`<class>.deviceclass.resource.k8s.io/devices`).
+pub const DEVICE_CLASS_QUOTA_SUFFIX: &str = ".deviceclass.resource.k8s.io/devices";
 /// Karpenter's label on a node whose NodeClaim it initialized (Ready, startup taints gone, every
 /// resource its pods asked for registered).
 pub const LABEL_KARPENTER_INITIALIZED: &str = "karpenter.sh/initialized";

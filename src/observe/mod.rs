@@ -11,6 +11,7 @@
 //! - [`claims`]: allocated DRA claims, by node.
 //! - [`slices`]: what NVIDIA's DRA driver publishes, by node.
 //! - [`classes`]: DeviceClasses that map extended resource names.
+//! - [`quotas`]: ResourceQuotas limiting GPU requests.
 //! - [`gpu_operator`]: the ClusterPolicy in force, its settings, NVIDIA's ConfigMaps.
 //! - [`karpenter`]: Karpenter's NodePools and NodeOverlays, when served.
 
@@ -21,6 +22,7 @@ pub mod karpenter;
 pub mod managed;
 pub mod node;
 pub mod pods;
+pub mod quotas;
 pub mod slices;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -56,6 +58,8 @@ pub struct ClusterView<'a> {
     pub slices: Option<Vec<&'a ResourceSlice>>,
     /// DeviceClasses; `None` when they cannot be read.
     pub device_classes: Option<Vec<&'a DeviceClass>>,
+    /// ResourceQuotas; `None` when they cannot be read.
+    pub quotas: Option<Vec<&'a k8s_openapi::api::core::v1::ResourceQuota>>,
     /// Every ClusterPolicy; `None` when there is no cluster to ask (`render`): then the
     /// ClusterPolicy is assumed to be there and to serve VM policies (vGPU Manager on).
     pub cluster_policies: Option<Vec<&'a DynamicObject>>,
@@ -111,6 +115,7 @@ pub fn plan_input(view: ClusterView, settings: &Settings, memory: Memory) -> Pla
         demand: view.demand,
         demand_ignored: view.demand_ignored,
         device_classes: view.device_classes.map(classes::facts),
+        quotas: view.quotas.map(quotas::facts),
         ..Default::default()
     };
     if let Some(base) = gpu_operator::vgpu_configs(cm(DEFAULT_VGPU_CONFIGMAP)) {

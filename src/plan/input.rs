@@ -262,6 +262,9 @@ pub struct ClusterFacts {
     /// NVIDIA's DRA driver's ResourceSlices cannot be read (then no policy may use extended
     /// resources).
     pub slices_unreadable: bool,
+    /// ResourceQuotas that limit a GPU request's names, by namespace and name; `None` when they
+    /// cannot be read.
+    pub quotas: Option<Vec<QuotaFact>>,
 }
 
 /// A DeviceClass with `spec.extendedResourceName`: which name it maps, and whether it is ours.
@@ -273,6 +276,15 @@ pub struct DeviceClassFact {
     pub extended_resource_name: Option<String>,
     /// It carries our managed-by label.
     pub ours: bool,
+}
+
+/// A ResourceQuota limiting GPU requests: the keys of its hard limits that name NVIDIA's
+/// extended resources (`requests.nvidia.com/...`) or a DeviceClass's device count.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct QuotaFact {
+    pub namespace: String,
+    pub name: String,
+    pub hard: std::collections::BTreeSet<String>,
 }
 
 /// What NVIDIA's DRA driver publishes for one node (its `gpu.nvidia.com` ResourceSlices):
@@ -310,6 +322,7 @@ impl Default for ClusterFacts {
             demand_ignored: Vec::new(),
             device_classes: Some(Vec::new()),
             slices_unreadable: false,
+            quotas: Some(Vec::new()),
         }
     }
 }

@@ -52,6 +52,7 @@ impl<'a> NodeCluster<'a> {
             demand_ignored: _,    // statuses
             device_classes: _,    // through the prepared policies (dra::extended_conflicts)
             slices_unreadable: _, // through the prepared policies (dra::extended_conflicts)
+            quotas: _,            // statuses
         } = c;
         NodeCluster {
             custom_layouts: prepared

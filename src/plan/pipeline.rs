@@ -378,6 +378,7 @@ fn cluster_of(input: &PlanInput) -> Cluster<'_> {
         gpu_operator_namespace_missing: input.memory.gpu_operator_namespace_missing.as_deref(),
         fence: input.memory.fence.as_ref(),
         refused: &input.memory.refused_writes,
+        quotas: c.quotas.as_deref(),
     }
 }
 

@@ -85,6 +85,8 @@ pub struct Cluster<'a> {
     pub fence: Option<&'a super::input::Fence>,
     /// Writes the API server refused (see [`refused_for`]).
     pub refused: &'a [RefusedWrite],
+    /// ResourceQuotas limiting GPU requests, when they can be read.
+    pub quotas: Option<&'a [super::input::QuotaFact]>,
 }
 
 /// At most this many refused writes on a status.
@@ -551,6 +553,9 @@ pub fn status(p: &Prepared, t: Tally, place: Placement, c: &Cluster) -> GpuShari
             .filter(|_| t.served_by_shown)
             .map(|(k, v)| (k.to_string(), *v))
             .collect(),
+        quota_gaps: (p.extended().zip(c.quotas))
+            .map(|(x, q)| super::backend::dra::quota_gaps(x, q))
+            .unwrap_or_default(),
         mig_config: p
             .mig()
             .filter(|_| p.errors.is_empty())

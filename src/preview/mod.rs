@@ -9,7 +9,7 @@ pub mod report;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod, ResourceQuota};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DynamicObject, ListParams};
 use kube::{Client, ResourceExt};
@@ -114,10 +114,7 @@ async fn optional<T>(
 
 /// What the DRA backend reads: ResourceClaims, NVIDIA's DRA driver's ResourceSlices and the
 /// DeviceClasses; each assumed absent when it cannot be listed.
-async fn dra_objects(
-    client: &Client,
-    assumptions: &mut Vec<String>,
-) -> Result<(Vec<ResourceClaim>, Vec<ResourceSlice>, Vec<DeviceClass>), Error> {
+async fn dra_objects(client: &Client, assumptions: &mut Vec<String>) -> Result<DraObjects, Error> {
     let lp = ListParams::default();
     let claims = optional(
         "ResourceClaims",
@@ -147,8 +144,24 @@ async fn dra_objects(
     .await?
     .map(|l| l.items)
     .unwrap_or_default();
-    Ok((claims, slices, device_classes))
+    let quotas = optional(
+        "ResourceQuotas",
+        "no quota gap is reported",
+        assumptions,
+        Api::<ResourceQuota>::all(client.clone()).list(&lp),
+    )
+    .await?
+    .map(|l| l.items);
+    Ok((claims, slices, device_classes, quotas))
 }
+
+/// ResourceClaims, ResourceSlices, DeviceClasses and ResourceQuotas (`None`: not readable).
+type DraObjects = (
+    Vec<ResourceClaim>,
+    Vec<ResourceSlice>,
+    Vec<DeviceClass>,
+    Option<Vec<ResourceQuota>>,
+);
 
 /// The GPU Operator's `GPUCluster` objects (group `nvidia.com`, any version, found through
 /// discovery), by name; none when the kind is not served.
@@ -293,7 +306,7 @@ pub async fn snapshot(
     .await?
     .map(|l| l.items)
     .unwrap_or_default();
-    let (claims, slices, device_classes) = dra_objects(client, &mut assumptions).await?;
+    let (claims, slices, device_classes, quotas) = dra_objects(client, &mut assumptions).await?;
     let gpu_clusters = gpu_clusters(client, &mut assumptions).await?;
     let namespaces = optional(
         "namespaces",
@@ -316,6 +329,7 @@ pub async fn snapshot(
         claims: claims.iter().collect(),
         slices: Some(slices.iter().collect()),
         device_classes: Some(device_classes.iter().collect()),
+        quotas: quotas.as_ref().map(|q| q.iter().collect()),
         cluster_policies: Some(cluster_policies.iter().collect()),
         gpu_clusters,
         configmaps,

@@ -96,6 +96,7 @@ impl Context {
             .map(|(pools, overlays)| (pools.state(), overlays.state()));
         let slices = self.caches.slices.as_ref().map(|s| s.state());
         let device_classes = self.caches.device_classes.as_ref().map(|s| s.state());
+        let quotas = self.caches.quotas.as_ref().map(|s| s.state());
         let view = ClusterView {
             policies,
             nodes,
@@ -103,10 +104,9 @@ impl Context {
             demand: admitted.pods,
             demand_ignored: admitted.ignored,
             claims: claims.iter().map(|c| &**c).collect(),
-            slices: (slices.as_ref()).map(|s| s.iter().map(|s| &**s).collect()),
-            device_classes: device_classes
-                .as_ref()
-                .map(|c| c.iter().map(|c| &**c).collect()),
+            slices: refs(&slices),
+            device_classes: refs(&device_classes),
+            quotas: refs(&quotas),
             cluster_policies: Some(cluster_policies.iter().map(|c| &**c).collect()),
             gpu_clusters: self
                 .caches
@@ -181,4 +181,9 @@ impl Context {
         let active = observe::gpu_operator::active_cluster_policy(all.iter().map(|c| &**c))?;
         all.iter().find(|c| std::ptr::eq(&***c, active)).cloned()
     }
+}
+
+/// The objects of a cache's snapshot (`None`: no cache), by reference.
+fn refs<K>(state: &Option<Vec<Arc<K>>>) -> Option<Vec<&K>> {
+    state.as_ref().map(|s| s.iter().map(|o| &**o).collect())
 }

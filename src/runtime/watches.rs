@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::{StreamExt, TryStreamExt, stream};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod, ResourceQuota};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
@@ -79,6 +79,9 @@ pub struct Caches {
     /// DeviceClasses, stripped to what [`crate::observe::classes`] reads, when they can be
     /// listed (without them no policy may serve extended resources).
     pub device_classes: Option<Store<DeviceClass>>,
+    /// ResourceQuotas, stripped to their GPU keys ([`crate::observe::quotas`]), when they can be
+    /// listed: the quota report of extended-resource policies.
+    pub quotas: Option<Store<ResourceQuota>>,
     /// The GPU Operator's DRA-only `GPUCluster` objects, when that kind is served.
     pub gpu_clusters: Option<Store<DynamicObject>>,
     /// Karpenter's NodePools and every NodeOverlay (ours and others'), when the NodeOverlay
@@ -110,6 +113,9 @@ impl Caches {
             c.wait_until_ready().await.ok();
         }
         if let Some(c) = &self.device_classes {
+            c.wait_until_ready().await.ok();
+        }
+        if let Some(c) = &self.quotas {
             c.wait_until_ready().await.ok();
         }
         if let Some(c) = &self.gpu_clusters {
@@ -249,7 +255,7 @@ pub async fn start(
     let claim_templates = claim_template_watch(client, &mut streams).await;
     let namespaces = namespace_watch(client, &mut streams).await;
     let claims = claim_watch(client, &mut streams).await;
-    let (slices, device_classes) = extended_resource_watches(client, &mut streams).await;
+    let (slices, device_classes, quotas) = extended_resource_watches(client, &mut streams).await;
     let gpu_clusters = gpu_cluster_watch(client, &mut streams).await;
     let karpenter = karpenter_watch(client, &mut streams).await;
     let cluster_policies = if cluster_policy_served {
@@ -293,6 +299,7 @@ pub async fn start(
         claims,
         slices,
         device_classes,
+        quotas,
         gpu_clusters,
         karpenter,
     };
@@ -376,11 +383,16 @@ async fn claim_watch(client: &Client, streams: &mut Streams) -> Option<Store<Res
     .await
 }
 
-/// NVIDIA's DRA driver's ResourceSlices and the DeviceClasses: what DRA extended resources read.
+/// NVIDIA's DRA driver's ResourceSlices, the DeviceClasses and the ResourceQuotas: what DRA
+/// extended resources read.
 async fn extended_resource_watches(
     client: &Client,
     streams: &mut Streams,
-) -> (Option<Store<ResourceSlice>>, Option<Store<DeviceClass>>) {
+) -> (
+    Option<Store<ResourceSlice>>,
+    Option<Store<DeviceClass>>,
+    Option<Store<ResourceQuota>>,
+) {
     let slices = stripped_watch(
         Api::<ResourceSlice>::all(client.clone()),
         watcher::Config::default().fields(&crate::observe::slices::field_selector()),
@@ -397,7 +409,15 @@ async fn extended_resource_watches(
         streams,
     )
     .await;
-    (slices, device_classes)
+    let quotas = stripped_watch(
+        Api::<ResourceQuota>::all(client.clone()),
+        watcher::Config::default(),
+        crate::observe::quotas::strip,
+        "cannot list ResourceQuotas: policies with dra.extendedResources report no quota gaps",
+        streams,
+    )
+    .await;
+    (slices, device_classes, quotas)
 }
 
 /// A watch of `api` kept in a store after `strip`, when it can be listed (else `None`, with the

@@ -24,7 +24,7 @@ use crate::nvidia::state::{GfdReport, NOT_DEPLOYED, deployed};
 use crate::plan::backing::ExtendedResource;
 use crate::plan::decision::{Decision, Env, busy_msg, gfd_not_reported, some_of, wait};
 use crate::plan::facts::NodeFacts;
-use crate::plan::input::DeviceClassFact;
+use crate::plan::input::{DeviceClassFact, QuotaFact};
 use crate::plan::policies::Prepared;
 
 /// We switched the node's device plugin off (and it still is).
@@ -383,6 +383,51 @@ pub fn device_classes(
         .collect()
 }
 
+/// The most quota gaps a status lists.
+const MAX_QUOTA_GAPS: usize = 10;
+
+/// Namespaces whose ResourceQuotas limit one of the two names a pod's GPU request through `x`
+/// is counted under, and not the other: `requests.<name>` (the pod's request, whichever backend
+/// serves it) and our class's device count (the generated claims, and claims of the class).
+/// A quota on the request alone leaves claims written against our class unlimited where
+/// kube-apiserver does not map the class to the name; one on the device count alone leaves the
+/// pods on nodes still served by the device plugin unlimited.
+pub fn quota_gaps(x: &ExtendedResource, quotas: &[QuotaFact]) -> Vec<String> {
+    let request = format!("requests.{}", x.name);
+    let devices = format!("{}{DEVICE_CLASS_QUOTA_SUFFIX}", device_class_name(&x.name));
+    let mut by_namespace: BTreeMap<&str, (Vec<&str>, bool, bool)> = BTreeMap::new();
+    for q in quotas {
+        let (r, d) = (q.hard.contains(&request), q.hard.contains(&devices));
+        if r || d {
+            let e = by_namespace.entry(&q.namespace).or_default();
+            e.0.push(&q.name);
+            e.1 |= r;
+            e.2 |= d;
+        }
+    }
+    let gaps: Vec<String> = by_namespace
+        .into_iter()
+        .filter(|(_, (_, r, d))| r != d)
+        .map(|(ns, (names, r, _))| {
+            let (has, lacks, unlimited) = if r {
+                (&request, &devices, "ResourceClaims written against the class")
+            } else {
+                (&devices, &request, "pods on nodes the device plugin still serves")
+            };
+            format!(
+                "{ns}: ResourceQuota {} limits {has} but not {lacks} ({unlimited} are not limited by it)",
+                names.join(", ")
+            )
+        })
+        .collect();
+    let more = gaps.len().saturating_sub(MAX_QUOTA_GAPS);
+    let mut out: Vec<String> = gaps.into_iter().take(MAX_QUOTA_GAPS).collect();
+    if more > 0 {
+        out.push(format!("and {more} more namespaces"));
+    }
+    out
+}
+
 /// What decides the extended-resource policies cluster-wide.
 pub struct ClusterDra<'a> {
     /// DeviceClasses that map a name, and ours; `None`: they cannot be read.
@@ -687,6 +732,48 @@ mod tests {
                 .unwrap()
                 .contains("GPUCluster cluster")
         );
+    }
+
+    /// A namespace whose quotas limit a GPU request under one of its two names only is
+    /// reported, saying what is left unlimited; both (in one quota or two) is no gap.
+    #[test]
+    fn quotas_covering_one_of_the_two_names_are_reported() {
+        let x = ExtendedResource {
+            name: "nvidia.com/gpu".into(),
+            shares: Some(4),
+        };
+        let q = |ns: &str, name: &str, keys: &[&str]| QuotaFact {
+            namespace: ns.into(),
+            name: name.into(),
+            hard: keys.iter().map(|k| k.to_string()).collect(),
+        };
+        let devices = "gpusharing-nvidia.com-gpu.deviceclass.resource.k8s.io/devices";
+        let quotas = [
+            q("both", "a", &["requests.nvidia.com/gpu"]),
+            q("both", "b", &[devices]),
+            q("requests-only", "gpu", &["requests.nvidia.com/gpu"]),
+            q("devices-only", "gpu", &[devices]),
+            q("other", "mig", &["requests.nvidia.com/mig-1g.10gb"]),
+        ];
+        let gaps = quota_gaps(&x, &quotas);
+        assert_eq!(gaps.len(), 2, "{gaps:?}");
+        assert!(
+            gaps[0].starts_with("devices-only: ResourceQuota gpu limits gpusharing-")
+                && gaps[0].contains("pods on nodes the device plugin still serves"),
+            "{gaps:?}"
+        );
+        assert!(
+            gaps[1].starts_with(
+                "requests-only: ResourceQuota gpu limits requests.nvidia.com/gpu but not"
+            ) && gaps[1].contains("ResourceClaims written against the class"),
+            "{gaps:?}"
+        );
+        let many: Vec<QuotaFact> = (0..12)
+            .map(|i| q(&format!("ns-{i:02}"), "gpu", &["requests.nvidia.com/gpu"]))
+            .collect();
+        let gaps = quota_gaps(&x, &many);
+        assert_eq!(gaps.len(), 11);
+        assert_eq!(gaps[10], "and 2 more namespaces");
     }
 
     #[test]
