@@ -342,6 +342,28 @@ async fn a_time_sliced_pool_moves_to_dra_extended_resources_under_the_scheduler_
         (0..4).map(|i| (format!("gpu-{i}"), 4)).collect(),
         "exactly 4 pods per GPU"
     );
+    // The simulated kubelet starts them once NVIDIA's DRA kubelet plugin prepared their claims
+    // (allocated on this node, reserved for the pod, devices it published).
+    until(
+        "the DRA-served pods running, their claims prepared",
+        LONG,
+        || async {
+            let p = placed(&c).await;
+            let ok = p.get(NODES[0])?.iter().all(|p| {
+                let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+                let claim = (p.status.as_ref())
+                    .and_then(|s| s.extended_resource_claim_status.as_ref())
+                    .map(|x| x.resource_claim_name.clone());
+                let prepared = p.annotations().get("simulator.gpusharing.io/dra-prepared");
+                running
+                    && claim
+                        .zip(prepared)
+                        .is_some_and(|(c, v)| v.starts_with(&format!("{c}=gpu-")))
+            });
+            ok.then_some(())
+        },
+    )
+    .await;
     pods(&c)
         .create(&PostParams::default(), &gpu_pod("one-too-many", None))
         .await

@@ -631,6 +631,10 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) (
 	case run.Running:
 		return run.After, nil
 	}
+	pod, wait, err := s.prepareDRA(ctx, pod)
+	if pod == nil || wait > 0 || err != nil {
+		return wait, err
+	}
 	p, wait, err := s.admitDevices(ctx, pods, pod)
 	if p == nil || wait > 0 || err != nil {
 		return wait, err
@@ -650,6 +654,59 @@ func (s *simulator) kubelet(ctx context.Context, pods cache.Store, key string) (
 		return 0, nil
 	}
 	return sim.PodRun(p, time.Now()).After, err
+}
+
+// prepareDRA is the kubelet asking NVIDIA's DRA kubelet plugin to prepare
+// a pod's claims before it starts (NodePrepareResources): each claim is
+// checked as the plugin and the kubelet check it (sim.PrepareClaim) against
+// the ResourceSlice the plugin published for the node; the prepared devices
+// are recorded on the pod (sim.AnnDRAPrepared). A claim that cannot be
+// prepared keeps the pod from starting (retried every second, as the
+// kubelet's FailedPrepareDynamicResources). Returns the pod to go on with
+// (nil: gone), or how long to wait.
+func (s *simulator) prepareDRA(ctx context.Context, pod *corev1.Pod) (*corev1.Pod, time.Duration, error) {
+	claims := sim.PodClaimNames(pod)
+	if len(claims) == 0 || pod.Annotations[sim.AnnDRAPrepared] != "" {
+		return pod, 0, nil
+	}
+	obj, ok, _ := s.nodes.GetByKey(pod.Spec.NodeName)
+	if !ok && s.tableNodes != nil {
+		obj, ok, _ = s.tableNodes.GetByKey(pod.Spec.NodeName)
+	}
+	if !ok {
+		return pod, 0, nil
+	}
+	node := obj.(*corev1.Node)
+	n := &sim.Node{Name: node.Name, Labels: node.Labels, Annotations: node.Annotations}
+	var published []resourcev1.Device
+	slice, err := s.res.ResourceSlices().Get(ctx, sim.DRASliceName(node.Name), metav1.GetOptions{})
+	if err == nil {
+		published = slice.Spec.Devices
+	} else if !apierrors.IsNotFound(err) {
+		return nil, 0, err
+	}
+	prepared := map[string][]string{}
+	for _, name := range claims {
+		claim, err := s.res.ResourceClaims(pod.Namespace).Get(ctx, name, metav1.GetOptions{})
+		if err == nil {
+			prepared[name], err = sim.PrepareClaim(claim, pod, n, published)
+		}
+		if err != nil {
+			s.logOnce(node.Name, fmt.Sprintf("kubelet: pod %s/%s: FailedPrepareDynamicResources: %v", pod.Namespace, pod.Name, err))
+			return nil, time.Second, nil
+		}
+	}
+	value := sim.PreparedValue(prepared)
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{sim.AnnDRAPrepared: value}}})
+	out, err := s.core.Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{FieldManager: fieldManager})
+	if apierrors.IsNotFound(err) {
+		return nil, 0, nil
+	}
+	if err != nil {
+		return nil, 0, err
+	}
+	log.Printf("pod %s/%s: DRA claims prepared: %s (kubelet plugin)", pod.Namespace, pod.Name, value)
+	return out, 0, nil
 }
 
 // admitDevices is the kubelet's device manager admitting a pod that asks
