@@ -68,6 +68,21 @@ async fn one_backend_each(c: &kube::Client) {
     }
 }
 
+/// The operator started, both L4 nodes labelled for the pool, `policy` applied and applied on
+/// both through the device plugin.
+async fn start_on_the_device_plugin(c: &kube::Client, policy: &str) -> Operator {
+    let op = Operator::start(c.clone(), Some(NS));
+    for node in NODES {
+        label_node(c, node, "gpusharing.io/profile", Some("l4-shared")).await;
+    }
+    testkit::apply_yaml(c, policy).await.unwrap();
+    until("served by the device plugin", LONG, || {
+        ready_on(c, "l4-shared", 2)
+    })
+    .await;
+    op
+}
+
 async fn class(c: &kube::Client, name: &str) -> Option<DeviceClass> {
     Api::<DeviceClass>::all(c.clone())
         .get_opt(name)
@@ -168,15 +183,7 @@ async fn a_time_sliced_pool_moves_to_dra_extended_resources_under_the_scheduler_
         .create(&PostParams::default(), &chart)
         .await
         .unwrap();
-    let op = Operator::start(c.clone(), Some(NS));
-    for node in NODES {
-        label_node(&c, node, "gpusharing.io/profile", Some("l4-shared")).await;
-    }
-    testkit::apply_yaml(&c, DEVICE_PLUGIN_POLICY).await.unwrap();
-    until("served by the device plugin", LONG, || {
-        ready_on(&c, "l4-shared", 2)
-    })
-    .await;
+    let op = start_on_the_device_plugin(&c, DEVICE_PLUGIN_POLICY).await;
     for node in NODES {
         assert_eq!(
             served(&c, node).await,
@@ -452,15 +459,7 @@ async fn without_the_extended_resource_gate_no_node_moves_and_the_status_names_i
         setup_with_simulator(gate_off, &["--dra-consumable-shares=4".to_string()]).await;
     let invariants = g.invariants();
     let c = cluster.client.clone();
-    let op = Operator::start(c.clone(), Some(NS));
-    for node in NODES {
-        label_node(&c, node, "gpusharing.io/profile", Some("l4-shared")).await;
-    }
-    testkit::apply_yaml(&c, DEVICE_PLUGIN_POLICY).await.unwrap();
-    until("served by the device plugin", LONG, || {
-        ready_on(&c, "l4-shared", 2)
-    })
-    .await;
+    let op = start_on_the_device_plugin(&c, DEVICE_PLUGIN_POLICY).await;
     let to_dra = json!({"spec": {"backend": "dra", "dra": {"extendedResources": true,
         "driverFeatureGates": {"ConsumableShares": true}}}});
     Api::<GpuSharingPolicy>::all(c.clone())
@@ -527,19 +526,11 @@ async fn a_whole_gpu_pool_moves_and_takes_one_pod_per_gpu() {
     .await;
     let invariants = g.invariants();
     let c = cluster.client.clone();
-    let op = Operator::start(c.clone(), Some(NS));
-    for node in NODES {
-        label_node(&c, node, "gpusharing.io/profile", Some("l4-shared")).await;
-    }
     let exclusive = DEVICE_PLUGIN_POLICY.replace(
         "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n",
         "  strategy: exclusive\n",
     );
-    testkit::apply_yaml(&c, &exclusive).await.unwrap();
-    until("exclusive through the device plugin", LONG, || {
-        ready_on(&c, "l4-shared", 2)
-    })
-    .await;
+    let op = start_on_the_device_plugin(&c, &exclusive).await;
     let api: Api<GpuSharingPolicy> = Api::all(c.clone());
     let to_dra = json!({"spec": {"backend": "dra", "dra": {"extendedResources": true}}});
     api.patch("l4-shared", &PatchParams::default(), &Patch::Merge(&to_dra))
