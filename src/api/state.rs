@@ -77,6 +77,20 @@ string_enum!(
     }
 );
 
+impl HoldReason {
+    /// A wait that a drain ends (pods hold the node): under `disruption.mode: drain` the node
+    /// is cordoned and its pods evicted. Not a wait for a class, for Karpenter or for the GPU
+    /// Operator to resume an operand: evicting pods changes none of those.
+    pub fn ended_by_drain(self) -> bool {
+        !matches!(
+            self,
+            HoldReason::WaitingForDeviceClass
+                | HoldReason::WaitingForNodeInitialization
+                | HoldReason::WaitingForPausedOperands
+        )
+    }
+}
+
 impl NodeState {
     /// The policy cannot run on the node as it is, which is left as it was (`Rejected`,
     /// `Invalid`).

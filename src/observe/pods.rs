@@ -55,10 +55,20 @@ pub fn strip_bound(p: &mut Pod) {
     strip_common(p);
     p.status = p.status.take().map(|s| PodStatus {
         start_time: s.start_time,
+        // Which NVIDIA resources the claim serves (see `served_by_dra`), nothing else of them.
         extended_resource_claim_status: s.extended_resource_claim_status.map(|e| {
             k8s_openapi::api::core::v1::PodExtendedResourceClaimStatus {
                 resource_claim_name: e.resource_claim_name,
-                request_mappings: Vec::new(),
+                request_mappings: (e.request_mappings.into_iter())
+                    .filter(|m| is_device_plugin_resource(&m.resource_name))
+                    .take(MAX_MAPPINGS)
+                    .map(
+                        |m| k8s_openapi::api::core::v1::ContainerExtendedResourceRequest {
+                            resource_name: m.resource_name,
+                            ..Default::default()
+                        },
+                    )
+                    .collect(),
             }
         }),
         ..Default::default()
@@ -124,14 +134,22 @@ pub fn uses_gpu(p: &Pod) -> bool {
     resources(p).any(|k| is_device_plugin_resource(k))
 }
 
-/// Whether kube-scheduler served the pod's extended resources through DRA (KEP-5004): it set
-/// `status.extendedResourceClaimStatus`, naming the claim it created. Such a pod holds no
-/// device-plugin GPU: its GPUs are that claim's (see [`super::claims`]).
+/// Whether kube-scheduler served every NVIDIA resource the pod asks for through DRA (KEP-5004):
+/// `status.extendedResourceClaimStatus` names the claim it created and maps each of them to
+/// one of its requests. Such a pod holds no device-plugin GPU: its GPUs are that claim's (see
+/// [`super::claims`]). A pod whose claim serves another resource (a NIC through another
+/// driver's class) while it asks the device plugin for a GPU holds a device-plugin GPU.
 pub fn served_by_dra(p: &Pod) -> bool {
-    p.status
-        .as_ref()
-        .is_some_and(|s| s.extended_resource_claim_status.is_some())
+    let Some(x) = (p.status.as_ref()).and_then(|s| s.extended_resource_claim_status.as_ref())
+    else {
+        return false;
+    };
+    let mapped = |r: &str| x.request_mappings.iter().any(|m| m.resource_name == r);
+    gpu_requests(p).keys().all(|r| mapped(r))
 }
+
+/// The most request mappings a bound pod keeps (one per container and NVIDIA resource).
+const MAX_MAPPINGS: usize = 64;
 
 /// Whether a pod asks for a resource of NVIDIA's sandbox device plugin (a VM's GPU or vGPU:
 /// `nvidia.com/<PCI device name>` or `nvidia.com/<mdev type>`, as KubeVirt's virt-launcher pods
@@ -537,6 +555,24 @@ mod tests {
         assert!(served_by_dra(&p));
         let read = gpu_pods([&p]);
         assert!(read.gpu_pods.is_empty() && read.requests.is_empty());
+        // The claim serves another resource only (a NIC through another driver's class):
+        // the GPU is the device plugin's.
+        let mut nic = p.clone();
+        nic.status
+            .as_mut()
+            .unwrap()
+            .extended_resource_claim_status
+            .as_mut()
+            .unwrap()
+            .request_mappings[0]
+            .resource_name = "example.com/nic".into();
+        assert!(!served_by_dra(&nic));
+        let mut stripped = nic.clone();
+        strip_bound(&mut stripped);
+        assert!(!served_by_dra(&stripped));
+        let mut stripped = p.clone();
+        strip_bound(&mut stripped);
+        assert!(served_by_dra(&stripped));
         // What a drain of a node leaving the DRA driver evicts, with what neverEvict reads.
         let id = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
         assert_eq!(read.dra_pods["n"], std::slice::from_ref(&id));

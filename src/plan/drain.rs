@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use crate::api::names::ANNOTATION_CORDONED;
 use crate::api::state::NodeState;
 
+use super::decision::some_of;
 use super::input::PlanInput;
 use super::node::Entry;
 use super::policies::Prepared;
@@ -54,7 +55,9 @@ pub fn drain_nodes(
         }
         let owned = view.owned_annotations.contains(ANNOTATION_CORDONED)
             && view.annotations.get(ANNOTATION_CORDONED).is_some();
-        let draining = w.drains_node(view) && e.outcome.state == Some(NodeState::Waiting);
+        let draining = w.drains_node(view)
+            && e.outcome.state == Some(NodeState::Waiting)
+            && e.outcome.reason.is_none_or(|r| r.ended_by_drain());
         if owned || draining && !view.foreign_cordon {
             e.outcome
                 .to_mut()
@@ -70,7 +73,7 @@ pub fn drain_nodes(
             o.reason = None;
             o.message = format!(
                 "cordoned (reserved for demand); waiting for its GPU pods to finish: {}",
-                protected.join(", ")
+                some_of(&protected)
             );
             continue;
         }
@@ -78,14 +81,14 @@ pub fn drain_nodes(
             .iter()
             .filter_map(|p| Some(format!("{p}: {}", input.memory.eviction_blocked.get(p)?)))
             .collect();
-        let mut msg = format!("cordoned; evicting {}", evict.join(", "));
+        let mut msg = format!("cordoned; evicting {}", some_of(&evict));
         if !blocked.is_empty() {
-            msg.push_str(&format!("; blocked: {}", blocked.join("; ")));
+            msg.push_str(&format!("; blocked: {}", some_of(&blocked)));
         }
         if !protected.is_empty() {
             msg.push_str(&format!(
                 "; protected by disruption.neverEvict (waiting for them to finish): {}",
-                protected.join(", ")
+                some_of(&protected)
             ));
         }
         let o = e.outcome.to_mut();

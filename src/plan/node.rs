@@ -995,6 +995,13 @@ mod tests {
         n.owned.remove(LABEL_DEPLOY_DRA_DRIVER);
         let o = step(&n, &ext[0], &idle);
         assert_eq!(o.reason, Some(HoldReason::WaitingForPausedOperands));
+        // Resumed: the GPU Operator's update put true back and holds the label; the next pass
+        // applies true again, so the switch is ours once more (shared, no value changes).
+        n.labels.insert(LABEL_DEPLOY_DRA_DRIVER, "true");
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(switches(&o), (Some("false"), Some("true")), "{}", o.message);
+        n.labels
+            .insert(LABEL_DEPLOY_DRA_DRIVER, "paused-for-driver-upgrade");
         // Released meanwhile: the pause is not written over, and the device plugin stays off.
         let o = outcome(&n, None, &idle, Decision::Release);
         assert_eq!(switches(&o), (Some("false"), None), "{}", o.message);

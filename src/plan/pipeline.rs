@@ -555,6 +555,32 @@ mod tests {
         assert_eq!(degraded, Some(crate::api::state::Reason::WriteRefused));
     }
 
+    /// Under `disruption.mode: drain`, a node waiting for something evictions cannot bring
+    /// (here: our DeviceClass mapping the name) is neither cordoned nor drained.
+    #[test]
+    fn a_wait_no_eviction_ends_drains_nothing() {
+        let mut n = a100_node(&[("nvidia.com/mig.capable", "false")]);
+        n.name = "a".into();
+        let dra = policy(
+            "dra",
+            "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n  backend: dra\n  dra: {extendedResources: true, driverFeatureGates: {ConsumableShares: true}}\n  disruption: {mode: drain}\n",
+        );
+        let mut input = PlanInput::new(vec![dra], vec![n]);
+        input.nodes[0].gpu_pods = vec!["team/cuda".into()];
+        let p = plan(&input);
+        let detail = &p.statuses["dra"].node_details[0];
+        assert_eq!(
+            detail.reason,
+            Some(crate::api::state::HoldReason::WaitingForDeviceClass)
+        );
+        assert!(p.drains.is_empty(), "{:?}", p.drains);
+        let cordoned = p
+            .node_annotations
+            .get("a")
+            .is_some_and(|a| a.contains_key(ANNOTATION_CORDONED));
+        assert!(!cordoned);
+    }
+
     /// A node moving back from the DRA driver under `disruption.mode: drain`: cordoned, and the
     /// pods kube-scheduler served through DRA on it evicted (their claims hold it there; they
     /// are no device-plugin pods); the DRA switch stays on until the claims are gone.

@@ -169,6 +169,7 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
     let mark = n.annotations.get(ANNOTATION_ROLLOUT).and_then(Mark::parse);
     let started = mark.as_ref().is_some_and(|m| m.target == target);
     let drains = w.drains_node(n);
+    let drainable = e.outcome.reason.is_none_or(|r| r.ended_by_drain());
     let timeout = node_timeout(w.spec, drains);
     // A new generation gives nodes still in flight a new timeout (see `gate`).
     let generation = w.policy.metadata.generation.unwrap_or(0);
@@ -192,10 +193,10 @@ fn phase(e: &Entry, w: &Prepared, now: i64) -> Phase {
         ) => Phase::Settled,
         // Busy GPUs under `drain`: starting the node means draining it.
         // Demand drains only under `drainBusyNodes`.
-        Some(NodeState::Waiting) if drains && !started && earlier => {
+        Some(NodeState::Waiting) if drains && drainable && !started && earlier => {
             Phase::CandidateUnavailable
         }
-        Some(NodeState::Waiting) if drains && !started => {
+        Some(NodeState::Waiting) if drains && drainable && !started => {
             Phase::Candidate
         }
         _ if changes && !started && !e.hold && earlier => Phase::CandidateUnavailable,

@@ -127,14 +127,13 @@ async fn dra_objects(client: &Client, assumptions: &mut Vec<String>) -> Result<D
     .unwrap_or_default();
     let slices = optional(
         "ResourceSlices",
-        "no node is assumed to have the DRA driver's ResourceSlices (nodes moving to DRA extended resources are shown waiting for them)",
+        "policies with dra.extendedResources are shown refused, as the operator refuses them without ResourceSlices",
         assumptions,
         Api::<ResourceSlice>::all(client.clone())
             .list(&lp.clone().fields(&observe::slices::field_selector())),
     )
     .await?
-    .map(|l| l.items)
-    .unwrap_or_default();
+    .map(|l| l.items);
     let device_classes = optional(
         "DeviceClasses",
         "no DeviceClass is assumed to map an extended resource name",
@@ -155,10 +154,11 @@ async fn dra_objects(client: &Client, assumptions: &mut Vec<String>) -> Result<D
     Ok((claims, slices, device_classes, quotas))
 }
 
-/// ResourceClaims, ResourceSlices, DeviceClasses and ResourceQuotas (`None`: not readable).
+/// ResourceClaims, ResourceSlices, DeviceClasses and ResourceQuotas (`None`: not readable, as
+/// the controller reads them).
 type DraObjects = (
     Vec<ResourceClaim>,
-    Vec<ResourceSlice>,
+    Option<Vec<ResourceSlice>>,
     Vec<DeviceClass>,
     Option<Vec<ResourceQuota>>,
 );
@@ -327,7 +327,7 @@ pub async fn snapshot(
         demand: admitted.pods,
         demand_ignored: admitted.ignored,
         claims: claims.iter().collect(),
-        slices: Some(slices.iter().collect()),
+        slices: slices.as_ref().map(|s| s.iter().collect()),
         device_classes: Some(device_classes.iter().collect()),
         quotas: quotas.as_ref().map(|q| q.iter().collect()),
         cluster_policies: Some(cluster_policies.iter().collect()),

@@ -89,10 +89,28 @@ fn gpu_node(p: &k8s_openapi::api::core::v1::Pod) -> Option<(String, bool)> {
         .flat_map(|m| m.keys())
         .any(|k| k.starts_with("nvidia.com/gpu") || k.starts_with("nvidia.com/mig-"))
     });
-    let dra = p
-        .status
-        .as_ref()
-        .is_some_and(|s| s.extended_resource_claim_status.is_some());
+    // Served through DRA: every NVIDIA resource it asks for is mapped to its generated claim.
+    let mapped = (p.status.as_ref())
+        .and_then(|s| s.extended_resource_claim_status.as_ref())
+        .map(|x| {
+            x.request_mappings
+                .iter()
+                .map(|m| m.resource_name.as_str())
+                .collect::<Vec<_>>()
+        });
+    let dra = mapped.is_some_and(|m| {
+        spec.containers
+            .iter()
+            .filter_map(|c| c.resources.as_ref())
+            .flat_map(|r| {
+                r.limits
+                    .iter()
+                    .chain(r.requests.iter())
+                    .flat_map(|m| m.keys())
+            })
+            .filter(|k| k.starts_with("nvidia.com/gpu") || k.starts_with("nvidia.com/mig-"))
+            .all(|k| m.contains(&k.as_str()))
+    });
     spec.node_name.clone().filter(|_| gpu).map(|n| (n, dra))
 }
 
@@ -182,7 +200,7 @@ struct State {
     history: BTreeMap<String, Vec<(u64, String)>>,
     violation: Option<String>,
     checked: usize,
-    synced: [bool; 3],
+    synced: [bool; 4],
     heap: BinaryHeap<Pending>,
     /// A hand edit in progress.
     excused: Option<Excuse>,
@@ -728,12 +746,11 @@ async fn watch_all(
             })
         },
     );
-    // Not waited for: a control plane without resource.k8s.io/v1 has no claims to watch.
     let claim_task = spawn_watch(
         Api::<k8s_openapi::api::resource::v1::ResourceClaim>::all(client.clone()),
         Kind::ResourceClaim,
         state.clone(),
-        None,
+        Some(3),
         |c, deleted| {
             let key = format!("{}/{}", c.namespace().unwrap_or_default(), c.name_any());
             Some(if deleted {

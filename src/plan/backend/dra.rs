@@ -416,7 +416,7 @@ pub fn quota_gaps(x: &ExtendedResource, quotas: &[QuotaFact]) -> Vec<String> {
             };
             format!(
                 "{ns}: ResourceQuota {} limits {has} but not {lacks} ({unlimited} are not limited by it)",
-                names.join(", ")
+                some_of(&names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
             )
         })
         .collect();
