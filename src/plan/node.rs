@@ -115,10 +115,24 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
                 reason,
             },
             _,
-        ) => Outcome {
-            reason,
-            ..held(n, state, message)
-        },
+        ) => {
+            let mut o = Outcome {
+                reason,
+                ..held(n, state, message)
+            };
+            // Held with its device plugin off and no DRA driver serving it (an extended-resource
+            // policy refused between the two steps of a move): nothing would serve its GPUs.
+            // The device plugin comes back (the DRA kubelet plugin is ours to start, and is
+            // not); the move starts again once the policy is accepted.
+            let extended = policy.is_some_and(|w| w.extended().is_some());
+            if state.refused() && extended && dra::stranded(n, env) {
+                o.labels.remove(LABEL_DEPLOY_DEVICE_PLUGIN);
+                o.message.push_str(
+                    "; the device plugin comes back meanwhile: the DRA driver does not serve this node yet",
+                );
+            }
+            o
+        }
         (
             Decision::Write {
                 state,
@@ -1024,6 +1038,33 @@ mod tests {
         n.labels.insert(LABEL_DEPLOY_DRA_DRIVER, "false");
         let o = step(&n, &ts[0], &idle);
         assert_eq!(switches(&o), (None, None), "{}", o.message);
+    }
+
+    /// A policy refused between the two steps of a move (device plugin off, DRA kubelet plugin
+    /// not yet on) does not leave its node without a backend: the device plugin comes back.
+    #[test]
+    fn a_node_refused_mid_move_gets_its_device_plugin_back() {
+        let hash = |_: &str| None;
+        let policies = [policy("x", EXTENDED)];
+        let mut ext = prepare_all(&policies, None);
+        let idle = Env::idle(100, &hash);
+        let mut n = node(&[("nvidia.com/mig.capable", "false")]);
+        n.allocatable = [("nvidia.com/gpu", "32")].into_iter().collect();
+        let o = step(&n, &ext[0], &idle);
+        apply_switches(&mut n, &o);
+        assert_eq!(switches(&o), (Some("false"), None));
+        ext[0].blocked = Some("DeviceClass gpu.nvidia.com maps nvidia.com/gpu".into());
+        let o = step(&n, &ext[0], &idle);
+        assert_eq!(o.state, Some(NodeState::Rejected));
+        assert_eq!(switches(&o), (None, None), "{}", o.message);
+        // Once the DRA driver serves it, a refusal holds it as it is.
+        let four = sliced(Some(4));
+        let served = Env {
+            dra_slice: Some(&four),
+            ..Env::idle(100, &hash)
+        };
+        let o = step(&n, &ext[0], &served);
+        assert_eq!(switches(&o), (Some("false"), None), "{}", o.message);
     }
 
     /// A node Karpenter launched keeps its device plugin until Karpenter initialized it: it

@@ -63,6 +63,12 @@ fn dra_may_serve(n: &NodeFacts, env: &Env) -> bool {
             .is_some_and(|v| v != NOT_DEPLOYED)
 }
 
+/// We switched the node's device plugin off and nothing else serves it: no DRA switch on (or
+/// paused), no slice of the driver, no allocated claim.
+pub fn stranded(n: &NodeFacts, env: &Env) -> bool {
+    device_plugin_off_by_us(n) && !dra_may_serve(n, env) && env.dra_claims.is_empty()
+}
+
 /// Why the node's device plugin cannot come back yet: allocated DRA claims on it.
 fn claims_msg(claims: &[String]) -> String {
     format!(
