@@ -4,7 +4,7 @@
 //! changes. The result is what the cluster looks like once the operator is done, with the
 //! capacity a user previews for; the number of passes is how many rounds of writes it took.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::api::names::{
@@ -198,13 +198,19 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<crate::plan::capacity::Adv
 pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
     let serving: Vec<_> = input.nodes.iter().map(|n| serves(input, n)).collect();
     let shares = driver_shares(&input.policies);
+    let base = input.cluster.base_mig_configs.as_ref();
     let configs = &input.cluster.current_device_config;
     let mut changed = BTreeSet::new();
     for (n, serves) in input.nodes.iter_mut().zip(serving) {
         // NVIDIA's DRA kubelet plugin publishes the node's GPUs where it is switched on.
         let slice = (n.labels.get(LABEL_DEPLOY_DRA_DRIVER) == Some("true")).then(|| {
+            let mig = mig_devices(&input.policies, base, n);
             crate::plan::input::DraSlice {
-                gpus: crate::plan::facts::gpu_count(n).unwrap_or(0),
+                gpus: match mig.is_empty() {
+                    true => crate::plan::facts::gpu_count(n).unwrap_or(0),
+                    false => 0,
+                },
+                mig,
                 shares,
                 ..Default::default()
             }
@@ -259,12 +265,35 @@ pub fn nvidia_succeeds(input: &mut PlanInput, now: i64) -> BTreeSet<String> {
     changed
 }
 
+/// The MIG devices, by profile, the DRA driver publishes on `n` under the MIG layout of the
+/// policy it is labelled for: what the device plugin advertises for the layout, one device per
+/// replica group. Empty for whole GPUs.
+fn mig_devices(
+    policies: &[crate::api::crd::GpuSharingPolicy],
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+    n: &NodeFacts,
+) -> BTreeMap<String, i64> {
+    let name = n.labels.get(crate::api::names::LABEL_POLICY);
+    let Some(p) = policies
+        .iter()
+        .find(|p| Some(kube::ResourceExt::name_any(*p).as_str()) == name)
+        .filter(|p| p.spec.mig.is_some())
+    else {
+        return BTreeMap::new();
+    };
+    let replicas = crate::plan::backend::mig::replicas(&p.spec).max(1) as i64;
+    let adv = crate::plan::backend::mig::advertises(&p.spec, n, base);
+    (adv.iter().flat_map(|a| &a.resources))
+        .filter_map(|(r, (_, max))| Some((crate::nvidia::mig_profile_of(r)?, max / replicas)))
+        .collect()
+}
+
 /// The consumable shares the DRA driver runs with, as an admin who followed the operator would
 /// have set them: those of the first policy served through extended resources.
 fn driver_shares(policies: &[crate::api::crd::GpuSharingPolicy]) -> Option<i64> {
     policies
         .iter()
-        .map(|p| crate::plan::backing::DraBacking::of(&p.spec))
+        .map(|p| crate::plan::backing::DraBacking::of(&p.spec, None, &Default::default()))
         .find_map(|d| d.extended)
         .and_then(|x| x.shares)
 }

@@ -3,7 +3,8 @@
 //! back, with the real kube-scheduler (and kube-controller-manager's resourceclaim controller)
 //! placing the pods. The simulator plays the GPU Operator's switches, the device plugin, the
 //! kubelet and the DRA driver's kubelet plugin (its ResourceSlices, with consumable shares 4).
-//! One control plane per test: the second runs kube-apiserver with the feature gate off.
+//! One control plane per test: the second runs kube-apiserver with the feature gate off, the
+//! third the driver with consumable shares off (a whole-GPU pool and a MIG pool).
 
 mod support;
 
@@ -30,14 +31,16 @@ spec:
   rollout: {maxUnavailable: 1}
 ";
 
-/// What serves a node's GPUs now: the device plugin's allocatable `nvidia.com/gpu`, and the
-/// `shares` of the GPUs in the DRA driver's ResourceSlice (`None`: no slice).
-async fn served(c: &kube::Client, node: &str) -> (i64, Option<Vec<String>>) {
+/// What serves a node's `resource` now: the device plugin's allocatable for it, and the
+/// devices of the DRA driver's ResourceSlice for the node (`None`: no slice).
+async fn serving(
+    c: &kube::Client,
+    node: &str,
+    resource: &str,
+) -> (i64, Option<Vec<k8s_openapi::api::resource::v1::Device>>) {
     let n = Api::<Node>::all(c.clone()).get(node).await.unwrap();
-    let alloc = n
-        .status
-        .and_then(|s| s.allocatable)
-        .and_then(|a| a.get("nvidia.com/gpu").map(|q| q.0.parse().unwrap_or(0)))
+    let alloc = (n.status.and_then(|s| s.allocatable))
+        .and_then(|a| a.get(resource).map(|q| q.0.parse().unwrap_or(0)))
         .unwrap_or(0);
     let lp =
         ListParams::default().fields(&format!("spec.nodeName={node},spec.driver=gpu.nvidia.com"));
@@ -45,11 +48,16 @@ async fn served(c: &kube::Client, node: &str) -> (i64, Option<Vec<String>>) {
         .list(&lp)
         .await
         .unwrap();
-    let shares = slices.items.first().map(|s| {
-        s.spec
-            .devices
-            .iter()
-            .flatten()
+    let devices = (slices.items.into_iter().next()).map(|s| s.spec.devices.unwrap_or_default());
+    (alloc, devices)
+}
+
+/// What serves a node's GPUs now: the device plugin's allocatable `nvidia.com/gpu`, and the
+/// `shares` of the GPUs in the DRA driver's ResourceSlice (`None`: no slice).
+async fn served(c: &kube::Client, node: &str) -> (i64, Option<Vec<String>>) {
+    let (alloc, devices) = serving(c, node, "nvidia.com/gpu").await;
+    let shares = devices.map(|ds| {
+        (ds.iter())
             .filter_map(|d| Some(d.capacity.as_ref()?.get("shares")?.value.0.clone()))
             .collect()
     });
@@ -93,16 +101,52 @@ async fn class(c: &kube::Client, name: &str) -> Option<DeviceClass> {
 /// An unchanged pod asking for one `nvidia.com/gpu` of the pool, bound to `node` when given
 /// (a workload already running there), else placed by kube-scheduler.
 fn gpu_pod(name: &str, node: Option<&str>) -> Pod {
+    pool_pod(name, node, "l4-shared", "nvidia.com/gpu")
+}
+
+/// An unchanged pod asking for one `resource` on the nodes of profile `pool`.
+fn pool_pod(name: &str, node: Option<&str>, pool: &str, resource: &str) -> Pod {
     serde_json::from_value(json!({
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "nodeName": node,
-            "nodeSelector": {"gpusharing.io/profile": "l4-shared"},
+            "nodeSelector": {"gpusharing.io/profile": pool},
             "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
-                "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                "resources": {"limits": {resource: "1"}}}],
         },
     }))
     .unwrap()
+}
+
+const A100: [&str; 2] = ["a100-node-0", "a100-node-1"];
+const MIG_CLASS: &str = "gpusharing-nvidia.com-mig-3g.40gb";
+
+/// 8 A100 80GB per node, two 3g.40gb instances each, through the device plugin first.
+fn mig_policy() -> String {
+    DEVICE_PLUGIN_POLICY
+        .replace("l4-shared", "a100-mig")
+        .replace(
+            "  strategy: timeSlicing\n  timeSlicing: {replicas: 4}\n",
+            "  strategy: mig\n  mig: {migStrategy: mixed, layout: all-3g.40gb}\n",
+        )
+}
+
+/// What serves an A100 node's 3g.40gb instances now: the device plugin's allocatable
+/// `nvidia.com/mig-3g.40gb`, and the DRA driver's 3g.40gb MIG devices (`None`: no slice).
+async fn mig_served(c: &kube::Client, node: &str) -> (i64, Option<usize>) {
+    let (alloc, devices) = serving(c, node, "nvidia.com/mig-3g.40gb").await;
+    let attr = |d: &k8s_openapi::api::resource::v1::Device, k: &str| {
+        d.attributes.as_ref()?.get(k)?.string.clone()
+    };
+    let mig = devices.map(|ds| {
+        (ds.iter())
+            .filter(|d| {
+                attr(d, "type").as_deref() == Some("mig")
+                    && attr(d, "profile").as_deref() == Some("3g.40gb")
+            })
+            .count()
+    });
+    (alloc, mig)
 }
 
 fn pods(c: &kube::Client) -> Api<Pod> {
@@ -155,6 +199,18 @@ async fn generated_claim_device(c: &kube::Client, pod: &Pod, node: &str) -> Stri
         ("gpu.nvidia.com", node)
     );
     r.device.clone()
+}
+
+/// The MIG pool is applied on both A100 nodes with the device plugin serving 16 3g.40gb
+/// instances each and no DRA slice.
+async fn mig_on_the_device_plugin(c: &kube::Client) -> Option<()> {
+    ready_on(c, "a100-mig", 2).await?;
+    for node in A100 {
+        if mig_served(c, node).await != (16, None) {
+            return None;
+        }
+    }
+    Some(())
 }
 
 /// A time-sliced pool (2 L4 nodes, 4 GPUs x replicas 4 each) moves to the DRA driver with the
@@ -514,11 +570,12 @@ async fn without_the_extended_resource_gate_no_node_moves_and_the_status_names_i
 }
 
 /// A whole-GPU pool (exclusive, the DRA driver's consumable shares off) moves, and each GPU
-/// then takes exactly one unchanged pod through its generated claim; moving back without a
-/// drain waits for the pods' claims. Its own control plane: the driver runs one
-/// `consumableShares` value for the whole cluster.
+/// then takes exactly one unchanged pod through its generated claim; a MIG pool (A100s, two
+/// 3g.40gb instances per GPU) moves beside it, and each MIG device takes exactly one pod asking
+/// for `nvidia.com/mig-3g.40gb`; moving back without a drain waits for the pods' claims. Its
+/// own control plane: the driver runs one `consumableShares` value for the whole cluster.
 #[tokio::test]
-async fn a_whole_gpu_pool_moves_and_takes_one_pod_per_gpu() {
+async fn a_whole_gpu_pool_and_a_mig_pool_move_and_take_one_pod_per_device() {
     let (g, cluster, _sim) = setup_with_simulator(
         testkit::ClusterOptions::default().arg("--scheduler"),
         &["--dra-consumable-shares=disabled".to_string()],
@@ -614,6 +671,91 @@ async fn a_whole_gpu_pool_moves_and_takes_one_pod_per_gpu() {
         );
     }
 
+    // A MIG pool moves beside it (exclusive MIG devices take the same disabled shares), its
+    // layout applied through the device plugin first, one class per profile.
+    for node in A100 {
+        label_node(&c, node, "gpusharing.io/profile", Some("a100-mig")).await;
+    }
+    testkit::apply_yaml(&c, &mig_policy()).await.unwrap();
+    until("the MIG layout through the device plugin", LONG, || async {
+        mig_on_the_device_plugin(&c).await
+    })
+    .await;
+    // Admission refuses what the DRA driver cannot serve a MIG pool as, naming why.
+    for (patch, why) in [
+        (
+            json!({"spec": {"backend": "dra", "dra": {"namespaces": ["team"]}}}),
+            "backend dra serves MIG only with dra.extendedResources",
+        ),
+        (
+            json!({"spec": {"backend": "dra", "dra": {"extendedResources": true},
+                "mig": {"migStrategy": "single"}}}),
+            "MIG through dra.extendedResources needs migStrategy: mixed",
+        ),
+    ] {
+        let err = api
+            .patch("a100-mig", &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(why), "{err}");
+    }
+    api.patch("a100-mig", &PatchParams::default(), &Patch::Merge(&to_dra))
+        .await
+        .unwrap();
+    until("the MIG pool moved", LONG, || async {
+        let s = ready_on(&c, "a100-mig", 2).await?;
+        (s["servedBy"] == json!({"draDriver": 2})).then_some(())
+    })
+    .await;
+    for node in A100 {
+        assert_eq!(mig_served(&c, node).await, (0, Some(16)), "{node}");
+    }
+    let mig_class = class(&c, MIG_CLASS).await.expect("our MIG class");
+    assert_eq!(
+        mig_class.spec.extended_resource_name.as_deref(),
+        Some("nvidia.com/mig-3g.40gb")
+    );
+    for i in 0..33 {
+        let pod = pool_pod(
+            &format!("mig-{i}"),
+            None,
+            "a100-mig",
+            "nvidia.com/mig-3g.40gb",
+        );
+        pods(&c).create(&PostParams::default(), &pod).await.unwrap();
+    }
+    let mig_pods = until("32 MIG pods bound, 1 left", LONG, || async {
+        let mut by_node: BTreeMap<String, Vec<Pod>> = BTreeMap::new();
+        for (node, ps) in placed(&c).await {
+            let mig = ps.into_iter().filter(|p| p.name_any().starts_with("mig-"));
+            by_node.entry(node).or_default().extend(mig);
+        }
+        let bound: usize = A100
+            .iter()
+            .map(|n| by_node.get(*n).map_or(0, Vec::len))
+            .sum();
+        (bound == 32 && by_node.get("").map(Vec::len) == Some(1)).then_some(by_node)
+    })
+    .await;
+    for node in A100 {
+        let mut devices = Vec::new();
+        for p in &mig_pods[node] {
+            devices.push(generated_claim_device(&c, p, node).await);
+        }
+        devices.sort();
+        devices.dedup();
+        assert_eq!(
+            devices.len(),
+            16,
+            "{node}: one pod per MIG device: {devices:?}"
+        );
+        assert!(
+            devices.iter().all(|d| d.contains("-mig-3g40gb-")),
+            "{devices:?}"
+        );
+    }
+
     // Back without a drain: each node waits for its pods' claims.
     let back = json!({"spec": {"backend": null, "dra": null}});
     api.patch("l4-shared", &PatchParams::default(), &Patch::Merge(&back))
@@ -645,9 +787,23 @@ async fn a_whole_gpu_pool_moves_and_takes_one_pod_per_gpu() {
         Some(())
     })
     .await;
-    api.delete("l4-shared", &DeleteParams::default())
+    // The MIG pool back too (its pods went with the others): the device plugin serves the
+    // layout again; with every node back, our classes go.
+    let back = json!({"spec": {"backend": null, "dra": null}});
+    api.patch("a100-mig", &PatchParams::default(), &Patch::Merge(&back))
         .await
         .unwrap();
+    until("the MIG pool back on the device plugin", LONG, || async {
+        mig_on_the_device_plugin(&c).await
+    })
+    .await;
+    for name in ["l4-shared", "a100-mig"] {
+        api.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+    until("our classes deleted", LONG, || async {
+        (class(&c, OURS).await.is_none() && class(&c, MIG_CLASS).await.is_none()).then_some(())
+    })
+    .await;
     op.stop().await;
     invariants.check().await;
 }

@@ -193,6 +193,20 @@ pub fn mig_resource(profile: &str) -> String {
     format!("nvidia.com/mig-{}", profile.replace('+', "."))
 }
 
+/// The MIG profile a resource name of [`mig_resource`] advertises (`.shared` under
+/// `renameByDefault` allowed): `nvidia.com/mig-1g.10gb.me` is `1g.10gb+me`. `None` for any
+/// other name.
+pub fn mig_profile_of(resource: &str) -> Option<String> {
+    let rest = resource.strip_prefix("nvidia.com/mig-")?;
+    let rest = rest.strip_suffix(".shared").unwrap_or(rest);
+    // Only '+' became '.': a profile's own dots end at its memory ("gb").
+    let p = match rest.split_once("gb.") {
+        Some((head, tail)) => format!("{head}gb+{tail}"),
+        None => rest.to_string(),
+    };
+    mig::parse_mig_profile(&p).is_some().then_some(p)
+}
+
 fn replicated(ts: &TimeSlicing, default_names: &[String]) -> ReplicatedResources {
     let resources = if ts.resources.is_empty() {
         let replicas = ts.replicas.unwrap_or(2);
@@ -534,6 +548,32 @@ mod tests {
             assert!(m.contains_key(name), "{name} missing");
         }
         assert_eq!(m["all-1g.10gb"][0]["mig-devices"]["1g.10gb"], 7);
+    }
+
+    /// A resource name of a MIG profile reads back as the profile, the device plugin's '+' to
+    /// '.' included; other names are not profiles.
+    #[test]
+    fn mig_resource_names_read_back_as_their_profiles() {
+        for p in [
+            "1g.10gb",
+            "1c.2g.20gb",
+            "1g.10gb+me",
+            "1g.24gb+gfx",
+            "1g.24gb-me",
+            "1g.24gb+me.all",
+        ] {
+            assert_eq!(mig_profile_of(&mig_resource(p)).as_deref(), Some(p));
+            let shared = format!("{}.shared", mig_resource(p));
+            assert_eq!(mig_profile_of(&shared).as_deref(), Some(p));
+        }
+        for other in [
+            "nvidia.com/gpu",
+            "nvidia.com/mig-",
+            "nvidia.com/mig-big",
+            "example.com/mig-1g.10gb",
+        ] {
+            assert_eq!(mig_profile_of(other), None, "{other}");
+        }
     }
 
     #[test]

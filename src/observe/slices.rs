@@ -107,15 +107,16 @@ pub fn dra_slices<'a>(
         }
         let e = out.entry(node.to_string()).or_default();
         for d in s.spec.devices.iter().flatten() {
-            match attribute(d, TYPE) {
-                Some("gpu") => {
-                    e.gpus = (e.gpus + 1).min(MAX_DEVICES);
-                    let sh = capacity(d, SHARES).and_then(|c| c.value.0.parse::<i64>().ok());
-                    let seen = shares.entry(node.to_string()).or_default();
-                    if seen.len() < 3 {
-                        seen.insert(sh);
-                    }
+            let kind = attribute(d, TYPE);
+            if matches!(kind, Some("gpu" | "mig")) {
+                let sh = capacity(d, SHARES).and_then(|c| c.value.0.parse::<i64>().ok());
+                let seen = shares.entry(node.to_string()).or_default();
+                if seen.len() < 3 {
+                    seen.insert(sh);
                 }
+            }
+            match kind {
+                Some("gpu") => e.gpus = (e.gpus + 1).min(MAX_DEVICES),
                 Some("mig") => {
                     if let Some(p) = attribute(d, PROFILE).filter(|p| p.len() <= 32)
                         && (e.mig.len() < 64 || e.mig.contains_key(p))
@@ -170,10 +171,15 @@ mod tests {
         d
     }
 
-    fn mig(i: usize, profile: &str) -> serde_json::Value {
-        json!({"name": format!("gpu-{i}-mig-{profile}"),
+    /// A MIG device; the driver's consumable shares apply to it as to a whole GPU.
+    fn mig(i: usize, profile: &str, shares: Option<i64>) -> serde_json::Value {
+        let mut d = json!({"name": format!("gpu-{i}-mig-{profile}"),
             "attributes": {"type": {"string": "mig"}, "profile": {"string": profile}},
-            "capacity": {"multiprocessors": {"value": "14"}}})
+            "capacity": {"multiprocessors": {"value": "14"}}});
+        if let Some(s) = shares {
+            d["capacity"]["shares"] = json!({"value": s.to_string()});
+        }
+        d
     }
 
     #[test]
@@ -182,7 +188,7 @@ mod tests {
         let new = slice(
             "a",
             2,
-            json!([gpu(0, Some(4)), gpu(1, Some(4)), mig(2, "1g.10gb")]),
+            json!([gpu(0, Some(4)), gpu(1, Some(4)), mig(2, "1g.10gb", Some(4))]),
         );
         let other = {
             let mut s = slice("b", 1, json!([gpu(0, None)]));
@@ -194,6 +200,9 @@ mod tests {
         let a = &read["a"];
         assert_eq!((a.gpus, a.shares, a.mixed_shares), (2, Some(4), false));
         assert_eq!(a.mig["1g.10gb"], 1);
+        // A MIG device without the shares its GPUs have: the node's shares disagree.
+        let c = slice("c", 1, json!([gpu(0, Some(4)), mig(1, "1g.10gb", None)]));
+        assert!(dra_slices([&c])["c"].mixed_shares);
     }
 
     #[test]
@@ -208,7 +217,7 @@ mod tests {
         let device = (0usize..8, prop::option::of(1i64..9), prop::bool::ANY).prop_map(
             |(i, shares, is_mig)| {
                 if is_mig {
-                    mig(i, "1g.10gb")
+                    mig(i, "1g.10gb", None)
                 } else {
                     gpu(i, shares)
                 }

@@ -530,7 +530,10 @@ pub fn plan(
         }
         let mut st = AutoscalingStatus {
             conflicts: table_errors.clone(),
-            launched_nodes: p.extended().map(|x| launched_dra_nodes(&x.name)),
+            launched_nodes: p.extended().map(|x| {
+                let names: Vec<&str> = x.names.keys().map(String::as_str).collect();
+                launched_dra_nodes(&names.join(", "))
+            }),
             ..Default::default()
         };
         let mut classes = Classes::new();

@@ -155,6 +155,27 @@ fn mig_counts_profiles_from_a_node_of_the_same_type() {
     );
     let st = plan.statuses["mig"].autoscaling.clone().unwrap();
     assert_eq!(st.overlays[0].instance_types, ["p4de"]);
+    // Through DRA extended resources the layout serves the same names and counts (one pod per
+    // MIG device), and the status says how launched nodes move.
+    let spec = |p: &mut GpuSharingPolicy| {
+        p.spec.backend = crate::api::crd::Backend::Dra;
+        p.spec.dra = Some(crate::api::crd::Dra {
+            extended_resources: true,
+            ..Default::default()
+        });
+    };
+    spec(&mut i.policies[0]);
+    let plan = plan_all(&i);
+    assert_eq!(
+        plan.node_overlays["gpusharing-mig-8gpu"]["spec"]["capacity"],
+        o["spec"]["capacity"]
+    );
+    let st = plan.statuses["mig"].autoscaling.clone().unwrap();
+    assert!(
+        st.launched_nodes
+            .expect("said")
+            .contains("nvidia.com/mig-3g.40gb")
+    );
 }
 
 /// An admin's overlay that already sets the resource on a matched type wins: the policy

@@ -64,42 +64,62 @@ pub struct DraBacking {
     /// `dra.extendedResources`: what pods' unchanged requests are served as; `None` for
     /// ResourceClaimTemplates.
     pub extended: Option<ExtendedResource>,
+    /// `strategy: mig` (extended resources only): the layout the MIG manager gives its nodes
+    /// before they move, as the MIG backend renders it.
+    pub mig: Option<MigBacking>,
 }
 
 impl DraBacking {
-    /// How a (valid) DRA policy reaches pods: with `dra.extendedResources`, the name its pods
-    /// ask for (`nvidia.com/gpu`, `.shared` under `renameByDefault`) and the shares per GPU
-    /// (time-slicing's replicas; none for exclusive GPUs).
-    pub fn of(spec: &GpuSharingPolicySpec) -> Self {
+    /// How a (valid) DRA policy reaches pods: with `dra.extendedResources`, the names its pods
+    /// ask for (`nvidia.com/gpu`, `.shared` under `renameByDefault`; under MIG, the names the
+    /// device plugin gives the layout's `profiles`) and the shares per device (time-slicing's
+    /// replicas; none for exclusive devices).
+    pub fn of(
+        spec: &GpuSharingPolicySpec,
+        mig: Option<MigBacking>,
+        profiles: &std::collections::BTreeSet<String>,
+    ) -> Self {
         let extended = spec.dra.as_ref().filter(|d| d.extended_resources).map(|_| {
-            let ts = spec.time_slicing.as_ref();
+            let ts = match spec.strategy {
+                Strategy::Mig => spec.mig.as_ref().and_then(|m| m.time_slicing.as_ref()),
+                _ => spec.time_slicing.as_ref(),
+            };
             let renamed = ts.is_some_and(|t| t.rename_by_default);
-            ExtendedResource {
-                name: if renamed {
-                    format!("{GPU_RESOURCE}.shared")
-                } else {
-                    GPU_RESOURCE.to_string()
-                },
-                shares: match spec.strategy {
-                    Strategy::TimeSlicing => ts.and_then(|t| t.replicas).map(i64::from),
-                    _ => None,
-                },
-            }
+            let shares = match spec.strategy {
+                Strategy::TimeSlicing | Strategy::Mig => ts.and_then(|t| t.replicas).map(i64::from),
+                _ => None,
+            };
+            let shared = |name: String| match (renamed, shares) {
+                (true, Some(r)) if r > 1 => format!("{name}.shared"),
+                _ => name,
+            };
+            let names = match spec.strategy {
+                Strategy::Mig => profiles
+                    .iter()
+                    .map(|p| (shared(crate::nvidia::mig_resource(p)), Some(p.clone())))
+                    .collect(),
+                _ => [(shared(GPU_RESOURCE.to_string()), None)].into(),
+            };
+            ExtendedResource { names, shares }
         });
-        DraBacking { extended }
+        DraBacking { extended, mig }
     }
 }
 
 /// The resource NVIDIA's device plugin advertises whole GPUs as.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 
-/// A policy served through DRA extended resources (KEP-5004): the name pods ask for, mapped by
-/// a DeviceClass of ours, and the consumable shares per GPU its nodes' DRA driver must publish.
+/// A policy served through DRA extended resources (KEP-5004): the names pods ask for, each
+/// mapped by a DeviceClass of ours, and the consumable shares per device its nodes' DRA driver
+/// must publish.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ExtendedResource {
-    /// `nvidia.com/gpu`, or `nvidia.com/gpu.shared` under `timeSlicing.renameByDefault`.
-    pub name: String,
-    /// Shares per GPU: time-slicing's replicas; `None` for exclusive GPUs (shares off).
+    /// Each name pods ask for, with the MIG profile its class selects (`None`: whole GPUs).
+    /// Whole GPUs: `nvidia.com/gpu`, or `nvidia.com/gpu.shared` under
+    /// `timeSlicing.renameByDefault`. MIG: the device plugin's name of each profile of the
+    /// layout (`nvidia.com/mig-<profile>`, `.shared` likewise).
+    pub names: BTreeMap<String, Option<String>>,
+    /// Shares per device: time-slicing's replicas; `None` for exclusive devices (shares off).
     pub shares: Option<i64>,
 }
 
@@ -152,8 +172,12 @@ pub enum Serving {
     /// A VM host for the sandbox stack.
     Vm(VmTarget),
     /// NVIDIA's DRA driver; the device plugin switched off. With extended resources, the DRA
-    /// kubelet plugin switched on once the device plugin has withdrawn.
-    Dra(Option<ExtendedResource>),
+    /// kubelet plugin switched on once the device plugin has withdrawn; under MIG, once the MIG
+    /// manager has applied `layout`.
+    Dra {
+        extended: Option<ExtendedResource>,
+        layout: Option<String>,
+    },
 }
 
 /// A VM host's target: `nvidia.com/gpu.workload.config`, and for vGPU the vGPU Device
@@ -176,8 +200,11 @@ impl NodeTarget {
                 vgpu_config: Some(c),
             }) => format!("{workload}+{c}"),
             Serving::Vm(VmTarget { workload, .. }) => workload.to_string(),
-            Serving::Dra(None) => "dra".to_string(),
-            Serving::Dra(Some(_)) => "dra-extended".to_string(),
+            Serving::Dra { extended: None, .. } => "dra".to_string(),
+            Serving::Dra {
+                layout: Some(l), ..
+            } => format!("dra-extended+{l}"),
+            Serving::Dra { .. } => "dra-extended".to_string(),
         }
     }
 }

@@ -295,10 +295,10 @@ pub struct DraSlice {
     pub gpus: i64,
     /// Devices of type `mig`, by profile.
     pub mig: BTreeMap<String, i64>,
-    /// The `shares` capacity of its GPUs (the driver's integer consumable-shares mode), when
-    /// every GPU has the same; `None` when they have none.
+    /// The `shares` capacity of its devices, GPUs and MIG devices (the driver's integer
+    /// consumable-shares mode), when every device has the same; `None` when they have none.
     pub shares: Option<i64>,
-    /// The GPUs disagree on `shares` (some have it, others not, or other values).
+    /// The devices disagree on `shares` (some have it, others not, or other values).
     pub mixed_shares: bool,
 }
 

@@ -916,6 +916,95 @@ mod tests {
         assert_eq!(switches(&o), (Some("false"), Some("true")));
     }
 
+    const MIG_EXTENDED: &str = "  strategy: mig\n  mig: {migStrategy: mixed, layout: all-3g.40gb}\n  backend: dra\n  dra: {extendedResources: true}\n";
+
+    /// A MIG pool moves to DRA extended resources: the MIG manager applies the layout first
+    /// under the device plugin, then the node moves as a whole-GPU node does, and is confirmed
+    /// only by a slice showing as many MIG devices of each profile as the layout makes. A
+    /// layout change on the moved node waits for the DRA driver's claims to go.
+    #[test]
+    fn a_mig_pool_moves_once_its_layout_is_applied_and_its_slice_shows_the_layout() {
+        let hash = |_: &str| None;
+        let base = crate::nvidia::default_mig_configs();
+        let policies = [policy("m", MIG_EXTENDED)];
+        let mig = prepare_all(&policies, Some(&base));
+        assert!(mig[0].errors.is_empty(), "{:?}", mig[0].errors);
+        let env = |dra_slice, dra_claims| Env {
+            mig_layouts: Some(&base),
+            dra_slice,
+            dra_claims,
+            ..Env::idle(100, &hash)
+        };
+        let idle = env(None, &[]);
+        let mut n = node(&[]);
+        n.allocatable = [("nvidia.com/gpu", "8")].into_iter().collect();
+        // The layout first, through the MIG manager; the device plugin stays on.
+        let o = step(&n, &mig[0], &idle);
+        assert_eq!(
+            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
+            Some("all-3g.40gb")
+        );
+        assert_eq!(switches(&o), (None, None), "{}", o.message);
+        n.labels.insert(LABEL_MIG_CONFIG, "all-3g.40gb");
+        n.labels.insert(LABEL_MIG_STATE, "success");
+        n.owned.insert(LABEL_MIG_CONFIG);
+        n.allocatable = [("nvidia.com/gpu", "0"), ("nvidia.com/mig-3g.40gb", "16")]
+            .into_iter()
+            .collect();
+        // Applied by the MIG manager: the device plugin goes off, then the DRA kubelet plugin on.
+        let o = step(&n, &mig[0], &idle);
+        assert_eq!(switches(&o), (Some("false"), None), "{}", o.message);
+        apply_switches(&mut n, &o);
+        n.allocatable = [("nvidia.com/mig-3g.40gb", "0")].into_iter().collect();
+        let o = step(&n, &mig[0], &idle);
+        assert_eq!(switches(&o), (Some("false"), Some("true")), "{}", o.message);
+        apply_switches(&mut n, &o);
+        // Confirmed by the slice's MIG devices, as many as the layout makes (2 per GPU).
+        let short = crate::plan::input::DraSlice {
+            mig: [("3g.40gb".to_string(), 8)].into(),
+            ..Default::default()
+        };
+        let o = step(&n, &mig[0], &env(Some(&short), &[]));
+        assert_eq!(o.state, Some(NodeState::Pending));
+        assert!(
+            o.message.contains("8 3g.40gb (the layout makes 16)"),
+            "{}",
+            o.message
+        );
+        let full = crate::plan::input::DraSlice {
+            mig: [("3g.40gb".to_string(), 16)].into(),
+            ..Default::default()
+        };
+        let o = step(&n, &mig[0], &env(Some(&full), &[]));
+        assert_eq!(o.state, Some(NodeState::Applied), "{}", o.message);
+        // Another layout: held on the DRA driver while a claim is allocated on the node.
+        let other = [policy(
+            "m",
+            &MIG_EXTENDED.replace("all-3g.40gb", "all-1g.10gb"),
+        )];
+        let other = prepare_all(&other, Some(&base));
+        let claims = vec!["team/cuda-extended-resources-x7k2q".to_string()];
+        let o = step(&n, &other[0], &env(Some(&full), &claims));
+        assert_eq!(
+            o.reason,
+            Some(HoldReason::WaitingForDraClaims),
+            "{}",
+            o.message
+        );
+        assert_eq!(
+            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
+            Some("all-3g.40gb")
+        );
+        assert_eq!(switches(&o), (Some("false"), Some("true")));
+        // Claims gone: the new layout goes to the MIG manager, the node stays on the DRA driver.
+        let o = step(&n, &other[0], &env(Some(&full), &[]));
+        assert_eq!(
+            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
+            Some("all-1g.10gb")
+        );
+        assert_eq!(switches(&o), (Some("false"), Some("true")), "{}", o.message);
+    }
+
     /// Back from DRA extended resources to the device plugin: the DRA kubelet plugin stays while
     /// claims remain, then goes off, and the device plugin returns only once the slice is gone.
     #[test]

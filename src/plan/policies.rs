@@ -39,10 +39,12 @@ pub struct Prepared<'a> {
 }
 
 impl Prepared<'_> {
-    /// A MIG policy's layout.
+    /// A MIG policy's layout (through the device plugin, or before its nodes move to the DRA
+    /// driver).
     pub fn mig(&self) -> Option<&MigBacking> {
         match &self.backing {
             Some(Backing::Mig(m)) => Some(m),
+            Some(Backing::Dra(d)) => d.mig.as_ref(),
             _ => None,
         }
     }
@@ -189,11 +191,72 @@ fn backing(
     errors: &mut Vec<FieldError>,
 ) -> Backing {
     match Kind::of(spec) {
-        Kind::Dra => Backing::Dra(super::backing::DraBacking::of(spec)),
+        Kind::Dra => dra_backing(name, spec, base, errors),
         Kind::Sharing => Backing::Sharing,
         Kind::Vm => vm_backing(name, spec),
         Kind::Mig => mig_backing(name, spec, base, errors),
     }
+}
+
+/// A DRA policy's backing; under MIG (extended resources), its layout as the MIG backend's, and
+/// the profiles pods ask for: every GPU the layout configures must have MIG on (a GPU with MIG
+/// off would be served whole, under a name the policy does not map).
+fn dra_backing(
+    name: &str,
+    spec: &GpuSharingPolicySpec,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+    errors: &mut Vec<FieldError>,
+) -> Backing {
+    let mig = match (spec.strategy == crate::api::crd::Strategy::Mig)
+        .then(|| mig_backing(name, spec, base, errors))
+    {
+        Some(Backing::Mig(m)) => Some(m),
+        _ => None,
+    };
+    let profiles = match &mig {
+        Some(m) if errors.is_empty() => layout_profiles(m, base).unwrap_or_else(|why| {
+            let path = match m.custom {
+                Some(_) => "spec.mig.customLayout",
+                None => "spec.mig.layout",
+            };
+            errors.push(field_error(path, why));
+            BTreeSet::new()
+        }),
+        _ => BTreeSet::new(),
+    };
+    Backing::Dra(super::backing::DraBacking::of(spec, mig, &profiles))
+}
+
+/// The MIG profiles of a layout served through DRA extended resources; `Err` says why it cannot
+/// be: a GPU with MIG off, or a named layout whose content is unknown.
+fn layout_profiles(
+    m: &MigBacking,
+    base: Option<&BTreeMap<String, serde_json::Value>>,
+) -> Result<BTreeSet<String>, String> {
+    let entries: Vec<nvidia::MigConfigEntry> = match &m.custom {
+        Some((entries, _)) => entries.clone(),
+        None => {
+            let named = base.and_then(|b| b.get(&m.layout)).ok_or_else(|| {
+                format!(
+                    "the profiles of layout {:?} are unknown until the GPU Operator's mig-parted configuration can be read: each needs its DeviceClass",
+                    m.layout
+                )
+            })?;
+            serde_json::from_value(named.clone())
+                .map_err(|e| format!("layout {:?} cannot be read: {e}", m.layout))?
+        }
+    };
+    if entries.iter().any(|e| !e.mig_enabled) {
+        return Err(format!(
+            "layout {:?} turns MIG off on some GPUs: through DRA extended resources every GPU of a MIG policy must have MIG on (a GPU with MIG off would be served whole, under a name the policy does not map)",
+            m.layout
+        ));
+    }
+    Ok(entries
+        .iter()
+        .flat_map(|e| e.mig_devices.iter().flatten())
+        .map(|(p, _)| p.clone())
+        .collect())
 }
 
 /// A VM policy's sandbox configuration: its workload and vGPU layout.

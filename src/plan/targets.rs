@@ -23,7 +23,10 @@ pub fn node_target(w: &Prepared, n: &NodeFacts) -> Option<NodeTarget> {
             workload: v.workload,
             vgpu_config: v.vgpu_config.clone(),
         }),
-        Backing::Dra(d) => Serving::Dra(d.extended.clone()),
+        Backing::Dra(d) => Serving::Dra {
+            extended: d.extended.clone(),
+            layout: d.mig.as_ref().map(|m| m.layout.clone()),
+        },
     };
     Some(NodeTarget {
         device_config: w.key.clone()?,

@@ -35,10 +35,10 @@ pub fn validate(
         errs.push(err("spec.dra", "must not be set unless backend is dra"));
         return;
     }
-    if spec.strategy == Strategy::Mig {
+    if spec.strategy == Strategy::Mig && !dra.extended_resources {
         errs.push(err(
             "spec.strategy",
-            "backend dra supports exclusive, timeSlicing and mps; MIG sharing goes through the device plugin",
+            "backend dra serves MIG only with dra.extendedResources (pods keep asking for nvidia.com/mig-<profile>); with ResourceClaimTemplates MIG goes through the device plugin",
         ));
     }
     if dra.extended_resources {
@@ -102,9 +102,51 @@ fn check_extended(
                 warnings.push("spec.timeSlicing.failRequestsGreaterThanOne is a device-plugin setting; under the DRA driver a pod asking for 2 may get 2 shares of one GPU".into());
             }
         }
+        Strategy::Mig => check_extended_mig(spec, gates, errs),
         Strategy::Exclusive if gates.consumable_shares => errs.push(err(
             "spec.dra.driverFeatureGates.ConsumableShares",
             "exclusive GPUs need the DRA driver's consumable shares off (consumableShares: disabled): under shares each pod's claim takes one share and GPUs would be shared",
+        )),
+        _ => {}
+    }
+}
+
+/// MIG through extended resources: one DeviceClass per profile (`mixed`), the layout fixed (no
+/// demand-driven layouts), and one replicas value, the driver's consumable shares, for every
+/// MIG device (time-sliced), or none (exclusive instances).
+fn check_extended_mig(
+    spec: &GpuSharingPolicySpec,
+    gates: &crate::api::crd::DraFeatureGates,
+    errs: &mut Vec<FieldError>,
+) {
+    let Some(mig) = &spec.mig else { return };
+    if mig.mig_strategy != crate::api::crd::MigStrategy::Mixed {
+        errs.push(err(
+            "spec.mig.migStrategy",
+            "MIG through dra.extendedResources needs migStrategy: mixed: pods ask for nvidia.com/mig-<profile>, each mapped by its own DeviceClass (under single a MIG device and a whole GPU share one name)",
+        ));
+    }
+    if mig.dynamic.is_some() {
+        errs.push(err(
+            "spec.mig.dynamic",
+            "demand-driven layouts go through the device plugin: through dra.extendedResources the layout is fixed",
+        ));
+    }
+    let ts = mig.time_slicing.as_ref();
+    if ts.is_some_and(|t| !t.resources.is_empty()) {
+        errs.push(err(
+            "spec.mig.timeSlicing.resources",
+            "with dra.extendedResources, time-slicing takes one replicas value for every MIG device (the DRA driver's consumable shares): timeSlicing.resources does not apply",
+        ));
+    }
+    match (ts.is_some(), gates.consumable_shares) {
+        (true, false) => errs.push(err(
+            "spec.dra.driverFeatureGates.ConsumableShares",
+            "time-sliced MIG devices through extended resources are the DRA driver's consumable shares: run the driver with its ConsumableShares feature gate and consumableShares set to mig.timeSlicing.replicas, and say so here",
+        )),
+        (false, true) => errs.push(err(
+            "spec.dra.driverFeatureGates.ConsumableShares",
+            "MIG devices not time-sliced need the DRA driver's consumable shares off (consumableShares: disabled): under shares each pod's claim takes one share and MIG devices would be shared",
         )),
         _ => {}
     }

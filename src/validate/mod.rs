@@ -187,7 +187,9 @@ fn check_time_slicing(
     }
 }
 
-fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) {
+/// `shares`: the MIG devices are time-sliced by the DRA driver's consumable shares (extended
+/// resources), one value for every device, not by the device plugin's per-resource config.
+fn check_mig(mig: &Mig, shares: bool, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) {
     match (&mig.layout, &mig.custom_layout) {
         (Some(_), Some(_)) | (None, None) => errs.push(err(
             "spec.mig",
@@ -209,8 +211,10 @@ fn check_mig(mig: &Mig, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) 
     if mig.mig_strategy == MigStrategy::Single {
         check_single_strategy(mig, errs);
     }
-    if let Some(ts) = &mig.time_slicing {
-        check_mig_time_slicing(mig, ts, errs, warnings);
+    match &mig.time_slicing {
+        Some(ts) if shares => check_time_slicing(ts, "spec.mig.timeSlicing", errs, warnings),
+        Some(ts) => check_mig_time_slicing(mig, ts, errs, warnings),
+        None => {}
     }
 }
 
@@ -495,7 +499,8 @@ pub fn validate(name: &str, spec: &GpuSharingPolicySpec) -> (Vec<FieldError>, Ve
         ));
     }
     if let Some(mig) = &spec.mig {
-        check_mig(mig, &mut errs, &mut warnings);
+        let shares = spec.dra.as_ref().is_some_and(|d| d.extended_resources);
+        check_mig(mig, shares, &mut errs, &mut warnings);
     }
     dra::validate(spec, &mut errs, &mut warnings);
     vgpu::validate(spec, &mut errs);

@@ -106,11 +106,14 @@ fn uninitialized(n: &NodeFacts) -> Option<String> {
     })
 }
 
-/// What a node of an instance type with `gpus` GPUs serves through extended resources once
-/// moved (what Karpenter's overlay says it has): `shares` pods per GPU, or one.
+/// What a node of an instance type with `gpus` whole GPUs serves through extended resources
+/// once moved (what Karpenter's overlay says it has): `shares` pods per GPU, or one. (A MIG
+/// layout serves what the device plugin advertises for it, see `backend::type_resources`.)
 pub fn type_resources(x: &ExtendedResource, gpus: i64) -> BTreeMap<String, String> {
     let per_gpu = x.shares.unwrap_or(1);
-    [(x.name.clone(), (gpus * per_gpu).to_string())].into()
+    (x.names.keys())
+        .map(|name| (name.clone(), (gpus * per_gpu).to_string()))
+        .collect()
 }
 
 /// One backend per node (see the module documentation): the switches of the device plugin and
@@ -138,6 +141,14 @@ pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Dec
     let extended = w.extended().is_some();
     if let Some(why) = paused_switch(n, extended).filter(|_| switch) {
         return wait(HoldReason::WaitingForPausedOperands, why);
+    }
+    // A MIG layout changes only under idle GPUs: on a node the DRA driver serves, no allocated
+    // claim may remain (the device plugin's pods are counted in `busy`).
+    let reshape = mig_layout
+        .as_deref()
+        .is_some_and(|l| n.labels.get(LABEL_MIG_CONFIG) != Some(l));
+    if reshape && !env.dra_claims.is_empty() {
+        return wait(HoldReason::WaitingForDraClaims, claims_msg(env.dra_claims));
     }
     // Without a class mapping the name, a node without its device plugin serves no pod.
     if let Some(why) = w.waiting.clone().filter(|_| switch && !off_already) {
@@ -242,7 +253,7 @@ pub fn unconfirmed(
     device_plugin_still_advertises(n).or_else(|| match w.extended() {
         // The DRA driver's slice confirms the node: GPU Feature Discovery's sharing labels
         // describe the device plugin, which no longer serves it.
-        Some(x) => extended_unconfirmed(n, x, env),
+        Some(x) => extended_unconfirmed(n, w, x, env),
         None => gfd_not_reported(n, config).or_else(|| {
             let gfd = GfdReport::read(n.labels.iter());
             super::sharing::replicas_unconfirmed(w.spec.strategy, &gfd, 1)
@@ -264,7 +275,12 @@ fn device_plugin_still_advertises(n: &NodeFacts) -> Option<String> {
 
 /// Why a node moved to extended resources is not confirmed: its DRA kubelet plugin is not on
 /// yet, or the driver's ResourceSlice does not show its GPUs with the policy's shares.
-fn extended_unconfirmed(n: &NodeFacts, x: &ExtendedResource, env: &Env) -> Option<String> {
+fn extended_unconfirmed(
+    n: &NodeFacts,
+    w: &Prepared,
+    x: &ExtendedResource,
+    env: &Env,
+) -> Option<String> {
     if n.labels.get(LABEL_DEPLOY_DRA_DRIVER) != Some(DRA_DEPLOYED) {
         if !env.gpu_pods.is_empty() {
             return Some(format!(
@@ -281,27 +297,74 @@ fn extended_unconfirmed(n: &NodeFacts, x: &ExtendedResource, env: &Env) -> Optio
             "waiting for NVIDIA's DRA driver to publish the node's GPUs (a gpu.nvidia.com ResourceSlice)".into(),
         );
     };
-    if slice.gpus == 0 {
-        return Some("the DRA driver's ResourceSlice shows no whole GPU on this node".into());
-    }
-    shares_mismatch(x, slice.shares, slice.mixed_shares)
+    let devices = match mig_layout_served(n, w, x, slice, env) {
+        Some(mig) => mig,
+        None if slice.gpus == 0 => {
+            Some("the DRA driver's ResourceSlice shows no whole GPU on this node".into())
+        }
+        None => None,
+    };
+    devices.or_else(|| shares_mismatch(x, slice.shares, slice.mixed_shares))
+}
+
+/// Under MIG (`Some`): why the DRA driver's slice does not show the node's layout yet, each
+/// profile's MIG devices as many as the MIG manager made (what the device plugin advertised
+/// for the layout, divided by the replicas).
+fn mig_layout_served(
+    n: &NodeFacts,
+    w: &Prepared,
+    x: &ExtendedResource,
+    slice: &crate::plan::input::DraSlice,
+    env: &Env,
+) -> Option<Option<String>> {
+    w.mig()?;
+    let spec = crate::plan::targets::node_spec(w, n);
+    let Some(adv) = super::mig::advertises(&spec, n, env.mig_layouts) else {
+        return Some(slice.mig.is_empty().then(|| {
+            "the DRA driver's ResourceSlice shows no MIG device on this node".to_string()
+        }));
+    };
+    let per = x.shares.unwrap_or(1).max(1);
+    let wrong: Vec<String> = (x.names.iter())
+        .filter_map(|(name, profile)| {
+            let have = slice.mig.get(profile.as_deref()?).copied().unwrap_or(0);
+            let (min, max) = adv.resources.get(name).copied().unwrap_or((0, 0));
+            (have * per < min || have * per > max).then(|| {
+                let want = if min == max {
+                    format!("{}", min / per)
+                } else {
+                    format!("{} to {}", min / per, max / per)
+                };
+                format!(
+                    "{have} {} (the layout makes {want})",
+                    profile.as_deref().unwrap_or_default()
+                )
+            })
+        })
+        .collect();
+    Some((!wrong.is_empty()).then(|| {
+        format!(
+            "the DRA driver's ResourceSlice shows MIG devices {}",
+            some_of(&wrong)
+        )
+    }))
 }
 
 /// Why the shares the DRA driver publishes do not serve `x`.
 fn shares_mismatch(x: &ExtendedResource, have: Option<i64>, mixed: bool) -> Option<String> {
     if mixed {
-        return Some("the DRA driver's GPUs on this node publish different shares: run one consumableShares value on every node".into());
+        return Some("the DRA driver's devices on this node publish different shares: run one consumableShares value on every node".into());
     }
     match (x.shares, have) {
         (a, b) if a == b => None,
         (Some(want), Some(have)) => Some(format!(
-            "the DRA driver publishes shares={have} per GPU, the policy's time-slicing has replicas {want}: set the driver's consumableShares to {want}"
+            "the DRA driver publishes shares={have} per device, the policy's time-slicing has replicas {want}: set the driver's consumableShares to {want}"
         )),
         (Some(want), None) => Some(format!(
             "the DRA driver publishes no shares, the policy's time-slicing has replicas {want}: enable its ConsumableShares feature gate with consumableShares: {want}"
         )),
         (None, Some(have)) => Some(format!(
-            "the DRA driver publishes shares={have} per GPU: exclusive GPUs need consumableShares: disabled (each pod's claim would take one share)"
+            "the DRA driver publishes shares={have} per device: exclusive devices need consumableShares: disabled (each pod's claim would take one share)"
         )),
         (None, None) => None,
     }
@@ -343,10 +406,18 @@ pub fn device_class_name(name: &str) -> String {
     format!("gpusharing-{}", name.replace('/', "-"))
 }
 
-/// Our DeviceClass mapping extended resource `name` to the DRA driver's whole GPUs. The class
-/// cannot see nodes: the GPUs it selects are those of the nodes whose DRA kubelet plugin runs,
-/// the nodes already moved.
-fn device_class(name: &str) -> serde_json::Value {
+/// Our DeviceClass mapping extended resource `name` to the DRA driver's whole GPUs, or to its
+/// MIG devices of `profile`. The class cannot see nodes: the devices it selects are those of
+/// the nodes whose DRA kubelet plugin runs, the nodes already moved.
+fn device_class(name: &str, profile: Option<&str>) -> serde_json::Value {
+    let selects = match profile {
+        Some(p) => format!(
+            "device.driver == '{DRA_DRIVER}' && device.attributes['{DRA_DRIVER}'].type == 'mig' && device.attributes['{DRA_DRIVER}'].profile == '{p}'"
+        ),
+        None => format!(
+            "device.driver == '{DRA_DRIVER}' && device.attributes['{DRA_DRIVER}'].type == 'gpu'"
+        ),
+    };
     serde_json::json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceClass",
@@ -355,9 +426,7 @@ fn device_class(name: &str) -> serde_json::Value {
             "labels": {MANAGED_BY.0: MANAGED_BY.1},
         },
         "spec": {
-            "selectors": [{"cel": {"expression": format!(
-                "device.driver == '{DRA_DRIVER}' && device.attributes['{DRA_DRIVER}'].type == 'gpu'"
-            )}}],
+            "selectors": [{"cel": {"expression": selects}}],
             "extendedResourceName": name,
         },
     })
@@ -373,19 +442,29 @@ pub fn device_classes(
     moved: bool,
     classes: Option<&[DeviceClassFact]>,
 ) -> BTreeMap<String, serde_json::Value> {
+    // A kept class selects what its name says (a MIG profile's name, that profile).
+    let mut names: BTreeMap<String, Option<String>> = classes
+        .into_iter()
+        .flatten()
+        .filter(|c| moved && c.ours)
+        .filter_map(|c| c.extended_resource_name.clone())
+        .map(|n| {
+            let profile = crate::nvidia::mig_profile_of(&n);
+            (n, profile)
+        })
+        .collect();
     let wanted = governing
         .iter()
         .map(|i| &prepared[*i])
         .filter(|p| p.accepted())
-        .filter_map(|p| Some(p.extended()?.name.clone()));
-    let kept = classes
+        .filter_map(|p| p.extended());
+    names.extend(wanted.flat_map(|x| x.names.clone()));
+    names
         .into_iter()
-        .flatten()
-        .filter(|c| moved && c.ours)
-        .filter_map(|c| c.extended_resource_name.clone());
-    wanted
-        .chain(kept)
-        .map(|name| (device_class_name(&name), device_class(&name)))
+        .map(|(name, profile)| {
+            let class = device_class(&name, profile.as_deref());
+            (device_class_name(&name), class)
+        })
         .collect()
 }
 
@@ -398,9 +477,23 @@ const MAX_QUOTA_GAPS: usize = 10;
 /// A quota on the request alone leaves claims written against our class unlimited where
 /// kube-apiserver does not map the class to the name; one on the device count alone leaves the
 /// pods on nodes still served by the device plugin unlimited.
+/// Each of `x`'s names (a MIG layout's profiles) is checked.
 pub fn quota_gaps(x: &ExtendedResource, quotas: &[QuotaFact]) -> Vec<String> {
-    let request = format!("requests.{}", x.name);
-    let devices = format!("{}{DEVICE_CLASS_QUOTA_SUFFIX}", device_class_name(&x.name));
+    let gaps: Vec<String> = (x.names.keys())
+        .flat_map(|name| name_gaps(name, quotas))
+        .collect();
+    let more = gaps.len().saturating_sub(MAX_QUOTA_GAPS);
+    let mut out: Vec<String> = gaps.into_iter().take(MAX_QUOTA_GAPS).collect();
+    if more > 0 {
+        out.push(format!("and {more} more namespaces"));
+    }
+    out
+}
+
+/// [`quota_gaps`] of one name.
+fn name_gaps(name: &str, quotas: &[QuotaFact]) -> Vec<String> {
+    let request = format!("requests.{name}");
+    let devices = format!("{}{DEVICE_CLASS_QUOTA_SUFFIX}", device_class_name(name));
     let mut by_namespace: BTreeMap<&str, (Vec<&str>, bool, bool)> = BTreeMap::new();
     for q in quotas {
         let (r, d) = (q.hard.contains(&request), q.hard.contains(&devices));
@@ -411,7 +504,7 @@ pub fn quota_gaps(x: &ExtendedResource, quotas: &[QuotaFact]) -> Vec<String> {
             e.2 |= d;
         }
     }
-    let gaps: Vec<String> = by_namespace
+    by_namespace
         .into_iter()
         .filter(|(_, (_, r, d))| r != d)
         .map(|(ns, (names, r, _))| {
@@ -425,13 +518,7 @@ pub fn quota_gaps(x: &ExtendedResource, quotas: &[QuotaFact]) -> Vec<String> {
                 some_of(&names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
             )
         })
-        .collect();
-    let more = gaps.len().saturating_sub(MAX_QUOTA_GAPS);
-    let mut out: Vec<String> = gaps.into_iter().take(MAX_QUOTA_GAPS).collect();
-    if more > 0 {
-        out.push(format!("and {more} more namespaces"));
-    }
-    out
+        .collect()
 }
 
 /// What decides the extended-resource policies cluster-wide.
@@ -471,22 +558,40 @@ pub fn extended_conflicts(
         prepared[owner].name.clone(),
         prepared[owner].extended().cloned().expect("extended"),
     );
+    // What maps each kind of device (whole GPUs, a MIG profile): the first policy in
+    // precedence that serves it, and its name.
+    let mut mapped: BTreeMap<Option<String>, (String, String)> = BTreeMap::new();
+    for p in prepared.iter().filter(|p| extended(p)) {
+        for (name, profile) in &p.extended().expect("extended").names {
+            mapped
+                .entry(profile.clone())
+                .or_insert_with(|| (p.name.clone(), name.clone()));
+        }
+    }
+    let classes = cluster.classes.unwrap_or_default();
     for (i, p) in prepared.iter_mut().enumerate() {
         if !extended(p) {
             continue;
         }
         let x = p.extended().expect("extended");
         let conflict = unreadable(cluster)
-            .or_else(|| foreign_class(cluster.classes.unwrap_or_default(), &x.name))
+            .or_else(|| x.names.keys().find_map(|n| foreign_class(classes, n)))
             .or_else(|| {
-                (i != owner && (x.name != want.name || x.shares != want.shares)).then(|| {
+                (i != owner && x.shares != want.shares).then(|| {
                     format!(
-                        "dra.extendedResources with {} conflicts with {} of policy {owner_name}: the DRA driver runs one consumableShares value on every node and a DeviceClass cannot tell nodes apart, so every extended-resource policy must serve one name with one sharing",
+                        "dra.extendedResources with {} conflicts with {} of policy {owner_name}: the DRA driver runs one consumableShares value on every node, so every extended-resource policy must share its devices alike",
                         describe(x),
                         describe(&want)
                     )
                 })
             })
+            .or_else(|| x.names.iter().find_map(|(n, profile)| {
+                let (other, theirs) = &mapped[profile];
+                (theirs != n).then(|| format!(
+                    "dra.extendedResources maps {n} where policy {other} maps {theirs} to the same devices ({}): a DeviceClass cannot tell nodes apart, so one name serves each kind of device",
+                    profile.as_deref().map_or("whole GPUs".to_string(), |p| format!("MIG {p}"))
+                ))
+            }))
             .or_else(|| {
                 cluster.gpu_cluster.filter(|_| x.shares.is_some()).map(|c| {
                     format!(
@@ -495,7 +600,7 @@ pub fn extended_conflicts(
                 })
             });
         let Some(conflict) = conflict else {
-            p.waiting = class_missing(cluster.classes.unwrap_or_default(), &x.name);
+            p.waiting = x.names.keys().find_map(|n| class_missing(classes, n));
             continue;
         };
         if governing.contains(&i) {
@@ -532,9 +637,10 @@ fn class_missing(classes: &[DeviceClassFact], name: &str) -> Option<String> {
 }
 
 fn describe(x: &ExtendedResource) -> String {
+    let names: Vec<&str> = x.names.keys().map(String::as_str).collect();
     match x.shares {
-        Some(s) => format!("{} shared {s} ways", x.name),
-        None => format!("{} exclusive", x.name),
+        Some(s) => format!("{} shared {s} ways", names.join(", ")),
+        None => format!("{} exclusive", names.join(", ")),
     }
 }
 
@@ -745,7 +851,7 @@ mod tests {
     #[test]
     fn quotas_covering_one_of_the_two_names_are_reported() {
         let x = ExtendedResource {
-            name: "nvidia.com/gpu".into(),
+            names: [("nvidia.com/gpu".to_string(), None)].into(),
             shares: Some(4),
         };
         let q = |ns: &str, name: &str, keys: &[&str]| QuotaFact {
@@ -791,11 +897,166 @@ mod tests {
         let prepared = prepare_all(&ps, None);
         let x = prepared[0].extended().expect("extended");
         assert_eq!(
-            (x.name.as_str(), x.shares),
-            ("nvidia.com/gpu.shared", Some(4))
+            (
+                x.names.keys().map(String::as_str).collect::<Vec<_>>(),
+                x.shares
+            ),
+            (vec!["nvidia.com/gpu.shared"], Some(4))
         );
         let classes = device_classes(&prepared, &[0].into(), false, Some(&[]));
         assert!(classes.contains_key("gpusharing-nvidia.com-gpu.shared"));
+    }
+
+    const MIG: &str = "  strategy: mig\n  mig: {migStrategy: mixed, layout: all-balanced}\n  backend: dra\n  dra: {extendedResources: true}\n";
+
+    /// A MIG layout maps one class per profile, selecting the driver's MIG devices of that
+    /// profile; whole GPUs and MIG profiles are different devices, so an exclusive whole-GPU
+    /// pool and a MIG pool move side by side. One consumable-shares value still holds for all,
+    /// and one name per kind of device.
+    #[test]
+    fn a_mig_layout_maps_a_class_per_profile_beside_whole_gpus() {
+        let base = crate::nvidia::default_mig_configs();
+        let ps = vec![policy("a", MIG), policy("b", EXCL)];
+        let all = (0..2).collect();
+        let mut prepared = prepare_all(&ps, Some(&base));
+        extended_conflicts(&mut prepared, &all, &cluster(Some(&[])));
+        assert!(
+            prepared.iter().all(|p| p.accepted()),
+            "{:?}",
+            prepared.iter().map(|p| &p.blocked).collect::<Vec<_>>()
+        );
+        let classes = device_classes(&prepared, &all, false, Some(&[]));
+        let profiles: Vec<&str> = names(&classes)
+            .into_iter()
+            .filter_map(|c| c.strip_prefix("gpusharing-nvidia.com-mig-"))
+            .collect();
+        assert!(
+            profiles.contains(&"3g.40gb") && profiles.contains(&"1g.10gb"),
+            "{profiles:?}"
+        );
+        assert!(classes.contains_key(OURS));
+        let expr = |c: &str| classes[c]["spec"]["selectors"][0]["cel"]["expression"].clone();
+        let mig = expr("gpusharing-nvidia.com-mig-3g.40gb");
+        assert!(
+            mig.as_str().unwrap().contains("type == 'mig'")
+                && mig.as_str().unwrap().contains("profile == '3g.40gb'"),
+            "{mig}"
+        );
+        assert!(expr(OURS).as_str().unwrap().contains("type == 'gpu'"));
+        assert_eq!(
+            classes["gpusharing-nvidia.com-mig-3g.40gb"]["spec"]["extendedResourceName"],
+            "nvidia.com/mig-3g.40gb"
+        );
+        // Waiting names the first class missing; a policy's nodes move once all are seen.
+        let a = prepared.iter().position(|p| p.name == "a").unwrap();
+        assert!(
+            prepared[a]
+                .waiting
+                .as_deref()
+                .unwrap()
+                .contains("gpusharing-nvidia.com-mig-")
+        );
+        // A class we keep for moved nodes after its policy went selects its profile again.
+        let kept = [DeviceClassFact {
+            name: "gpusharing-nvidia.com-mig-1g.10gb.me".into(),
+            extended_resource_name: Some("nvidia.com/mig-1g.10gb.me".into()),
+            ours: true,
+        }];
+        let classes = device_classes(&[], &Default::default(), true, Some(&kept));
+        let c = &classes["gpusharing-nvidia.com-mig-1g.10gb.me"];
+        assert!(
+            c["spec"]["selectors"][0]["cel"]["expression"]
+                .as_str()
+                .unwrap()
+                .contains("profile == '1g.10gb+me'"),
+            "{c}"
+        );
+        // Exclusive MIG devices beside time-sliced GPUs: one shares value, refused.
+        let ps = vec![policy("a", MIG), policy("b", TS4)];
+        let mut prepared = prepare_all(&ps, Some(&base));
+        extended_conflicts(&mut prepared, &all, &cluster(Some(&[])));
+        let blocked: Vec<&str> = prepared
+            .iter()
+            .filter_map(|p| p.blocked.as_deref())
+            .collect();
+        assert_eq!(blocked.len(), 1);
+        assert!(
+            blocked[0].contains("one consumableShares value"),
+            "{}",
+            blocked[0]
+        );
+        // Time-sliced MIG devices beside time-sliced GPUs, both 4 shares: side by side.
+        let ts_mig = MIG
+            .replace(
+                "layout: all-balanced}",
+                "layout: all-balanced, timeSlicing: {replicas: 4}}",
+            )
+            .replace(
+                "extendedResources: true}",
+                "extendedResources: true, driverFeatureGates: {ConsumableShares: true}}",
+            );
+        let ps = vec![policy("a", &ts_mig), policy("b", TS4)];
+        let mut prepared = prepare_all(&ps, Some(&base));
+        assert!(prepared[0].errors.is_empty(), "{:?}", prepared[0].errors);
+        extended_conflicts(&mut prepared, &all, &cluster(Some(&[])));
+        assert!(prepared.iter().all(|p| p.accepted()));
+        // Two names for whole GPUs: the second is refused, naming the first.
+        let shared = TS4.replace("{replicas: 4}", "{replicas: 4, renameByDefault: true}");
+        let ps = vec![policy("a", TS4), policy("b", &shared)];
+        let mut prepared = prepare_all(&ps, None);
+        extended_conflicts(&mut prepared, &all, &cluster(Some(&[])));
+        let why = prepared[1].blocked.as_deref().expect("refused");
+        assert!(
+            why.contains("maps nvidia.com/gpu.shared where policy a maps nvidia.com/gpu to the same devices (whole GPUs)"),
+            "{why}"
+        );
+    }
+
+    /// A MIG layout through extended resources: mixed only, fixed, every GPU with MIG on, and
+    /// named layouts readable.
+    #[test]
+    fn what_a_mig_pool_through_extended_resources_cannot_be_is_an_error_naming_the_field() {
+        let base = crate::nvidia::default_mig_configs();
+        let cases = [
+            (MIG.replace("mixed", "single"), "spec.mig.migStrategy"),
+            (
+                MIG.replace("layout: all-balanced}", "layout: all-balanced, dynamic: {layouts: [all-1g.10gb]}}"),
+                "spec.mig.dynamic",
+            ),
+            (
+                MIG.replace("layout: all-balanced}", "layout: all-balanced, timeSlicing: {replicas: 2}}"),
+                "spec.dra.driverFeatureGates.ConsumableShares",
+            ),
+            (MIG.replace("extendedResources: true", "namespaces: [team]"), "spec.strategy"),
+            (MIG.replace("all-balanced", "all-disabled"), "spec.mig.layout"),
+            (
+                MIG.replace(
+                    "layout: all-balanced}",
+                    "customLayout: [{devices: [0], migEnabled: true, migDevices: {1g.10gb: 7}}, {devices: [1], migEnabled: false}]}",
+                ),
+                "spec.mig.customLayout",
+            ),
+        ];
+        for (spec, path) in cases {
+            let ps = vec![policy("a", &spec)];
+            let prepared = prepare_all(&ps, Some(&base));
+            assert!(
+                prepared[0].errors.iter().any(|e| e.path == path),
+                "{spec}: {:?}",
+                prepared[0].errors
+            );
+        }
+        // A named layout's profiles are unknown without the mig-parted configuration.
+        let ps = vec![policy("a", MIG)];
+        let prepared = prepare_all(&ps, None);
+        assert!(
+            prepared[0]
+                .errors
+                .iter()
+                .any(|e| e.path == "spec.mig.layout" && e.message.contains("unknown")),
+            "{:?}",
+            prepared[0].errors
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use crate::api::crd::GpuSharingPolicySpec;
+use crate::api::crd::{GpuSharingPolicySpec, Strategy};
 
 use super::backing::{Kind, NodeTarget, Serving};
 use super::capacity::{Advertised, NodeCapacity};
@@ -28,9 +28,19 @@ use crate::api::state::NodeState;
 // The registry: each question below is answered by the file of the policy's backend. A new
 // backend is a new file beside these and one arm in each match.
 
+/// How a policy divides its GPUs, whatever serves them: a MIG layout is the MIG backend's
+/// (through the device plugin or the DRA driver), whole GPUs shared are the sharing backend's.
+fn division(spec: &GpuSharingPolicySpec) -> Kind {
+    match (Kind::of(spec), spec.strategy) {
+        (Kind::Dra, Strategy::Mig) => Kind::Mig,
+        (Kind::Dra, _) => Kind::Sharing,
+        (k, _) => k,
+    }
+}
+
 /// Replicas per GPU (per MIG instance) a policy's nodes advertise.
 pub fn replicas(w: &Prepared) -> i32 {
-    match w.kind() {
+    match division(w.spec) {
         Kind::Sharing | Kind::Dra => sharing::replicas(w.spec),
         Kind::Mig => mig::replicas(w.spec),
         Kind::Vm => 1,
@@ -58,7 +68,7 @@ pub fn node_capacity(
     node: &NodeFacts,
     base: Option<&BTreeMap<String, Value>>,
 ) -> NodeCapacity {
-    match w.kind() {
+    match division(w.spec) {
         Kind::Sharing | Kind::Dra => sharing::capacity(w.spec, node),
         Kind::Mig => mig::capacity(&node_spec(w, node), node, base),
         Kind::Vm => vm::capacity(w, node),
@@ -78,10 +88,16 @@ pub fn type_resources(
     if w.kind() == Kind::Vm {
         return vm::type_resources(w, gpus, pci_name, sandbox);
     }
-    if let Some(x) = w.extended() {
+    if let Some(x) = w.extended().filter(|_| division(w.spec) == Kind::Sharing) {
         return Ok(dra::type_resources(x, gpus));
     }
-    let adv = advertises(w.spec, node, base).ok_or_else(|| {
+    // A MIG layout serves the same names and counts through the DRA driver (shares N for
+    // time-slicing's N replicas) as through the device plugin.
+    let adv = match division(w.spec) {
+        Kind::Mig => mig::advertises(w.spec, node, base),
+        _ => advertises(w.spec, node, base),
+    };
+    let adv = adv.ok_or_else(|| {
         let gpu = node.labels.get(crate::api::names::LABEL_GPU_PRODUCT);
         format!("the capacity is unknown for {}", gpu.unwrap_or("this GPU"))
     })?;
@@ -127,8 +143,12 @@ pub fn decide(n: &NodeFacts, w: &Prepared, t: &NodeTarget, env: &Env, busy: bool
         Serving::Vm(target) => vm::decide(n, target, env, busy),
         // A VM host we made goes back to containers first, whatever the container backend.
         _ if is_vm_host(n) => vm::leave(n, env).expect("a VM host we labelled"),
-        Serving::Mig { layout } => mig::decide(n, w, key, layout, env, busy),
-        Serving::Sharing | Serving::Dra(_) => sharing::decide(n, w, key, env, busy),
+        Serving::Mig { layout }
+        | Serving::Dra {
+            layout: Some(layout),
+            ..
+        } => mig::decide(n, w, key, layout, env, busy),
+        Serving::Sharing | Serving::Dra { .. } => sharing::decide(n, w, key, env, busy),
     }
 }
 
@@ -154,7 +174,7 @@ pub fn unconfirmed(
 /// Whether the policy's clients are isolated in memory: not under time-slicing (of whole GPUs
 /// or of MIG instances).
 pub fn memory_isolation(w: &Prepared) -> bool {
-    match w.kind() {
+    match division(w.spec) {
         Kind::Sharing | Kind::Dra => sharing::memory_isolation(w.spec),
         Kind::Mig => mig::memory_isolation(w.spec),
         Kind::Vm => true,
