@@ -131,10 +131,11 @@ fn mig_policy() -> String {
         )
 }
 
-/// What serves an A100 node's 3g.40gb instances now: the device plugin's allocatable
-/// `nvidia.com/mig-3g.40gb`, and the DRA driver's 3g.40gb MIG devices (`None`: no slice).
-async fn mig_served(c: &kube::Client, node: &str) -> (i64, Option<usize>) {
-    let (alloc, devices) = serving(c, node, "nvidia.com/mig-3g.40gb").await;
+/// What serves an A100 node's MIG instances of `profile` now: the device plugin's allocatable
+/// `nvidia.com/mig-<profile>`, and the DRA driver's MIG devices of the profile (`None`: no
+/// slice).
+async fn mig_served(c: &kube::Client, node: &str, profile: &str) -> (i64, Option<usize>) {
+    let (alloc, devices) = serving(c, node, &format!("nvidia.com/mig-{profile}")).await;
     let attr = |d: &k8s_openapi::api::resource::v1::Device, k: &str| {
         d.attributes.as_ref()?.get(k)?.string.clone()
     };
@@ -142,7 +143,7 @@ async fn mig_served(c: &kube::Client, node: &str) -> (i64, Option<usize>) {
         (ds.iter())
             .filter(|d| {
                 attr(d, "type").as_deref() == Some("mig")
-                    && attr(d, "profile").as_deref() == Some("3g.40gb")
+                    && attr(d, "profile").as_deref() == Some(profile)
             })
             .count()
     });
@@ -201,24 +202,46 @@ async fn generated_claim_device(c: &kube::Client, pod: &Pod, node: &str) -> Stri
     r.device.clone()
 }
 
-/// The MIG pool is applied on both A100 nodes with the device plugin serving 16 3g.40gb
-/// instances each and no DRA slice.
-async fn mig_on_the_device_plugin(c: &kube::Client) -> Option<()> {
-    ready_on(c, "a100-mig", 2).await?;
+/// The MIG pool is applied on both A100 nodes, served by the device plugin (`on_dra` false:
+/// `count` instances of `profile` each, no DRA slice) or by the DRA driver (its slice shows
+/// `count` MIG devices of `profile`, the device plugin advertises none); never by both.
+async fn mig_pool_served(
+    c: &kube::Client,
+    on_dra: bool,
+    profile: &str,
+    count: usize,
+) -> Option<()> {
+    let s = ready_on(c, "a100-mig", 2).await?;
     for node in A100 {
-        if mig_served(c, node).await != (16, None) {
+        let (alloc, slice) = mig_served(c, node, profile).await;
+        assert!(
+            alloc == 0 || slice.is_none(),
+            "{node}: both serve: {alloc} and {slice:?}"
+        );
+        let want = match on_dra {
+            true => (0, Some(count)),
+            false => (count as i64, None),
+        };
+        if (alloc, slice) != want {
             return None;
         }
     }
-    Some(())
+    // A device-plugin policy's status shows no `servedBy` once no node has a DRA switch.
+    let by = if on_dra {
+        json!({"draDriver": 2})
+    } else {
+        json!(null)
+    };
+    (s["servedBy"] == by).then_some(())
 }
 
 /// A time-sliced pool (2 L4 nodes, 4 GPUs x replicas 4 each) moves to the DRA driver with the
 /// real kube-scheduler placing unchanged pods: the idle node moves, the busy one waits (its
 /// device-plugin pods run), an operator restart changes nothing, new pods land on both kinds
 /// of node (16 per node: through the device plugin on one, 4 per GPU through generated claims
-/// on the other), and the way back drains the DRA-served pods first. The invariant watcher
-/// checks at every event that no GPU is allocated through DRA beside a device-plugin pod.
+/// on the other), and the way back drains the DRA-served pods first; then a MIG device takes
+/// one pod under those shares. The invariant watcher checks at every event that no GPU is
+/// allocated through DRA beside a device-plugin pod.
 #[tokio::test]
 async fn a_time_sliced_pool_moves_to_dra_extended_resources_under_the_scheduler_and_back() {
     let (g, cluster, _sim) = setup_with_simulator(
@@ -497,6 +520,49 @@ async fn a_time_sliced_pool_moves_to_dra_extended_resources_under_the_scheduler_
     api.delete("l4-shared", &DeleteParams::default())
         .await
         .unwrap();
+
+    // A MIG pool on one A100 (8 x 7g.80gb), straight to the DRA driver, whose consumable
+    // shares are 4: a MIG device still takes one pod (the driver publishes its multiprocessors,
+    // engines and memory slices without a request policy, so each claim takes all of them),
+    // which is why MIG devices are not time-sliced through extended resources.
+    label_node(&c, A100[0], "gpusharing.io/profile", Some("a100-mig")).await;
+    let mig_dra = mig_policy().replace("all-3g.40gb", "all-7g.80gb")
+        + "  backend: dra\n  dra: {extendedResources: true}\n";
+    testkit::apply_yaml(&c, &mig_dra).await.unwrap();
+    until("the MIG node moved", LONG, || async {
+        let s = ready_on(&c, "a100-mig", 1).await?;
+        (s["servedBy"] == json!({"draDriver": 1})).then_some(())
+    })
+    .await;
+    for i in 0..9 {
+        let pod = pool_pod(
+            &format!("mig-{i}"),
+            None,
+            "a100-mig",
+            "nvidia.com/mig-7g.80gb",
+        );
+        pods(&c).create(&PostParams::default(), &pod).await.unwrap();
+    }
+    let on_node = until("8 pods on 8 MIG devices, 1 left", LONG, || async {
+        let p = placed(&c).await;
+        let pending = (p.get("").into_iter().flatten())
+            .filter(|p| p.name_any().starts_with("mig-"))
+            .count();
+        let bound = p.get(A100[0]).cloned().unwrap_or_default();
+        (bound.len() == 8 && pending == 1).then_some(bound)
+    })
+    .await;
+    let mut devices = Vec::new();
+    for p in &on_node {
+        devices.push(generated_claim_device(&c, p, A100[0]).await);
+    }
+    devices.sort();
+    devices.dedup();
+    assert_eq!(devices.len(), 8, "one pod per MIG device: {devices:?}");
+    assert!(
+        devices.iter().all(|d| d.contains("-mig-7g80gb-")),
+        "{devices:?}"
+    );
     op.stop().await;
     invariants.check().await;
 }
@@ -572,7 +638,8 @@ async fn without_the_extended_resource_gate_no_node_moves_and_the_status_names_i
 /// A whole-GPU pool (exclusive, the DRA driver's consumable shares off) moves, and each GPU
 /// then takes exactly one unchanged pod through its generated claim; a MIG pool (A100s, two
 /// 3g.40gb instances per GPU) moves beside it, and each MIG device takes exactly one pod asking
-/// for `nvidia.com/mig-3g.40gb`; moving back without a drain waits for the pods' claims. Its
+/// for `nvidia.com/mig-3g.40gb`; the moved MIG pool changes layout; moving back without a drain
+/// waits for the pods' claims. Its
 /// own control plane: the driver runs one `consumableShares` value for the whole cluster.
 #[tokio::test]
 async fn a_whole_gpu_pool_and_a_mig_pool_move_and_take_one_pod_per_device() {
@@ -677,8 +744,8 @@ async fn a_whole_gpu_pool_and_a_mig_pool_move_and_take_one_pod_per_device() {
         label_node(&c, node, "gpusharing.io/profile", Some("a100-mig")).await;
     }
     testkit::apply_yaml(&c, &mig_policy()).await.unwrap();
-    until("the MIG layout through the device plugin", LONG, || async {
-        mig_on_the_device_plugin(&c).await
+    until("the MIG layout through the device plugin", LONG, || {
+        mig_pool_served(&c, false, "3g.40gb", 16)
     })
     .await;
     // Admission refuses what the DRA driver cannot serve a MIG pool as, naming why.
@@ -703,14 +770,10 @@ async fn a_whole_gpu_pool_and_a_mig_pool_move_and_take_one_pod_per_device() {
     api.patch("a100-mig", &PatchParams::default(), &Patch::Merge(&to_dra))
         .await
         .unwrap();
-    until("the MIG pool moved", LONG, || async {
-        let s = ready_on(&c, "a100-mig", 2).await?;
-        (s["servedBy"] == json!({"draDriver": 2})).then_some(())
+    until("the MIG pool moved", LONG, || {
+        mig_pool_served(&c, true, "3g.40gb", 16)
     })
     .await;
-    for node in A100 {
-        assert_eq!(mig_served(&c, node).await, (0, Some(16)), "{node}");
-    }
     let mig_class = class(&c, MIG_CLASS).await.expect("our MIG class");
     assert_eq!(
         mig_class.spec.extended_resource_name.as_deref(),
@@ -787,21 +850,41 @@ async fn a_whole_gpu_pool_and_a_mig_pool_move_and_take_one_pod_per_device() {
         Some(())
     })
     .await;
-    // The MIG pool back too (its pods went with the others): the device plugin serves the
-    // layout again; with every node back, our classes go.
+    // Its pods gone with the others, the MIG pool changes layout where it is: the DRA
+    // kubelet plugin stops (the driver reads MIG devices when it starts), the MIG manager
+    // reshapes, the plugin starts again and publishes the new devices; the device plugin stays
+    // off throughout.
+    let seven = json!({"spec": {"mig": {"layout": "all-7g.80gb"}}});
+    api.patch("a100-mig", &PatchParams::default(), &Patch::Merge(&seven))
+        .await
+        .unwrap();
+    until("the new layout through the DRA driver", LONG, || {
+        mig_pool_served(&c, true, "7g.80gb", 8)
+    })
+    .await;
+    for node in A100 {
+        assert_eq!(
+            labels(&c, node).await["nvidia.com/gpu.deploy.device-plugin"],
+            "false"
+        );
+    }
+    // Back: the device plugin serves the layout again; with every node back, our classes go.
     let back = json!({"spec": {"backend": null, "dra": null}});
     api.patch("a100-mig", &PatchParams::default(), &Patch::Merge(&back))
         .await
         .unwrap();
-    until("the MIG pool back on the device plugin", LONG, || async {
-        mig_on_the_device_plugin(&c).await
+    until("the MIG pool back on the device plugin", LONG, || {
+        mig_pool_served(&c, false, "7g.80gb", 8)
     })
     .await;
     for name in ["l4-shared", "a100-mig"] {
         api.delete(name, &DeleteParams::default()).await.unwrap();
     }
     until("our classes deleted", LONG, || async {
-        (class(&c, OURS).await.is_none() && class(&c, MIG_CLASS).await.is_none()).then_some(())
+        for name in [OURS, MIG_CLASS, "gpusharing-nvidia.com-mig-7g.80gb"] {
+            class(&c, name).await.is_none().then_some(())?;
+        }
+        Some(())
     })
     .await;
     op.stop().await;

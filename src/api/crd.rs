@@ -55,7 +55,7 @@ pub const MAX_POLICY_NAME: usize = 54;
 #[x_kube(validation = Rule::new("!(self.strategy in ['vgpu', 'passthrough']) || !has(self.backend) || self.backend == 'devicePlugin'").message("strategies vgpu and passthrough serve virtual machines through the GPU Operator's sandbox device plugin: backend must be devicePlugin"))]
 #[x_kube(validation = Rule::new("(has(self.backend) && self.backend == 'dra') == has(self.dra)").message("spec.dra must be set when, and only when, backend is dra"))]
 #[x_kube(validation = Rule::new("!(has(self.backend) && self.backend == 'dra' && self.strategy == 'mig') || (has(self.dra) && has(self.dra.extendedResources) && self.dra.extendedResources)").message("backend dra serves MIG only with dra.extendedResources (pods keep asking for nvidia.com/mig-<profile>); with ResourceClaimTemplates MIG goes through the device plugin"))]
-#[x_kube(validation = Rule::new("!(has(self.dra) && has(self.dra.extendedResources) && self.dra.extendedResources && self.strategy == 'mig') || (has(self.mig) && self.mig.migStrategy == 'mixed' && !has(self.mig.dynamic) && (!has(self.mig.timeSlicing) || !has(self.mig.timeSlicing.resources) || size(self.mig.timeSlicing.resources) == 0))").message("MIG through dra.extendedResources needs migStrategy: mixed (one DeviceClass per profile), no dynamic layouts, and one time-slicing replicas value for every MIG device (the DRA driver's consumable shares): mig.timeSlicing.resources does not apply"))]
+#[x_kube(validation = Rule::new("!(has(self.dra) && has(self.dra.extendedResources) && self.dra.extendedResources && self.strategy == 'mig') || (has(self.mig) && self.mig.migStrategy == 'mixed' && !has(self.mig.dynamic) && !has(self.mig.timeSlicing))").message("MIG through dra.extendedResources needs migStrategy: mixed (one DeviceClass per profile), no dynamic layouts and no mig.timeSlicing (the DRA driver's MIG devices take one claim each, whatever its consumableShares)"))]
 #[x_kube(validation = Rule::new("!(has(self.dra) && has(self.dra.extendedResources) && self.dra.extendedResources && self.strategy == 'mps')").message("MPS cannot be served through DRA extended resources: the DRA driver cannot prepare an MPS claim while consumable shares are on; use extendedResources: false (ResourceClaimTemplates) or backend: devicePlugin"))]
 #[x_kube(validation = Rule::new("!(has(self.dra) && has(self.dra.extendedResources) && self.dra.extendedResources && has(self.timeSlicing) && has(self.timeSlicing.resources) && size(self.timeSlicing.resources) > 0)").message("with dra.extendedResources, time-slicing takes one replicas value for every GPU (the DRA driver's consumable shares): timeSlicing.resources does not apply"))]
 pub struct GpuSharingPolicySpec {
@@ -204,9 +204,10 @@ pub struct Dra {
     /// KEP-5004: beta and on by default from 1.36). The operator moves the policy's nodes from
     /// the device plugin to the DRA driver's kubelet plugin in rollout waves, each only once no
     /// device-plugin GPU pod runs on it (and a MIG layout is applied), and owns a DeviceClass
-    /// mapping each name. Time-slicing `replicas: N` (of GPUs or MIG devices) needs the driver's
-    /// consumable shares N (`consumableShares: N`), exclusive needs them off. Back to `backend:
-    /// devicePlugin` moves the nodes back once their pods' claims are gone.
+    /// mapping each name. Time-slicing `replicas: N` needs the driver's consumable shares N
+    /// (`consumableShares: N`), exclusive GPUs need them off; MIG devices take one pod each
+    /// whatever the shares (not time-sliced). Back to `backend: devicePlugin` moves the nodes
+    /// back once their pods' claims are gone.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub extended_resources: bool,
 

@@ -435,7 +435,7 @@ impl Pass<'_> {
             r.why.push(format!("{t}: won by policy {w}"));
             return;
         }
-        if by_label.is_some() && p.kind() == Kind::Mig {
+        if by_label.is_some() && p.mig().is_some() {
             r.why.push(format!(
                 "{t}: MIG capacity needs the GPU model, which the count label does not give"
             ));

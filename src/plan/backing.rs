@@ -80,13 +80,12 @@ impl DraBacking {
         profiles: &std::collections::BTreeSet<String>,
     ) -> Self {
         let extended = spec.dra.as_ref().filter(|d| d.extended_resources).map(|_| {
-            let ts = match spec.strategy {
-                Strategy::Mig => spec.mig.as_ref().and_then(|m| m.time_slicing.as_ref()),
-                _ => spec.time_slicing.as_ref(),
-            };
+            let ts = spec.time_slicing.as_ref();
             let renamed = ts.is_some_and(|t| t.rename_by_default);
+            // MIG devices take one claim each, whatever the driver's shares (time-slicing them
+            // is refused).
             let shares = match spec.strategy {
-                Strategy::TimeSlicing | Strategy::Mig => ts.and_then(|t| t.replicas).map(i64::from),
+                Strategy::TimeSlicing => ts.and_then(|t| t.replicas).map(i64::from),
                 _ => None,
             };
             let shared = |name: String| match (renamed, shares) {
@@ -119,7 +118,8 @@ pub struct ExtendedResource {
     /// `timeSlicing.renameByDefault`. MIG: the device plugin's name of each profile of the
     /// layout (`nvidia.com/mig-<profile>`, `.shared` likewise).
     pub names: BTreeMap<String, Option<String>>,
-    /// Shares per device: time-slicing's replicas; `None` for exclusive devices (shares off).
+    /// Shares per GPU: time-slicing's replicas; `None` for exclusive GPUs (shares off) and for
+    /// MIG devices (each takes one claim, whatever the driver's shares).
     pub shares: Option<i64>,
 }
 

@@ -204,12 +204,13 @@ pub fn queued(n: &NodeFacts, message: String, reason: HoldReason) -> Outcome {
 fn released(n: &NodeFacts, env: &Env) -> Outcome {
     let mut labels = super::labels::SmallMap::default();
     if n.owned.contains(LABEL_MIG_CONFIG) {
-        // MIG changes need idle GPUs: a node whose GPU pods still run keeps its layout until
-        // they are gone, then goes back to all-disabled.
+        // MIG changes need idle GPUs: a node whose GPU pods still run (through the device
+        // plugin, or the DRA driver's claims) keeps its layout until they are gone, then goes
+        // back to all-disabled.
         let layout = n
             .labels
             .get(LABEL_MIG_CONFIG)
-            .filter(|_| !env.gpu_pods.is_empty())
+            .filter(|_| !env.gpu_pods.is_empty() || !env.dra_claims.is_empty())
             .unwrap_or(MIG_DISABLED_LAYOUT);
         labels.insert(LABEL_MIG_CONFIG.into(), layout.into());
     }
@@ -916,6 +917,22 @@ mod tests {
         assert_eq!(switches(&o), (Some("false"), Some("true")));
     }
 
+    /// What a MIG node's transition knows: NVIDIA's named layouts (`base`), the DRA driver's
+    /// `slice` and the claims allocated on the node.
+    fn mig_env<'a>(
+        base: &'a BTreeMap<String, serde_json::Value>,
+        hash: &'a dyn Fn(&str) -> Option<String>,
+        slice: Option<&'a crate::plan::input::DraSlice>,
+        claims: &'a [String],
+    ) -> Env<'a> {
+        Env {
+            mig_layouts: Some(base),
+            dra_slice: slice,
+            dra_claims: claims,
+            ..Env::idle(100, hash)
+        }
+    }
+
     const MIG_EXTENDED: &str = "  strategy: mig\n  mig: {migStrategy: mixed, layout: all-3g.40gb}\n  backend: dra\n  dra: {extendedResources: true}\n";
 
     /// A MIG pool moves to DRA extended resources: the MIG manager applies the layout first
@@ -929,12 +946,7 @@ mod tests {
         let policies = [policy("m", MIG_EXTENDED)];
         let mig = prepare_all(&policies, Some(&base));
         assert!(mig[0].errors.is_empty(), "{:?}", mig[0].errors);
-        let env = |dra_slice, dra_claims| Env {
-            mig_layouts: Some(&base),
-            dra_slice,
-            dra_claims,
-            ..Env::idle(100, &hash)
-        };
+        let env = |slice, claims| mig_env(&base, &hash, slice, claims);
         let idle = env(None, &[]);
         let mut n = node(&[]);
         n.allocatable = [("nvidia.com/gpu", "8")].into_iter().collect();
@@ -977,6 +989,30 @@ mod tests {
         };
         let o = step(&n, &mig[0], &env(Some(&full), &[]));
         assert_eq!(o.state, Some(NodeState::Applied), "{}", o.message);
+    }
+
+    /// A MIG node already moved to the DRA driver (layout all-3g.40gb, 16 devices in its slice):
+    /// another layout waits for the claims, then stops the DRA kubelet plugin (the driver reads
+    /// MIG devices only when it starts) before the MIG manager reshapes; a node released keeps
+    /// its layout while claims remain; no switch moves under a device-plugin pod, whatever
+    /// `proceedWithBusyGpus` says.
+    #[test]
+    fn a_moved_mig_node_reshapes_only_without_claims_and_with_its_dra_plugin_stopped() {
+        let hash = |_: &str| None;
+        let base = crate::nvidia::default_mig_configs();
+        let env = |slice, claims| mig_env(&base, &hash, slice, claims);
+        let idle = env(None, &[]);
+        let mut n = node(&[
+            (LABEL_MIG_CONFIG, "all-3g.40gb"),
+            (LABEL_MIG_STATE, "success"),
+            (LABEL_DEPLOY_DEVICE_PLUGIN, "false"),
+            (LABEL_DEPLOY_DRA_DRIVER, "true"),
+        ]);
+        n.allocatable = [("nvidia.com/mig-3g.40gb", "0")].into_iter().collect();
+        let full = crate::plan::input::DraSlice {
+            mig: [("3g.40gb".to_string(), 16)].into(),
+            ..Default::default()
+        };
         // Another layout: held on the DRA driver while a claim is allocated on the node.
         let other = [policy(
             "m",
@@ -996,13 +1032,101 @@ mod tests {
             Some("all-3g.40gb")
         );
         assert_eq!(switches(&o), (Some("false"), Some("true")));
-        // Claims gone: the new layout goes to the MIG manager, the node stays on the DRA driver.
+        // Released meanwhile (the policy deleted): the layout stays while the claims do.
+        let o = outcome(&n, None, &env(Some(&full), &claims), Decision::Release);
+        assert_eq!(
+            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
+            Some("all-3g.40gb")
+        );
+        // Claims gone: the DRA kubelet plugin stops first (the driver reads MIG devices only
+        // when it starts), the old layout held; the device plugin stays off.
         let o = step(&n, &other[0], &env(Some(&full), &[]));
+        assert_eq!(
+            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
+            Some("all-3g.40gb")
+        );
+        assert_eq!(
+            switches(&o),
+            (Some("false"), Some("false")),
+            "{}",
+            o.message
+        );
+        apply_switches(&mut n, &o);
+        // Its slice gone: the new layout goes to the MIG manager, nothing switched on.
+        let o = step(&n, &other[0], &idle);
         assert_eq!(
             o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
             Some("all-1g.10gb")
         );
+        assert_eq!(
+            switches(&o),
+            (Some("false"), Some("false")),
+            "{}",
+            o.message
+        );
+        n.labels.insert(LABEL_MIG_CONFIG, "all-1g.10gb");
+        // Applied by the MIG manager: the DRA kubelet plugin starts again, and a slice showing
+        // whole GPUs on the MIG node does not confirm it.
+        let o = step(&n, &other[0], &idle);
         assert_eq!(switches(&o), (Some("false"), Some("true")), "{}", o.message);
+        apply_switches(&mut n, &o);
+        let whole = crate::plan::input::DraSlice {
+            gpus: 8,
+            mig: [("1g.10gb".to_string(), 56)].into(),
+            ..Default::default()
+        };
+        let o = step(&n, &other[0], &env(Some(&whole), &[]));
+        assert!(
+            o.message.contains("8 whole GPUs on this MIG node"),
+            "{}",
+            o.message
+        );
+    }
+
+    /// A MIG node with a device-plugin pod does not move, whatever `proceedWithBusyGpus` says,
+    /// and a custom layout leaving GPUs out is refused on the node.
+    #[test]
+    fn a_mig_node_moves_never_under_device_plugin_pods_nor_with_gpus_left_out() {
+        let hash = |_: &str| None;
+        let base = crate::nvidia::default_mig_configs();
+        let env = |slice, claims| mig_env(&base, &hash, slice, claims);
+        let idle = env(None, &[]);
+        // A device-plugin pod holds a node back whatever proceedWithBusyGpus says.
+        let busy_ok = [policy(
+            "m",
+            &MIG_EXTENDED.replace("all-3g.40gb}", "all-3g.40gb, proceedWithBusyGpus: true}"),
+        )];
+        let busy_ok = prepare_all(&busy_ok, Some(&base));
+        let mut fresh = node(&[
+            (LABEL_MIG_CONFIG, "all-3g.40gb"),
+            (LABEL_MIG_STATE, "success"),
+        ]);
+        fresh.allocatable = [("nvidia.com/mig-3g.40gb", "16")].into_iter().collect();
+        let pods = vec!["team/cuda".to_string()];
+        let busy = Env {
+            gpu_pods: &pods,
+            ..env(None, &[])
+        };
+        let o = step(&fresh, &busy_ok[0], &busy);
+        assert_eq!(switches(&o), (None, None), "{}", o.message);
+        // A custom layout leaving GPUs out is refused on the node, which stays as it is.
+        let part = [policy(
+            "m",
+            &MIG_EXTENDED.replace(
+                "layout: all-3g.40gb}",
+                "customLayout: [{devices: [0, 1, 2, 3], migEnabled: true, migDevices: {3g.40gb: 2}}]}",
+            ),
+        )];
+        let part = prepare_all(&part, Some(&base));
+        assert!(part[0].errors.is_empty(), "{:?}", part[0].errors);
+        let o = step(&fresh, &part[0], &idle);
+        assert_eq!(o.state, Some(NodeState::Rejected), "{}", o.message);
+        assert!(
+            o.message.contains("GPUs 4,5,6,7 are in no device group"),
+            "{}",
+            o.message
+        );
+        assert_eq!(switches(&o), (None, None));
     }
 
     /// Back from DRA extended resources to the device plugin: the DRA kubelet plugin stays while

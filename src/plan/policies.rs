@@ -252,11 +252,20 @@ fn layout_profiles(
             m.layout
         ));
     }
-    Ok(entries
+    let profiles: BTreeSet<String> = entries
         .iter()
         .flat_map(|e| e.mig_devices.iter().flatten())
         .map(|(p, _)| p.clone())
-        .collect())
+        .collect();
+    // `+me`, `+gfx`, `-me`: the capacity model counts them under their base profile, so their
+    // devices could not be confirmed nor counted for an overlay.
+    if let Some(p) = profiles.iter().find(|p| p.contains(['+', '-'])) {
+        return Err(format!(
+            "layout {:?} has profile {p}: MIG profiles with media or graphics extensions are not served through DRA extended resources by this operator",
+            m.layout
+        ));
+    }
+    Ok(profiles)
 }
 
 /// A VM policy's sandbox configuration: its workload and vGPU layout.

@@ -368,7 +368,10 @@ fn degraded(
             .collect();
         v.join(", ")
     };
-    let contested = c.cluster_policy_contested.filter(|_| p.kind() != Kind::Dra);
+    // A MIG pool moving to the DRA driver needs the ClusterPolicy's MIG strategy until it moved.
+    let contested = c
+        .cluster_policy_contested
+        .filter(|_| p.kind() != Kind::Dra || p.mig().is_some());
     if let Some(gc) = c.gpu_cluster.filter(|_| p.kind() != Kind::Dra) {
         (
             true,

@@ -102,7 +102,7 @@ fn check_extended(
                 warnings.push("spec.timeSlicing.failRequestsGreaterThanOne is a device-plugin setting; under the DRA driver a pod asking for 2 may get 2 shares of one GPU".into());
             }
         }
-        Strategy::Mig => check_extended_mig(spec, gates, errs),
+        Strategy::Mig => check_extended_mig(spec, errs),
         Strategy::Exclusive if gates.consumable_shares => errs.push(err(
             "spec.dra.driverFeatureGates.ConsumableShares",
             "exclusive GPUs need the DRA driver's consumable shares off (consumableShares: disabled): under shares each pod's claim takes one share and GPUs would be shared",
@@ -112,13 +112,11 @@ fn check_extended(
 }
 
 /// MIG through extended resources: one DeviceClass per profile (`mixed`), the layout fixed (no
-/// demand-driven layouts), and one replicas value, the driver's consumable shares, for every
-/// MIG device (time-sliced), or none (exclusive instances).
-fn check_extended_mig(
-    spec: &GpuSharingPolicySpec,
-    gates: &crate::api::crd::DraFeatureGates,
-    errs: &mut Vec<FieldError>,
-) {
+/// demand-driven layouts), and MIG devices not time-sliced: NVIDIA's DRA driver (v0.5.0)
+/// publishes a MIG device's multiprocessors, engines and memory slices without a request
+/// policy, so each claim takes the whole device whatever `consumableShares` says (kube-scheduler
+/// 1.36 binds one pod per MIG device under shares 4, `tests/e2e_dra_migration.rs`).
+fn check_extended_mig(spec: &GpuSharingPolicySpec, errs: &mut Vec<FieldError>) {
     let Some(mig) = &spec.mig else { return };
     if mig.mig_strategy != crate::api::crd::MigStrategy::Mixed {
         errs.push(err(
@@ -132,25 +130,23 @@ fn check_extended_mig(
             "demand-driven layouts go through the device plugin: through dra.extendedResources the layout is fixed",
         ));
     }
-    let ts = mig.time_slicing.as_ref();
-    if ts.is_some_and(|t| !t.resources.is_empty()) {
+    if mig.time_slicing.is_some() {
+        errs.push(err("spec.mig.timeSlicing", MIG_NOT_SHARED));
+    }
+    if spec
+        .dra
+        .as_ref()
+        .is_some_and(|d| d.driver_feature_gates.dynamic_mig)
+    {
         errs.push(err(
-            "spec.mig.timeSlicing.resources",
-            "with dra.extendedResources, time-slicing takes one replicas value for every MIG device (the DRA driver's consumable shares): timeSlicing.resources does not apply",
+            "spec.dra.driverFeatureGates.DynamicMIG",
+            "the MIG manager applies this policy's layout: with its DynamicMIG gate the DRA driver makes MIG devices itself and publishes the GPUs whole beside them",
         ));
     }
-    match (ts.is_some(), gates.consumable_shares) {
-        (true, false) => errs.push(err(
-            "spec.dra.driverFeatureGates.ConsumableShares",
-            "time-sliced MIG devices through extended resources are the DRA driver's consumable shares: run the driver with its ConsumableShares feature gate and consumableShares set to mig.timeSlicing.replicas, and say so here",
-        )),
-        (false, true) => errs.push(err(
-            "spec.dra.driverFeatureGates.ConsumableShares",
-            "MIG devices not time-sliced need the DRA driver's consumable shares off (consumableShares: disabled): under shares each pod's claim takes one share and MIG devices would be shared",
-        )),
-        _ => {}
-    }
 }
+
+/// Why MIG devices cannot be time-sliced through DRA extended resources.
+pub const MIG_NOT_SHARED: &str = "MIG devices cannot be time-sliced through dra.extendedResources: NVIDIA's DRA driver publishes a MIG device's multiprocessors, engines and memory slices without a request policy, so each pod's claim takes the whole device whatever consumableShares says; time-slice MIG devices through the device plugin (backend: devicePlugin)";
 
 /// Namespaces the templates go to: valid names, each once.
 fn check_namespaces(namespaces: &[String], errs: &mut Vec<FieldError>) {

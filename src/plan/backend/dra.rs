@@ -123,6 +123,9 @@ pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Dec
     if w.spec.backend != Backend::Dra {
         return leave(n, env, d);
     }
+    // Whatever a MIG policy lets its layout change under (`proceedWithBusyGpus`), no switch
+    // moves under a device-plugin GPU pod.
+    let busy = busy || !env.gpu_pods.is_empty();
     let Decision::Write {
         state,
         message,
@@ -143,12 +146,27 @@ pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Dec
         return wait(HoldReason::WaitingForPausedOperands, why);
     }
     // A MIG layout changes only under idle GPUs: on a node the DRA driver serves, no allocated
-    // claim may remain (the device plugin's pods are counted in `busy`).
-    let reshape = mig_layout
-        .as_deref()
-        .is_some_and(|l| n.labels.get(LABEL_MIG_CONFIG) != Some(l));
-    if reshape && !env.dra_claims.is_empty() {
-        return wait(HoldReason::WaitingForDraClaims, claims_msg(env.dra_claims));
+    // claim may remain (the device plugin's pods are counted in `busy`); and with the DRA
+    // kubelet plugin stopped, since the driver reads MIG devices only when it starts.
+    let now = n.labels.get(LABEL_MIG_CONFIG);
+    if mig_layout.as_deref().is_some_and(|l| now != Some(l)) {
+        if !env.dra_claims.is_empty() {
+            return wait(HoldReason::WaitingForDraClaims, claims_msg(env.dra_claims));
+        }
+        if dra_plugin_on_by_us(n) || env.dra_slice.is_some() {
+            return Decision::Write {
+                state: NodeState::Pending,
+                message: format!(
+                    "stopping the DRA kubelet plugin ({LABEL_DEPLOY_DRA_DRIVER}={NOT_DEPLOYED}) before the MIG layout changes: NVIDIA's DRA driver reads MIG devices only when it starts"
+                ),
+                device_config,
+                mig_layout: now.map(str::to_string),
+                device_plugin_off: device_plugin_off_by_us(n),
+                dra_plugin: owned_dra_switch(n).map(|_| false),
+                workload,
+                vgpu_config,
+            };
+        }
     }
     // Without a class mapping the name, a node without its device plugin serves no pod.
     if let Some(why) = w.waiting.clone().filter(|_| switch && !off_already) {
@@ -297,14 +315,14 @@ fn extended_unconfirmed(
             "waiting for NVIDIA's DRA driver to publish the node's GPUs (a gpu.nvidia.com ResourceSlice)".into(),
         );
     };
-    let devices = match mig_layout_served(n, w, x, slice, env) {
+    match mig_layout_served(n, w, x, slice, env) {
+        // MIG devices take one claim each, whatever the driver's shares.
         Some(mig) => mig,
         None if slice.gpus == 0 => {
             Some("the DRA driver's ResourceSlice shows no whole GPU on this node".into())
         }
-        None => None,
-    };
-    devices.or_else(|| shares_mismatch(x, slice.shares, slice.mixed_shares))
+        None => shares_mismatch(x, slice.shares, slice.mixed_shares),
+    }
 }
 
 /// Under MIG (`Some`): why the DRA driver's slice does not show the node's layout yet, each
@@ -318,11 +336,22 @@ fn mig_layout_served(
     env: &Env,
 ) -> Option<Option<String>> {
     w.mig()?;
+    // Without its DynamicMIG gate the driver publishes no GPU with MIG on as a whole GPU: one
+    // shown would be handed out by a whole-GPU class beside the MIG devices carved from it.
+    if slice.gpus > 0 {
+        return Some(Some(format!(
+            "the DRA driver's ResourceSlice shows {} whole GPUs on this MIG node: the layout must turn MIG on for every GPU, and the driver run without its DynamicMIG feature gate",
+            slice.gpus
+        )));
+    }
+    if slice.mig.values().sum::<i64>() == 0 {
+        return Some(Some(
+            "the DRA driver's ResourceSlice shows no MIG device on this node".to_string(),
+        ));
+    }
     let spec = crate::plan::targets::node_spec(w, n);
     let Some(adv) = super::mig::advertises(&spec, n, env.mig_layouts) else {
-        return Some(slice.mig.is_empty().then(|| {
-            "the DRA driver's ResourceSlice shows no MIG device on this node".to_string()
-        }));
+        return Some(None);
     };
     let per = x.shares.unwrap_or(1).max(1);
     let wrong: Vec<String> = (x.names.iter())
@@ -551,7 +580,15 @@ pub fn extended_conflicts(
     cluster: &ClusterDra,
 ) {
     let extended = |p: &Prepared| p.accepted() && p.extended().is_some();
-    let Some(owner) = prepared.iter().position(extended) else {
+    // The shares are decided by the first policy serving whole GPUs: MIG devices take one claim
+    // each whatever the driver's shares (see `validate::dra::MIG_NOT_SHARED`).
+    let whole = |p: &Prepared| {
+        p.extended()
+            .is_some_and(|x| x.names.values().any(Option::is_none))
+    };
+    let Some(owner) = (prepared.iter().position(|p| extended(p) && whole(p)))
+        .or_else(|| prepared.iter().position(extended))
+    else {
         return;
     };
     let (owner_name, want) = (
@@ -574,10 +611,11 @@ pub fn extended_conflicts(
             continue;
         }
         let x = p.extended().expect("extended");
+        let shared_alike = !whole(p) || x.shares == want.shares;
         let conflict = unreadable(cluster)
             .or_else(|| x.names.keys().find_map(|n| foreign_class(classes, n)))
             .or_else(|| {
-                (i != owner && x.shares != want.shares).then(|| {
+                (i != owner && !shared_alike).then(|| {
                     format!(
                         "dra.extendedResources with {} conflicts with {} of policy {owner_name}: the DRA driver runs one consumableShares value on every node, so every extended-resource policy must share its devices alike",
                         describe(x),
@@ -971,35 +1009,23 @@ mod tests {
                 .contains("profile == '1g.10gb+me'"),
             "{c}"
         );
-        // Exclusive MIG devices beside time-sliced GPUs: one shares value, refused.
-        let ps = vec![policy("a", MIG), policy("b", TS4)];
+        // MIG devices take one claim each whatever the driver's shares: a MIG pool moves beside
+        // time-sliced GPUs, whose shares alone must agree.
+        let ps = vec![policy("a", MIG), policy("b", TS4), policy("c", TS2)];
+        let all3 = (0..3).collect();
         let mut prepared = prepare_all(&ps, Some(&base));
-        extended_conflicts(&mut prepared, &all, &cluster(Some(&[])));
-        let blocked: Vec<&str> = prepared
-            .iter()
-            .filter_map(|p| p.blocked.as_deref())
+        extended_conflicts(&mut prepared, &all3, &cluster(Some(&[])));
+        let blocked: Vec<(&str, &str)> = (prepared.iter())
+            .filter_map(|p| Some((p.name.as_str(), p.blocked.as_deref()?)))
             .collect();
-        assert_eq!(blocked.len(), 1);
+        assert_eq!(blocked.len(), 1, "{blocked:?}");
+        assert_eq!(blocked[0].0, "c");
         assert!(
-            blocked[0].contains("one consumableShares value"),
+            blocked[0].1.contains("one consumableShares value")
+                && blocked[0].1.contains("policy b"),
             "{}",
-            blocked[0]
+            blocked[0].1
         );
-        // Time-sliced MIG devices beside time-sliced GPUs, both 4 shares: side by side.
-        let ts_mig = MIG
-            .replace(
-                "layout: all-balanced}",
-                "layout: all-balanced, timeSlicing: {replicas: 4}}",
-            )
-            .replace(
-                "extendedResources: true}",
-                "extendedResources: true, driverFeatureGates: {ConsumableShares: true}}",
-            );
-        let ps = vec![policy("a", &ts_mig), policy("b", TS4)];
-        let mut prepared = prepare_all(&ps, Some(&base));
-        assert!(prepared[0].errors.is_empty(), "{:?}", prepared[0].errors);
-        extended_conflicts(&mut prepared, &all, &cluster(Some(&[])));
-        assert!(prepared.iter().all(|p| p.accepted()));
         // Two names for whole GPUs: the second is refused, naming the first.
         let shared = TS4.replace("{replicas: 4}", "{replicas: 4, renameByDefault: true}");
         let ps = vec![policy("a", TS4), policy("b", &shared)];
@@ -1025,8 +1051,16 @@ mod tests {
             ),
             (
                 MIG.replace("layout: all-balanced}", "layout: all-balanced, timeSlicing: {replicas: 2}}"),
-                "spec.dra.driverFeatureGates.ConsumableShares",
+                "spec.mig.timeSlicing",
             ),
+            (
+                MIG.replace(
+                    "{extendedResources: true}",
+                    "{extendedResources: true, driverFeatureGates: {DynamicMIG: true}}",
+                ),
+                "spec.dra.driverFeatureGates.DynamicMIG",
+            ),
+            (MIG.replace("all-balanced", "all-1g.10gb.me"), "spec.mig.layout"),
             (MIG.replace("extendedResources: true", "namespaces: [team]"), "spec.strategy"),
             (MIG.replace("all-balanced", "all-disabled"), "spec.mig.layout"),
             (

@@ -155,9 +155,12 @@ func DRASliceHash(devices []resourcev1.Device) string {
 	return hex.EncodeToString(sum[:8])
 }
 
-// PlanDRASlice says what the node's kubelet plugin does now: publish
-// devices (changed: they differ from what it published last), or withdraw
-// its slice (withdraw: it published one and no longer runs there).
+// PlanDRASlice says what the node's kubelet plugin does now: publish the
+// devices NVML shows when it starts, or withdraw its slice (it published
+// one and no longer runs there). A running plugin keeps what it published:
+// the driver enumerates GPUs and MIG devices once, at start (nvlib.go:
+// "gpuInfo.migEnabled is captured once during enumeration and is never
+// re-read"), so a MIG layout changed under it shows only after a restart.
 func PlanDRASlice(n *Node, devices []resourcev1.Device, p *Patch) (publish bool, withdraw bool) {
 	last, published := n.Annotations[AnnDRASlice]
 	if !DRAPluginDeployed(n) {
@@ -169,6 +172,10 @@ func PlanDRASlice(n *Node, devices []resourcev1.Device, p *Patch) (publish bool,
 	}
 	h := DRASliceHash(devices)
 	if last == h {
+		return false, false
+	}
+	if published {
+		p.logf("DRA kubelet plugin keeps publishing the devices it found at start (NVML now shows others)")
 		return false, false
 	}
 	p.setAnn(n, AnnDRASlice, h)

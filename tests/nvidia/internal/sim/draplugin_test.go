@@ -115,8 +115,9 @@ func TestValidConsumableShares(t *testing.T) {
 	}
 }
 
-// The plugin publishes when deployed and its devices changed, not again
-// for the same devices, and withdraws what it published once it is gone.
+// The plugin publishes when deployed, not again while it runs (other
+// devices included: it enumerates them at start), and withdraws what it
+// published once it is gone.
 func TestPlanDRASlice(t *testing.T) {
 	hw := Hardware{Product: "NVIDIA-A100-SXM4-80GB", Count: 1, MemoryMiB: 81920}
 	devs, _ := DRADevices("n", hw, nil, nil, "disabled")
@@ -128,6 +129,14 @@ func TestPlanDRASlice(t *testing.T) {
 	n.Annotations[AnnDRASlice] = *p.Annotations[AnnDRASlice]
 	if pub, wd := PlanDRASlice(n, devs, &Patch{}); pub || wd {
 		t.Fatal("same devices published again")
+	}
+	mig, err := DRADevices("n", Hardware{Product: hw.Product, Count: 1, MemoryMiB: 81920, MigCapable: true},
+		Geometry{{MigEnabled: true, MigDevices: map[string]int{"7g.80gb": 1}}}, Placements{{{Profile: "7g.80gb", Start: 0, Size: 8}}}, "disabled")
+	if err != nil || len(mig) != 1 {
+		t.Fatalf("MIG devices %v %v", mig, err)
+	}
+	if pub, wd := PlanDRASlice(n, mig, &Patch{}); pub || wd {
+		t.Fatal("a running plugin republished a changed MIG layout")
 	}
 	n.Labels[LabelDeployDRADriver] = "false"
 	p = &Patch{}
