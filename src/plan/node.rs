@@ -124,8 +124,10 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
             // policy refused between the two steps of a move): nothing would serve its GPUs.
             // The device plugin comes back (the DRA kubelet plugin is ours to start, and is
             // not); the move starts again once the policy is accepted.
+            // So with a MIG manager that failed while the DRA kubelet plugin was stopped for it.
             let extended = policy.is_some_and(|w| w.extended().is_some());
-            if state.refused() && extended && dra::stranded(n, env) {
+            let stopped = state.refused() || state == NodeState::Failed;
+            if stopped && extended && dra::stranded(n, env) {
                 o.labels.remove(LABEL_DEPLOY_DEVICE_PLUGIN);
                 o.message.push_str(
                     "; the device plugin comes back meanwhile: the DRA driver does not serve this node yet",
@@ -212,7 +214,9 @@ fn released(n: &NodeFacts, env: &Env) -> Outcome {
             .get(LABEL_MIG_CONFIG)
             .filter(|_| !env.gpu_pods.is_empty() || !env.dra_claims.is_empty())
             .unwrap_or(MIG_DISABLED_LAYOUT);
-        labels.insert(LABEL_MIG_CONFIG.into(), layout.into());
+        // Nor while the DRA driver may still serve it.
+        let layout = dra::layout_while_served(n, env, Some(layout.to_string()));
+        labels.insert(LABEL_MIG_CONFIG.into(), layout.unwrap_or_default());
     }
     // The device plugin comes back only when no DRA claim holds the node's GPUs and the DRA
     // driver we switched on has withdrawn.
@@ -1078,6 +1082,94 @@ mod tests {
         let o = step(&n, &other[0], &env(Some(&whole), &[]));
         assert!(
             o.message.contains("8 whole GPUs on this MIG node"),
+            "{}",
+            o.message
+        );
+    }
+
+    /// Another layout for a moved MIG node, when its DRA switch is not simply ours: paused by
+    /// the GPU Operator it waits; someone else's it is left alone, the layout held; a slice
+    /// showing other profiles does not confirm; a MIG manager that fails while the plugin is
+    /// stopped gets the node its device plugin back; a released node keeps its layout while the
+    /// driver may still serve it.
+    #[test]
+    fn a_moved_mig_node_reshapes_only_with_a_switch_it_may_write() {
+        let hash = |_: &str| None;
+        let base = crate::nvidia::default_mig_configs();
+        let env = |slice, claims| mig_env(&base, &hash, slice, claims);
+        let seven = [policy(
+            "m",
+            &MIG_EXTENDED.replace("all-3g.40gb", "all-7g.80gb"),
+        )];
+        let seven = prepare_all(&seven, Some(&base));
+        let moved = |dra: &str| {
+            let mut n = node(&[
+                (LABEL_MIG_CONFIG, "all-3g.40gb"),
+                (LABEL_MIG_STATE, "success"),
+                (LABEL_DEPLOY_DEVICE_PLUGIN, "false"),
+                (LABEL_DEPLOY_DRA_DRIVER, dra),
+                (LABEL_DEVICE_PLUGIN_CONFIG, DEFAULT_KEY),
+            ]);
+            n.allocatable = [("nvidia.com/mig-3g.40gb", "0")].into_iter().collect();
+            n
+        };
+        let held =
+            |o: &Outcome| o.labels.get(LABEL_MIG_CONFIG).map(String::as_str) == Some("all-3g.40gb");
+        let o = step(
+            &moved("paused-for-driver-upgrade"),
+            &seven[0],
+            &env(None, &[]),
+        );
+        assert_eq!(
+            o.reason,
+            Some(HoldReason::WaitingForPausedOperands),
+            "{}",
+            o.message
+        );
+        let mut theirs = moved("true");
+        theirs.owned.remove(LABEL_DEPLOY_DRA_DRIVER);
+        theirs.owned.remove(LABEL_DEPLOY_DEVICE_PLUGIN);
+        let o = step(&theirs, &seven[0], &env(None, &[]));
+        assert!(
+            held(&o) && o.message.contains("is not this operator's"),
+            "{}",
+            o.message
+        );
+        assert_eq!(o.labels.get(LABEL_DEPLOY_DRA_DRIVER), None);
+        // Released while the slice lingers: the layout stays until the driver is gone.
+        let three = crate::plan::input::DraSlice {
+            mig: [("3g.40gb".to_string(), 16)].into(),
+            ..Default::default()
+        };
+        let o = outcome(
+            &moved("false"),
+            None,
+            &env(Some(&three), &[]),
+            Decision::Release,
+        );
+        assert!(held(&o), "{:?}", o.labels);
+        // The plugin started on the new layout, but its slice shows the old profile too.
+        let mut n = moved("true");
+        n.labels.insert(LABEL_MIG_CONFIG, "all-7g.80gb");
+        let mixed = crate::plan::input::DraSlice {
+            mig: [("3g.40gb".to_string(), 2), ("7g.80gb".to_string(), 8)].into(),
+            ..Default::default()
+        };
+        let o = step(&n, &seven[0], &env(Some(&mixed), &[]));
+        assert!(
+            o.message.contains("does not make: 2 3g.40gb"),
+            "{}",
+            o.message
+        );
+        // The MIG manager failed with the plugin stopped: the device plugin comes back.
+        let mut failed = moved("false");
+        failed.labels.insert(LABEL_MIG_CONFIG, "all-7g.80gb");
+        failed.labels.insert(LABEL_MIG_STATE, "failed");
+        let o = step(&failed, &seven[0], &env(None, &[]));
+        assert_eq!(o.state, Some(NodeState::Failed), "{}", o.message);
+        assert_eq!(switches(&o).0, None, "{}", o.message);
+        assert!(
+            o.message.contains("device plugin comes back"),
             "{}",
             o.message
         );

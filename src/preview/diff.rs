@@ -472,6 +472,28 @@ mod tests {
         assert!(after.ready.starts_with("True"), "{after:?}");
     }
 
+    /// A MIG pool moving to DRA extended resources: `plan` shows one class per profile, and the
+    /// converged view has the DRA driver serving the layout the MIG manager applied.
+    #[test]
+    fn a_mig_pool_moving_to_dra_shows_a_class_per_profile() {
+        let mixed = MIG.replace("single", "mixed").replace("1g.10gb", "3g.40gb");
+        let (cluster, cp) = converged(vec![policy(&mixed)]);
+        let files = vec![policy(&format!(
+            "{mixed}  backend: dra\n  dra: {{extendedResources: true}}\n"
+        ))];
+        let want = desired(&cluster.policies, files.clone(), false);
+        let p = preview(&cluster, Some(&cp), want, &names(&files)).unwrap();
+        assert_eq!(
+            p.device_classes.added,
+            ["gpusharing-nvidia.com-mig-3g.40gb -> nvidia.com/mig-3g.40gb"]
+        );
+        let n = &p.nodes[0];
+        assert_eq!(n.after.mig_layout.as_deref(), Some("all-3g.40gb"), "{n:?}");
+        let after = p.policies[0].after.as_ref().unwrap();
+        assert_eq!(after.nodes, "1/1", "{after:?}");
+        assert!(after.ready.starts_with("True"), "{after:?}");
+    }
+
     #[test]
     fn mig_to_mps_shows_the_waves_through_all_disabled_and_the_cluster_policy() {
         let (cluster, cp) = converged(vec![policy(MIG)]);

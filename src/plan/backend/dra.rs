@@ -63,6 +63,17 @@ fn dra_may_serve(n: &NodeFacts, env: &Env) -> bool {
             .is_some_and(|v| v != NOT_DEPLOYED)
 }
 
+/// The MIG layout a node keeps while the DRA driver may still serve it (its layout now, ours):
+/// the MIG manager reshapes only once the kubelet plugin is gone. Else `want`.
+pub fn layout_while_served(n: &NodeFacts, env: &Env, want: Option<String>) -> Option<String> {
+    match n.labels.get(LABEL_MIG_CONFIG) {
+        Some(now) if n.owned.contains(LABEL_MIG_CONFIG) && dra_may_serve(n, env) => {
+            Some(now.to_string())
+        }
+        _ => want,
+    }
+}
+
 /// We switched the node's device plugin off and nothing else serves it: no DRA switch on (or
 /// paused), no slice of the driver, no allocated claim.
 pub fn stranded(n: &NodeFacts, env: &Env) -> bool {
@@ -153,16 +164,29 @@ pub fn backend_switch(n: &NodeFacts, w: &Prepared, env: &Env, busy: bool, d: Dec
         if !env.dra_claims.is_empty() {
             return wait(HoldReason::WaitingForDraClaims, claims_msg(env.dra_claims));
         }
-        if dra_plugin_on_by_us(n) || env.dra_slice.is_some() {
-            return Decision::Write {
-                state: NodeState::Pending,
-                message: format!(
+        let value = n.labels.get(LABEL_DEPLOY_DRA_DRIVER);
+        if dra_may_serve(n, env) {
+            if let Some(why) = paused_switch(n, true) {
+                return wait(HoldReason::WaitingForPausedOperands, why);
+            }
+            // Ours, or taken back by the GPU Operator on a node we moved: ours to stop.
+            let ours = n.owned.contains(LABEL_DEPLOY_DRA_DRIVER) || device_plugin_off_by_us(n);
+            let message = match ours {
+                true => format!(
                     "stopping the DRA kubelet plugin ({LABEL_DEPLOY_DRA_DRIVER}={NOT_DEPLOYED}) before the MIG layout changes: NVIDIA's DRA driver reads MIG devices only when it starts"
                 ),
+                false => format!(
+                    "the DRA kubelet plugin's switch {LABEL_DEPLOY_DRA_DRIVER}={} is not this operator's: the MIG layout changes once the DRA driver no longer serves the node",
+                    value.unwrap_or_default()
+                ),
+            };
+            return Decision::Write {
+                state: NodeState::Pending,
+                message,
                 device_config,
                 mig_layout: now.map(str::to_string),
                 device_plugin_off: device_plugin_off_by_us(n),
-                dra_plugin: owned_dra_switch(n).map(|_| false),
+                dra_plugin: ours.then_some(false),
                 workload,
                 vgpu_config,
             };
@@ -232,7 +256,7 @@ fn leave(n: &NodeFacts, env: &Env, d: Decision) -> Decision {
         state: NodeState::Pending,
         message,
         device_config: device_config.clone(),
-        mig_layout: mig_layout.clone(),
+        mig_layout: layout_while_served(n, env, mig_layout.clone()),
         device_plugin_off,
         dra_plugin,
         workload: *workload,
@@ -342,6 +366,17 @@ fn mig_layout_served(
         return Some(Some(format!(
             "the DRA driver's ResourceSlice shows {} whole GPUs on this MIG node: the layout must turn MIG on for every GPU, and the driver run without its DynamicMIG feature gate",
             slice.gpus
+        )));
+    }
+    let made = |p: &String| x.names.values().any(|q| q.as_ref() == Some(p));
+    let extra: Vec<String> = (slice.mig.iter())
+        .filter(|(p, c)| **c > 0 && !made(p))
+        .map(|(p, c)| format!("{c} {p}"))
+        .collect();
+    if !extra.is_empty() {
+        return Some(Some(format!(
+            "the DRA driver's ResourceSlice shows MIG devices the layout does not make: {}",
+            some_of(&extra)
         )));
     }
     if slice.mig.values().sum::<i64>() == 0 {
@@ -636,6 +671,14 @@ pub fn extended_conflicts(
                         "the GPU Operator runs in DRA-only mode (GPUCluster {c}): its DRA driver offers no consumable shares, so time-slicing cannot be served through extended resources; use exclusive, or the standalone DRA driver chart"
                     )
                 })
+            })
+            .or_else(|| {
+                let mig = x.names.values().any(Option::is_some);
+                cluster.gpu_cluster.filter(|_| mig).map(|c| {
+                    format!(
+                        "the GPU Operator runs in DRA-only mode (GPUCluster {c}): there is no device plugin to apply the layout under nor switch to move nodes with, so a MIG pool cannot be moved through extended resources; use the standalone DRA driver chart"
+                    )
+                })
             });
         let Some(conflict) = conflict else {
             p.waiting = x.names.keys().find_map(|n| class_missing(classes, n));
@@ -924,6 +967,36 @@ mod tests {
         let gaps = quota_gaps(&x, &many);
         assert_eq!(gaps.len(), 11);
         assert_eq!(gaps[10], "and 2 more namespaces");
+        // A MIG pool: each profile's two names are checked.
+        let mig = ExtendedResource {
+            names: [
+                (
+                    "nvidia.com/mig-1g.10gb".to_string(),
+                    Some("1g.10gb".to_string()),
+                ),
+                (
+                    "nvidia.com/mig-3g.40gb".to_string(),
+                    Some("3g.40gb".to_string()),
+                ),
+            ]
+            .into(),
+            shares: None,
+        };
+        let quotas = [q(
+            "team",
+            "mig",
+            &[
+                "requests.nvidia.com/mig-1g.10gb",
+                "requests.nvidia.com/mig-3g.40gb",
+                "gpusharing-nvidia.com-mig-3g.40gb.deviceclass.resource.k8s.io/devices",
+            ],
+        )];
+        let gaps = quota_gaps(&mig, &quotas);
+        assert_eq!(gaps.len(), 1, "{gaps:?}");
+        assert!(
+            gaps[0].starts_with("team: ResourceQuota mig limits requests.nvidia.com/mig-1g.10gb but not gpusharing-nvidia.com-mig-1g.10gb.deviceclass"),
+            "{gaps:?}"
+        );
     }
 
     #[test]
@@ -1026,6 +1099,14 @@ mod tests {
             "{}",
             blocked[0].1
         );
+        // The GPU Operator's DRA-only mode has no device plugin to apply a layout under.
+        let ps = vec![policy("a", MIG)];
+        let mut prepared = prepare_all(&ps, Some(&base));
+        let mut c = cluster(Some(&[]));
+        c.gpu_cluster = Some("cluster");
+        extended_conflicts(&mut prepared, &[0].into(), &c);
+        let why = prepared[0].blocked.as_deref().expect("refused");
+        assert!(why.contains("a MIG pool cannot be moved"), "{why}");
         // Two names for whole GPUs: the second is refused, naming the first.
         let shared = TS4.replace("{replicas: 4}", "{replicas: 4, renameByDefault: true}");
         let ps = vec![policy("a", TS4), policy("b", &shared)];
