@@ -124,9 +124,12 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
             // policy refused between the two steps of a move): nothing would serve its GPUs.
             // The device plugin comes back (the DRA kubelet plugin is ours to start, and is
             // not); the move starts again once the policy is accepted.
-            // So with a MIG manager that failed while the DRA kubelet plugin was stopped for it.
+            // So with a MIG manager that failed (said so: one pending past the timeout may still
+            // be reshaping) while the DRA kubelet plugin was stopped for it.
             let extended = policy.is_some_and(|w| w.extended().is_some());
-            let stopped = state.refused() || state == NodeState::Failed;
+            let mig_failed =
+                ConfigState::parse(n.labels.get(LABEL_MIG_STATE)) == Some(ConfigState::Failed);
+            let stopped = state.refused() || state == NodeState::Failed && mig_failed;
             if stopped && extended && dra::stranded(n, env) {
                 o.labels.remove(LABEL_DEPLOY_DEVICE_PLUGIN);
                 o.message.push_str(
@@ -1173,6 +1176,15 @@ mod tests {
             "{}",
             o.message
         );
+        // Pending past the timeout is not a failure said: it may still be reshaping.
+        failed.labels.insert(LABEL_MIG_STATE, "pending");
+        let stuck = Env {
+            mig_stuck: true,
+            ..env(None, &[])
+        };
+        let o = step(&failed, &seven[0], &stuck);
+        assert_eq!(o.state, Some(NodeState::Failed), "{}", o.message);
+        assert_eq!(switches(&o).0, Some("false"), "{}", o.message);
     }
 
     /// A MIG node with a device-plugin pod does not move, whatever `proceedWithBusyGpus` says,
