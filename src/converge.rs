@@ -189,11 +189,7 @@ fn serves(input: &PlanInput, n: &NodeFacts) -> Option<crate::plan::capacity::Adv
         spec = std::borrow::Cow::Owned(p.spec.with_mig_layout(l));
     }
     let base = input.cluster.base_mig_configs.as_ref();
-    // A MIG pool on its way to the DRA driver is served by the device plugin until it moves.
-    match p.spec.mig {
-        Some(_) if p.spec.dra.is_some() => crate::plan::backend::mig::advertises(&spec, n, base),
-        _ => crate::plan::backend::advertises(&spec, n, base),
-    }
+    crate::plan::backend::advertises_unmoved(&spec, n, base)
 }
 
 /// NVIDIA's components answer, all successfully: the MIG manager confirms a pending layout, the

@@ -531,7 +531,7 @@ pub fn plan(
         let mut st = AutoscalingStatus {
             conflicts: table_errors.clone(),
             launched_nodes: p.extended().map(|x| {
-                let names: Vec<&str> = x.names.keys().map(String::as_str).collect();
+                let names: Vec<&str> = x.names.iter().map(String::as_str).collect();
                 launched_dra_nodes(&names.join(", "))
             }),
             ..Default::default()

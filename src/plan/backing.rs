@@ -88,16 +88,13 @@ impl DraBacking {
                 Strategy::TimeSlicing => ts.and_then(|t| t.replicas).map(i64::from),
                 _ => None,
             };
-            let shared = |name: String| match (renamed, shares) {
-                (true, Some(r)) if r > 1 => format!("{name}.shared"),
-                _ => name,
-            };
             let names = match spec.strategy {
                 Strategy::Mig => profiles
                     .iter()
-                    .map(|p| (shared(crate::nvidia::mig_resource(p)), Some(p.clone())))
+                    .map(|p| crate::nvidia::mig_resource(p))
                     .collect(),
-                _ => [(shared(GPU_RESOURCE.to_string()), None)].into(),
+                _ if renamed => [format!("{GPU_RESOURCE}.shared")].into(),
+                _ => [GPU_RESOURCE.to_string()].into(),
             };
             ExtendedResource { names, shares }
         });
@@ -113,11 +110,11 @@ pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 /// must publish.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ExtendedResource {
-    /// Each name pods ask for, with the MIG profile its class selects (`None`: whole GPUs).
-    /// Whole GPUs: `nvidia.com/gpu`, or `nvidia.com/gpu.shared` under
-    /// `timeSlicing.renameByDefault`. MIG: the device plugin's name of each profile of the
-    /// layout (`nvidia.com/mig-<profile>`, `.shared` likewise).
-    pub names: BTreeMap<String, Option<String>>,
+    /// The names pods ask for, each mapped by a class of ours. Whole GPUs: `nvidia.com/gpu`, or
+    /// `nvidia.com/gpu.shared` under `timeSlicing.renameByDefault`. MIG: the device plugin's
+    /// name of each profile of the layout (`nvidia.com/mig-<profile>`), which the profile its
+    /// class selects is read back from (`nvidia::mig_profile_of`).
+    pub names: std::collections::BTreeSet<String>,
     /// Shares per GPU: time-slicing's replicas; `None` for exclusive GPUs (shares off) and for
     /// MIG devices (each takes one claim, whatever the driver's shares).
     pub shares: Option<i64>,

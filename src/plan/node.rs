@@ -120,17 +120,7 @@ pub fn outcome(n: &NodeFacts, policy: Option<&Prepared>, env: &Env, d: Decision)
                 reason,
                 ..held(n, state, message)
             };
-            // Held with its device plugin off and no DRA driver serving it (an extended-resource
-            // policy refused between the two steps of a move): nothing would serve its GPUs.
-            // The device plugin comes back (the DRA kubelet plugin is ours to start, and is
-            // not); the move starts again once the policy is accepted.
-            // So with a MIG manager that failed (said so: one pending past the timeout may still
-            // be reshaping) while the DRA kubelet plugin was stopped for it.
-            let extended = policy.is_some_and(|w| w.extended().is_some());
-            let mig_failed =
-                ConfigState::parse(n.labels.get(LABEL_MIG_STATE)) == Some(ConfigState::Failed);
-            let stopped = state.refused() || state == NodeState::Failed && mig_failed;
-            if stopped && extended && dra::stranded(n, env) {
+            if dra::device_plugin_back(n, policy, env, state) {
                 o.labels.remove(LABEL_DEPLOY_DEVICE_PLUGIN);
                 o.message.push_str(
                     "; the device plugin comes back meanwhile: the DRA driver does not serve this node yet",
@@ -209,17 +199,14 @@ pub fn queued(n: &NodeFacts, message: String, reason: HoldReason) -> Outcome {
 fn released(n: &NodeFacts, env: &Env) -> Outcome {
     let mut labels = super::labels::SmallMap::default();
     if n.owned.contains(LABEL_MIG_CONFIG) {
-        // MIG changes need idle GPUs: a node whose GPU pods still run (through the device
-        // plugin, or the DRA driver's claims) keeps its layout until they are gone, then goes
-        // back to all-disabled.
+        // MIG changes need idle GPUs: a node whose GPU pods still run, or which the DRA driver
+        // may still hold, keeps its layout until they are gone, then goes back to all-disabled.
         let layout = n
             .labels
             .get(LABEL_MIG_CONFIG)
-            .filter(|_| !env.gpu_pods.is_empty() || !env.dra_claims.is_empty())
+            .filter(|_| !env.gpu_pods.is_empty() || dra::holds_gpus(n, env))
             .unwrap_or(MIG_DISABLED_LAYOUT);
-        // Nor while the DRA driver may still serve it.
-        let layout = dra::layout_while_served(n, env, Some(layout.to_string()));
-        labels.insert(LABEL_MIG_CONFIG.into(), layout.unwrap_or_default());
+        labels.insert(LABEL_MIG_CONFIG.into(), layout.into());
     }
     // The device plugin comes back only when no DRA claim holds the node's GPUs and the DRA
     // driver we switched on has withdrawn.
@@ -924,6 +911,11 @@ mod tests {
         assert_eq!(switches(&o), (Some("false"), Some("true")));
     }
 
+    /// The MIG layout an outcome owns.
+    fn layout(o: &Outcome) -> Option<&str> {
+        o.labels.get(LABEL_MIG_CONFIG).map(String::as_str)
+    }
+
     /// What a MIG node's transition knows: NVIDIA's named layouts (`base`), the DRA driver's
     /// `slice` and the claims allocated on the node.
     fn mig_env<'a>(
@@ -959,10 +951,7 @@ mod tests {
         n.allocatable = [("nvidia.com/gpu", "8")].into_iter().collect();
         // The layout first, through the MIG manager; the device plugin stays on.
         let o = step(&n, &mig[0], &idle);
-        assert_eq!(
-            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
-            Some("all-3g.40gb")
-        );
+        assert_eq!(layout(&o), Some("all-3g.40gb"));
         assert_eq!(switches(&o), (None, None), "{}", o.message);
         n.labels.insert(LABEL_MIG_CONFIG, "all-3g.40gb");
         n.labels.insert(LABEL_MIG_STATE, "success");
@@ -1034,24 +1023,15 @@ mod tests {
             "{}",
             o.message
         );
-        assert_eq!(
-            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
-            Some("all-3g.40gb")
-        );
+        assert_eq!(layout(&o), Some("all-3g.40gb"));
         assert_eq!(switches(&o), (Some("false"), Some("true")));
         // Released meanwhile (the policy deleted): the layout stays while the claims do.
         let o = outcome(&n, None, &env(Some(&full), &claims), Decision::Release);
-        assert_eq!(
-            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
-            Some("all-3g.40gb")
-        );
+        assert_eq!(layout(&o), Some("all-3g.40gb"));
         // Claims gone: the DRA kubelet plugin stops first (the driver reads MIG devices only
         // when it starts), the old layout held; the device plugin stays off.
         let o = step(&n, &other[0], &env(Some(&full), &[]));
-        assert_eq!(
-            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
-            Some("all-3g.40gb")
-        );
+        assert_eq!(layout(&o), Some("all-3g.40gb"));
         assert_eq!(
             switches(&o),
             (Some("false"), Some("false")),
@@ -1061,10 +1041,7 @@ mod tests {
         apply_switches(&mut n, &o);
         // Its slice gone: the new layout goes to the MIG manager, nothing switched on.
         let o = step(&n, &other[0], &idle);
-        assert_eq!(
-            o.labels.get(LABEL_MIG_CONFIG).map(String::as_str),
-            Some("all-1g.10gb")
-        );
+        assert_eq!(layout(&o), Some("all-1g.10gb"));
         assert_eq!(
             switches(&o),
             (Some("false"), Some("false")),
@@ -1116,8 +1093,7 @@ mod tests {
             n.allocatable = [("nvidia.com/mig-3g.40gb", "0")].into_iter().collect();
             n
         };
-        let held =
-            |o: &Outcome| o.labels.get(LABEL_MIG_CONFIG).map(String::as_str) == Some("all-3g.40gb");
+        let held = |o: &Outcome| layout(o) == Some("all-3g.40gb");
         let o = step(
             &moved("paused-for-driver-upgrade"),
             &seven[0],

@@ -187,9 +187,10 @@ fn check_time_slicing(
     }
 }
 
-/// `shares`: the MIG devices are time-sliced by the DRA driver's consumable shares (extended
-/// resources), one value for every device, not by the device plugin's per-resource config.
-fn check_mig(mig: &Mig, shares: bool, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) {
+/// `extended`: served through DRA extended resources, where MIG time-slicing is refused on its
+/// own (`dra::MIG_NOT_SHARED`): the device plugin's checks of its resources would only add
+/// advice that cannot help.
+fn check_mig(mig: &Mig, extended: bool, errs: &mut Vec<FieldError>, warnings: &mut Vec<String>) {
     match (&mig.layout, &mig.custom_layout) {
         (Some(_), Some(_)) | (None, None) => errs.push(err(
             "spec.mig",
@@ -212,7 +213,7 @@ fn check_mig(mig: &Mig, shares: bool, errs: &mut Vec<FieldError>, warnings: &mut
         check_single_strategy(mig, errs);
     }
     match &mig.time_slicing {
-        Some(ts) if shares => check_time_slicing(ts, "spec.mig.timeSlicing", errs, warnings),
+        Some(ts) if extended => check_time_slicing(ts, "spec.mig.timeSlicing", errs, warnings),
         Some(ts) => check_mig_time_slicing(mig, ts, errs, warnings),
         None => {}
     }
@@ -499,8 +500,8 @@ pub fn validate(name: &str, spec: &GpuSharingPolicySpec) -> (Vec<FieldError>, Ve
         ));
     }
     if let Some(mig) = &spec.mig {
-        let shares = spec.dra.as_ref().is_some_and(|d| d.extended_resources);
-        check_mig(mig, shares, &mut errs, &mut warnings);
+        let extended = spec.dra.as_ref().is_some_and(|d| d.extended_resources);
+        check_mig(mig, extended, &mut errs, &mut warnings);
     }
     dra::validate(spec, &mut errs, &mut warnings);
     vgpu::validate(spec, &mut errs);

@@ -19,7 +19,8 @@ use std::collections::BTreeMap;
 use crate::api::crd::Backend;
 use crate::api::names::*;
 use crate::api::state::{HoldReason, NodeState};
-use crate::nvidia::state::{GfdReport, NOT_DEPLOYED, deployed};
+use crate::nvidia::mig_profile_of;
+use crate::nvidia::state::{ConfigState, GfdReport, NOT_DEPLOYED, deployed};
 
 use crate::plan::backing::ExtendedResource;
 use crate::plan::decision::{Decision, Env, busy_msg, gfd_not_reported, some_of, wait};
@@ -63,21 +64,33 @@ fn dra_may_serve(n: &NodeFacts, env: &Env) -> bool {
             .is_some_and(|v| v != NOT_DEPLOYED)
 }
 
-/// The MIG layout a node keeps while the DRA driver may still serve it (its layout now, ours):
-/// the MIG manager reshapes only once the kubelet plugin is gone. Else `want`.
-pub fn layout_while_served(n: &NodeFacts, env: &Env, want: Option<String>) -> Option<String> {
-    match n.labels.get(LABEL_MIG_CONFIG) {
-        Some(now) if n.owned.contains(LABEL_MIG_CONFIG) && dra_may_serve(n, env) => {
-            Some(now.to_string())
-        }
-        _ => want,
-    }
+/// The DRA driver may hold the node's GPUs: claims are allocated there, or it may serve the
+/// node. Its MIG layout must not change meanwhile: the MIG manager reshapes only once the
+/// kubelet plugin is gone.
+pub fn holds_gpus(n: &NodeFacts, env: &Env) -> bool {
+    !env.dra_claims.is_empty() || dra_may_serve(n, env)
 }
 
 /// We switched the node's device plugin off and nothing else serves it: no DRA switch on (or
 /// paused), no slice of the driver, no allocated claim.
-pub fn stranded(n: &NodeFacts, env: &Env) -> bool {
-    device_plugin_off_by_us(n) && !dra_may_serve(n, env) && env.dra_claims.is_empty()
+fn stranded(n: &NodeFacts, env: &Env) -> bool {
+    device_plugin_off_by_us(n) && !holds_gpus(n, env)
+}
+
+/// Whether a node an extended-resource policy `w` holds as it is (`state`) gets its device
+/// plugin back because nothing else would serve it ([`stranded`]): the policy was refused
+/// between the two steps of a move, or the MIG manager failed (said so: one pending past the
+/// timeout may still be reshaping) while the DRA kubelet plugin was stopped for it. The move
+/// starts again once the policy is accepted and the node settled.
+pub fn device_plugin_back(
+    n: &NodeFacts,
+    w: Option<&Prepared>,
+    env: &Env,
+    state: NodeState,
+) -> bool {
+    let mig_failed = ConfigState::parse(n.labels.get(LABEL_MIG_STATE)) == Some(ConfigState::Failed);
+    let stopped = state.refused() || state == NodeState::Failed && mig_failed;
+    stopped && w.is_some_and(|w| w.extended().is_some()) && stranded(n, env)
 }
 
 /// Why the node's device plugin cannot come back yet: allocated DRA claims on it.
@@ -122,7 +135,7 @@ fn uninitialized(n: &NodeFacts) -> Option<String> {
 /// layout serves what the device plugin advertises for it, see `backend::type_resources`.)
 pub fn type_resources(x: &ExtendedResource, gpus: i64) -> BTreeMap<String, String> {
     let per_gpu = x.shares.unwrap_or(1);
-    (x.names.keys())
+    (x.names.iter())
         .map(|name| (name.clone(), (gpus * per_gpu).to_string()))
         .collect()
 }
@@ -256,7 +269,13 @@ fn leave(n: &NodeFacts, env: &Env, d: Decision) -> Decision {
         state: NodeState::Pending,
         message,
         device_config: device_config.clone(),
-        mig_layout: layout_while_served(n, env, mig_layout.clone()),
+        // The layout now, ours, while the driver may hold the GPUs (it always may here).
+        mig_layout: match n.labels.get(LABEL_MIG_CONFIG) {
+            Some(now) if n.owned.contains(LABEL_MIG_CONFIG) && holds_gpus(n, env) => {
+                Some(now.to_string())
+            }
+            _ => mig_layout.clone(),
+        },
         device_plugin_off,
         dra_plugin,
         workload: *workload,
@@ -349,9 +368,9 @@ fn extended_unconfirmed(
     }
 }
 
-/// Under MIG (`Some`): why the DRA driver's slice does not show the node's layout yet, each
-/// profile's MIG devices as many as the MIG manager made (what the device plugin advertised
-/// for the layout, divided by the replicas).
+/// Under MIG (`Some`): why the DRA driver's slice does not show the node's layout yet: only the
+/// layout's profiles, each with as many MIG devices as the MIG manager made (what the device
+/// plugin advertises for the layout; MIG devices are not time-sliced here).
 fn mig_layout_served(
     n: &NodeFacts,
     w: &Prepared,
@@ -368,9 +387,11 @@ fn mig_layout_served(
             slice.gpus
         )));
     }
-    let made = |p: &String| x.names.values().any(|q| q.as_ref() == Some(p));
+    let profiles: BTreeMap<String, &String> = (x.names.iter())
+        .filter_map(|n| Some((mig_profile_of(n)?, n)))
+        .collect();
     let extra: Vec<String> = (slice.mig.iter())
-        .filter(|(p, c)| **c > 0 && !made(p))
+        .filter(|(p, c)| **c > 0 && !profiles.contains_key(*p))
         .map(|(p, c)| format!("{c} {p}"))
         .collect();
     if !extra.is_empty() {
@@ -388,21 +409,17 @@ fn mig_layout_served(
     let Some(adv) = super::mig::advertises(&spec, n, env.mig_layouts) else {
         return Some(None);
     };
-    let per = x.shares.unwrap_or(1).max(1);
-    let wrong: Vec<String> = (x.names.iter())
-        .filter_map(|(name, profile)| {
-            let have = slice.mig.get(profile.as_deref()?).copied().unwrap_or(0);
-            let (min, max) = adv.resources.get(name).copied().unwrap_or((0, 0));
-            (have * per < min || have * per > max).then(|| {
+    let wrong: Vec<String> = (profiles.iter())
+        .filter_map(|(profile, name)| {
+            let have = slice.mig.get(profile).copied().unwrap_or(0);
+            let (min, max) = adv.resources.get(*name).copied().unwrap_or((0, 0));
+            (have < min || have > max).then(|| {
                 let want = if min == max {
-                    format!("{}", min / per)
+                    format!("{min}")
                 } else {
-                    format!("{} to {}", min / per, max / per)
+                    format!("{min} to {max}")
                 };
-                format!(
-                    "{have} {} (the layout makes {want})",
-                    profile.as_deref().unwrap_or_default()
-                )
+                format!("{have} {profile} (the layout makes {want})")
             })
         })
         .collect();
@@ -471,10 +488,10 @@ pub fn device_class_name(name: &str) -> String {
 }
 
 /// Our DeviceClass mapping extended resource `name` to the DRA driver's whole GPUs, or to its
-/// MIG devices of `profile`. The class cannot see nodes: the devices it selects are those of
-/// the nodes whose DRA kubelet plugin runs, the nodes already moved.
-fn device_class(name: &str, profile: Option<&str>) -> serde_json::Value {
-    let selects = match profile {
+/// MIG devices of the profile the name is of. The class cannot see nodes: the devices it
+/// selects are those of the nodes whose DRA kubelet plugin runs, the nodes already moved.
+fn device_class(name: &str) -> serde_json::Value {
+    let selects = match mig_profile_of(name) {
         Some(p) => format!(
             "device.driver == '{DRA_DRIVER}' && device.attributes['{DRA_DRIVER}'].type == 'mig' && device.attributes['{DRA_DRIVER}'].profile == '{p}'"
         ),
@@ -506,29 +523,20 @@ pub fn device_classes(
     moved: bool,
     classes: Option<&[DeviceClassFact]>,
 ) -> BTreeMap<String, serde_json::Value> {
-    // A kept class selects what its name says (a MIG profile's name, that profile).
-    let mut names: BTreeMap<String, Option<String>> = classes
-        .into_iter()
-        .flatten()
-        .filter(|c| moved && c.ours)
-        .filter_map(|c| c.extended_resource_name.clone())
-        .map(|n| {
-            let profile = crate::nvidia::mig_profile_of(&n);
-            (n, profile)
-        })
-        .collect();
     let wanted = governing
         .iter()
         .map(|i| &prepared[*i])
         .filter(|p| p.accepted())
-        .filter_map(|p| p.extended());
-    names.extend(wanted.flat_map(|x| x.names.clone()));
-    names
+        .filter_map(|p| p.extended())
+        .flat_map(|x| x.names.iter().cloned());
+    let kept = classes
         .into_iter()
-        .map(|(name, profile)| {
-            let class = device_class(&name, profile.as_deref());
-            (device_class_name(&name), class)
-        })
+        .flatten()
+        .filter(|c| moved && c.ours)
+        .filter_map(|c| c.extended_resource_name.clone());
+    wanted
+        .chain(kept)
+        .map(|name| (device_class_name(&name), device_class(&name)))
         .collect()
 }
 
@@ -543,7 +551,7 @@ const MAX_QUOTA_GAPS: usize = 10;
 /// pods on nodes still served by the device plugin unlimited.
 /// Each of `x`'s names (a MIG layout's profiles) is checked.
 pub fn quota_gaps(x: &ExtendedResource, quotas: &[QuotaFact]) -> Vec<String> {
-    let gaps: Vec<String> = (x.names.keys())
+    let gaps: Vec<String> = (x.names.iter())
         .flat_map(|name| name_gaps(name, quotas))
         .collect();
     let more = gaps.len().saturating_sub(MAX_QUOTA_GAPS);
@@ -619,7 +627,7 @@ pub fn extended_conflicts(
     // each whatever the driver's shares (see `validate::dra::MIG_NOT_SHARED`).
     let whole = |p: &Prepared| {
         p.extended()
-            .is_some_and(|x| x.names.values().any(Option::is_none))
+            .is_some_and(|x| x.names.iter().any(|n| mig_profile_of(n).is_none()))
     };
     let Some(owner) = (prepared.iter().position(|p| extended(p) && whole(p)))
         .or_else(|| prepared.iter().position(extended))
@@ -634,9 +642,9 @@ pub fn extended_conflicts(
     // precedence that serves it, and its name.
     let mut mapped: BTreeMap<Option<String>, (String, String)> = BTreeMap::new();
     for p in prepared.iter().filter(|p| extended(p)) {
-        for (name, profile) in &p.extended().expect("extended").names {
+        for name in &p.extended().expect("extended").names {
             mapped
-                .entry(profile.clone())
+                .entry(mig_profile_of(name))
                 .or_insert_with(|| (p.name.clone(), name.clone()));
         }
     }
@@ -648,7 +656,7 @@ pub fn extended_conflicts(
         let x = p.extended().expect("extended");
         let shared_alike = !whole(p) || x.shares == want.shares;
         let conflict = unreadable(cluster)
-            .or_else(|| x.names.keys().find_map(|n| foreign_class(classes, n)))
+            .or_else(|| x.names.iter().find_map(|n| foreign_class(classes, n)))
             .or_else(|| {
                 (i != owner && !shared_alike).then(|| {
                     format!(
@@ -658,30 +666,17 @@ pub fn extended_conflicts(
                     )
                 })
             })
-            .or_else(|| x.names.iter().find_map(|(n, profile)| {
-                let (other, theirs) = &mapped[profile];
+            .or_else(|| x.names.iter().find_map(|n| {
+                let profile = mig_profile_of(n);
+                let (other, theirs) = &mapped[&profile];
                 (theirs != n).then(|| format!(
                     "dra.extendedResources maps {n} where policy {other} maps {theirs} to the same devices ({}): a DeviceClass cannot tell nodes apart, so one name serves each kind of device",
                     profile.as_deref().map_or("whole GPUs".to_string(), |p| format!("MIG {p}"))
                 ))
             }))
-            .or_else(|| {
-                cluster.gpu_cluster.filter(|_| x.shares.is_some()).map(|c| {
-                    format!(
-                        "the GPU Operator runs in DRA-only mode (GPUCluster {c}): its DRA driver offers no consumable shares, so time-slicing cannot be served through extended resources; use exclusive, or the standalone DRA driver chart"
-                    )
-                })
-            })
-            .or_else(|| {
-                let mig = x.names.values().any(Option::is_some);
-                cluster.gpu_cluster.filter(|_| mig).map(|c| {
-                    format!(
-                        "the GPU Operator runs in DRA-only mode (GPUCluster {c}): there is no device plugin to apply the layout under nor switch to move nodes with, so a MIG pool cannot be moved through extended resources; use the standalone DRA driver chart"
-                    )
-                })
-            });
+            .or_else(|| cluster.gpu_cluster.and_then(|c| dra_only_refusal(x, c)));
         let Some(conflict) = conflict else {
-            p.waiting = x.names.keys().find_map(|n| class_missing(classes, n));
+            p.waiting = x.names.iter().find_map(|n| class_missing(classes, n));
             continue;
         };
         if governing.contains(&i) {
@@ -717,8 +712,24 @@ fn class_missing(classes: &[DeviceClassFact], name: &str) -> Option<String> {
     }
 }
 
+/// Why `x` cannot be served under the GPU Operator's DRA-only mode (`GPUCluster` `c`): time-slicing
+/// (its driver offers no consumable shares) and MIG (no device plugin to apply the layout under,
+/// no switch to move nodes with).
+fn dra_only_refusal(x: &ExtendedResource, c: &str) -> Option<String> {
+    let why = if x.shares.is_some() {
+        "its DRA driver offers no consumable shares, so time-slicing cannot be served through extended resources; use exclusive, or the standalone DRA driver chart"
+    } else if x.names.iter().any(|n| mig_profile_of(n).is_some()) {
+        "there is no device plugin to apply the layout under nor switch to move nodes with, so a MIG pool cannot be moved through extended resources; use the standalone DRA driver chart"
+    } else {
+        return None;
+    };
+    Some(format!(
+        "the GPU Operator runs in DRA-only mode (GPUCluster {c}): {why}"
+    ))
+}
+
 fn describe(x: &ExtendedResource) -> String {
-    let names: Vec<&str> = x.names.keys().map(String::as_str).collect();
+    let names: Vec<&str> = x.names.iter().map(String::as_str).collect();
     match x.shares {
         Some(s) => format!("{} shared {s} ways", names.join(", ")),
         None => format!("{} exclusive", names.join(", ")),
@@ -932,7 +943,7 @@ mod tests {
     #[test]
     fn quotas_covering_one_of_the_two_names_are_reported() {
         let x = ExtendedResource {
-            names: [("nvidia.com/gpu".to_string(), None)].into(),
+            names: ["nvidia.com/gpu".to_string()].into(),
             shares: Some(4),
         };
         let q = |ns: &str, name: &str, keys: &[&str]| QuotaFact {
@@ -970,14 +981,8 @@ mod tests {
         // A MIG pool: each profile's two names are checked.
         let mig = ExtendedResource {
             names: [
-                (
-                    "nvidia.com/mig-1g.10gb".to_string(),
-                    Some("1g.10gb".to_string()),
-                ),
-                (
-                    "nvidia.com/mig-3g.40gb".to_string(),
-                    Some("3g.40gb".to_string()),
-                ),
+                "nvidia.com/mig-1g.10gb".to_string(),
+                "nvidia.com/mig-3g.40gb".to_string(),
             ]
             .into(),
             shares: None,
@@ -1009,7 +1014,7 @@ mod tests {
         let x = prepared[0].extended().expect("extended");
         assert_eq!(
             (
-                x.names.keys().map(String::as_str).collect::<Vec<_>>(),
+                x.names.iter().map(String::as_str).collect::<Vec<_>>(),
                 x.shares
             ),
             (vec!["nvidia.com/gpu.shared"], Some(4))

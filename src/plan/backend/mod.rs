@@ -62,6 +62,20 @@ pub fn advertises(
     }
 }
 
+/// What the device plugin advertises on `node` while it serves the node: [`advertises`], and for
+/// a MIG pool moving to the DRA driver its layout (until the node moves; the driver then serves
+/// the same names and counts, one pod per MIG device).
+pub fn advertises_unmoved(
+    spec: &GpuSharingPolicySpec,
+    node: &NodeFacts,
+    base: Option<&BTreeMap<String, Value>>,
+) -> Option<Advertised> {
+    match division(spec) {
+        Kind::Mig => mig::advertises(spec, node, base),
+        _ => advertises(spec, node, base),
+    }
+}
+
 /// What one applied node of the policy contributes to its capacity.
 pub fn node_capacity(
     w: &Prepared,
@@ -91,13 +105,7 @@ pub fn type_resources(
     if let Some(x) = w.extended().filter(|_| division(w.spec) == Kind::Sharing) {
         return Ok(dra::type_resources(x, gpus));
     }
-    // A MIG layout serves the same names and counts through the DRA driver (shares N for
-    // time-slicing's N replicas) as through the device plugin.
-    let adv = match division(w.spec) {
-        Kind::Mig => mig::advertises(w.spec, node, base),
-        _ => advertises(w.spec, node, base),
-    };
-    let adv = adv.ok_or_else(|| {
+    let adv = advertises_unmoved(w.spec, node, base).ok_or_else(|| {
         let gpu = node.labels.get(crate::api::names::LABEL_GPU_PRODUCT);
         format!("the capacity is unknown for {}", gpu.unwrap_or("this GPU"))
     })?;
